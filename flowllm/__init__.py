@@ -1,0 +1,25 @@
+"""flowllm: an OpenAI-compatible LLM inference server built as a dataflow graph of stages."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from flowllm.llm import LLM
+    from flowllm.messages import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import flowllm` (and the CLI's --help) does not pay for torch.
+    if name == "LLM":
+        from flowllm.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from flowllm.messages import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'flowllm' has no attribute {name!r}")

@@ -1,0 +1,51 @@
+"""The `flowllm` command: one sub-command per thing a user does.
+
+Each sub-command's work lives in its own module and is imported only when it runs, so
+`flowllm --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _graph_validate(args: argparse.Namespace) -> int:
+    from flowllm.graph.commands import validate_command
+
+    return validate_command(args.file)
+
+
+def _graph_show(args: argparse.Namespace) -> int:
+    from flowllm.graph.commands import show_command
+
+    return show_command(args.file, mermaid_only=args.mermaid)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flowllm",
+        description="An OpenAI-compatible LLM server built as a dataflow graph of stages.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    graph = commands.add_parser("graph", help="inspect and check stage graphs")
+    graph_commands = graph.add_subparsers(dest="graph_command", required=True, metavar="ACTION")
+    validate = graph_commands.add_parser("validate", help="check a graph YAML file")
+    validate.add_argument("file", help="path to the graph YAML")
+    validate.set_defaults(func=_graph_validate)
+    show = graph_commands.add_parser("show", help="print a graph as text and Mermaid")
+    show.add_argument("file", nargs="?", default=None, help="graph YAML (default: built-in)")
+    show.add_argument("--mermaid", action="store_true", help="print only the Mermaid chart")
+    show.set_defaults(func=_graph_show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Engine configuration: frozen msgspec Structs, the one place where defaults live.
+
+Each Struct validates itself when built, so a bad value fails once, at startup, with a
+message naming the field.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+BUNDLED_MODEL = "smollm2-135m-instruct"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Which model to load and how."""
+
+    model: str = BUNDLED_MODEL
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    chat_template: str | None = None  # path to a Jinja template overriding the model's
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
+
+    @property
+    def name(self) -> str:
+        """The name clients use in the `model` field."""
+        return self.served_model_name or self.model
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The paged KV cache."""
+
+    block_size: int = 16
+    kv_cache_memory: int = 2 * 1024**3  # bytes, on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of free GPU memory, on CUDA
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(self.kv_cache_memory > 0, "kv_cache_memory must be > 0")
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the engine stages need, built once from CLI flags or LLM(...) arguments."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    max_logprobs: int = 20
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        _require(self.max_n >= 1, f"max_n must be >= 1, got {self.max_n}")

@@ -1,0 +1,229 @@
+"""Every message that crosses a channel: the data flow of flowllm in one file.
+
+Upstream of `schedule` messages are per request; from `schedule` on they are per step, so
+one message carries every running sequence's data for that step and a channel hop costs
+the same at batch 1 and batch 256.
+
+    ingest ─GenerateRequest─▶ validate ─ValidRequest─▶ tokenize ─TokenizedRequest─▶ schedule
+    schedule ─StepBatch─▶ execute ─StepLogits─▶ sample ─StepTokens─▶ schedule, detokenize
+    detokenize ─TextDeltas─▶ format ─Chunk─▶ the request's mailbox
+    detokenize ─Finish─▶ schedule            (a stop string ended a sequence)
+    any stage ─RequestError─▶ format        (the request leaves the graph there)
+    ingest ─Abort─▶ ... ─▶ schedule          (client gone, API cancel)
+
+A sequence is one generated choice: a request with `n = 2` has two sequences, which share
+the prompt's KV blocks. Sequences are numbered by `schedule` (`seq_id`); downstream stages
+learn a sequence's parameters from `StepBatch.started` the first step it runs and forget
+it when it appears in `StepBatch.released`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How to sample one request, as in vLLM's SamplingParams (validated by `validate`)."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the remaining context
+    min_tokens: int = 0
+    temperature: float = 1.0  # < 1e-5 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs of each generated token
+    prompt_logprobs: int | None = None  # top-N logprobs of each prompt token
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    """One chat turn, its content already flattened to text."""
+
+    role: str
+    content: str
+
+
+# ---------------------------------------------------------------------------------------
+# Per request: ingest -> validate -> tokenize -> schedule
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request as it enters the graph. Exactly one of prompt, prompt_token_ids, messages."""
+
+    request_id: str
+    model: str
+    params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None  # a template given with the request
+    echo: bool = False  # the first chunk carries the prompt text (and its logprobs if asked)
+
+
+class ValidRequest(msgspec.Struct, frozen=True):
+    """A request whose parameters passed validation."""
+
+    request: GenerateRequest
+
+
+class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request ready to schedule: prompt tokens known, max_tokens resolved."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # max_tokens is an int here
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float
+    prompt_text: str | None = None  # set when the request asked for echo
+
+
+class Abort(msgspec.Struct, frozen=True):
+    """Stop a request now (client gone, API cancel); schedule frees its blocks at once."""
+
+    request_id: str
+    reason: str = "abort"
+
+
+class Finish(msgspec.Struct, frozen=True):
+    """A stop string ended a sequence (sent by detokenize to schedule)."""
+
+    seq_id: int
+    stop_reason: str | int | None = None
+
+
+class RequestError(msgspec.Struct, frozen=True, kw_only=True):
+    """A request that cannot be served; format turns it into the OpenAI error response."""
+
+    request_id: str
+    message: str
+    type: str = "BadRequestError"
+    param: str | None = None
+    code: str | None = None
+    status_code: int = 400
+
+
+# ---------------------------------------------------------------------------------------
+# Per step: schedule -> execute -> sample -> (schedule, detokenize) -> format
+
+
+class SeqStart(msgspec.Struct, frozen=True, kw_only=True):
+    """What downstream stages keep about a sequence, sent the first step it runs."""
+
+    seq_id: int
+    request_id: str
+    index: int  # choice index within its request
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]
+    prompt_text: str | None = None
+
+
+class ScheduledSeq(msgspec.Struct, frozen=True, kw_only=True):
+    """One sequence's share of a step: which tokens to compute and where their KV goes."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]  # the tokens computed this step (a prefill chunk or 1 decode)
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    block_table: tuple[int, ...]
+    sample: bool  # does this step end at the sequence's last known token (so it samples)?
+    num_output_tokens: int  # tokens generated so far (for min_tokens / max_tokens)
+
+
+class StepBatch(msgspec.Struct, kw_only=True):
+    """Everything one model step computes, in batch order."""
+
+    step_id: int
+    seqs: tuple[ScheduledSeq, ...]
+    started: tuple[SeqStart, ...] = ()
+    released: tuple[int, ...] = ()  # seq ids that left since the previous step
+
+
+class StepLogits(msgspec.Struct, kw_only=True):
+    """The model's logits for the rows that sample, in the order of the sampling seqs."""
+
+    batch: StepBatch
+    logits: Any  # torch.Tensor [num_sampling_seqs, vocab_size], float32
+    prompt_logits: dict[int, Any] = {}  # seq_id -> [num_prompt_tokens_this_step, vocab]
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """The logprob of one chosen token and the top-N alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class SampledToken(msgspec.Struct, frozen=True, kw_only=True):
+    seq_id: int
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+    finish_reason: FinishReason | None = None  # length, EOS or a stop token id
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+
+
+class StepTokens(msgspec.Struct, kw_only=True):
+    """One step's sampled tokens; schedule appends them, detokenize turns them into text."""
+
+    step_id: int
+    tokens: tuple[SampledToken, ...]
+    started: tuple[SeqStart, ...] = ()
+    released: tuple[int, ...] = ()
+    prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
+
+
+class TextDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """New text of one choice since its previous delta."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class TextDeltas(msgspec.Struct, kw_only=True):
+    """One step's text for every choice that produced any."""
+
+    step_id: int
+    deltas: tuple[TextDelta, ...]
+
+
+class Chunk(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request's mailbox receives: text for one choice, or the request's error."""
+
+    request_id: str
+    index: int = 0
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    prompt_text: str | None = None
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
+    error: RequestError | None = None
