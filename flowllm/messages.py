@@ -6,7 +6,7 @@ the same at batch 1 and batch 256.
 
     ingest ─GenerateRequest─▶ validate ─ValidRequest─▶ tokenize ─TokenizedRequest─▶ schedule
     schedule ─StepBatch─▶ execute ─StepLogits─▶ sample ─StepTokens─▶ schedule, detokenize
-    detokenize ─TextDeltas─▶ format ─Chunk─▶ the request's mailbox
+    detokenize ─TextDeltas─▶ format ─Chunk─▶ the request's mailbox (flowllm/mailbox.py)
     detokenize ─Finish─▶ schedule            (a stop string ended a sequence)
     any stage ─RequestError─▶ format        (the request leaves the graph there)
     ingest ─Abort─▶ ... ─▶ schedule          (client gone, API cancel)
@@ -190,8 +190,12 @@ class StepTokens(msgspec.Struct, kw_only=True):
     prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
 
 
-class TextDelta(msgspec.Struct, frozen=True, kw_only=True):
-    """New text of one choice since its previous delta."""
+class Chunk(msgspec.Struct, frozen=True, kw_only=True):
+    """New output of one choice since its previous chunk: what a request's mailbox yields.
+
+    The first chunk of a choice carries the prompt (for echo and prompt logprobs); the last
+    carries its finish_reason. Pending chunks of a slow reader merge (see `merge`).
+    """
 
     request_id: str
     index: int
@@ -202,28 +206,25 @@ class TextDelta(msgspec.Struct, frozen=True, kw_only=True):
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-
-
-class TextDeltas(msgspec.Struct, kw_only=True):
-    """One step's text for every choice that produced any."""
-
-    step_id: int
-    deltas: tuple[TextDelta, ...]
-
-
-class Chunk(msgspec.Struct, frozen=True, kw_only=True):
-    """What a request's mailbox receives: text for one choice, or the request's error."""
-
-    request_id: str
-    index: int = 0
-    text: str = ""
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprobs, ...] = ()
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
     prompt_text: str | None = None
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
-    error: RequestError | None = None
+
+    def merge(self, later: Chunk) -> Chunk:
+        """This chunk followed by `later`, as one chunk (same request and choice)."""
+        return msgspec.structs.replace(
+            self,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=self.logprobs + later.logprobs,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            num_output_tokens=later.num_output_tokens,
+        )
+
+
+class TextDeltas(msgspec.Struct, kw_only=True):
+    """One step's new text, a chunk for every choice that produced any."""
+
+    step_id: int
+    chunks: tuple[Chunk, ...]

@@ -1,0 +1,40 @@
+"""What callers of the graph (the HTTP API, the offline LLM) rely on, and nothing more."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from flowllm.mailbox import Mailbox
+from flowllm.messages import GenerateRequest
+
+
+class Overloaded(Exception):
+    """Admission refused: too many requests wait already. Retry after `retry_after` s."""
+
+    def __init__(self, retry_after: float = 1.0) -> None:
+        super().__init__("The server is overloaded; retry later.")
+        self.retry_after = retry_after
+
+
+class EngineClient(Protocol):
+    """A running graph seen from outside: submit requests, read their mailboxes, abort."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Any: ...  # transformers PreTrainedTokenizerBase
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def submit(self, request: GenerateRequest) -> Mailbox:
+        """Enter the graph; raises Overloaded when admission is full."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its KV blocks are freed. Unknown ids are ignored."""
+        ...
