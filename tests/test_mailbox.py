@@ -1,0 +1,78 @@
+"""The mailbox never blocks its sender and merges what a slow reader has not read."""
+
+import anyio
+import pytest
+
+from flowllm.mailbox import Mailbox, RequestFailed
+from flowllm.messages import Chunk, RequestError, TokenLogprobs
+
+
+def chunk(index: int, text: str, ids: tuple[int, ...], finish: str | None = None) -> Chunk:
+    return Chunk(
+        request_id="r",
+        index=index,
+        text=text,
+        token_ids=ids,
+        logprobs=tuple(TokenLogprobs(i, -1.0, 1) for i in ids),
+        finish_reason=finish,  # type: ignore[arg-type]
+        num_output_tokens=len(ids),
+    )
+
+
+async def read_all(mailbox: Mailbox) -> list[Chunk]:
+    return [c async for c in mailbox]
+
+
+@pytest.mark.anyio
+async def test_slow_reader_gets_merged_chunks_in_order() -> None:
+    box = Mailbox("r", num_choices=2)
+    box.put(chunk(0, "Hel", (1,)))
+    box.put(chunk(1, "A", (7,)))
+    box.put(chunk(0, "lo", (2,)))
+    box.put(chunk(0, "!", (3,), finish="stop"))
+    box.put(chunk(1, "B", (8,), finish="length"))
+    got = await read_all(box)
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in got] == [
+        (0, "Hello!", (1, 2, 3), "stop"),
+        (1, "AB", (7, 8), "length"),
+    ]
+    assert [lp.token_id for lp in got[0].logprobs] == [1, 2, 3]
+    assert box.done
+
+
+@pytest.mark.anyio
+async def test_reader_waits_for_chunks_and_ends_when_all_choices_finish() -> None:
+    box = Mailbox("r", num_choices=1)
+    seen: list[str] = []
+
+    async def reader() -> None:
+        async for c in box:
+            seen.append(c.text)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        for piece in ("a", "b"):
+            await anyio.sleep(0.01)
+            box.put(chunk(0, piece, (0,)))
+        await anyio.sleep(0.01)
+        box.put(chunk(0, "c", (0,), finish="stop"))
+    assert seen == ["a", "b", "c"]
+
+
+@pytest.mark.anyio
+async def test_error_is_raised_after_pending_text_and_later_puts_are_ignored() -> None:
+    box = Mailbox("r", num_choices=1)
+    box.put(chunk(0, "partial", (1,)))
+    box.fail(RequestError(request_id="r", message="boom", type="InternalServerError",
+                          status_code=500))
+    box.put(chunk(0, "ignored", (2,)))
+    it = box.__aiter__()
+    assert (await it.__anext__()).text == "partial"
+    with pytest.raises(RequestFailed) as failed:
+        await it.__anext__()
+    assert failed.value.error.status_code == 500
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
