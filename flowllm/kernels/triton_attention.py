@@ -1,0 +1,603 @@
+"""Triton kernels for attention over the paged KV cache: KV store, decode, varlen prefill.
+
+The cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim];
+a sequence's tokens live in the blocks its block table lists, in order. Token position p of
+sequence i is at block ``block_tables[i, p // block_size]``, offset ``p % block_size``.
+
+Kernels gather cache rows token by token through the block table, so a KV tile may span
+several cache blocks (any block size works, including ones smaller than a tile or not a power
+of two). Grouped-query attention packs the query heads that share one KV head into the rows
+of a tile, so each K/V tile is read once per KV head rather than once per query head.
+Softmax runs online (FlashAttention style) in fp32 with base-2 exponentials; the scale is
+folded into the exponent.
+
+The wrappers validate every argument before launching and raise ValueError naming the
+argument: a bad launch on a GPU corrupts memory instead of failing. They never read tensor
+values on the host (that would synchronise the device); index values are trusted, except
+that store_kv skips slots outside the cache (negative slots mark padding tokens) and the
+attention kernels never read past a block table's row.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+__all__ = ["AttentionTiles", "choose_tiles", "interpreted", "paged_attention", "store_kv"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+# tl.dot needs every block dimension >= 16 on NVIDIA and AMD tensor cores.
+_MIN_DOT = 16
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Tile sizes of the attention kernels (powers of two, each >= 16).
+
+    block_m: rows of a prefill tile; a row is one (query token, query head of the group)
+      pair, so a tile covers block_m // group query tokens.
+    block_n: cache tokens per KV tile (prefill and decode).
+    decode_block_n: cache tokens per KV tile in the decode kernel.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    decode_block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "decode_block_n"):
+            value = getattr(self, name)
+            if value < _MIN_DOT or value & (value - 1):
+                raise ValueError(f"AttentionTiles.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(
+                f"AttentionTiles.num_warps must be a power of two, got {self.num_warps}"
+            )
+        if self.num_stages < 1:
+            raise ValueError(f"AttentionTiles.num_stages must be >= 1, got {self.num_stages}")
+
+
+def choose_tiles(head_dim: int) -> AttentionTiles:
+    """Default tiles: 64x64 keeps q, k, v and the fp32 accumulator in registers up to
+    head_dim 128; wider heads halve the tiles to stay within the register file."""
+    if head_dim > 128:
+        return AttentionTiles(block_m=32, block_n=32, decode_block_n=32)
+    return AttentionTiles()
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens]
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    num_slots,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per token: copy its [num_kv_heads, head_dim] K and V rows into its slot."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)  # slots outside the cache (padding) are skipped
+    block = slot // block_size
+    offset = slot % block_size
+
+    h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & valid  # [BLOCK_H, BLOCK_D]
+
+    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(
+        k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d, k, mask=mask
+    )
+    tl.store(
+        v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d, v, mask=mask
+    )
+
+
+@triton.jit
+def _attend_kv_tile(
+    q,  # [BLOCK_M, BLOCK_D], the query rows of this program, input dtype
+    acc,  # [BLOCK_M, BLOCK_D] fp32, unnormalised output
+    m_i,  # [BLOCK_M] fp32, running max of the base-2 logits
+    l_i,  # [BLOCK_M] fp32, running sum of exp2(logit - m_i)
+    q_pos,  # [BLOCK_M] int32, position of each row's query (causal limit)
+    start,  # first cache position of this tile
+    seq_len,
+    table_row_ptr,  # block table row of this sequence
+    max_blocks,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    block_size,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    qk_scale,  # softmax scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Fold one tile of BLOCK_N cache positions into the online softmax of every row."""
+    pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] cache positions
+    table_idx = pos // block_size
+    pos_ok = (pos < seq_len) & (table_idx < max_blocks)  # [BLOCK_N]
+    block = tl.load(table_row_ptr + table_idx, mask=pos_ok, other=0).to(tl.int64)
+    within = (pos % block_size).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    kv_mask = pos_ok[:, None] & d_ok[None, :]  # [BLOCK_N, BLOCK_D]
+
+    k_rows = block * stride_kb + within * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+    keep = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # causal; q_pos -1: padded row
+    s = tl.where(keep, s, float("-inf"))
+
+    # m_i starts finite (-1e30), so rows with every logit masked keep alpha = 1, p = 0.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    v_rows = block * stride_vb + within * stride_vs + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    seq_lens_ptr,  # [num_seqs]
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    block_size,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # >= max(16, GROUP): the group's heads, padded for tl.dot
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, KV head): the sequence's single query, for every query head
+    of the group, attends to all seq_len cached positions (the query is the last of them)."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    has_query = q_end > q_start  # a sequence may have no query this step
+    kv_end = tl.where(has_query, seq_len, 0)
+
+    m = tl.arange(0, BLOCK_M)  # row m is query head kv_head * GROUP + m
+    d = tl.arange(0, BLOCK_D)
+    row_ok = (m < GROUP) & has_query
+    head = (kv_head * GROUP + m).to(tl.int64)
+    io_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        q_ptr + q_start * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    q_pos = tl.where(row_ok, seq_len - 1, -1)  # [BLOCK_M]; -1 masks padded rows
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table_row_ptr = block_tables_ptr + seq * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_kv_tile(
+            q, acc, m_i, l_i, q_pos, start, seq_len, table_row_ptr, max_blocks,
+            k_cache_ptr, v_cache_ptr, kv_head, block_size,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+            HEAD_DIM, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_start * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    seq_lens_ptr,  # [num_seqs]
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    block_size,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per tile: BLOCK_Q query tokens x GROUP heads, padded
+    BLOCK_Q: tl.constexpr,  # query tokens per tile, BLOCK_M // GROUP
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, tile of BLOCK_Q queries, KV head). Queries are the last
+    q_len of the sequence's seq_len positions; each attends causally to the cached prefix and
+    to the queries up to itself. Tiles past the sequence's queries do nothing."""
+    seq = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    context_len = seq_len - q_len  # cached prefix before this step's queries
+
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    q_tok = tile * BLOCK_Q + m // GROUP  # [BLOCK_M] query index within the sequence
+    head = (kv_head * GROUP + m % GROUP).to(tl.int64)
+    row_ok = (m < BLOCK_Q * GROUP) & (q_tok < q_len)
+    io_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+    row_off = (q_start + q_tok.to(tl.int64))[:, None]
+    q = tl.load(
+        q_ptr + row_off * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    q_pos = tl.where(row_ok, context_len + q_tok, -1)  # [BLOCK_M]; -1 masks padded rows
+
+    # The tile's last query sits at context_len + last_tok: no key beyond it is needed.
+    last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_end = tl.where(tile * BLOCK_Q < q_len, context_len + last_tok + 1, 0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table_row_ptr = block_tables_ptr + seq * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_kv_tile(
+            q, acc, m_i, l_i, q_pos, start, seq_len, table_row_ptr, max_blocks,
+            k_cache_ptr, v_cache_ptr, kv_head, block_size,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+            HEAD_DIM, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + row_off * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def interpreted() -> bool:
+    """Whether the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at
+    import time): Triton decides when a kernel is decorated, not when it is launched."""
+    return not isinstance(_store_kv_kernel, JITFunction)
+
+
+def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def _check_index(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def _check_unit_last_stride(name: str, t: torch.Tensor) -> None:
+    """Kernels address the last dimension as contiguous lanes (vectorised loads)."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension, got strides {t.stride()}"
+        )
+
+
+def _check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _check_devices(named: dict[str, torch.Tensor]) -> None:
+    """All tensors on one device, and one Triton can run on."""
+    first_name, first = next(iter(named.items()))
+    device = first.device
+    for name, t in named.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {device}")
+    if device.type == "cpu":
+        if not interpreted():
+            raise ValueError(
+                f"{first_name} is on the CPU: the Triton kernels run on CPU tensors only under "
+                "the interpreter (TRITON_INTERPRET=1 before flowllm is imported); use "
+                "flowllm.kernels.reference on CPU"
+            )
+    elif device.type != "cuda":
+        raise ValueError(f"{first_name} is on {device}: the Triton kernels need a CUDA device")
+
+
+def _launch_device(t: torch.Tensor) -> AbstractContextManager[object]:
+    """Launch on the tensors' GPU, not the current one (they differ on multi-GPU hosts)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else nullcontext()
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K and V rows into its cache slot.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: [num_tokens] int64 (or int32); slot = block_id * block_size + offset.
+    Slots outside [0, num_blocks * block_size) (e.g. -1 for padding) are skipped.
+    """
+    key = _check_tensor("key", key, 3)
+    value = _check_tensor("value", value, 3)
+    k_cache = _check_tensor("k_cache", k_cache, 4)
+    v_cache = _check_tensor("v_cache", v_cache, 4)
+    slot_mapping = _check_tensor("slot_mapping", slot_mapping, 1)
+    _check_float("key", key)
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != key.dtype:
+            raise ValueError(f"{name} must have key's dtype {key.dtype}, got {t.dtype}")
+    _check_index("slot_mapping", slot_mapping)
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
+    num_tokens, num_kv_heads, head_dim = key.shape
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, {num_kv_heads}, {head_dim}] to match key, "
+            f"got {tuple(k_cache.shape)}"
+        )
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"slot_mapping must have num_tokens={num_tokens} entries, got {slot_mapping.shape[0]}"
+        )
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_unit_last_stride(name, t)
+    _check_contiguous("slot_mapping", slot_mapping)
+    _check_devices(
+        {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache,
+         "slot_mapping": slot_mapping}
+    )  # fmt: skip
+    if num_tokens == 0 or k_cache.numel() == 0:
+        return
+
+    with _launch_device(key):
+        _store_kv_kernel[(num_tokens,)](
+            key, value, k_cache, v_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            num_blocks * block_size, block_size,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_kv_heads),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            num_warps=4,
+        )  # fmt: skip
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    *,
+    tiles: AttentionTiles | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flattened batch of queries over the paged KV cache.
+
+    query: [num_tokens, num_heads, head_dim], sequences concatenated in order
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], this step's K/V
+      already stored; num_heads is a multiple of num_kv_heads (GQA; MQA; MHA)
+    block_tables: [num_seqs, max_blocks_per_seq] int32 (or int64)
+    query_start_loc: [num_seqs + 1]; sequence i's queries are rows qsl[i]:qsl[i+1]
+    seq_lens: [num_seqs]; tokens of sequence i in the cache, prefix plus this step's queries.
+      Query j of q_len is at position seq_len - q_len + j and sees positions <= its own.
+    max_query_len, max_seq_len: host-side upper bounds of the above (no device sync).
+      max_query_len == 1 (all decodes) runs the decode kernel; anything else the prefill
+      kernel, which also handles mixed decode and prefill batches.
+    tiles: tile sizes; None picks choose_tiles(head_dim).
+    Returns [num_tokens, num_heads, head_dim] in query's dtype; rows past qsl[-1] are
+    unspecified.
+    """
+    query = _check_tensor("query", query, 3)
+    k_cache = _check_tensor("k_cache", k_cache, 4)
+    v_cache = _check_tensor("v_cache", v_cache, 4)
+    block_tables = _check_tensor("block_tables", block_tables, 2)
+    query_start_loc = _check_tensor("query_start_loc", query_start_loc, 1)
+    seq_lens = _check_tensor("seq_lens", seq_lens, 1)
+    _check_float("query", query)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != query.dtype:
+            raise ValueError(f"{name} must have query's dtype {query.dtype}, got {t.dtype}")
+    for name, t in (
+        ("block_tables", block_tables),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+    ):
+        _check_index(name, t)
+
+    num_tokens, num_heads, head_dim = query.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != query head_dim {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query's num_heads={num_heads} must be a multiple of k_cache's "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    num_seqs, max_blocks = block_tables.shape
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries "
+            f"(block_tables has {num_seqs} rows), got {query_start_loc.shape[0]}"
+        )
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"seq_lens must have num_seqs = {num_seqs} entries, got {seq_lens.shape[0]}"
+        )
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    for name, bound in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {bound!r}")
+    if max_query_len > max_seq_len:
+        raise ValueError(
+            f"max_query_len={max_query_len} exceeds max_seq_len={max_seq_len}: queries are "
+            "part of their sequence"
+        )
+    if max_seq_len > max_blocks * block_size:
+        raise ValueError(
+            f"max_seq_len={max_seq_len} exceeds what block_tables can address "
+            f"({max_blocks} blocks x block_size {block_size})"
+        )
+    if max_query_len > num_tokens:
+        raise ValueError(f"max_query_len={max_query_len} exceeds query's {num_tokens} tokens")
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_unit_last_stride(name, t)
+    _check_unit_last_stride("block_tables", block_tables)
+    _check_contiguous("query_start_loc", query_start_loc)
+    _check_contiguous("seq_lens", seq_lens)
+    _check_devices(
+        {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+         "query_start_loc": query_start_loc, "seq_lens": seq_lens}
+    )  # fmt: skip
+    if tiles is None:
+        tiles = choose_tiles(head_dim)
+    elif not isinstance(tiles, AttentionTiles):
+        raise ValueError(f"tiles must be an AttentionTiles, got {type(tiles).__name__}")
+
+    # out: [num_tokens, num_heads, head_dim], contiguous
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0 or num_heads * head_dim == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    common = (
+        query, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        float(scale) * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), max_blocks, block_size,
+    )  # fmt: skip
+    with _launch_device(query):
+        if max_query_len == 1:
+            _decode_kernel[(num_seqs, num_kv_heads)](
+                *common,
+                GROUP=group,
+                HEAD_DIM=head_dim,
+                BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
+                BLOCK_N=tiles.decode_block_n,
+                BLOCK_D=block_d,
+                num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages,
+            )
+        else:
+            block_m = max(tiles.block_m, triton.next_power_of_2(group))
+            block_q = block_m // group
+            grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+            _prefill_kernel[grid](
+                *common,
+                GROUP=group,
+                HEAD_DIM=head_dim,
+                BLOCK_M=block_m,
+                BLOCK_Q=block_q,
+                BLOCK_N=tiles.block_n,
+                BLOCK_D=block_d,
+                num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages,
+            )
+    return out
