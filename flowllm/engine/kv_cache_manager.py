@@ -1,0 +1,154 @@
+"""Per-sequence block tables on top of the block pool: prefix lookups, slot allocation,
+hashing each full block once, and freeing.
+
+It owns each sequence's block table and block hashes (keyed by seq id) and reads, never
+edits, the scheduler's token lists. Hashes survive preemption (they depend on tokens
+only), so a recomputed sequence looks its own blocks up again for free.
+
+Same-step reuse: a block is registered in the prefix cache as soon as a step is scheduled
+that fills it, before that step runs. A sibling (or any sequence) admitted later in the
+same step, or in a later step, may therefore hit it. That is sound because the model
+writes every row's K/V of a layer into the cache before that layer attends, and steps run
+in the order they were scheduled, so the block's K/V exist whenever a hit reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flowllm.engine.block_pool import NO_PARENT, BlockHash, BlockPool, hash_blocks
+
+
+class _SeqBlocks:
+    """One sequence's blocks. Invariant: block_ids[:num_cached_blocks] were offered to the
+    prefix cache; block_hashes[i] is the chained hash of full block i of its tokens."""
+
+    __slots__ = ("block_hashes", "block_ids", "num_cached_blocks", "table")
+
+    def __init__(self) -> None:
+        self.block_ids: list[int] = []
+        self.block_hashes: list[BlockHash] = []
+        self.num_cached_blocks = 0
+        self.table: tuple[int, ...] | None = None  # tuple(block_ids), rebuilt on change
+
+
+class KVCacheManager:
+    """Allocates KV slots for sequences from one `BlockPool`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._seqs: dict[int, _SeqBlocks] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def _record(self, seq_id: int) -> _SeqBlocks:
+        rec = self._seqs.get(seq_id)
+        if rec is None:
+            rec = self._seqs[seq_id] = _SeqBlocks()
+        return rec
+
+    def _ensure_hashes(self, rec: _SeqBlocks, token_ids: Sequence[int], num_blocks: int) -> None:
+        have = len(rec.block_hashes)
+        if have < num_blocks:
+            parent = rec.block_hashes[-1] if have else NO_PARENT
+            rec.block_hashes.extend(
+                hash_blocks(token_ids, self.block_size, have, parent, num_blocks)
+            )
+
+    def find_cached_prefix(self, seq_id: int, token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached run of full blocks at the start of `token_ids`,
+        leaving at least the last token to compute (the model must produce its logits).
+        Changes nothing in the pool."""
+        if not self.enable_prefix_caching:
+            return []
+        rec = self._record(seq_id)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        self._ensure_hashes(rec, token_ids, max_blocks)
+        hits: list[int] = []
+        get = self.pool.get_cached_block
+        for block_hash in rec.block_hashes[:max_blocks]:
+            block_id = get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        cached_blocks: Sequence[int] = (),
+    ) -> bool:
+        """Make the sequence's table cover `num_computed_tokens + len(cached_blocks) *
+        block_size + num_new_tokens` positions, first adopting the prefix-cache hits
+        `cached_blocks` (only on a sequence with no blocks), and offer every block that
+        this step fills to the prefix cache. Returns False, changing nothing, when the pool
+        is short: the caller decides whom to preempt."""
+        rec = self._record(seq_id)
+        bs = self.block_size
+        if cached_blocks and rec.block_ids:
+            raise ValueError(f"sequence {seq_id} already holds blocks; hits apply at start")
+        total = num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
+        num_new_blocks = -(-total // bs) - len(rec.block_ids) - len(cached_blocks)
+        if num_new_blocks > 0 or cached_blocks:
+            pool = self.pool
+            # Free cached hits leave the free queue when touched, so they count against it.
+            num_free_hits = sum(1 for b in cached_blocks if pool.ref_cnt(b) == 0)
+            if max(num_new_blocks, 0) + num_free_hits > pool.num_free_blocks:
+                return False
+            if cached_blocks:
+                pool.touch(cached_blocks)
+                rec.block_ids.extend(cached_blocks)
+                rec.num_cached_blocks = len(cached_blocks)
+            if num_new_blocks > 0:
+                new = pool.allocate(num_new_blocks)
+                if new is None:  # unreachable after the check above
+                    raise RuntimeError("block pool short after a successful capacity check")
+                rec.block_ids.extend(new)
+            rec.table = None
+        if self.enable_prefix_caching:
+            num_full = min(total, len(token_ids)) // bs
+            if num_full > rec.num_cached_blocks:
+                self._ensure_hashes(rec, token_ids, num_full)
+                cache = self.pool.cache_block
+                for i in range(rec.num_cached_blocks, num_full):
+                    cache(rec.block_ids[i], rec.block_hashes[i])
+                rec.num_cached_blocks = num_full
+        return True
+
+    def block_table(self, seq_id: int) -> tuple[int, ...]:
+        """The sequence's block ids as a tuple, rebuilt only when blocks were added."""
+        rec = self._seqs.get(seq_id)
+        if rec is None:
+            return ()
+        if rec.table is None:
+            rec.table = tuple(rec.block_ids)
+        return rec.table
+
+    def num_blocks_of(self, seq_id: int) -> int:
+        rec = self._seqs.get(seq_id)
+        return 0 if rec is None else len(rec.block_ids)
+
+    def free(self, seq_id: int) -> None:
+        """Return the sequence's blocks to the pool (tail first); keep its hashes, since a
+        preempted sequence recomputes the same tokens."""
+        rec = self._seqs.get(seq_id)
+        if rec is None or not rec.block_ids:
+            return
+        self.pool.free(rec.block_ids)
+        rec.block_ids = []
+        rec.num_cached_blocks = 0
+        rec.table = None
+
+    def remove(self, seq_id: int) -> None:
+        """Free the sequence's blocks and forget it (it finished or was aborted)."""
+        self.free(seq_id)
+        self._seqs.pop(seq_id, None)

@@ -1,0 +1,367 @@
+"""The scheduler policy: which sequences compute which tokens in each model step.
+
+One rule covers all work: each sequence's `num_computed_tokens` catches up with its
+`num_tokens`. A step gives each chosen sequence a slice of that gap, so chunked prefill,
+decodes, recompute after preemption and prefix-cache hits need no separate modes.
+
+Per step (`schedule`), within `max_num_batched_tokens` tokens and `max_num_seqs` sequences:
+
+1. Running sequences first, oldest first. Each gets its whole gap (1 token for a decode, a
+   chunk for an unfinished prefill) but leaves one token of budget for every running
+   sequence after it, so a long prompt never starves running decodes. When the pool is
+   short, the youngest running sequence is preempted by recompute (blocks freed, back to
+   the front of the waiting queue with nothing computed) until the allocation fits; if the
+   youngest is the sequence being scheduled, it preempts itself.
+2. Then, unless something was preempted this step, waiting sequences are admitted in
+   arrival order (FCFS; the head blocks the rest) with the remaining budget. A sequence
+   first adopts the prefix-cache hits of its tokens, then a long prompt takes whatever
+   budget remains and continues next step.
+
+`apply` appends each step's sampled tokens and finishes sequences whose `SampledToken`
+carries a finish reason (decided by the sample stage, which honours min_tokens, ignore_eos
+and stop_token_ids); as a backstop it also finishes on max_tokens and max_model_len, and
+it never schedules a position at or past max_model_len. Finishing, aborting and stop
+strings free a sequence's blocks at once; its id goes out in the next batch's `released`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+from flowllm.config import CacheConfig, ConfigError, SchedulerConfig
+from flowllm.engine.kv_cache_manager import KVCacheManager
+from flowllm.engine.sequence import (
+    FINISH_STATUSES,
+    FinishedSeq,
+    Sequence,
+    SequenceStatus,
+)
+from flowllm.messages import ScheduledSeq, SeqStart, StepBatch, StepTokens, TokenizedRequest
+
+
+class SchedulerError(ValueError):
+    """A request the scheduler cannot hold (empty or too long prompt, duplicate id)."""
+
+
+class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Gauges and cumulative counters for the metrics exporter."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # used blocks / total blocks; cached-but-free blocks are free
+    prefix_cache_queries: int  # prompt tokens looked up at admission (cumulative)
+    prefix_cache_hits: int  # of those, tokens found in the cache (cumulative)
+    num_preemptions: int  # cumulative
+
+
+class Scheduler:
+    """Owns every sequence and the KV block bookkeeping; synchronous and I/O free.
+
+    Use: `add_request` / `abort_request` / `finish_sequence` as messages arrive; then
+    `batch = schedule()`; after the step runs, `apply(step_tokens)`; repeat.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        if max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {max_model_len}")
+        if num_blocks * cache_config.block_size < max_model_len:
+            raise ConfigError(
+                f"the KV cache ({num_blocks} blocks of {cache_config.block_size} tokens) "
+                f"cannot hold one sequence of max_model_len={max_model_len} tokens"
+            )
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        # Every running sequence gets >= 1 token per step, so never run more than the budget.
+        self.max_num_seqs = min(scheduler_config.max_num_seqs, self.max_num_batched_tokens)
+        self.enable_prefix_caching = cache_config.enable_prefix_caching
+        self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_prefix_caching)
+
+        self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences at the front
+        self.running: list[Sequence] = []  # admission order: oldest first, youngest last
+        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq id
+        self._requests: dict[str, list[Sequence]] = {}  # unfinished sequences per request
+        self._released: list[int] = []  # started seq ids that left since the last batch
+        self._inflight: dict[int, list[Sequence]] = {}  # step id -> sequences it samples
+        self._next_seq_id = 0
+        self._next_step_id = 0
+
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ input messages
+    def add_request(self, request: TokenizedRequest) -> list[int]:
+        """Queue a request as `n` sibling sequences (adjacent in the queue, so admitted
+        together unless budget or blocks run out between them). Returns their seq ids."""
+        prompt = request.prompt_token_ids
+        params = request.params
+        if not prompt:
+            raise SchedulerError(f"request {request.request_id}: empty prompt")
+        if len(prompt) > self.max_model_len:
+            raise SchedulerError(
+                f"request {request.request_id}: prompt of {len(prompt)} tokens exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        if request.request_id in self._requests:
+            raise SchedulerError(f"request id {request.request_id!r} is already running")
+        if params.n < 1:
+            raise SchedulerError(f"request {request.request_id}: n must be >= 1")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt)
+        if max_tokens < 1:
+            raise SchedulerError(f"request {request.request_id}: max_tokens must be >= 1")
+        use_cache = self.enable_prefix_caching and params.prompt_logprobs is None
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=self._next_seq_id,
+                request_id=request.request_id,
+                index=index,
+                prompt_token_ids=prompt,
+                params=params,
+                eos_token_ids=request.eos_token_ids,
+                arrival_time=request.arrival_time,
+                max_tokens=max_tokens,
+                prompt_text=request.prompt_text,
+                use_prefix_cache=use_cache,
+            )
+            self._next_seq_id += 1
+            self._seqs[seq.seq_id] = seq
+            self.waiting.append(seq)
+            seqs.append(seq)
+        self._requests[request.request_id] = seqs
+        return [seq.seq_id for seq in seqs]
+
+    def abort_request(self, request_id: str) -> list[FinishedSeq]:
+        """Finish every unfinished sequence of the request as aborted, freeing its blocks
+        now. Unknown (e.g. already finished) ids are ignored."""
+        seqs = self._requests.get(request_id)
+        if not seqs:
+            return []
+        return [self._finish_now(seq, SequenceStatus.FINISHED_ABORTED, None) for seq in list(seqs)]
+
+    def finish_sequence(self, seq_id: int, stop_reason: str | int | None) -> FinishedSeq | None:
+        """A stop string ended this sequence: finish it as stopped and free its blocks now.
+        Returns None if it already left."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        return self._finish_now(seq, SequenceStatus.FINISHED_STOPPED, stop_reason)
+
+    # ------------------------------------------------------------------ the step loop
+    def schedule(self) -> StepBatch | None:
+        """Choose the next step's work.
+
+        Returns None when there is nothing to run and no released ids to deliver. A batch
+        may carry no rows (`seqs == ()`) but only `released` ids: downstream stages should
+        pass it along (dropping those sequences' state) without running the model.
+        """
+        rows: list[tuple[Sequence, int]] = []  # (sequence, tokens to compute) in batch order
+        budget, preempted = self._schedule_running(rows, self.max_num_batched_tokens)
+        if not preempted:
+            self._admit_waiting(rows, budget)
+        if not rows and not self._released:
+            return None
+        return self._build_batch(rows)
+
+    def apply(self, step: StepTokens) -> list[FinishedSeq]:
+        """Append one step's sampled tokens and finish the sequences they end. Tokens for
+        sequences that already left (aborted, stop string) are ignored."""
+        for seq in self._inflight.pop(step.step_id, ()):
+            seq.awaiting_token = False
+        finished: list[FinishedSeq] = []
+        finished_waiting = False  # preempted while its token was in flight (overlap only)
+        max_model_len = self.max_model_len
+        for token in step.tokens:
+            seq = self._seqs.get(token.seq_id)
+            if seq is None:
+                continue
+            seq.token_ids.append(token.token_id)
+            reason = token.finish_reason
+            if reason is None and (
+                seq.num_tokens >= max_model_len or seq.num_output_tokens >= seq.max_tokens
+            ):
+                reason = "length"  # backstop: the sample stage should have said so
+            if reason is not None:
+                finished_waiting |= seq.status is not SequenceStatus.RUNNING
+                self._finish(seq, FINISH_STATUSES[reason], token.stop_reason)
+                finished.append(seq.to_finished())
+        if finished:
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+            if finished_waiting:
+                self.waiting = deque(s for s in self.waiting if not s.is_finished)
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def get_sequence(self, seq_id: int) -> Sequence | None:
+        """An unfinished sequence, for inspection (the scheduler stays its only editor)."""
+        return self._seqs.get(seq_id)
+
+    # ------------------------------------------------------------------ policy helpers
+    def _schedule_running(self, rows: list[tuple[Sequence, int]], budget: int) -> tuple[int, bool]:
+        """Give running sequences their tokens, oldest first, preempting the youngest when
+        blocks run out. Returns the budget left and whether anything was preempted."""
+        running = self.running
+        kv = self.kv
+        max_model_len = self.max_model_len
+        # Runnable sequences not yet visited: each keeps one token of budget reserved.
+        pending = sum(1 for s in running if not s.awaiting_token)
+        preempted = False
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            i += 1
+            if seq.awaiting_token:
+                continue
+            pending -= 1
+            gap = min(seq.num_tokens, max_model_len) - seq.num_computed_tokens
+            num_new = min(gap, budget - pending)
+            if num_new <= 0:
+                continue
+            scheduled = True
+            while not kv.allocate_slots(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new
+            ):
+                victim = running[-1]
+                if victim is seq and len(running) == 1:
+                    # Unreachable: __init__ checked one max_model_len sequence fits the pool
+                    # and only running sequences hold blocks.
+                    scheduled = False
+                    break
+                running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    scheduled = False
+                    break
+                if not victim.awaiting_token:
+                    pending -= 1
+            if scheduled:
+                rows.append((seq, num_new))
+                budget -= num_new
+        return budget, preempted
+
+    def _admit_waiting(self, rows: list[tuple[Sequence, int]], budget: int) -> None:
+        """Admit waiting sequences FCFS with the remaining budget; stop at the first that
+        does not fit (no preemption for admission)."""
+        waiting, running, kv = self.waiting, self.running, self.kv
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            seq = waiting[0]
+            if seq.awaiting_token:  # preempted while its sampled token is still in flight
+                break
+            num_tokens = min(seq.num_tokens, self.max_model_len)
+            hits = kv.find_cached_prefix(seq.seq_id, seq.token_ids) if seq.use_prefix_cache else []
+            num_hit_tokens = len(hits) * self.block_size
+            num_new = min(num_tokens - num_hit_tokens, budget)
+            if num_new <= 0:
+                break
+            if not kv.allocate_slots(seq.seq_id, seq.token_ids, 0, num_new, hits):
+                break
+            waiting.popleft()
+            if seq.use_prefix_cache:
+                self.prefix_cache_queries += num_tokens
+                self.prefix_cache_hits += num_hit_tokens
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit_tokens
+            seq.num_computed_tokens = num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            running.append(seq)
+            rows.append((seq, num_new))
+            budget -= num_new
+
+    def _build_batch(self, rows: list[tuple[Sequence, int]]) -> StepBatch:
+        """Turn the chosen rows into the step message and advance `num_computed_tokens`
+        (the K/V of these tokens will be in the cache once the step runs)."""
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        block_table = self.kv.block_table
+        seqs: list[ScheduledSeq] = []
+        started: list[SeqStart] = []
+        sampling: list[Sequence] = []
+        for seq, num_new in rows:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            sample = end == seq.num_tokens
+            seqs.append(
+                ScheduledSeq(
+                    seq_id=seq.seq_id,
+                    token_ids=tuple(seq.token_ids[start:end]),
+                    num_computed_tokens=start,
+                    block_table=block_table(seq.seq_id),
+                    sample=sample,
+                    num_output_tokens=seq.num_tokens - seq.num_prompt_tokens,
+                )
+            )
+            seq.num_computed_tokens = end
+            if sample:
+                seq.awaiting_token = True
+                sampling.append(seq)
+            if not seq.started:
+                seq.started = True
+                started.append(seq.to_start())
+        if sampling:
+            self._inflight[step_id] = sampling
+        released = tuple(self._released)
+        self._released.clear()
+        return StepBatch(
+            step_id=step_id, seqs=tuple(seqs), started=tuple(started), released=released
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: free every block; recompute all tokens on readmission
+        (prefix-cache hits make that cheap). Not `started` again downstream."""
+        self.kv.free(seq.seq_id)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: str | int | None) -> None:
+        """Mark finished and free blocks now; the caller removes it from running/waiting."""
+        seq.status = status
+        seq.stop_reason = stop_reason
+        seq.awaiting_token = False
+        self.kv.remove(seq.seq_id)
+        del self._seqs[seq.seq_id]
+        siblings = self._requests.get(seq.request_id)
+        if siblings is not None:
+            siblings.remove(seq)
+            if not siblings:
+                del self._requests[seq.request_id]
+        if seq.started:
+            self._released.append(seq.seq_id)
+
+    def _finish_now(
+        self, seq: Sequence, status: SequenceStatus, stop_reason: str | int | None
+    ) -> FinishedSeq:
+        """Finish one sequence outside `apply` (abort, stop string)."""
+        was_running = seq.status is SequenceStatus.RUNNING
+        self._finish(seq, status, stop_reason)
+        if was_running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        return seq.to_finished()

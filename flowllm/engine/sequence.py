@@ -1,0 +1,177 @@
+"""One sequence (one generated choice of a request) and its life-cycle states.
+
+The scheduler owns every `Sequence`: no other module edits one. Downstream stages learn a
+sequence's parameters from `SeqStart` and its progress from `ScheduledSeq` rows, so the
+fields here can change without touching any channel contract.
+
+The single scheduling rule: `num_computed_tokens` (tokens whose K/V are in the cache)
+catches up with `num_tokens` (prompt + outputs so far). A prefill chunk, a decode, a
+recompute after preemption and a prefix-cache hit are all just different values of that gap.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from flowllm.messages import FinishReason, SamplingParams, SeqStart
+
+
+class SequenceStatus(enum.IntEnum):
+    """Where a sequence is in its life. Everything after PREEMPTED is finished."""
+
+    WAITING = 0  # queued, holds no blocks
+    RUNNING = 1  # holds blocks, scheduled every step until it finishes or is preempted
+    PREEMPTED = 2  # blocks freed, back at the front of the waiting queue to recompute
+    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5  # client gone or API cancel
+
+    @property
+    def is_finished(self) -> bool:
+        """One comparison, thanks to the ordering above."""
+        return self > SequenceStatus.PREEMPTED
+
+
+FINISH_REASONS: dict[SequenceStatus, FinishReason] = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+FINISH_STATUSES: dict[FinishReason, SequenceStatus] = {
+    reason: status for status, reason in FINISH_REASONS.items()
+}
+
+
+class FinishedSeq(msgspec.Struct, frozen=True, kw_only=True):
+    """A sequence that left the running set (what `Scheduler.apply` reports for metrics)."""
+
+    seq_id: int
+    request_id: str
+    index: int
+    finish_reason: FinishReason
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache at first admission
+
+
+class Sequence:
+    """The scheduler's record of one sequence.
+
+    Invariants: `0 <= num_computed_tokens <= num_tokens`; `num_tokens <= max_model_len`
+    is guarded by the scheduler; `token_ids[:num_prompt_tokens]` is the prompt.
+    """
+
+    __slots__ = (
+        "arrival_time",
+        "awaiting_token",
+        "eos_token_ids",
+        "index",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "params",
+        "prompt_text",
+        "prompt_token_ids",
+        "request_id",
+        "seq_id",
+        "started",
+        "status",
+        "stop_reason",
+        "token_ids",
+        "use_prefix_cache",
+    )
+
+    def __init__(
+        self,
+        *,
+        seq_id: int,
+        request_id: str,
+        index: int,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        arrival_time: float,
+        max_tokens: int,
+        prompt_text: str | None = None,
+        use_prefix_cache: bool = True,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = arrival_time
+        self.max_tokens = max_tokens
+        self.prompt_text = prompt_text
+        # Requests asking for prompt logprobs compute every prompt token, so never reuse.
+        self.use_prefix_cache = use_prefix_cache
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + outputs so far
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # -1 until the first admission looks up the cache
+        self.status = SequenceStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.started = False  # has a SeqStart gone downstream?
+        # True while a step that samples for this sequence is in flight: its next token is
+        # unknown, so it must not be scheduled again until `apply` delivers that token.
+        self.awaiting_token = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > SequenceStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASONS.get(self.status)
+
+    def to_start(self) -> SeqStart:
+        """What downstream stages keep about this sequence (sent the first step it runs)."""
+        return SeqStart(
+            seq_id=self.seq_id,
+            request_id=self.request_id,
+            index=self.index,
+            params=self.params,
+            prompt_token_ids=self.prompt_token_ids,
+            eos_token_ids=self.eos_token_ids,
+            prompt_text=self.prompt_text,
+        )
+
+    def to_finished(self) -> FinishedSeq:
+        reason = FINISH_REASONS.get(self.status)
+        if reason is None:
+            raise ValueError(f"sequence {self.seq_id} is not finished ({self.status.name})")
+        return FinishedSeq(
+            seq_id=self.seq_id,
+            request_id=self.request_id,
+            index=self.index,
+            finish_reason=reason,
+            stop_reason=self.stop_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, "
+            f"status={self.status.name}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens})"
+        )
