@@ -1,0 +1,167 @@
+"""GPT-2 (`GPT2LMHeadModel` configs: gpt2 and its larger siblings, distilgpt2) on flattened
+token batches and a paged KV cache.
+
+Learned absolute positions, pre-LayerNorm blocks, fused QKV, a GELU MLP, and an LM head
+tied to the token embedding (one stored tensor serves both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowllm.models.context import AttentionContext
+from flowllm.models.errors import UnsupportedModelError
+from flowllm.models.layers import (
+    Embedding,
+    LayerNorm,
+    Linear,
+    WeightMap,
+    check_shape,
+    config_get,
+    paged_attention,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+class GPT2Block(nn.Module):
+    """ln_1 -> causal attention -> residual; ln_2 -> MLP -> residual."""
+
+    def __init__(
+        self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        d = int(config_get(config, "n_embd"))
+        self.num_heads = int(config_get(config, "n_head"))
+        self.head_dim = d // self.num_heads
+        inner = int(config_get(config, "n_inner", 4 * d))
+        eps = float(config_get(config, "layer_norm_epsilon", 1e-5))
+        act = str(config_get(config, "activation_function", "gelu_new"))
+        if act not in _ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"GPT-2 activation {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
+            )
+        self.act = _ACTIVATIONS[act]
+        scale = self.head_dim**-0.5 if config_get(config, "scale_attn_weights", True) else 1.0
+        if config_get(config, "scale_attn_by_inverse_layer_idx", False):
+            scale /= float(layer_idx + 1)
+        self.scale = scale
+        self.ln_1 = LayerNorm(d, eps, dtype, device)
+        self.c_attn = Linear(d, 3 * d, True, dtype, device)
+        self.attn_proj = Linear(d, d, True, dtype, device)
+        self.ln_2 = LayerNorm(d, eps, dtype, device)
+        self.c_fc = Linear(d, inner, True, dtype, device)
+        self.mlp_proj = Linear(inner, d, True, dtype, device)
+
+    def forward(self, h: torch.Tensor, kv_cache: KVCache, ctx: AttentionContext) -> torch.Tensor:
+        # h: [n, d]
+        n = h.shape[0]
+        qkv = self.c_attn(self.ln_1(h)).view(n, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(1)  # each [n, H, Dh]
+        h = h + self.attn_proj(paged_attention(q, k, v, kv_cache, ctx, self.scale))
+        return h + self.mlp_proj(self.act(self.c_fc(self.ln_2(h))))
+
+
+class GPT2Model(nn.Module):
+    """GPT-2 with an LM head; `forward` returns logits only for `ctx.logits_indices`."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = hf_config
+        self.dtype = dtype
+        self.device = device
+        d = int(config_get(hf_config, "n_embd"))
+        self.vocab_size = int(config_get(hf_config, "vocab_size"))
+        self.max_position_embeddings = int(config_get(hf_config, "n_positions", 1024))
+        self.num_layers = int(config_get(hf_config, "n_layer"))
+        self.num_heads = int(config_get(hf_config, "n_head"))
+        self.num_kv_heads = self.num_heads
+        self.head_dim = d // self.num_heads
+        self.hidden_size = d
+        eps = float(config_get(hf_config, "layer_norm_epsilon", 1e-5))
+        self.lm_head = Linear(d, self.vocab_size, False, dtype, device)
+        self.wte = Embedding(self.vocab_size, d, dtype, device, tied_to=self.lm_head)
+        self.wpe = nn.Parameter(
+            torch.empty(self.max_position_embeddings, d, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.h = nn.ModuleList(
+            GPT2Block(hf_config, i, dtype, device) for i in range(self.num_layers)
+        )
+        self.ln_f = LayerNorm(d, eps, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
+        h = self.wte(input_ids) + self.wpe.index_select(0, positions)  # [n, d]
+        for block, kv_cache in zip(self.h, kv_caches, strict=True):
+            h = block(h, kv_cache, ctx)
+        h = h.index_select(0, ctx.logits_indices)
+        return self.lm_head(self.ln_f(h))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF GPT-2 tensors (prefixed `transformer.` or not; Conv1D weights [in, out])."""
+        m = WeightMap(
+            prefixes=("transformer.",),
+            ignored_suffixes=(".attn.bias", ".attn.masked_bias"),
+            optional=frozenset({"lm_head.weight"}),
+        )
+        m.add("wte.weight", lambda t: self.wte.load("wte.weight", t))
+        m.add("lm_head.weight", lambda t: self.wte.load("lm_head.weight", t))
+        m.add("wpe.weight", lambda t: _copy("wpe.weight", self.wpe, t))
+        m.add("ln_f.weight", lambda t: _copy("ln_f.weight", self.ln_f.weight, t))
+        m.add("ln_f.bias", lambda t: _copy("ln_f.bias", self.ln_f.bias, t))
+        for i, block in enumerate(self.h):
+            p = f"h.{i}."
+            for ln in ("ln_1", "ln_2"):
+                mod = getattr(block, ln)
+                m.add(p + ln + ".weight", _param_loader(p + ln + ".weight", mod.weight))
+                m.add(p + ln + ".bias", _param_loader(p + ln + ".bias", mod.bias))
+            for hf_name, lin in (
+                ("attn.c_attn", block.c_attn),
+                ("attn.c_proj", block.attn_proj),
+                ("mlp.c_fc", block.c_fc),
+                ("mlp.c_proj", block.mlp_proj),
+            ):
+                m.add(p + hf_name + ".weight", _conv1d_loader(p + hf_name + ".weight", lin))
+                m.add(p + hf_name + ".bias", _bias_loader(p + hf_name + ".bias", lin))
+        m.load_all(weights)
+
+
+def _copy(name: str, param: torch.Tensor, t: torch.Tensor) -> None:
+    check_shape(name, t, tuple(param.shape))
+    with torch.no_grad():
+        param.copy_(t)
+
+
+def _param_loader(name: str, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    return lambda t: _copy(name, param, t)
+
+
+def _conv1d_loader(name: str, lin: Linear) -> Callable[[torch.Tensor], None]:
+    return lambda t: lin.load_weight(name, t, transposed=True)
+
+
+def _bias_loader(name: str, lin: Linear) -> Callable[[torch.Tensor], None]:
+    return lambda t: lin.load_bias(name, t)

@@ -1,0 +1,91 @@
+"""Size and allocate the paged KV cache: one K and one V tensor per layer, each
+[num_blocks, block_size, num_kv_heads, head_dim].
+
+On CPU the cache gets a fixed byte budget (`kv_cache_memory`); on CUDA a fraction of the
+device's memory, minus what is already in use (the weights), as vLLM's
+`gpu_memory_utilization`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flowllm.models.errors import KVCacheError
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one model's cache, independent of how many blocks it gets."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 16
+
+    @classmethod
+    def for_model(cls, model: Any, block_size: int = 16) -> KVCacheSpec:
+        """The spec of a flowllm model (anything with num_layers/num_kv_heads/head_dim/dtype)."""
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, block_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block across all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        """How many blocks fit in `memory_bytes`; KVCacheError if not even one does."""
+        n = int(memory_bytes) // self.bytes_per_block
+        if n < 1:
+            raise KVCacheError(
+                f"KV cache memory of {memory_bytes} bytes holds no block "
+                f"(one block needs {self.bytes_per_block} bytes); raise kv_cache_memory"
+            )
+        return n
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> KVCaches:
+        """Per-layer (k, v) tensors, zeroed so never-written slots hold finite values."""
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        try:
+            return [
+                (
+                    torch.zeros(shape, dtype=self.dtype, device=device),
+                    torch.zeros(shape, dtype=self.dtype, device=device),
+                )
+                for _ in range(self.num_layers)
+            ]
+        except (RuntimeError, MemoryError) as exc:
+            raise KVCacheError(
+                f"could not allocate {num_blocks} KV blocks "
+                f"({num_blocks * self.bytes_per_block} bytes) on {device}: {exc}"
+            ) from exc
+
+
+def cache_memory_budget(
+    device: torch.device | str, kv_cache_memory: int, gpu_memory_utilization: float
+) -> int:
+    """Bytes the cache may take: `kv_cache_memory` on CPU; on CUDA, the utilization fraction
+    of total device memory minus what is already used (call after loading the weights)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return int(kv_cache_memory)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * gpu_memory_utilization) - (total - free)
+
+
+def allocate_kv_cache(
+    spec: KVCacheSpec,
+    device: torch.device | str,
+    kv_cache_memory: int = 2 * 1024**3,
+    gpu_memory_utilization: float = 0.9,
+) -> tuple[int, KVCaches]:
+    """Size the cache for `device` and allocate it: (num_blocks, per-layer (k, v))."""
+    budget = cache_memory_budget(device, kv_cache_memory, gpu_memory_utilization)
+    num_blocks = spec.num_blocks_for(budget)
+    return num_blocks, spec.allocate(num_blocks, device)

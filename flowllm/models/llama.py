@@ -1,0 +1,200 @@
+"""Llama (`LlamaForCausalLM` configs, SmolLM2 among them) on flattened token batches and a
+paged KV cache.
+
+RMSNorm, rotary positions (default, linear or `llama3` scaling), grouped-query attention,
+a SwiGLU MLP, tied or untied LM head. q/k/v and gate/up are fused into one linear layer
+each at load time, so a step runs two products where the checkpoint has five.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowllm.models.context import AttentionContext
+from flowllm.models.errors import UnsupportedModelError
+from flowllm.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    WeightMap,
+    check_shape,
+    config_get,
+    paged_attention,
+    rope_inv_freq,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm -> GQA attention with RoPE -> residual; RMSNorm -> SwiGLU MLP -> residual."""
+
+    def __init__(
+        self, config: Any, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        d = int(config_get(config, "hidden_size"))
+        self.num_heads = int(config_get(config, "num_attention_heads"))
+        self.num_kv_heads = int(config_get(config, "num_key_value_heads", self.num_heads))
+        self.head_dim = int(config_get(config, "head_dim", d // self.num_heads))
+        self.intermediate = int(config_get(config, "intermediate_size"))
+        eps = float(config_get(config, "rms_norm_eps", 1e-6))
+        attn_bias = bool(config_get(config, "attention_bias", False))
+        mlp_bias = bool(config_get(config, "mlp_bias", False))
+        act = str(config_get(config, "hidden_act", "silu"))
+        if act not in _ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"Llama activation {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
+            )
+        self.act = _ACTIVATIONS[act]
+        self.scale = self.head_dim**-0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.rotary = [rotary]  # shared by all blocks; a list keeps it out of submodules
+        self.input_layernorm = RMSNorm(d, eps, dtype, device)
+        # qkv rows: [q (H * Dh) | k (kvh * Dh) | v (kvh * Dh)]
+        self.qkv_proj = Linear(d, self.q_size + 2 * self.kv_size, attn_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, d, attn_bias, dtype, device)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype, device)
+        # gate_up rows: [gate (I) | up (I)]
+        self.gate_up_proj = Linear(d, 2 * self.intermediate, mlp_bias, dtype, device)
+        self.down_proj = Linear(self.intermediate, d, mlp_bias, dtype, device)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        # h: [n, d]; positions: [n]
+        n = h.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(h))
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary[0](positions, q, k)
+        h = h + self.o_proj(paged_attention(q, k, v, kv_cache, ctx, self.scale))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(self.act(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Llama with an LM head; `forward` returns logits only for `ctx.logits_indices`."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = hf_config
+        self.dtype = dtype
+        self.device = device
+        d = int(config_get(hf_config, "hidden_size"))
+        self.hidden_size = d
+        self.vocab_size = int(config_get(hf_config, "vocab_size"))
+        self.num_layers = int(config_get(hf_config, "num_hidden_layers"))
+        self.num_heads = int(config_get(hf_config, "num_attention_heads"))
+        self.num_kv_heads = int(config_get(hf_config, "num_key_value_heads", self.num_heads))
+        self.head_dim = int(config_get(hf_config, "head_dim", d // self.num_heads))
+        self.max_position_embeddings = int(config_get(hf_config, "max_position_embeddings", 2048))
+        self.tie_word_embeddings = bool(config_get(hf_config, "tie_word_embeddings", False))
+        eps = float(config_get(hf_config, "rms_norm_eps", 1e-6))
+        self.rotary = RotaryEmbedding(
+            rope_inv_freq(hf_config, self.head_dim), self.max_position_embeddings, dtype, device
+        )
+        self.lm_head = Linear(d, self.vocab_size, False, dtype, device)
+        self.embed_tokens = Embedding(
+            self.vocab_size,
+            d,
+            dtype,
+            device,
+            tied_to=self.lm_head if self.tie_word_embeddings else None,
+        )
+        self.layers = nn.ModuleList(
+            LlamaBlock(hf_config, self.rotary, dtype, device) for _ in range(self.num_layers)
+        )
+        self.norm = RMSNorm(d, eps, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
+        h = self.embed_tokens(input_ids)  # [n, d]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, positions, kv_cache, ctx)
+        h = h.index_select(0, ctx.logits_indices)
+        return self.lm_head(self.norm(h))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF Llama tensors (prefixed `model.` or not), fusing q/k/v and gate/up."""
+        tied = self.tie_word_embeddings
+        m = WeightMap(
+            prefixes=("model.",),
+            ignored_suffixes=(".rotary_emb.inv_freq",),
+            optional=frozenset({"lm_head.weight"}) if tied else frozenset(),
+        )
+        m.add("embed_tokens.weight", lambda t: self.embed_tokens.load("embed_tokens.weight", t))
+        if tied:
+            m.add("lm_head.weight", lambda t: self.embed_tokens.load("lm_head.weight", t))
+        else:
+            m.add("lm_head.weight", lambda t: self.lm_head.load_weight("lm_head.weight", t))
+        m.add("norm.weight", _param_loader("norm.weight", self.norm.weight))
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                name = f"{p}{norm}.weight"
+                m.add(name, _param_loader(name, getattr(layer, norm).weight))
+            q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate
+            shards = (
+                ("self_attn.q_proj", layer.qkv_proj, 0, q),
+                ("self_attn.k_proj", layer.qkv_proj, q, kv),
+                ("self_attn.v_proj", layer.qkv_proj, q + kv, kv),
+                ("self_attn.o_proj", layer.o_proj, 0, layer.o_proj.out_features),
+                ("mlp.gate_proj", layer.gate_up_proj, 0, inter),
+                ("mlp.up_proj", layer.gate_up_proj, inter, inter),
+                ("mlp.down_proj", layer.down_proj, 0, layer.down_proj.out_features),
+            )
+            for hf_name, lin, start, rows in shards:
+                m.add(
+                    f"{p}{hf_name}.weight", _shard_loader(f"{p}{hf_name}.weight", lin, start, rows)
+                )
+                if lin.bias is not None:
+                    m.add(
+                        f"{p}{hf_name}.bias", _bias_loader(f"{p}{hf_name}.bias", lin, start, rows)
+                    )
+        m.load_all(weights)
+
+
+def _param_loader(name: str, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def load(t: torch.Tensor) -> None:
+        check_shape(name, t, tuple(param.shape))
+        with torch.no_grad():
+            param.copy_(t)
+
+    return load
+
+
+def _shard_loader(name: str, lin: Linear, start: int, rows: int) -> Callable[[torch.Tensor], None]:
+    return lambda t: lin.load_weight(name, t, start=start, rows=rows)
+
+
+def _bias_loader(name: str, lin: Linear, start: int, rows: int) -> Callable[[torch.Tensor], None]:
+    return lambda t: lin.load_bias(name, t, start=start, rows=rows)

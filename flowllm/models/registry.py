@@ -1,0 +1,49 @@
+"""Pick the model class for a checkpoint from its config's `architectures` (or `model_type`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowllm.models.errors import UnsupportedModelError, WeightLoadError
+from flowllm.models.gpt2 import GPT2Model
+from flowllm.models.layers import config_get
+from flowllm.models.llama import LlamaModel
+
+__all__ = [
+    "ARCHITECTURES",
+    "MODEL_TYPES",
+    "UnsupportedModelError",
+    "WeightLoadError",
+    "model_class_for",
+]
+
+ModelClass = type[GPT2Model] | type[LlamaModel]
+
+ARCHITECTURES: dict[str, ModelClass] = {
+    "GPT2LMHeadModel": GPT2Model,
+    "LlamaForCausalLM": LlamaModel,
+}
+MODEL_TYPES: dict[str, ModelClass] = {
+    "gpt2": GPT2Model,
+    "llama": LlamaModel,
+}
+
+
+def model_class_for(hf_config: Any) -> ModelClass:
+    """The class implementing `hf_config`'s architecture; raises UnsupportedModelError."""
+    architectures = list(config_get(hf_config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if not architectures:
+        model_type = config_get(hf_config, "model_type", None)
+        if model_type in MODEL_TYPES:
+            return MODEL_TYPES[model_type]
+        raise UnsupportedModelError(
+            f"model type {model_type!r} (no `architectures` in the config) is not supported; "
+            f"supported architectures: {', '.join(ARCHITECTURES)}"
+        )
+    raise UnsupportedModelError(
+        f"architecture {', '.join(architectures)} is not supported; "
+        f"supported architectures: {', '.join(ARCHITECTURES)}"
+    )

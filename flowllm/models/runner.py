@@ -1,0 +1,154 @@
+"""Turn one step's scheduled sequences into the model's flattened inputs and run it.
+
+Every sequence contributes the tokens it computes this step (a prefill chunk or one
+decode token); token k of a sequence sits at position `num_computed_tokens + k`, and its
+K/V go to slot `block_table[pos // block_size] * block_size + pos % block_size`.
+Logits come back for the last row of each sequence that samples, and for every row of the
+sequences whose prompt logprobs were asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from flowllm.messages import ScheduledSeq
+from flowllm.models.context import AttentionContext
+from flowllm.models.errors import ModelError
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StepModel(Protocol):
+    """What the runner needs of a model (GPT2Model and LlamaModel both are)."""
+
+    vocab_size: int
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        ctx: AttentionContext,
+    ) -> torch.Tensor: ...
+
+
+class StepInputError(ModelError):
+    """A scheduled sequence is inconsistent (no tokens, or a block table too short)."""
+
+
+class StepInputs:
+    """The flattened host-side inputs of one step (built on CPU, then moved at once)."""
+
+    def __init__(
+        self,
+        seqs: Sequence[ScheduledSeq],
+        block_size: int,
+        prompt_logits_for: Collection[int],
+    ) -> None:
+        n_seqs = len(seqs)
+        q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n_seqs)
+        computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, count=n_seqs)
+        if n_seqs and int(q_lens.min()) < 1:
+            bad = seqs[int(q_lens.argmin())].seq_id
+            raise StepInputError(f"sequence {bad} is scheduled with no tokens")
+        qsl = np.zeros(n_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        seq_lens = computed + q_lens
+        max_blocks = max((len(s.block_table) for s in seqs), default=1) or 1
+        tables = np.zeros((n_seqs, max_blocks), dtype=np.int64)  # padded with block 0
+        for i, s in enumerate(seqs):
+            needed = -(-int(seq_lens[i]) // block_size)
+            if len(s.block_table) < needed:
+                raise StepInputError(
+                    f"sequence {s.seq_id} reaches {int(seq_lens[i])} tokens, which need "
+                    f"{needed} blocks of {block_size}, but its block table has "
+                    f"{len(s.block_table)}"
+                )
+            tables[i, : len(s.block_table)] = s.block_table
+        num_tokens = int(qsl[-1])
+        self.input_ids = np.fromiter(
+            (t for s in seqs for t in s.token_ids), dtype=np.int64, count=num_tokens
+        )
+        # Per-token sequence index and position: [num_tokens]
+        seq_of_token = np.repeat(np.arange(n_seqs), q_lens)
+        self.positions = computed[seq_of_token] + (np.arange(num_tokens) - qsl[seq_of_token])
+        block_ids = tables[seq_of_token, self.positions // block_size]
+        self.slot_mapping = block_ids * block_size + self.positions % block_size
+        self.block_tables = tables.astype(np.int32)
+        self.query_start_loc = qsl.astype(np.int32)
+        self.seq_lens = seq_lens.astype(np.int32)
+        self.max_query_len = int(q_lens.max()) if n_seqs else 0
+        self.max_seq_len = int(seq_lens.max()) if n_seqs else 0
+
+        # Logit rows: each prompt-logits sequence's rows (in order), then the sampling rows.
+        rows: list[int] = []
+        self.prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> range in `rows`
+        for i, s in enumerate(seqs):
+            if s.seq_id in prompt_logits_for:
+                start = len(rows)
+                rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
+                self.prompt_rows[s.seq_id] = (start, len(rows))
+        sample_rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(seqs) if s.sample]
+        self.sample_at = list(range(len(rows), len(rows) + len(sample_rows)))
+        rows.extend(sample_rows)
+        self.logits_indices = np.asarray(rows, dtype=np.int64)
+
+
+class ModelRunner:
+    """Runs a model over one step's sequences against its paged KV cache."""
+
+    def __init__(
+        self,
+        model: StepModel,
+        kv_caches: KVCaches,
+        block_size: int,
+        device: torch.device | str,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    def _tensor(self, a: np.ndarray[Any, Any]) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def build_context(
+        self, seqs: Sequence[ScheduledSeq], prompt_logits_for: Collection[int] = frozenset()
+    ) -> tuple[StepInputs, torch.Tensor, torch.Tensor, AttentionContext]:
+        """The host inputs, token ids, positions and attention context of one step."""
+        inp = StepInputs(seqs, self.block_size, prompt_logits_for)
+        ctx = AttentionContext(
+            slot_mapping=self._tensor(inp.slot_mapping),
+            block_tables=self._tensor(inp.block_tables),
+            query_start_loc=self._tensor(inp.query_start_loc),
+            seq_lens=self._tensor(inp.seq_lens),
+            logits_indices=self._tensor(inp.logits_indices),
+            max_query_len=inp.max_query_len,
+            max_seq_len=inp.max_seq_len,
+        )
+        return inp, self._tensor(inp.input_ids), self._tensor(inp.positions), ctx
+
+    def run(
+        self, seqs: Sequence[ScheduledSeq], prompt_logits_for: Collection[int] = frozenset()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One model step: (logits [num sampling seqs, vocab] float32 in batch order,
+        {seq_id: float32 logits of every token computed this step} for `prompt_logits_for`).
+        Row k of a prompt-logits tensor predicts the token after that step's k-th token."""
+        if not seqs:
+            empty = torch.empty(0, self.model.vocab_size, dtype=torch.float32, device=self.device)
+            return empty, {}
+        inp, input_ids, positions, ctx = self.build_context(seqs, prompt_logits_for)
+        with torch.inference_mode():
+            out = self.model(input_ids, positions, self.kv_caches, ctx)  # [rows, vocab]
+        # Copies made outside inference mode, so callers may edit them in place.
+        at = inp.sample_at
+        logits = out[at[0] : at[-1] + 1] if at else out[:0]
+        logits = logits.to(torch.float32, copy=True)
+        prompt = {
+            sid: out[a:b].to(torch.float32, copy=True) for sid, (a, b) in inp.prompt_rows.items()
+        }
+        return logits, prompt
