@@ -1,0 +1,268 @@
+"""Typed bounded channels: the only way messages move between stages.
+
+A channel is an anyio memory object stream pair with a name, a declared message type and a
+finite capacity, so a slow consumer makes its producers wait instead of letting a queue
+grow without bound. Every send stamps `time.perf_counter()`; the receiver turns the stamp
+into the message's queue wait. Taps see every message sent (trace recorder, metrics).
+
+Ownership follows anyio's rule: every producer task gets its own `sender()` clone and every
+consumer task its own `receiver()` clone, then the channel's originals are closed with
+`close()`. When the last sender clone closes, consumers drain what is buffered and then see
+`anyio.EndOfStream`, which is how the end of a stream propagates down the graph.
+
+Waiting on several channels at once (a stage with several inputs) uses wake-up events the
+send side sets after each successful send and on close: see `ChannelReceiver.add_waiter`.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any, Generic, TypeVar
+
+import anyio
+from anyio.streams.memory import (
+    MemoryObjectReceiveStream,
+    MemoryObjectSendStream,
+    MemoryObjectStreamStatistics,
+)
+
+T = TypeVar("T")
+
+Tap = Callable[[Any, float], None]
+"""Called as `tap(message, send_time)` after every successful send; must not block."""
+
+
+class ChannelTypeError(TypeError):
+    """A message was sent on a channel whose declared type does not admit it."""
+
+
+class BrokenChannelError(anyio.BrokenResourceError):
+    """A send found that every consumer of the channel has finished."""
+
+
+def type_members(tp: Any) -> tuple[type, ...] | None:
+    """The classes a port type admits, or None when it admits anything.
+
+    Unions (`A | B`, `Optional[A]`) expand to their members; a parametrised generic such as
+    `list[int]` checks only its origin class. Raises TypeError for something that is not a
+    type, so the graph validator can report a badly declared port.
+    """
+    if tp is Any or tp is object:
+        return None
+    if tp is None or tp is type(None):
+        return (type(None),)
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        members: list[type] = []
+        for arg in typing.get_args(tp):
+            sub = type_members(arg)
+            if sub is None:
+                return None
+            members.extend(sub)
+        return tuple(dict.fromkeys(members))
+    if origin is typing.Literal:
+        return tuple(dict.fromkeys(type(value) for value in typing.get_args(tp)))
+    if origin is typing.Annotated:
+        return type_members(typing.get_args(tp)[0])
+    if isinstance(origin, type):
+        return (origin,)
+    if isinstance(tp, type):
+        return (tp,)
+    raise TypeError(f"{tp!r} is not a type")
+
+
+def type_name(tp: Any) -> str:
+    """A short human name for a port type, e.g. `TokenizedRequest | Abort`."""
+    try:
+        members = type_members(tp)
+    except TypeError:
+        return repr(tp)
+    if members is None:
+        return "Any"
+    return " | ".join("None" if m is type(None) else m.__name__ for m in members)
+
+
+class Channel(Generic[T]):
+    """A named, typed, bounded channel; clone an end per task, then `close()` the originals."""
+
+    def __init__(self, name: str, message_type: Any, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"channel {name!r}: capacity must be an int >= 1, got {capacity!r}")
+        self.name = name
+        self.message_type = message_type
+        self.capacity = capacity
+        # The stream carries (message, send_time) pairs; capacity counts messages.
+        send, receive = anyio.create_memory_object_stream[tuple[Any, float]](capacity)
+        self._send: MemoryObjectSendStream[tuple[Any, float]] = send
+        self._receive: MemoryObjectReceiveStream[tuple[Any, float]] = receive
+        # Shared by reference with every clone, so a tap added later is seen by all senders.
+        self._taps: list[Tap] = []
+        self._waiters: set[anyio.Event] = set()
+        self._accepts = type_members(message_type)
+
+    def __repr__(self) -> str:
+        return (
+            f"Channel({self.name!r}, {type_name(self.message_type)}, "
+            f"depth={self.depth()}/{self.capacity})"
+        )
+
+    def add_tap(self, tap: Tap) -> None:
+        """Call `tap(message, send_time)` after every send on this channel."""
+        self._taps.append(tap)
+
+    def remove_tap(self, tap: Tap) -> None:
+        self._taps.remove(tap)
+
+    def depth(self) -> int:
+        """Messages buffered now (never more than `capacity`)."""
+        return self._send.statistics().current_buffer_used
+
+    def statistics(self) -> MemoryObjectStreamStatistics:
+        return self._send.statistics()
+
+    def sender(self) -> ChannelSender[T]:
+        """A send end for one producer task; close it when that task ends."""
+        return ChannelSender(self, self._send.clone())
+
+    def receiver(self) -> ChannelReceiver[T]:
+        """A receive end for one consumer task; close it when that task ends."""
+        return ChannelReceiver(self, self._receive.clone())
+
+    def close(self) -> None:
+        """Close the originals once every task has its clone."""
+        self._send.close()
+        self._receive.close()
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        for event in tuple(self._waiters):
+            event.set()
+
+
+class ChannelSender(Generic[T]):
+    """One producer task's end of a channel."""
+
+    __slots__ = ("_accepts", "_closed", "_stream", "_taps", "_waiters", "channel")
+
+    def __init__(self, channel: Channel[T], stream: MemoryObjectSendStream[tuple[Any, float]]):
+        self.channel = channel
+        self._stream = stream
+        self._taps = channel._taps
+        self._waiters = channel._waiters
+        self._accepts = channel._accepts
+        self._closed = False
+
+    def _check(self, message: Any) -> None:
+        if self._accepts is not None and not isinstance(message, self._accepts):
+            raise ChannelTypeError(
+                f"channel {self.channel.name!r} carries {type_name(self.channel.message_type)}, "
+                f"got {type(message).__name__}"
+            )
+
+    async def send(self, message: T) -> None:
+        """Send, waiting while the channel is full (backpressure)."""
+        self._check(message)
+        now = perf_counter()
+        try:
+            await self._stream.send((message, now))
+        except anyio.BrokenResourceError:
+            raise BrokenChannelError(
+                f"channel {self.channel.name!r}: every consumer has finished"
+            ) from None
+        for tap in self._taps:
+            tap(message, now)
+        if self._waiters:
+            for event in tuple(self._waiters):
+                event.set()
+
+    def send_nowait(self, message: T) -> None:
+        """Send if there is room now; raises `anyio.WouldBlock` when the channel is full."""
+        self._check(message)
+        now = perf_counter()
+        try:
+            self._stream.send_nowait((message, now))
+        except anyio.BrokenResourceError:
+            raise BrokenChannelError(
+                f"channel {self.channel.name!r}: every consumer has finished"
+            ) from None
+        for tap in self._taps:
+            tap(message, now)
+        if self._waiters:
+            for event in tuple(self._waiters):
+                event.set()
+
+    def has_room(self) -> bool:
+        """Would `send_nowait` succeed now? (Single event loop: true until the next await.)"""
+        stats = self._stream.statistics()
+        return stats.current_buffer_used < stats.max_buffer_size or stats.tasks_waiting_receive > 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close this clone; the last one to close ends the stream for the consumers."""
+        if not self._closed:
+            self._closed = True
+            self._stream.close()
+            self.channel._wake_waiters()
+
+
+class ChannelReceiver(Generic[T]):
+    """One consumer task's end of a channel; `last_wait` is the latest message's queue wait."""
+
+    __slots__ = ("_closed", "_stream", "channel", "last_wait")
+
+    def __init__(
+        self, channel: Channel[T], stream: MemoryObjectReceiveStream[tuple[Any, float]]
+    ) -> None:
+        self.channel = channel
+        self._stream = stream
+        self.last_wait = 0.0  # seconds between send and receive of the last message
+        self._closed = False
+
+    async def receive(self) -> T:
+        """The next message; raises `anyio.EndOfStream` once closed and drained."""
+        message, sent = await self._stream.receive()
+        self.last_wait = perf_counter() - sent
+        return message
+
+    def receive_nowait(self) -> T:
+        """The next message if one is buffered; raises `anyio.WouldBlock` or `EndOfStream`."""
+        message, sent = self._stream.receive_nowait()
+        self.last_wait = perf_counter() - sent
+        return message
+
+    def __aiter__(self) -> ChannelReceiver[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    @property
+    def exhausted(self) -> bool:
+        """Closed by every producer and drained: no message will ever arrive."""
+        stats = self._stream.statistics()
+        return (
+            stats.open_send_streams == 0
+            and stats.current_buffer_used == 0
+            and stats.tasks_waiting_send == 0
+        )
+
+    def add_waiter(self, event: anyio.Event) -> None:
+        """Set `event` after the next send on (or close of) this channel."""
+        self.channel._waiters.add(event)
+
+    def remove_waiter(self, event: anyio.Event) -> None:
+        self.channel._waiters.discard(event)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._stream.close()

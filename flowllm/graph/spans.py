@@ -1,0 +1,208 @@
+"""Observability for the graph: structlog setup, one span per handled message, metrics.
+
+Spans are cheap by construction: two `perf_counter()` calls, two histogram observations,
+and a structlog `debug` event that the filtering logger drops for nothing unless the level
+is DEBUG (`FLOWLLM_LOG_LEVEL=debug`). Metrics live in a `CollectorRegistry` owned by each
+graph, never the process-wide default, so many graphs can run in one process (tests) and
+`/metrics` renders exactly one graph's registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from time import perf_counter
+from typing import Any, TextIO
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from flowllm.graph.channel import Channel
+
+LOG_FORMATS = ("auto", "console", "json")
+
+# Stage durations span from a few µs (a relay) to seconds (a prefill on CPU).
+DURATION_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+def configure_logging(
+    *,
+    fmt: str | None = None,
+    level: str | int | None = None,
+    stream: TextIO | None = None,
+    force: bool = False,
+) -> None:
+    """Set structlog up once: console on a TTY, JSON lines otherwise.
+
+    `fmt` ("auto", "console", "json") and `level` default to the environment variables
+    FLOWLLM_LOG_FORMAT and FLOWLLM_LOG_LEVEL, then to "auto" and "info". Without `force`, an
+    existing structlog configuration (the application's own) is left alone.
+    """
+    if structlog.is_configured() and not force:
+        return
+    out = stream if stream is not None else sys.stderr
+    fmt = (fmt or os.environ.get("FLOWLLM_LOG_FORMAT") or "auto").lower()
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    if fmt == "auto":
+        fmt = "console" if out.isatty() else "json"
+    raw_level = level if level is not None else os.environ.get("FLOWLLM_LOG_LEVEL", "info")
+    numeric = raw_level if isinstance(raw_level, int) else logging.getLevelName(raw_level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {raw_level!r}")
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if fmt == "json":
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=out.isatty()))
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(out),
+        cache_logger_on_first_use=False,
+    )
+
+
+def message_fields(message: Any) -> dict[str, Any]:
+    """What a span says about a message: its request id or step id, and its batch size.
+
+    Per-request messages carry `request_id` (or wrap a request that does); per-step messages
+    carry `step_id` (or a `batch` that does) and a tuple of per-sequence entries.
+    """
+    fields: dict[str, Any] = {}
+    inner = getattr(message, "batch", None) or getattr(message, "request", None)
+    for holder in (message, inner):
+        if holder is None:
+            continue
+        request_id = getattr(holder, "request_id", None)
+        if request_id is not None:
+            fields["request_id"] = request_id
+            return fields
+        step_id = getattr(holder, "step_id", None)
+        if step_id is not None:
+            fields["step_id"] = step_id
+            for attr in ("seqs", "tokens", "deltas"):
+                entries = getattr(holder, attr, None)
+                if entries is not None:
+                    fields["batch_size"] = len(entries)
+                    break
+            return fields
+    return fields
+
+
+class GraphMetrics:
+    """The Prometheus metrics of one graph, in a registry the graph owns."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.stage_duration = Histogram(
+            "flowllm:stage_duration_seconds",
+            "Time a stage spends handling one message.",
+            ["stage"],
+            registry=self.registry,
+            buckets=DURATION_BUCKETS,
+        )
+        self.stage_queue_wait = Histogram(
+            "flowllm:stage_queue_wait_seconds",
+            "Time a message waits in a stage's input channel.",
+            ["stage"],
+            registry=self.registry,
+            buckets=DURATION_BUCKETS,
+        )
+        self.channel_depth = Gauge(
+            "flowllm:channel_depth",
+            "Messages buffered in a channel (sampled when scraped).",
+            ["channel"],
+            registry=self.registry,
+        )
+        self.stage_errors = Counter(
+            "flowllm:stage_errors_total",
+            "Exceptions raised by a stage.",
+            ["stage"],
+            registry=self.registry,
+        )
+        self.graph_healthy = Gauge(
+            "flowllm:graph_healthy",
+            "1 while the graph runs and no stage has failed.",
+            registry=self.registry,
+        )
+
+    def watch_channel(self, channel: Channel[Any]) -> None:
+        """Sample the channel's depth at scrape time (no cost per message)."""
+        self.channel_depth.labels(channel.name).set_function(channel.depth)
+
+
+class SpanRecorder:
+    """Records one span per message for one stage: histograms always, events at DEBUG."""
+
+    __slots__ = ("_duration", "_enabled", "_events", "_log", "_wait", "stage")
+
+    def __init__(
+        self,
+        stage: str,
+        log: Any,
+        metrics: GraphMetrics,
+        *,
+        enabled: bool = True,
+        events: bool | None = None,
+    ) -> None:
+        self.stage = stage
+        self._log = log
+        self._enabled = enabled
+        self._duration = metrics.stage_duration.labels(stage)
+        self._wait = metrics.stage_queue_wait.labels(stage)
+        if events is None:
+            is_enabled_for = getattr(log, "is_enabled_for", None)
+            events = bool(is_enabled_for(logging.DEBUG)) if is_enabled_for else True
+        self._events = enabled and events
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def record(self, message: Any, started: float, queue_wait: float) -> None:
+        """Close the span of `message`, whose handling began at `started` (perf_counter)."""
+        if not self._enabled:
+            return
+        duration = perf_counter() - started
+        self._duration.observe(duration)
+        self._wait.observe(queue_wait)
+        if self._events:
+            self._log.debug(
+                "span",
+                **message_fields(message),
+                duration_s=duration,
+                queue_wait_s=queue_wait,
+            )
+
+    def span(self, message: Any, queue_wait: float) -> Span:
+        """A context manager timing the handling of `message` (for hand-written `run`s)."""
+        return Span(self, message, queue_wait)
+
+
+class Span:
+    """`with ctx.span(message):` — times the block and records it on exit without error."""
+
+    __slots__ = ("_message", "_recorder", "_started", "_wait")
+
+    def __init__(self, recorder: SpanRecorder, message: Any, queue_wait: float) -> None:
+        self._recorder = recorder
+        self._message = message
+        self._wait = queue_wait
+        self._started = 0.0
+
+    def __enter__(self) -> Span:
+        self._started = perf_counter()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self._recorder.record(self._message, self._started, self._wait)

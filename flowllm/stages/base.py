@@ -1,0 +1,328 @@
+"""The Stage contract: ports, params, a `run` over a context, and hooks the runtime calls.
+
+A stage class declares
+
+    inputs = {"in": TokenizedRequest | Abort}          # port -> message type (a union is fine)
+    outputs = {"out": StepBatch, "errors": RequestError}
+    class Params(msgspec.Struct, frozen=True): ...      # built from the YAML `with:` map
+    credit_param = "max_inflight_steps"                 # only for a stage bounding a cycle
+
+and is constructed by the runtime as `StageClass(params, services)`. `run(ctx)` receives
+from `ctx`'s inboxes and emits on its outboxes; it returns once its inputs are closed and
+drained, after which the runtime closes its outboxes so the end propagates downstream.
+
+Three shapes cover the graph:
+
+- `PerMessageStage`: receive one, emit zero or more. Write `handle(message, ctx)`.
+- `SourceStage`: no inputs; the graph's owner calls its methods (`graph.stage("ingest")`)
+  and they emit through `self.context`. It runs until a graceful stop is requested.
+- A hand-written `run` for stages with several inputs (like `schedule`): call
+  `ctx.receive_any("step_results", "finishes", "requests")`, which waits without polling
+  until any of the named inputs has a message and checks them in the order given, so the
+  first port has priority. A port that has closed and drained is reported once as
+  `(port, CLOSED)`, which is how a stage on a cycle learns that its intake has ended and
+  can return when nothing is in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from time import perf_counter
+from typing import Any, ClassVar, Final
+
+import anyio
+import anyio.lowlevel
+import msgspec
+
+from flowllm.graph.channel import ChannelReceiver, ChannelSender
+from flowllm.graph.spans import Span, SpanRecorder
+
+
+class NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The params of a stage that takes none."""
+
+
+class StageNotRunningError(RuntimeError):
+    """A stage's outboxes were used before the graph started it (or after it ended)."""
+
+
+class _Closed:
+    """The marker `receive_any` returns once for an input that has closed and drained."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "CLOSED"
+
+
+CLOSED: Final = _Closed()
+
+
+class Outbox:
+    """One output port of one stage task: a sender per connected channel (fan-out)."""
+
+    __slots__ = ("_one", "port", "senders")
+
+    def __init__(self, port: str, senders: list[ChannelSender[Any]]) -> None:
+        self.port = port
+        self.senders = senders
+        # The common case, one consumer channel, skips the loop.
+        self._one = senders[0] if len(senders) == 1 else None
+
+    async def send(self, message: Any) -> None:
+        """Send to every connected channel, waiting while any is full."""
+        if self._one is not None:
+            await self._one.send(message)
+            return
+        for sender in self.senders:
+            await sender.send(message)
+
+    def has_room(self) -> bool:
+        return all(sender.has_room() for sender in self.senders)
+
+    def send_nowait(self, message: Any) -> None:
+        """Send now to every channel or to none; raises `anyio.WouldBlock` when any is full."""
+        if not self.has_room():
+            raise anyio.WouldBlock
+        for sender in self.senders:
+            sender.send_nowait(message)
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
+
+
+class StageContext:
+    """What a running stage task sees: its inboxes, outboxes, logger and stop signal.
+
+    One context per task: each replica of a stage has its own, holding its own channel
+    clones. `last_wait` is the queue wait of the message most recently received through
+    the context, which `span()` records by default.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        replica: int,
+        inboxes: Mapping[str, ChannelReceiver[Any]],
+        outboxes: Mapping[str, Outbox],
+        log: Any,
+        spans: SpanRecorder,
+        stop_requested: anyio.Event,
+    ) -> None:
+        self.name = name
+        self.replica = replica
+        self.log = log
+        self.spans = spans
+        self.stop_requested = stop_requested  # set when the graph's owner asks for a stop
+        self.last_wait = 0.0
+        self._inboxes = dict(inboxes)
+        self._outboxes = dict(outboxes)
+        self._input_order = tuple(self._inboxes)
+        self._reported_closed: set[str] = set()
+        self._closed = False
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    @property
+    def input_ports(self) -> tuple[str, ...]:
+        return self._input_order
+
+    def inbox(self, port: str) -> ChannelReceiver[Any]:
+        try:
+            return self._inboxes[port]
+        except KeyError:
+            raise KeyError(f"stage {self.name!r} has no input port {port!r}") from None
+
+    async def receive(self, port: str) -> Any:
+        """The next message on `port`; raises `anyio.EndOfStream` once closed and drained."""
+        inbox = self.inbox(port)
+        message = await inbox.receive()
+        self.last_wait = inbox.last_wait
+        return message
+
+    def receive_nowait(self, port: str) -> Any:
+        """A buffered message on `port`; raises `anyio.WouldBlock` or `anyio.EndOfStream`."""
+        inbox = self.inbox(port)
+        message = inbox.receive_nowait()
+        self.last_wait = inbox.last_wait
+        return message
+
+    def input_closed(self, port: str) -> bool:
+        """True once every producer of `port` has finished and its buffer is empty."""
+        return self.inbox(port).exhausted
+
+    async def receive_any(self, *ports: str) -> tuple[str, Any]:
+        """Wait until any of `ports` (default: all inputs, declared order) has a message.
+
+        Ports are checked in the order given, so earlier ports have priority. Returns
+        `(port, message)`; a port that has closed and drained is returned once as
+        `(port, CLOSED)` and skipped afterwards. Raises `anyio.EndOfStream` when every
+        port has been reported closed. No polling: while nothing is buffered, the task
+        sleeps on one event that the channels' send side sets.
+        """
+        order = ports or self._input_order
+        inboxes = [(port, self.inbox(port)) for port in order]
+        # A checkpoint per call so a stage whose inputs are always ready still yields.
+        await anyio.lowlevel.checkpoint()
+        while True:
+            waiting = False
+            for port, inbox in inboxes:
+                if port in self._reported_closed:
+                    continue
+                try:
+                    message = inbox.receive_nowait()
+                except anyio.WouldBlock:
+                    waiting = True
+                    continue
+                except anyio.EndOfStream:
+                    self._reported_closed.add(port)
+                    return port, CLOSED
+                self.last_wait = inbox.last_wait
+                return port, message
+            if not waiting:
+                raise anyio.EndOfStream
+            # Nothing buffered: sleep until a send or close on any open port. No await
+            # separates the checks above from registering, so no wake-up can be missed.
+            event = anyio.Event()
+            live = [inbox for port, inbox in inboxes if port not in self._reported_closed]
+            for inbox in live:
+                inbox.add_waiter(event)
+            try:
+                await event.wait()
+            finally:
+                for inbox in live:
+                    inbox.remove_waiter(event)
+
+    # -- outputs --------------------------------------------------------------------------
+
+    @property
+    def output_ports(self) -> tuple[str, ...]:
+        return tuple(self._outboxes)
+
+    def outbox(self, port: str) -> Outbox:
+        if self._closed:
+            raise StageNotRunningError(f"stage {self.name!r} has finished; it cannot emit")
+        try:
+            return self._outboxes[port]
+        except KeyError:
+            raise KeyError(f"stage {self.name!r} has no output port {port!r}") from None
+
+    async def emit(self, port: str, message: Any) -> None:
+        """Send `message` on output `port`, waiting while a consumer channel is full."""
+        await self.outbox(port).send(message)
+
+    def emit_nowait(self, port: str, message: Any) -> None:
+        """Send now or raise `anyio.WouldBlock` (for callers that must not wait)."""
+        self.outbox(port).send_nowait(message)
+
+    # -- spans ----------------------------------------------------------------------------
+
+    def span(self, message: Any, queue_wait: float | None = None) -> Span:
+        """`with ctx.span(msg): ...` records one span (default wait: `last_wait`)."""
+        return self.spans.span(message, self.last_wait if queue_wait is None else queue_wait)
+
+    def close(self) -> None:
+        """Close this task's channel clones; called by the runtime when the task ends."""
+        self._closed = True
+        for outbox in self._outboxes.values():
+            outbox.close()
+        for inbox in self._inboxes.values():
+            inbox.close()
+
+
+class Stage:
+    """Base class of every stage. Subclasses declare ports and params and implement `run`."""
+
+    inputs: ClassVar[dict[str, Any]] = {}
+    outputs: ClassVar[dict[str, Any]] = {}
+    Params: ClassVar[type[msgspec.Struct]] = NoParams
+    # Name of an int param bounding the messages this stage keeps in flight around a
+    # cycle (DESIGN.md §3); the validator accepts a cycle only through such a stage.
+    credit_param: ClassVar[str | None] = None
+
+    def __init__(self, params: Any, services: Any) -> None:
+        self.params = params
+        self.services = services
+        self._context: StageContext | None = None
+
+    @classmethod
+    def credit_bound(cls, params: Any) -> int | None:
+        """Messages this stage keeps in flight around a cycle at most, or None (unbounded)."""
+        if cls.credit_param is None:
+            return None
+        value = getattr(params, cls.credit_param, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def context(self) -> StageContext:
+        """This stage's context while the graph runs (for methods the graph's owner calls)."""
+        if self._context is None:
+            raise StageNotRunningError(f"{type(self).__name__} is not running in a graph")
+        return self._context
+
+    def bind(self, ctx: StageContext | None) -> None:
+        """Called by the runtime before `run` (and with None after it ends)."""
+        self._context = ctx
+
+    async def run(self, ctx: StageContext) -> None:
+        """Receive, work, emit; return once the inputs are closed and drained."""
+        raise NotImplementedError(f"{type(self).__name__} must implement run()")
+
+    async def stop_intake(self) -> None:
+        """Graceful stop has begun: accept no new work (source stages override this)."""
+
+    async def fail_inflight(self, error: BaseException) -> None:
+        """A stage failed: fail every piece of work this stage can still answer.
+
+        Called on every stage before the graph shuts down; `format` answers each open
+        request with a 500 here. Must not wait on channels (they may be stuck).
+        """
+
+
+class PerMessageStage(Stage):
+    """Receive one message, emit zero or more: implement `handle`.
+
+    With several input ports, messages are taken with `receive_any` in declared port order
+    (the first port has priority) and `handle` dispatches on the message's type.
+    """
+
+    async def handle(self, message: Any, ctx: StageContext) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement handle()")
+
+    async def run(self, ctx: StageContext) -> None:
+        spans = ctx.spans
+        handle = self.handle
+        if len(ctx.input_ports) == 1:
+            inbox = ctx.inbox(ctx.input_ports[0])
+            while True:
+                try:
+                    message = await inbox.receive()
+                except anyio.EndOfStream:
+                    return
+                started = perf_counter()
+                await handle(message, ctx)
+                spans.record(message, started, inbox.last_wait)
+        while True:
+            try:
+                _port, message = await ctx.receive_any()
+            except anyio.EndOfStream:
+                return
+            if message is CLOSED:
+                continue
+            started = perf_counter()
+            wait = ctx.last_wait
+            await handle(message, ctx)
+            spans.record(message, started, wait)
+
+
+class SourceStage(Stage):
+    """A stage with no inputs, fed by its owner's method calls; runs until a stop request.
+
+    Methods emit through `self.context.emit(...)` / `emit_nowait(...)`. Override
+    `stop_intake` to refuse new work at once when a graceful stop begins.
+    """
+
+    async def run(self, ctx: StageContext) -> None:
+        await ctx.stop_requested.wait()
