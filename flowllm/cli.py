@@ -23,6 +23,12 @@ def _graph_show(args: argparse.Namespace) -> int:
     return show_command(args.file, mermaid_only=args.mermaid)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from flowllm.bench.serve import serve_command
+
+    return serve_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flowllm",
@@ -39,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file", nargs="?", default=None, help="graph YAML (default: built-in)")
     show.add_argument("--mermaid", action="store_true", help="print only the Mermaid chart")
     show.set_defaults(func=_graph_show)
+
+    from flowllm.bench.args import add_serve_arguments
+
+    bench = commands.add_parser("bench", help="benchmark a running OpenAI-compatible server")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="ACTION")
+    bench_serve = bench_commands.add_parser(
+        "serve", help="load a server with streamed requests; report TTFT, TPOT, ITL, E2E latency"
+    )
+    add_serve_arguments(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)
     return parser
 
 
