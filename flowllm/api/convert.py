@@ -1,0 +1,245 @@
+"""OpenAI request bodies -> `GenerateRequest`s for the graph, with the API's defaults.
+
+Only what the schema cannot express is checked here (prompt shapes, unsupported options,
+content parts); parameter ranges are the graph's validate stage's job
+(`flowllm.engine.validation`), so the HTTP API and the offline API share one set of rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from flowllm.api.errors import ApiError
+from flowllm.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessageParam,
+    CompletionRequest,
+)
+from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class PreparedCompletion(msgspec.Struct, frozen=True, kw_only=True):
+    """A completion request split per prompt, as the graph will see it."""
+
+    requests: tuple[GenerateRequest, ...]
+    n: int  # choices per prompt: choice index = prompt_index * n + choice
+    echo: bool
+    echo_only: bool  # max_tokens 0 with echo: return the prompt, drop the generated token
+    logprobs: int | None  # top-N per returned token, None: no logprobs
+    prompt_logprobs: int | None  # vLLM's prompt_logprobs field, as asked
+    include_usage: bool
+
+
+class PreparedChat(msgspec.Struct, frozen=True, kw_only=True):
+    request: GenerateRequest
+    n: int
+    logprobs: int | None  # top_logprobs when logprobs is true, else None
+    include_usage: bool
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _stream_flags(stream: bool | None, options: Any) -> tuple[bool, bool]:
+    """(stream, include_usage); stream_options without stream is a 400, as in vLLM."""
+    if options is not None and not stream:
+        raise ApiError(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    return bool(stream), bool(options is not None and options.include_usage)
+
+
+def _common_params(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """SamplingParams fields both endpoints set the same way (None: the engine default)."""
+    values: dict[str, Any] = {
+        "n": req.n,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "logit_bias": req.logit_bias,
+        "seed": req.seed,
+        "min_tokens": req.min_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+    }
+    fields = {k: v for k, v in values.items() if v is not None}
+    fields["stop"] = _stop(req.stop)
+    fields["stop_token_ids"] = tuple(req.stop_token_ids or ())
+    return fields
+
+
+def split_prompts(prompt: str | list[Any]) -> list[str | tuple[int, ...]]:
+    """The prompts of a completion request: a string, strings, token ids, or id lists."""
+    bad = ApiError(
+        "Invalid 'prompt': expected a string, an array of strings, an array of token ids "
+        "or an array of token id arrays.",
+        param="prompt",
+        code="invalid_type",
+    )
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError("The prompt cannot be empty.", param="prompt", code="empty_array")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [tuple(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        prompts: list[str | tuple[int, ...]] = []
+        for ids in prompt:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise bad
+            prompts.append(tuple(ids))
+        return prompts
+    raise bad
+
+
+def prepare_completion(
+    req: CompletionRequest,
+    *,
+    request_id: str,
+    served_model_name: str,
+    arrival_time: float,
+) -> tuple[PreparedCompletion, bool]:
+    """The graph requests for one completion request, and whether it streams.
+
+    `max_tokens: 0` with `echo` runs the prompt with max_tokens 1 (the engine needs one
+    step to compute prompt logprobs) and the generated token is dropped when formatting.
+    """
+    if req.suffix is not None:
+        raise ApiError("suffix is not currently supported", param="suffix")
+    if req.best_of is not None and req.best_of != 1:
+        raise ApiError("best_of is not currently supported", param="best_of")
+    stream, include_usage = _stream_flags(req.stream, req.stream_options)
+    echo = bool(req.echo)
+    echo_only = echo and req.max_tokens == 0
+    fields = _common_params(req)
+    fields["max_tokens"] = 1 if echo_only else req.max_tokens
+    if echo_only:
+        fields["min_tokens"] = 0
+    if req.logprobs is not None:
+        fields["logprobs"] = req.logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if echo and req.logprobs is not None:
+        # Every echoed prompt token gets its logprob (and top-N), aligned with generated ones.
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+    if prompt_logprobs is not None:
+        fields["prompt_logprobs"] = prompt_logprobs
+    try:
+        params = SamplingParams(**fields)
+    except TypeError as exc:  # a wrong type the schema let through (cannot happen normally)
+        raise ApiError(f"Invalid request: {exc}") from exc
+    model = req.model or served_model_name
+    requests = []
+    for i, prompt in enumerate(split_prompts(req.prompt)):
+        requests.append(
+            GenerateRequest(
+                request_id=f"{request_id}-{i}",
+                model=model,
+                params=params,
+                arrival_time=arrival_time,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=prompt if isinstance(prompt, tuple) else None,
+                echo=echo,
+            )
+        )
+    prepared = PreparedCompletion(
+        requests=tuple(requests),
+        n=params.n,
+        echo=echo,
+        echo_only=echo_only,
+        logprobs=req.logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        include_usage=include_usage,
+    )
+    return prepared, stream
+
+
+def flatten_messages(messages: list[ChatMessageParam]) -> tuple[ChatMessage, ...]:
+    """Chat turns with content as one string: text parts joined, anything else a 400."""
+    flat = []
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise ApiError(
+                f"Invalid 'messages[{i}].role': {message.role!r} is not supported; expected "
+                f"one of {', '.join(CHAT_ROLES)}.",
+                param=f"messages[{i}].role",
+            )
+        content = message.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            parts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(
+                        f"Invalid 'messages[{i}].content[{j}]': content parts of type "
+                        f"{part.type!r} are not supported; only text parts are.",
+                        param=f"messages[{i}].content[{j}].type",
+                    )
+                parts.append(part.text)
+            text = "\n".join(parts)
+        flat.append(ChatMessage(role=message.role, content=text))
+    return tuple(flat)
+
+
+def prepare_chat(
+    req: ChatCompletionRequest,
+    *,
+    request_id: str,
+    served_model_name: str,
+    arrival_time: float,
+    chat_template: str | None,
+) -> tuple[PreparedChat, bool]:
+    """The graph request for one chat request, and whether it streams."""
+    if req.tools:
+        raise ApiError("tools are not currently supported", param="tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise ApiError(
+            "response_format other than text is not currently supported",
+            param="response_format",
+        )
+    if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+        raise ApiError(
+            "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
+        )
+    stream, include_usage = _stream_flags(req.stream, req.stream_options)
+    fields = _common_params(req)
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    fields["max_tokens"] = max_tokens  # None: the engine resolves it to the rest of the context
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
+    params = SamplingParams(**fields)
+    request = GenerateRequest(
+        request_id=request_id,
+        model=req.model or served_model_name,
+        params=params,
+        arrival_time=arrival_time,
+        messages=flatten_messages(req.messages),
+        add_generation_prompt=(
+            True if req.add_generation_prompt is None else req.add_generation_prompt
+        ),
+        chat_template=req.chat_template if req.chat_template is not None else chat_template,
+    )
+    prepared = PreparedChat(
+        request=request, n=params.n, logprobs=logprobs, include_usage=include_usage
+    )
+    return prepared, stream

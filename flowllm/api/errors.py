@@ -1,0 +1,119 @@
+"""Every failure as OpenAI's error body `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers raise `ApiError`; Litestar's exception handlers below turn it, the framework's
+own exceptions (unknown route, wrong method) and anything unexpected into that body, so
+a client never sees a framework default page.
+"""
+
+from __future__ import annotations
+
+import re
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+import structlog
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from flowllm.api.protocol import ErrorInfo, ErrorResponse
+from flowllm.messages import RequestError
+
+# The error `type` for each status, following vLLM's names.
+_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    503: "ServiceUnavailableError",
+}
+
+# msgspec's validation messages end with the JSON path of the bad value, e.g. "at `$.n`".
+_PATH = re.compile(r"at `\$\.?([A-Za-z_][A-Za-z0-9_]*)?")
+
+
+class ApiError(Exception):
+    """A request the API refuses; becomes the OpenAI error body with `status_code`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int = 400,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type or error_type(status_code)
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @classmethod
+    def from_request_error(cls, error: RequestError) -> ApiError:
+        return cls(
+            error.message,
+            status_code=error.status_code,
+            type=error.type,
+            param=error.param,
+            code=error.code,
+        )
+
+    @classmethod
+    def from_validation(cls, exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiError:
+        """A body that is not JSON, or JSON of the wrong shape: 400 naming the field."""
+        if not isinstance(exc, msgspec.ValidationError):
+            return cls(f"Invalid JSON body: {exc}", code="invalid_json")
+        match = _PATH.search(str(exc))
+        param = match.group(1) if match else None
+        if param is None and "missing required field" in str(exc):
+            param = str(exc).split("`")[1] if "`" in str(exc) else None
+        return cls(f"Invalid request: {exc}", param=param, code="invalid_type")
+
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_type(status_code: int) -> str:
+    if status_code in _TYPES:
+        return _TYPES[status_code]
+    return "InternalServerError" if status_code >= 500 else "BadRequestError"
+
+
+def error_response(error: ApiError) -> Response[ErrorResponse]:
+    return Response(
+        ErrorResponse(error=error.info()),
+        status_code=error.status_code,
+        headers=error.headers,
+        media_type="application/json",
+    )
+
+
+def handle_api_error(_: Request[Any, Any, Any], exc: ApiError) -> Response[ErrorResponse]:
+    return error_response(exc)
+
+
+def handle_http_exception(_: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:
+    """Litestar's own errors (404 route, 405 method, 400 body) in OpenAI's shape."""
+    status = exc.status_code
+    message = exc.detail or HTTPStatus(status).phrase
+    headers = dict(exc.headers or {})
+    return error_response(ApiError(message, status_code=status, headers=headers))
+
+
+def handle_unexpected(_: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+    """A bug: log it with its traceback, answer 500 without leaking internals."""
+    structlog.get_logger("flowllm.api").exception("unhandled error in request handler")
+    return error_response(ApiError(f"Internal server error: {type(exc).__name__}", status_code=500))
+
+
+EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
+    ApiError: handle_api_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}
