@@ -1,0 +1,139 @@
+"""Our GPT-2 and Llama against transformers on the same random weights, fp32: a step that
+mixes prefills with decodes, chunked prefill after a cached prefix, shared prefix blocks,
+and decoding across block boundaries all give the logits of computing from scratch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from model_test_utils import Blocks, PagedSeq, reference_logits, schedule
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from flowllm.models.kv_cache import KVCacheSpec
+from flowllm.models.registry import model_class_for
+from flowllm.models.runner import ModelRunner
+
+BLOCK = 16
+VOCAB = 512
+
+
+def gpt2_reference() -> torch.nn.Module:
+    cfg = GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=256,
+        initializer_range=0.15, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def llama_reference(variant: str) -> torch.nn.Module:
+    kw: dict[str, object] = dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=VOCAB,
+        max_position_embeddings=256, initializer_range=0.15, bos_token_id=0, eos_token_id=0,
+        rms_norm_eps=1e-5,
+    )  # fmt: skip
+    if variant == "gqa_untied":
+        kw.update(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    elif variant == "mha_tied_bias":
+        kw.update(
+            num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
+            attention_bias=True, mlp_bias=True,
+        )  # fmt: skip
+    elif variant == "llama3_rope":
+        kw.update(
+            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )  # fmt: skip
+    torch.manual_seed(1)
+    ref = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    if kw.get("attention_bias"):
+        with torch.no_grad():  # transformers zero-inits biases; make them matter
+            for name, p in ref.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, 0.1)
+    return ref
+
+
+REFERENCES = {
+    "gpt2": (gpt2_reference, 1e-4),
+    "llama_gqa_untied": (lambda: llama_reference("gqa_untied"), 1e-4),
+    "llama_mha_tied_bias": (lambda: llama_reference("mha_tied_bias"), 1e-4),
+    "llama_llama3_rope": (lambda: llama_reference("llama3_rope"), 1e-4),
+}
+
+
+def ours_from(ref: torch.nn.Module) -> tuple[torch.nn.Module, list]:
+    model = model_class_for(ref.config)(ref.config, torch.float32, "cpu")
+    model.load_weights(ref.state_dict().items())
+    kv = KVCacheSpec.for_model(model, BLOCK).allocate(96, "cpu")
+    return model, kv
+
+
+@pytest.mark.parametrize("name", list(REFERENCES))
+def test_mixed_steps_match_transformers(name: str) -> None:
+    build, tol = REFERENCES[name]
+    ref = build()
+    model, kv = ours_from(ref)
+    runner = ModelRunner(model, kv, BLOCK, "cpu")
+    rng = random.Random(7)
+    lengths = [23, 40, 7, 16, 33, 50]
+    seqs = [
+        PagedSeq(i, [rng.randrange(VOCAB) for _ in range(n + 40)]) for i, n in enumerate(lengths)
+    ]
+    # Seq 5 shares seq 1's first 32 tokens and, as a prefix-cache hit, its first two blocks.
+    seqs[5].tokens[:32] = seqs[1].tokens[:32]
+    blocks = Blocks(96)
+    oracle = {s.seq_id: reference_logits(ref, s.tokens) for s in seqs}
+    got_rows: dict[int, list[tuple[int, torch.Tensor]]] = {s.seq_id: [] for s in seqs}
+
+    def step(plan: list[tuple[int, int]], prompt_ids: set[int]) -> None:
+        scheduled = [schedule(seqs[i], n, blocks, BLOCK) for i, n in plan]
+        logits, prompt = runner.run(scheduled, prompt_ids)
+        assert logits.shape == (len(plan), VOCAB) and logits.dtype == torch.float32
+        for (i, n), row in zip(plan, logits, strict=True):
+            seqs[i].num_computed += n
+            got_rows[i].append((seqs[i].num_computed - 1, row))
+        for i, rows in prompt.items():
+            n = dict(plan)[i]
+            assert rows.shape == (n, VOCAB)
+            start = seqs[i].num_computed - n
+            got_rows[i].extend((start + k, rows[k]) for k in range(n))
+
+    # Step 1: three prompts prefilled at once (seq 1 fully, two of them with prompt logits).
+    step([(0, 23), (1, 40), (2, 7)], {0, 2})
+    # Step 2: decodes of 0 and 1 beside a block-sized prefill (3), a chunk of 2 after its
+    # cached prefix, and the first chunk of 4.
+    step([(0, 1), (3, 16), (1, 1), (2, 12), (4, 20)], {2})
+    # Seq 5 reuses seq 1's two full blocks: only its remaining tokens are computed.
+    seqs[5].blocks = seqs[1].blocks[:2]
+    seqs[5].num_computed = 32
+    step([(5, 18), (4, 13), (3, 1), (0, 1)], {5})
+    # Decodes across block boundaries (seq 0 passes 32, seq 3 passes 32, seq 5 passes 64).
+    for _ in range(16):
+        step([(i, 1) for i in (0, 1, 2, 3, 4, 5)], set())
+
+    for i, rows in got_rows.items():
+        for pos, row in rows:
+            diff = (row - oracle[i][pos]).abs().max().item()
+            assert diff <= tol, f"seq {i} position {pos}: max |diff| {diff:.2e} > {tol}"
+    # The comparison means something: logits vary well beyond the tolerance.
+    assert oracle[0].std().item() > 0.1
+
+
+def test_bfloat16_close_to_transformers_fp32() -> None:
+    ref = llama_reference("gqa_untied")
+    model = model_class_for(ref.config)(ref.config, torch.bfloat16, "cpu")
+    model.load_weights(ref.state_dict().items())
+    kv = KVCacheSpec.for_model(model, BLOCK).allocate(8, "cpu")
+    assert kv[0][0].dtype == torch.bfloat16
+    runner = ModelRunner(model, kv, BLOCK, "cpu")
+    seq = PagedSeq(0, list(range(3, 40)))
+    _, prompt = runner.run([schedule(seq, 37, Blocks(8), BLOCK)], {0})
+    want = reference_logits(ref, seq.tokens)
+    assert (prompt[0] - want).abs().max().item() < 0.1 * want.abs().max().item()

@@ -1,0 +1,130 @@
+"""The torch reference paged attention against a plain per-query loop over dense K/V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flowllm import kernels
+from flowllm.kernels import reference
+from flowllm.kernels.reference import KernelInputError
+
+
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: int, scale: float
+) -> torch.Tensor:
+    """One query [H, D] at position q_pos over dense keys/values [L, kvh, D]."""
+    group = q.shape[0] // k.shape[1]
+    out = torch.empty_like(q)
+    for h in range(q.shape[0]):
+        kh, vh = k[: q_pos + 1, h // group].double(), v[: q_pos + 1, h // group].double()
+        w = torch.softmax((kh @ q[h].double()) * scale, dim=0)
+        out[h] = (w @ vh).to(q.dtype)
+    return out
+
+
+def make_case(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 16,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for i, s in enumerate(seq_lens):
+        for j in range(-(-s // block_size)):
+            tables[i, j] = perm.pop()
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    return query, k_cache, v_cache, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def expected(query, k_cache, v_cache, tables, qsl, seq_lens, scale):
+    bs = k_cache.shape[1]
+    out = torch.empty_like(query)
+    for i, s in enumerate(seq_lens.tolist()):
+        blocks = tables[i, : -(-s // bs)].long()
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:s]
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:s]
+        a, b = qsl[i].item(), qsl[i + 1].item()
+        for j in range(a, b):
+            out[j] = naive_attention(query[j], k, v, s - (b - a) + (j - a), scale)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "seq_lens", "heads", "kv_heads"),
+    [
+        ([1, 1, 1], [5, 17, 9], 4, 4),  # decode only, ragged lengths
+        ([1, 1, 1, 1], [4, 8, 1, 13], 6, 2),  # decode with GQA, block-aligned lengths
+        ([7], [7], 4, 2),  # one prefill, no cached prefix
+        ([5, 1, 9, 1], [12, 30, 9, 3], 8, 2),  # prefills (one after a prefix) mixed w/ decodes
+        ([3, 2], [3, 11], 2, 1),  # MQA, prefill chunk after a cached prefix
+    ],
+)
+def test_reference_matches_naive(q_lens, seq_lens, heads, kv_heads) -> None:
+    case = make_case(q_lens, seq_lens, heads, kv_heads)
+    scale = 1 / math.sqrt(16) * 0.9  # a non-default scale is honoured
+    got = reference.paged_attention(*case, scale, max(q_lens), max(seq_lens))
+    torch.testing.assert_close(got, expected(*case, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_bf16_close_to_fp32() -> None:
+    case32 = make_case([4, 1, 1], [10, 6, 20], 4, 2)
+    case16 = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in case32)
+    got = reference.paged_attention(*case16, 0.25, 4, 20)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected(*case32, 0.25), atol=3e-2, rtol=3e-2)
+
+
+def test_stale_slots_past_seq_len_are_ignored() -> None:
+    """Slots after a sequence's length (reused blocks, padding) never leak into its output."""
+    query, k_cache, v_cache, tables, qsl, seq_lens = make_case([1, 2], [6, 7], 4, 2)
+    before = reference.paged_attention(query, k_cache, v_cache, tables, qsl, seq_lens, 0.3, 2, 7)
+    for i, s in enumerate(seq_lens.tolist()):
+        last = tables[i, (s - 1) // 4].long()
+        k_cache[last, (s - 1) % 4 + 1 :] = 1e4
+        v_cache[last, (s - 1) % 4 + 1 :] = -1e4
+    after = reference.paged_attention(query, k_cache, v_cache, tables, qsl, seq_lens, 0.3, 2, 7)
+    torch.testing.assert_close(after, before)
+
+
+def test_store_kv_writes_slots() -> None:
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros(4, 4, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots = torch.tensor([13, 2, 7])  # block 3 offset 1, block 0 offset 2, block 1 offset 3
+    kernels.store_kv(key, value, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache[3, 1], key[0])
+    torch.testing.assert_close(k_cache[0, 2], key[1])
+    torch.testing.assert_close(v_cache[1, 3], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 3
+
+
+def test_dispatch_picks_reference_on_cpu() -> None:
+    assert kernels.implementation_for(torch.device("cpu")) is reference
+    case = make_case([2, 1], [5, 3], 2, 2)
+    torch.testing.assert_close(
+        kernels.paged_attention(*case, 0.5, 2, 5), reference.paged_attention(*case, 0.5, 2, 5)
+    )
+
+
+def test_bad_shapes_raise_typed_errors() -> None:
+    query, k_cache, v_cache, tables, qsl, seq_lens = make_case([1], [3], 3, 3)
+    with pytest.raises(KernelInputError, match="multiple"):
+        reference.paged_attention(
+            query, k_cache[:, :, :2], v_cache[:, :, :2], tables, qsl, seq_lens, 1.0, 1, 3
+        )
+    with pytest.raises(KernelInputError, match="slot_mapping"):
+        reference.store_kv(query, query, k_cache, v_cache, torch.tensor([0, 1]))
