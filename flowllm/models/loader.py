@@ -1,0 +1,446 @@
+"""Find a model's HF-format directory and load its weights into one of flowllm's model classes.
+
+A model name resolves, in order, to:
+  1. the bundled `smollm2-135m-instruct` (converted once from its GGUF, see bundled.py);
+  2. a local directory (an existing path, or anything spelled like a path);
+  3. a Hugging Face Hub id, fetched with `huggingface_hub.snapshot_download` (only config,
+     safetensors, tokenizer and generation files). `gpt2` means `openai-community/gpt2`.
+
+Hub settings are read from the environment at call time, not at import time (as
+huggingface_hub does), so `HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `HF_TOKEN` and
+`HF_ENDPOINT` take effect whenever they are set.
+
+Every failure is a `ModelLoadError` whose str() is one line naming the model and what to
+do; the CLI prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowllm.config import BUNDLED_MODEL
+
+# Old unprefixed Hub names that now live under an organisation.
+HUB_ALIASES = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+    "distilgpt2": "distilbert/distilgpt2",
+}
+
+# What a snapshot download fetches: enough to serve, never pickled or duplicate weights.
+HUB_ALLOW_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+]
+# Sub-folders (onnx/, original/, ...) hold other formats of the same weights.
+HUB_IGNORE_PATTERNS = ["*/*"]
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_BUNDLED_HINT = f"try the bundled model: flowllm serve {BUNDLED_MODEL}"
+
+
+# ----------------------------------------------------------------------------------------
+# Errors
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be resolved or loaded; str() is one line saying what and why."""
+
+
+class ModelNotFoundError(ModelLoadError):
+    """No local directory or Hub repository by that name."""
+
+
+class HubUnreachableError(ModelLoadError):
+    """The Hub cannot be reached (or offline mode is on) and the model is not cached."""
+
+
+class MissingFileError(ModelLoadError):
+    """The model directory lacks a file it needs (config, weights, a shard, tokenizer)."""
+
+
+class CorruptCheckpointError(ModelLoadError):
+    """A checkpoint file exists but cannot be parsed."""
+
+
+class UnknownArchitectureError(ModelLoadError):
+    """The checkpoint's architecture is not one flowllm implements."""
+
+
+class WeightMismatchError(ModelLoadError):
+    """The checkpoint's tensors do not fit the model: a tensor missing or of the wrong shape."""
+
+
+class BundledModelLoadError(ModelLoadError):
+    """The bundled model cannot be found or converted."""
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message folded onto one line (the CLI prints exactly one)."""
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
+
+
+# ----------------------------------------------------------------------------------------
+# Resolution
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """An HF-format model directory and the name it was asked for."""
+
+    path: Path
+    name: str
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_offline() -> bool:
+    """Whether Hub access is switched off (`HF_HUB_OFFLINE` or `TRANSFORMERS_OFFLINE`)."""
+    return _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+
+def hub_cache_dir() -> Path:
+    """The HF hub cache, resolved as huggingface_hub does but from the current environment."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.path.expandvars(os.environ[var])).expanduser()
+    home = os.environ.get("HF_HOME")
+    if home:
+        return Path(os.path.expandvars(home)).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name the user meant as a path: Hub ids are `name` or `org/name`, never more."""
+    return (
+        name.startswith(("/", "./", "../", "~", "."))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
+
+
+def resolve_model(name: str) -> ResolvedModel:
+    """Resolve a model name to an HF-format directory (see the module docstring for order)."""
+    if not name or not name.strip():
+        raise ModelNotFoundError("no model name given")
+    if name == BUNDLED_MODEL:
+        return ResolvedModel(path=_bundled_dir(), name=name)
+    path = Path(name).expanduser()
+    if path.exists() or _looks_like_path(name):
+        if not path.exists():
+            raise ModelNotFoundError(f"model directory {name!r} does not exist")
+        if not path.is_dir():
+            raise ModelNotFoundError(f"model {name!r} is a file; give its directory")
+        return ResolvedModel(path=path.resolve(), name=name)
+    return ResolvedModel(path=_hub_snapshot(name), name=name)
+
+
+def _bundled_dir() -> Path:
+    from flowllm.models.bundled import BundledModelError, ensure_bundled_model
+
+    try:
+        return ensure_bundled_model()
+    except BundledModelError as e:
+        raise BundledModelLoadError(str(e)) from e
+
+
+def _hub_snapshot(name: str) -> Path:
+    """Download (or find in the cache) a Hub repository's serving files."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo_id = HUB_ALIASES.get(name, name)
+    shown = repr(name) if repo_id == name else f"{name!r} ({repo_id})"
+    cache = hub_cache_dir()
+    offline = hub_offline()
+    try:
+        path = snapshot_download(
+            repo_id,
+            cache_dir=cache,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            ignore_patterns=HUB_IGNORE_PATTERNS,
+            local_files_only=offline,
+            token=os.environ.get("HF_TOKEN") or None,
+            endpoint=os.environ.get("HF_ENDPOINT") or None,
+        )
+    except IncompleteSnapshotError as e:
+        raise HubUnreachableError(
+            f"model {shown} is only partly in the HF cache at {cache} and the Hugging Face "
+            f"Hub cannot be reached to complete it; {_BUNDLED_HINT}"
+        ) from e
+    except LocalEntryNotFoundError as e:
+        why = "offline mode is on (HF_HUB_OFFLINE)" if offline else "the Hub cannot be reached"
+        raise HubUnreachableError(
+            f"model {shown} is not in the HF cache at {cache} and {why}; {_BUNDLED_HINT}"
+        ) from e
+    except GatedRepoError as e:
+        raise ModelNotFoundError(
+            f"model {shown} is gated on the Hugging Face Hub: accept its terms and set HF_TOKEN"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise ModelNotFoundError(f"model {shown} has no 'main' revision on the Hub") from e
+    except RepositoryNotFoundError as e:
+        raise ModelNotFoundError(
+            f"model {shown} is neither a local directory nor a Hugging Face Hub repository "
+            "(if it is private, set HF_TOKEN)"
+        ) from e
+    except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", "?")
+        raise HubUnreachableError(
+            f"model {shown}: the Hugging Face Hub answered HTTP {status}; {_BUNDLED_HINT}"
+        ) from e
+    except (OSError, ValueError) as e:
+        # Proxy errors, invalid repo ids, unwritable caches: huggingface_hub's own message.
+        raise ModelLoadError(f"model {shown}: {one_line(e)}") from e
+    except Exception as e:
+        # Network stack errors (httpx) that huggingface_hub does not wrap.
+        if type(e).__module__.startswith(("httpx", "httpcore", "requests", "urllib3")):
+            raise HubUnreachableError(
+                f"model {shown}: cannot reach the Hugging Face Hub ({type(e).__name__}); "
+                f"{_BUNDLED_HINT}"
+            ) from e
+        raise
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------------------
+# Tensors
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise MissingFileError(f"{what} {path} is missing") from e
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{what} {path} is not valid JSON: {e}") from e
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a model directory, in load order.
+
+    A sharded checkpoint is described by `model.safetensors.index.json` (its `weight_map`
+    names a shard per tensor); otherwise `model.safetensors`, or failing that every
+    top-level `*.safetensors` file.
+    """
+    path = Path(path)
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        data = _read_json(index, "safetensors index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CorruptCheckpointError(f"safetensors index {index} has no weight_map")
+        shards = list(dict.fromkeys(str(s) for s in weight_map.values()))  # first-seen order
+        files = [path / s for s in shards]
+        for f in files:
+            if not f.is_file():
+                raise MissingFileError(f"checkpoint shard {f.name} (listed in {index}) is missing")
+        return files
+    single = path / SAFETENSORS_FILE
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    others = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.gguf")]
+    hint = f" (found {', '.join(sorted(others))}: only safetensors are loaded)" if others else ""
+    raise MissingFileError(f"no safetensors weights in {path}{hint}")
+
+
+def iter_weights(
+    path: Path | str, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, CPU tensor) for every tensor of a model directory.
+
+    Files are memory-mapped by safetensors, so only one tensor at a time is materialised;
+    floating-point tensors are cast to `dtype` as they are read (integer tensors keep theirs).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for file in safetensors_files(Path(path)):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    t = f.get_tensor(name)
+                    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                        t = t.to(dtype)
+                    yield name, t
+        except SafetensorError as e:
+            raise CorruptCheckpointError(f"corrupt safetensors file {file}: {e}") from e
+        except OSError as e:
+            raise CorruptCheckpointError(f"cannot read safetensors file {file}: {e}") from e
+
+
+# ----------------------------------------------------------------------------------------
+# Configs and the model
+
+
+def load_hf_config(path: Path | str) -> Any:
+    """The directory's config.json as a transformers config, with a clear error for an
+    architecture transformers (and so flowllm) does not know."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    raw = _read_json(path / "config.json", "model config")
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"model config {path / 'config.json'} is not an object")
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or []
+    if not model_type:
+        raise UnknownArchitectureError(
+            f"model config {path / 'config.json'} has no model_type (architectures: {archs})"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except (KeyError, ValueError) as e:
+        raise UnknownArchitectureError(
+            f"unknown model architecture {model_type!r} {archs} in {path}"
+        ) from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot read model config in {path}: {e}") from e
+
+
+def load_generation_config(path: Path | str) -> dict[str, Any]:
+    """generation_config.json as a plain dict (empty when the model has none)."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    data = _read_json(file, "generation config")
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"generation config {file} is not an object")
+    return data
+
+
+def resolve_device(device: torch.device | str = "auto") -> torch.device:
+    """`auto` is CUDA when available, else CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ModelLoadError(f"invalid device {device!r}: {e}") from e
+
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(
+    dtype: torch.dtype | str, hf_config: Any, device: torch.device | str = "cpu"
+) -> torch.dtype:
+    """The compute dtype. `auto` takes the checkpoint's declared dtype (fp32 when it declares
+    none, as GPT-2 does); fp16 becomes bf16 on CPU, where fp16 matmuls are slow."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPE_NAMES:
+            raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
+        return _DTYPE_NAMES[dtype]
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = _DTYPE_NAMES.get(declared)
+    if declared not in (torch.float32, torch.bfloat16, torch.float16):
+        return torch.float32
+    if declared == torch.float16 and torch.device(device).type == "cpu":
+        return torch.bfloat16
+    return declared
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what the engine needs to know about it."""
+
+    model: torch.nn.Module
+    hf_config: Any  # transformers PretrainedConfig
+    path: Path
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "auto",
+) -> LoadedModel:
+    """Resolve `name_or_path`, build its flowllm model class and load the weights into it."""
+    from flowllm.models.errors import ModelError, UnsupportedModelError, WeightLoadError
+    from flowllm.models.registry import model_class_for
+
+    resolved = resolve_model(name_or_path)
+    hf_config = load_hf_config(resolved.path)
+    generation_config = load_generation_config(resolved.path)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, hf_config, dev)
+    archs = getattr(hf_config, "architectures", None) or [hf_config.model_type]
+    try:
+        cls = model_class_for(hf_config)
+    except UnsupportedModelError as e:
+        raise UnknownArchitectureError(
+            f"model {name_or_path!r}: unsupported architecture {', '.join(archs)}: {one_line(e)}"
+        ) from e
+    files = safetensors_files(resolved.path)  # fail on missing weights before building
+    try:
+        model = cls(hf_config, torch_dtype, dev)
+        model.load_weights(iter_weights(resolved.path, torch_dtype))
+    except WeightLoadError as e:
+        raise WeightMismatchError(
+            f"model {name_or_path!r} ({files[0].parent}): {one_line(e)}"
+        ) from e
+    except UnsupportedModelError as e:
+        raise UnknownArchitectureError(f"model {name_or_path!r}: {one_line(e)}") from e
+    except ModelError as e:
+        raise ModelLoadError(f"model {name_or_path!r}: {one_line(e)}") from e
+    model.eval()
+    return LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        path=resolved.path,
+        generation_config=generation_config,
+        name=resolved.name,
+        dtype=torch_dtype,
+        device=dev,
+    )

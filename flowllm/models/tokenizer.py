@@ -1,0 +1,57 @@
+"""Load the tokenizer (and its chat template) of a resolved model directory.
+
+The tokenizer comes from the directory's own files through transformers (a fast,
+Rust-backed tokenizer); no remote code runs. A chat template given by the user (a file
+path, or the template text itself) replaces the model's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flowllm.models.loader import MissingFileError, ModelLoadError, one_line
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer_config.json")
+
+
+class TokenizerLoadError(ModelLoadError):
+    """The tokenizer or the chat template cannot be loaded."""
+
+
+def read_chat_template(chat_template: str) -> str:
+    """A chat template given as a path to a Jinja file, or as the template text itself."""
+    looks_like_template = "{{" in chat_template or "{%" in chat_template
+    if not looks_like_template:
+        path = Path(chat_template).expanduser()
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise TokenizerLoadError(
+                f"cannot read chat template file {chat_template!r}: {e.strerror or e}"
+            ) from e
+    return chat_template
+
+
+def load_tokenizer(path: Path | str, chat_template: str | None = None) -> Any:
+    """The fast tokenizer for the model directory `path` (a transformers
+    PreTrainedTokenizerFast), with `chat_template` (path or text) replacing the model's.
+
+    `tokenizer.chat_template` is None when neither the model nor the caller gives one.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise MissingFileError(f"no tokenizer files in {path} (expected tokenizer.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {one_line(e)}") from e
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise TokenizerLoadError(
+            f"the tokenizer in {path} ({type(tokenizer).__name__}) has no fast implementation"
+        )
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
