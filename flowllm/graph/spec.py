@@ -170,6 +170,10 @@ class GraphSpec:
             mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
             line = mark.line + 1 if mark is not None else None
             what = getattr(exc, "problem", None) or str(exc)
+            context = getattr(exc, "context", None)
+            context_mark = getattr(exc, "context_mark", None)
+            if context and context_mark is not None:
+                what = f"{context} (from line {context_mark.line + 1}): {what}"
             raise GraphValidationError(
                 [Problem(f"malformed YAML: {what}", line, source)]
             ) from None
@@ -266,18 +270,20 @@ class _Reader:
         if not isinstance(use, str) or not use.strip():
             self.problem(f"{label}: 'use' must be 'pkg.module:Class' or 'file.py:Class'", line)
             ok = False
+        if not ok:
+            return None
+        # Past this point the stage is kept (so edges naming it are checked) even when
+        # `with` or `replicas` is wrong; the problem alone makes the graph invalid.
         params = item.get("with", {})
         if params is None:
             params = {}
         if not isinstance(params, dict):
             self.problem(f"{label}: 'with' must be a mapping of params", line)
-            ok = False
+            params = {}
         replicas = item.get("replicas", 1)
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             self.problem(f"{label}: 'replicas' must be an int >= 1, got {replicas!r}", line)
-            ok = False
-        if not ok:
-            return None
+            replicas = 1
         return StageSpec(name, use.strip(), dict(params), replicas, line)
 
     def read_edge(self, item: Any, node: Any, index: int) -> EdgeSpec | None:
@@ -396,7 +402,8 @@ class _Validator:
         channels, fanout = self.build_channels(stages, edges)
         self.check_cycles(stages, edges, channels)
         if self.problems:
-            raise GraphValidationError(self.problems)
+            # In file order; problems without a line (file-level) first. sorted() is stable.
+            raise GraphValidationError(sorted(self.problems, key=lambda p: p.line or 0))
         return ValidGraph(self.spec, stages, channels, fanout)
 
     # -- stages ---------------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""`flowllm graph validate FILE` and `flowllm graph show [FILE]`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from flowllm.graph.channel import type_name
+from flowllm.graph.spec import GraphSpec, GraphValidationError, ValidGraph
+
+DEFAULT_GRAPH = Path(__file__).with_name("default.yaml")
+
+
+def validate_command(path: str | Path, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Exit status 0 for a valid graph; otherwise print every problem and return 1."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    graph = _load(path, err)
+    if graph is None:
+        return 1
+    print(
+        f"{path}: graph {graph.name!r} is valid: {len(graph.stages)} stages, "
+        f"{len(graph.spec.edges)} edges, {len(graph.channels)} channels",
+        file=out,
+    )
+    return 0
+
+
+def show_command(
+    path: str | Path | None,
+    mermaid_only: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Print a graph as a text listing and a Mermaid flowchart (the built-in one by default)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if path is None:
+        if not DEFAULT_GRAPH.is_file():
+            print(
+                f"flowllm has no built-in graph yet: {DEFAULT_GRAPH} does not exist. "
+                "Pass a graph file: flowllm graph show FILE",
+                file=err,
+            )
+            return 1
+        path = DEFAULT_GRAPH
+    graph = _load(path, err)
+    if graph is None:
+        return 1
+    if not mermaid_only:
+        print(render_text(graph), file=out)
+        print(file=out)
+    print(render_mermaid(graph), file=out)
+    return 0
+
+
+def _load(path: str | Path, err: TextIO) -> ValidGraph | None:
+    try:
+        return GraphSpec.load(path).validate()
+    except GraphValidationError as exc:
+        print(exc, file=err)
+        return None
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k}: {v!r}" for k, v in params.items()) + "}" if params else ""
+
+
+def render_text(graph: ValidGraph) -> str:
+    """Stages with their class, params and ports; then channels with types and capacity."""
+    lines = [f"graph {graph.name}  ({graph.spec.source})", "", "stages:"]
+    width = max((len(name) for name in graph.stages), default=0)
+    for name, bound in graph.stages.items():
+        extra = f" x{bound.spec.replicas}" if bound.spec.replicas > 1 else ""
+        credit = bound.credit_bound
+        credit_text = f"  credit bound {credit}" if credit is not None else ""
+        params = _params_text(bound.spec.params)
+        lines.append(
+            f"  {name:<{width}}  {bound.spec.use}{extra}  {params}{credit_text}".rstrip()
+        )
+        for port, tp in bound.cls.inputs.items():
+            lines.append(f"  {'':<{width}}    in  {port}: {type_name(tp)}")
+        for port, tp in bound.cls.outputs.items():
+            lines.append(f"  {'':<{width}}    out {port}: {type_name(tp)}")
+    lines += ["", "channels:"]
+    for channel in graph.channels.values():
+        sources = ", ".join(str(p) for p in channel.producers)
+        lines.append(
+            f"  {sources} -> {channel.name}  "
+            f"[{type_name(channel.message_type)}, capacity {channel.capacity}]"
+        )
+    return "\n".join(lines)
+
+
+def render_mermaid(graph: ValidGraph) -> str:
+    """A Mermaid flowchart: one node per stage, one arrow per edge labelled port and type."""
+    ids = {name: f"s{i}" for i, name in enumerate(graph.stages)}
+    lines = ["flowchart LR"]
+    for name, bound in graph.stages.items():
+        replicas = f" ×{bound.spec.replicas}" if bound.spec.replicas > 1 else ""
+        lines.append(f'    {ids[name]}["{name}{replicas}<br/><i>{bound.cls.__name__}</i>"]')
+    for edge in graph.spec.edges:
+        channel = graph.channels[str(edge.dst)]
+        types = type_name(graph.stages[edge.src.stage].cls.outputs[edge.src.port])
+        label = f"{edge.src.port} → {edge.dst.port}<br/>{types.replace(' | ', ' or ')}"
+        label += f" [{channel.capacity}]"
+        lines.append(f'    {ids[edge.src.stage]} -->|"{label}"| {ids[edge.dst.stage]}')
+    return "\n".join(lines)
