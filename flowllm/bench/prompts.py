@@ -17,7 +17,7 @@ import numpy as np
 # can merge or split across the decode/encode round trip.
 _MAX_ROUND_TRIPS = 10
 
-# Short, frequent words: each one token (with its leading space) in GPT-2 and Llama BPEs.
+# Short, frequent words: each is one GPT-2 token with its leading space (a test checks it).
 _WORD_TEXT = """
     the of and to in is was for on as with by he at from his an were are which this be or
     has had not but they it first one their its new after who also two been her she time
