@@ -1,0 +1,163 @@
+"""Weight loading, architecture lookup, dtype resolution and KV cache sizing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from flowllm.config import ConfigError
+from flowllm.models import dtype as dtype_mod
+from flowllm.models.errors import KVCacheError
+from flowllm.models.gpt2 import GPT2Model
+from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
+from flowllm.models.layers import rope_inv_freq
+from flowllm.models.llama import LlamaModel
+from flowllm.models.registry import UnsupportedModelError, WeightLoadError, model_class_for
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def tiny_llama(tied: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, tie_word_embeddings=tied,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_registry_by_architecture_and_model_type() -> None:
+    assert model_class_for({"architectures": ["GPT2LMHeadModel"]}) is GPT2Model
+    assert model_class_for({"architectures": ["LlamaForCausalLM"]}) is LlamaModel
+    assert model_class_for({"model_type": "llama"}) is LlamaModel
+    assert model_class_for(tiny_gpt2().config) is GPT2Model
+    with pytest.raises(UnsupportedModelError, match=r"MistralForCausalLM.*GPT2LMHeadModel"):
+        model_class_for({"architectures": ["MistralForCausalLM"]})
+    with pytest.raises(UnsupportedModelError, match="'bert'"):
+        model_class_for({"model_type": "bert"})
+
+
+def test_gpt2_loads_prefixed_and_unprefixed_names_alike() -> None:
+    ref = tiny_gpt2()
+    prefixed = dict(ref.state_dict())  # transformer.h.0..., lm_head.weight, attn buffers
+    unprefixed = {
+        k.removeprefix("transformer."): v for k, v in prefixed.items() if k != "lm_head.weight"
+    }
+    a = GPT2Model(ref.config, torch.float32, "cpu")
+    a.load_weights(prefixed.items())
+    b = GPT2Model(ref.config, torch.float32, "cpu")
+    b.load_weights(unprefixed.items())
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+    # The tied head holds the embedding: the Conv1D transpose and tying are both exact.
+    ids = torch.tensor([3, 7, 99])
+    torch.testing.assert_close(a.wte(ids), ref.transformer.wte.weight[ids], rtol=0, atol=0)
+
+
+def test_missing_tensor_is_named() -> None:
+    sd = {k: v for k, v in tiny_gpt2().state_dict().items() if "h.0.mlp.c_fc.bias" not in k}
+    with pytest.raises(WeightLoadError, match=r"missing 1 tensor.*h\.0\.mlp\.c_fc\.bias"):
+        GPT2Model(tiny_gpt2().config, torch.float32, "cpu").load_weights(sd.items())
+
+
+def test_wrong_shape_names_tensor_and_both_shapes() -> None:
+    ref = tiny_llama()
+    sd = dict(ref.state_dict())
+    sd["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
+    with pytest.raises(WeightLoadError, match=r"k_proj\.weight.*\(8, 32\).*\(16, 32\)"):
+        LlamaModel(ref.config, torch.float32, "cpu").load_weights(sd.items())
+
+
+def test_unexpected_tensor_is_rejected() -> None:
+    ref = tiny_llama()
+    sd = {**ref.state_dict(), "model.layers.0.self_attn.q_norm.weight": torch.zeros(8)}
+    with pytest.raises(WeightLoadError, match="q_norm"):
+        LlamaModel(ref.config, torch.float32, "cpu").load_weights(sd.items())
+
+
+def test_llama_untied_needs_lm_head_tied_does_not() -> None:
+    untied = tiny_llama(tied=False)
+    sd = {k: v for k, v in untied.state_dict().items() if k != "lm_head.weight"}
+    with pytest.raises(WeightLoadError, match=r"lm_head\.weight"):
+        LlamaModel(untied.config, torch.float32, "cpu").load_weights(sd.items())
+    tied = tiny_llama(tied=True)
+    sd = {k: v for k, v in tied.state_dict().items() if k != "lm_head.weight"}
+    model = LlamaModel(tied.config, torch.float32, "cpu")
+    model.load_weights(sd.items())
+    h = torch.randn(2, 32)
+    torch.testing.assert_close(model.lm_head(h), tied.lm_head(h))
+
+
+@pytest.mark.parametrize("in_out", [True, False])
+def test_weight_layouts_agree(in_out: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both storage layouts load the same checkpoint into the same function."""
+    monkeypatch.setattr("flowllm.models.layers.prefer_in_out", lambda dtype, device: in_out)
+    ref = tiny_llama()
+    model = LlamaModel(ref.config, torch.float32, "cpu")
+    model.load_weights(ref.state_dict().items())
+    assert model.lm_head.in_out is in_out
+    assert model.lm_head.weight.shape == ((32, 100) if in_out else (100, 32))
+    h = torch.randn(3, 32)
+    torch.testing.assert_close(model.lm_head(h), ref.lm_head(h))
+
+
+def test_llama3_rope_frequencies_match_transformers() -> None:
+    old_style = {  # as a config.json written before transformers 5 carries it
+        "hidden_size": 64, "num_attention_heads": 2, "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        },
+    }  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=64, num_attention_heads=2, max_position_embeddings=131072,
+        rope_parameters={"rope_theta": 500000.0, **old_style["rope_scaling"]},
+    )  # fmt: skip
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(cfg, 32), want)
+    torch.testing.assert_close(rope_inv_freq(old_style, 32), want)
+    assert not torch.allclose(rope_inv_freq({"rope_theta": 500000.0}, 32), want)
+
+
+def test_resolve_dtype(tmp_path: Path) -> None:
+    with_bf16 = tmp_path / "bf16"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")
+    with_amx = tmp_path / "amx"
+    with_amx.write_text("flags\t\t: fpu amx_tile amx_bf16\n")
+    plain = tmp_path / "plain"
+    plain.write_text("flags\t\t: fpu sse avx2 avx512f\n")
+    cfg = {"torch_dtype": "bfloat16"}
+    assert dtype_mod.resolve_dtype("auto", "cpu", cfg, cpuinfo=with_bf16) == torch.bfloat16
+    assert dtype_mod.resolve_dtype("auto", "cpu", cfg, cpuinfo=with_amx) == torch.bfloat16
+    assert dtype_mod.resolve_dtype("auto", "cpu", cfg, cpuinfo=plain) == torch.float32
+    assert dtype_mod.resolve_dtype("auto", "cpu", cfg, cpuinfo=tmp_path / "none") == torch.float32
+    assert dtype_mod.resolve_dtype("float16", "cpu", cfg) == torch.float16
+    assert dtype_mod.resolve_dtype("float32", "cpu", cfg) == torch.float32
+    with pytest.raises(ConfigError, match="dtype"):
+        dtype_mod.resolve_dtype("fp8", "cpu", cfg)
+
+
+def test_kv_cache_sizing_and_allocation() -> None:
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    assert spec.block_size == 16
+    assert spec.bytes_per_block == 2 * 3 * 16 * 2 * 8 * 2
+    n, caches = allocate_kv_cache(spec, "cpu", kv_cache_memory=10 * spec.bytes_per_block + 5)
+    assert n == 10 and len(caches) == 3
+    for k, v in caches:
+        assert k.shape == v.shape == (10, 16, 2, 8) and k.dtype == torch.bfloat16
+        assert k.data_ptr() != v.data_ptr() and not k.any()
+    with pytest.raises(KVCacheError, match="raise kv_cache_memory"):
+        spec.num_blocks_for(spec.bytes_per_block - 1)
+    model = LlamaModel(tiny_llama().config, torch.float32, "cpu")
+    assert KVCacheSpec.for_model(model, 8) == KVCacheSpec(1, 2, 8, torch.float32, 8)
