@@ -146,6 +146,7 @@ async def until_disconnect(request: Request[Any, Any, Any], work: Callable[[], A
     is the disconnect.
     """
     result: list[T] = []
+    failure: list[BaseException] = []
     disconnected = False
 
     async def watch(scope: anyio.CancelScope) -> None:
@@ -156,8 +157,13 @@ async def until_disconnect(request: Request[Any, Any, Any], work: Callable[[], A
 
     async with anyio.create_task_group() as task_group:
         task_group.start_soon(watch, task_group.cancel_scope)
-        result.append(await work())
+        try:
+            result.append(await work())
+        except Exception as exc:  # re-raised below, unwrapped from the task group
+            failure.append(exc)
         task_group.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
     if disconnected and not result:
         raise ClientDisconnected
     return result[0]

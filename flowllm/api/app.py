@@ -1,0 +1,364 @@
+"""The Litestar app: OpenAI-compatible routes over a running graph (`EngineClient`).
+
+The lifespan enters the engine's async context manager (in production it starts the stage
+graph) and hangs the engine on `app.state.engine`; routes reach it through the app state.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.enums import ScopeType
+from litestar.middleware import ASGIMiddleware
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+import flowllm
+from flowllm.api.chat import ChatFormat, ChatStream
+from flowllm.api.completions import CompletionFormat, CompletionStream
+from flowllm.api.convert import flatten_messages, prepare_chat, prepare_completion
+from flowllm.api.errors import EXCEPTION_HANDLERS, ApiError
+from flowllm.api.logprobs import TokenTexts
+from flowllm.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from flowllm.api.serving import ClientDisconnected, EventStream, Generation, until_disconnect
+from flowllm.engine.validation import model_not_found
+from flowllm.engine_client import EngineClient
+
+S = TypeVar("S")
+
+EngineFactory = Callable[[], AbstractAsyncContextManager[EngineClient]]
+RegistryGetter = Callable[[EngineClient], "CollectorRegistry | None"]
+
+REQUEST_ID_HEADER = "x-request-id"
+_SCOPE_REQUEST_ID = "flowllm.request_id"  # the id echoed in X-Request-Id
+_SCOPE_REQUEST_ID_GIVEN = "flowllm.request_id_given"  # did the client send it?
+# Status logged for a request whose client left before the answer (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+NO_CHAT_TEMPLATE = (
+    "The model has no chat template and none was given (--chat-template or the request's "
+    "chat_template); chat requests need one."
+)
+
+
+def _registry_of(engine: EngineClient) -> CollectorRegistry | None:
+    return getattr(engine, "metrics_registry", None)
+
+
+class ApiState:
+    """Everything the routes share, built once the engine is up."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        *,
+        served_model_name: str,
+        chat_template: str | None,
+        metrics_registry: RegistryGetter,
+    ) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.chat_template = chat_template
+        self.metrics_registry = metrics_registry
+        self.texts = TokenTexts(engine.tokenizer)
+        self.encoder = msgspec.json.Encoder()
+        self.created = int(time.time())
+        self._decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+    def decode(self, body: bytes, kind: type[S]) -> S:
+        """A request body as `kind`; bad JSON or a wrong shape is a 400 naming the field."""
+        decoder = self._decoders.get(kind)
+        if decoder is None:
+            decoder = self._decoders[kind] = msgspec.json.Decoder(kind)
+        try:
+            return decoder.decode(body)  # type: ignore[no-any-return]
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ApiError.from_validation(exc) from exc
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            error = model_not_found("", model)
+            raise ApiError.from_request_error(error)
+
+
+class HttpBoundary(ASGIMiddleware):
+    """Request ids (honour and echo X-Request-Id) and the Bearer API key on /v1/*."""
+
+    scopes = (ScopeType.HTTP,)
+
+    def __init__(self, api_key: str | None) -> None:
+        self._api_key = api_key.encode() if api_key else None
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        given = None
+        authorization = b""
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                given = value.decode("latin-1")
+            elif name == b"authorization":
+                authorization = value
+        request_id = given or uuid.uuid4().hex
+        scope[_SCOPE_REQUEST_ID] = request_id  # type: ignore[literal-required]
+        scope[_SCOPE_REQUEST_ID_GIVEN] = given is not None  # type: ignore[literal-required]
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((REQUEST_ID_HEADER.encode(), request_id.encode("latin-1")))
+                message = {**message, "headers": headers}  # type: ignore[typeddict-item]
+            await send(message)
+
+        if self._api_key is not None and scope["path"].startswith("/v1/"):
+            scheme, _, token = authorization.partition(b" ")
+            valid = scheme.lower() == b"bearer" and hmac.compare_digest(
+                token.strip(), self._api_key
+            )
+            if not valid:
+                raise ApiError(
+                    "Incorrect API key provided." if authorization else "Missing API key.",
+                    status_code=401,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer", "X-Request-Id": request_id},
+                )
+        await next_app(scope, receive, send_with_id)
+
+
+def _state(request: Request[Any, Any, Any]) -> ApiState:
+    return request.app.state.api  # type: ignore[no-any-return]
+
+
+def _ids(request: Request[Any, Any, Any], prefix: str) -> tuple[str, str]:
+    """(graph request id, response id, headers): the graph's ids stay unique even when
+    clients reuse an X-Request-Id, which only names the response."""
+    request_id: str = request.scope.get(_SCOPE_REQUEST_ID) or uuid.uuid4().hex  # type: ignore[assignment]
+    given = bool(request.scope.get(_SCOPE_REQUEST_ID_GIVEN))
+    graph_id = f"{prefix}-{uuid.uuid4().hex if given else request_id}"
+    return graph_id, f"{prefix}-{request_id}"
+
+
+async def _respond(
+    request: Request[Any, Any, Any],
+    generation: Generation,
+    stream: Callable[[], EventStream | None],
+    whole: Callable[[list[Any]], Any],
+) -> Response[Any]:
+    """Wait for the first chunks (errors keep their status), then stream or collect."""
+    handed_over = False
+    try:
+        await until_disconnect(request, generation.prime)
+        response = stream()
+        if response is not None:
+            handed_over = True
+            return response
+        results = await until_disconnect(request, generation.collect)
+        return Response(whole(results), status_code=200)
+    except ClientDisconnected:
+        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        if not handed_over:
+            generation.close()
+
+
+@post("/v1/completions", status_code=200)
+async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
+    arrival = time.time()
+    api = _state(request)
+    body = api.decode(await request.body(), CompletionRequest)
+    graph_id, response_id = _ids(request, "cmpl")
+    prepared, streaming = prepare_completion(
+        body, request_id=graph_id, served_model_name=api.served_model_name, arrival_time=arrival
+    )
+    fmt = CompletionFormat(
+        prepared,
+        response_id=response_id,
+        created=int(arrival),
+        model=body.model or api.served_model_name,
+        texts=api.texts,
+    )
+    generation = Generation.submit(api.engine, prepared.requests)
+
+    def stream() -> EventStream | None:
+        return EventStream(CompletionStream(generation, fmt, api.encoder)) if streaming else None
+
+    return await _respond(request, generation, stream, fmt.response)
+
+
+@post("/v1/chat/completions", status_code=200)
+async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[Any]:
+    arrival = time.time()
+    api = _state(request)
+    body = api.decode(await request.body(), ChatCompletionRequest)
+    graph_id, response_id = _ids(request, "chatcmpl")
+    prepared, streaming = prepare_chat(
+        body,
+        request_id=graph_id,
+        served_model_name=api.served_model_name,
+        arrival_time=arrival,
+        chat_template=api.chat_template,
+    )
+    fmt = ChatFormat(
+        prepared,
+        response_id=response_id,
+        created=int(arrival),
+        model=body.model or api.served_model_name,
+        texts=api.texts,
+    )
+    generation = Generation.submit(api.engine, [prepared.request])
+
+    def stream() -> EventStream | None:
+        return EventStream(ChatStream(generation, fmt, api.encoder)) if streaming else None
+
+    return await _respond(request, generation, stream, lambda results: fmt.response(results[0]))
+
+
+@get("/v1/models")
+async def list_models(request: Request[Any, Any, Any]) -> ModelList:
+    api = _state(request)
+    card = ModelCard(
+        id=api.served_model_name,
+        created=api.created,
+        root=api.engine.model_name,
+        max_model_len=api.engine.max_model_len,
+    )
+    return ModelList(data=[card])
+
+
+@get("/health")
+async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
+    if not _state(request).engine.healthy:
+        raise ApiError("The engine is unhealthy.", status_code=503, code="engine_unhealthy")
+    return Response(b"", status_code=200, media_type="text/plain")
+
+
+@get("/version")
+async def version() -> VersionResponse:
+    return VersionResponse(version=flowllm.__version__)
+
+
+@get("/metrics")
+async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+    api = _state(request)
+    registry = api.metrics_registry(api.engine)
+    body = generate_latest(registry) if registry is not None else b""
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def _tokenize(api: ApiState, req: TokenizeRequest) -> list[int]:
+    tokenizer = api.engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError("Give exactly one of prompt and messages.", param="prompt")
+    if req.prompt is not None:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        return list(tokenizer.encode(req.prompt, add_special_tokens=add_special))
+    turns = flatten_messages(req.messages or [])
+    messages = [{"role": m.role, "content": m.content} for m in turns]
+    template = req.chat_template or api.chat_template
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise ApiError(NO_CHAT_TEMPLATE, param="chat_template", code="missing_chat_template")
+    text = tokenizer.apply_chat_template(
+        messages,
+        chat_template=template,
+        add_generation_prompt=(
+            True if req.add_generation_prompt is None else req.add_generation_prompt
+        ),
+        tokenize=False,
+    )
+    add_special = False if req.add_special_tokens is None else req.add_special_tokens
+    return list(tokenizer.encode(text, add_special_tokens=add_special))
+
+
+@post("/tokenize", status_code=200)
+async def tokenize(request: Request[Any, Any, Any]) -> TokenizeResponse:
+    api = _state(request)
+    req = api.decode(await request.body(), TokenizeRequest)
+    api.check_model(req.model)
+    tokens = await anyio.to_thread.run_sync(_tokenize, api, req)
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=api.engine.max_model_len, tokens=tokens
+    )
+
+
+@post("/detokenize", status_code=200)
+async def detokenize(request: Request[Any, Any, Any]) -> DetokenizeResponse:
+    api = _state(request)
+    req = api.decode(await request.body(), DetokenizeRequest)
+    api.check_model(req.model)
+    tokenizer = api.engine.tokenizer
+    vocab_size = len(tokenizer)
+    bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(
+            f"Invalid 'tokens': token id {bad[0]} is out of the vocabulary (size {vocab_size}).",
+            param="tokens",
+        )
+    text = await anyio.to_thread.run_sync(tokenizer.decode, req.tokens)
+    return DetokenizeResponse(prompt=text)
+
+
+def create_app(
+    engine_factory: EngineFactory,
+    *,
+    api_key: str | None = None,
+    served_model_name: str,
+    chat_template: str | None = None,
+    metrics_registry: RegistryGetter | None = None,
+    debug: bool = False,
+) -> Litestar:
+    """The OpenAI-compatible app over the engine that `engine_factory()` runs.
+
+    `chat_template` is the template text (the server's --chat-template file, read), used
+    when a chat request brings none. `metrics_registry(engine)` gives the registry /metrics
+    renders (default: `engine.metrics_registry`).
+    """
+    registry = metrics_registry or _registry_of
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        async with engine_factory() as engine:
+            app.state.engine = engine
+            app.state.api = ApiState(
+                engine,
+                served_model_name=served_model_name,
+                chat_template=chat_template,
+                metrics_registry=registry,
+            )
+            try:
+                yield
+            finally:
+                del app.state.api
+                del app.state.engine
+
+    return Litestar(
+        route_handlers=[
+            create_completion,
+            create_chat_completion,
+            list_models,
+            health,
+            version,
+            metrics,
+            tokenize,
+            detokenize,
+        ],
+        lifespan=[lifespan],
+        middleware=[HttpBoundary(api_key)],
+        exception_handlers=EXCEPTION_HANDLERS,
+        openapi_config=None,
+        debug=debug,
+    )
