@@ -22,8 +22,8 @@ hash: its K/V stay valid until the block is handed out again.
 
 Block hashes
 ------------
-The hash of full block i of a token list is ``sha256(hash(i - 1) + int64 bytes of its
-block_size token ids)``, with ``hash(-1) = b""``. It depends on every token before the
+The hash of full block i of a token list is ``sha256(hash(i - 1) + its block_size token
+ids packed as little-endian int64)``, with ``hash(-1) = b""``. It depends on every token before the
 block, so equal hashes mean equal prefixes (up to SHA-256 collisions), it is stable across
 processes (traces can be compared), and a sequence computes each block's hash once, when
 the block fills. Only full blocks are ever cached.
@@ -31,10 +31,10 @@ the block fills. Only full blocks are ever cached.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from hashlib import sha256
 
 BlockHash = bytes  # 32-byte SHA-256 digest
 NO_PARENT: BlockHash = b""
@@ -46,9 +46,7 @@ class BlockPoolError(RuntimeError):
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """Chained hash of one full block: `parent` is the previous block's hash (or b"")."""
-    h = hashlib.sha256(parent)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    return sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
 def hash_blocks(
@@ -56,9 +54,10 @@ def hash_blocks(
 ) -> list[BlockHash]:
     """Hashes of full blocks `start` .. `stop - 1` of `token_ids`, chained from `parent`
     (the hash of block `start - 1`, or b"" when start is 0)."""
+    pack = struct.Struct(f"<{block_size}q").pack
     out: list[BlockHash] = []
     for i in range(start, stop):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        parent = sha256(parent + pack(*token_ids[i * block_size : (i + 1) * block_size])).digest()
         out.append(parent)
     return out
 

@@ -19,17 +19,22 @@ from collections.abc import Sequence
 from flowllm.engine.block_pool import NO_PARENT, BlockHash, BlockPool, hash_blocks
 
 
-class _SeqBlocks:
-    """One sequence's blocks. Invariant: block_ids[:num_cached_blocks] were offered to the
-    prefix cache; block_hashes[i] is the chained hash of full block i of its tokens."""
+class SeqBlocks:
+    """One sequence's blocks; callers read `table` and `fast_limit`, only the manager
+    writes. Invariants: block_ids[:num_cached_blocks] were offered to the prefix cache;
+    block_hashes[i] is the chained hash of full block i of the sequence's tokens; `table`
+    is tuple(block_ids)."""
 
-    __slots__ = ("block_hashes", "block_ids", "num_cached_blocks", "table")
+    __slots__ = ("block_hashes", "block_ids", "fast_limit", "num_cached_blocks", "table")
 
     def __init__(self) -> None:
         self.block_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
         self.num_cached_blocks = 0
-        self.table: tuple[int, ...] | None = None  # tuple(block_ids), rebuilt on change
+        self.table: tuple[int, ...] = ()
+        # Largest `num_computed + num_new` that allocate_slots serves without pool work (no
+        # new block, no newly full block to cache): the scheduler's per-decode fast path.
+        self.fast_limit = 0
 
 
 class KVCacheManager:
@@ -41,19 +46,19 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self._seqs: dict[int, _SeqBlocks] = {}
+        self._seqs: dict[int, SeqBlocks] = {}
 
     @property
     def usage(self) -> float:
         return self.pool.usage
 
-    def _record(self, seq_id: int) -> _SeqBlocks:
+    def _record(self, seq_id: int) -> SeqBlocks:
         rec = self._seqs.get(seq_id)
         if rec is None:
-            rec = self._seqs[seq_id] = _SeqBlocks()
+            rec = self._seqs[seq_id] = SeqBlocks()
         return rec
 
-    def _ensure_hashes(self, rec: _SeqBlocks, token_ids: Sequence[int], num_blocks: int) -> None:
+    def _ensure_hashes(self, rec: SeqBlocks, token_ids: Sequence[int], num_blocks: int) -> None:
         have = len(rec.block_hashes)
         if have < num_blocks:
             parent = rec.block_hashes[-1] if have else NO_PARENT
@@ -86,14 +91,16 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         cached_blocks: Sequence[int] = (),
-    ) -> bool:
+    ) -> SeqBlocks | None:
         """Make the sequence's table cover `num_computed_tokens + len(cached_blocks) *
         block_size + num_new_tokens` positions, first adopting the prefix-cache hits
         `cached_blocks` (only on a sequence with no blocks), and offer every block that
-        this step fills to the prefix cache. Returns False, changing nothing, when the pool
-        is short: the caller decides whom to preempt."""
-        rec = self._record(seq_id)
+        this step fills to the prefix cache. Returns the sequence's block record, or None,
+        changing nothing, when the pool is short: the caller decides whom to preempt."""
+        rec = self._seqs.get(seq_id) or self._record(seq_id)
         bs = self.block_size
+        if not cached_blocks and num_computed_tokens + num_new_tokens <= rec.fast_limit:
+            return rec
         if cached_blocks and rec.block_ids:
             raise ValueError(f"sequence {seq_id} already holds blocks; hits apply at start")
         total = num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
@@ -103,7 +110,7 @@ class KVCacheManager:
             # Free cached hits leave the free queue when touched, so they count against it.
             num_free_hits = sum(1 for b in cached_blocks if pool.ref_cnt(b) == 0)
             if max(num_new_blocks, 0) + num_free_hits > pool.num_free_blocks:
-                return False
+                return None
             if cached_blocks:
                 pool.touch(cached_blocks)
                 rec.block_ids.extend(cached_blocks)
@@ -113,7 +120,8 @@ class KVCacheManager:
                 if new is None:  # unreachable after the check above
                     raise RuntimeError("block pool short after a successful capacity check")
                 rec.block_ids.extend(new)
-            rec.table = None
+            rec.table = tuple(rec.block_ids)
+        capacity = len(rec.block_ids) * bs
         if self.enable_prefix_caching:
             num_full = min(total, len(token_ids)) // bs
             if num_full > rec.num_cached_blocks:
@@ -122,16 +130,20 @@ class KVCacheManager:
                 for i in range(rec.num_cached_blocks, num_full):
                     cache(rec.block_ids[i], rec.block_hashes[i])
                 rec.num_cached_blocks = num_full
-        return True
+            # Past this, a step would fill block num_cached_blocks, which must be cached.
+            capacity = min(capacity, (rec.num_cached_blocks + 1) * bs - 1)
+        rec.fast_limit = capacity
+        return rec
 
     def block_table(self, seq_id: int) -> tuple[int, ...]:
-        """The sequence's block ids as a tuple, rebuilt only when blocks were added."""
+        """The sequence's block ids as a tuple (rebuilt only when blocks are added)."""
         rec = self._seqs.get(seq_id)
-        if rec is None:
-            return ()
-        if rec.table is None:
-            rec.table = tuple(rec.block_ids)
-        return rec.table
+        return () if rec is None else rec.table
+
+    def seq_blocks(self, seq_id: int) -> SeqBlocks | None:
+        """The sequence's block record, to read `table` and `fast_limit` without a call
+        per decode on the scheduler's hot path. Never edit it."""
+        return self._seqs.get(seq_id)
 
     def num_blocks_of(self, seq_id: int) -> int:
         rec = self._seqs.get(seq_id)
@@ -146,7 +158,8 @@ class KVCacheManager:
         self.pool.free(rec.block_ids)
         rec.block_ids = []
         rec.num_cached_blocks = 0
-        rec.table = None
+        rec.table = ()
+        rec.fast_limit = 0
 
     def remove(self, seq_id: int) -> None:
         """Free the sequence's blocks and forget it (it finished or was aborted)."""

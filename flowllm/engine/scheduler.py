@@ -31,7 +31,7 @@ from collections import deque
 import msgspec
 
 from flowllm.config import CacheConfig, ConfigError, SchedulerConfig
-from flowllm.engine.kv_cache_manager import KVCacheManager
+from flowllm.engine.kv_cache_manager import KVCacheManager, SeqBlocks
 from flowllm.engine.sequence import (
     FINISH_STATUSES,
     FinishedSeq,
@@ -166,7 +166,8 @@ class Scheduler:
         may carry no rows (`seqs == ()`) but only `released` ids: downstream stages should
         pass it along (dropping those sequences' state) without running the model.
         """
-        rows: list[tuple[Sequence, int]] = []  # (sequence, tokens to compute) in batch order
+        # (sequence, tokens to compute, its blocks) in batch order
+        rows: list[tuple[Sequence, int, SeqBlocks]] = []
         budget, preempted = self._schedule_running(rows, self.max_num_batched_tokens)
         if not preempted:
             self._admit_waiting(rows, budget)
@@ -186,10 +187,12 @@ class Scheduler:
             seq = self._seqs.get(token.seq_id)
             if seq is None:
                 continue
-            seq.token_ids.append(token.token_id)
+            tokens = seq.token_ids
+            tokens.append(token.token_id)
             reason = token.finish_reason
             if reason is None and (
-                seq.num_tokens >= max_model_len or seq.num_output_tokens >= seq.max_tokens
+                len(tokens) >= max_model_len
+                or len(tokens) - seq.num_prompt_tokens >= seq.max_tokens
             ):
                 reason = "length"  # backstop: the sample stage should have said so
             if reason is not None:
@@ -221,11 +224,13 @@ class Scheduler:
         return self._seqs.get(seq_id)
 
     # ------------------------------------------------------------------ policy helpers
-    def _schedule_running(self, rows: list[tuple[Sequence, int]], budget: int) -> tuple[int, bool]:
+    def _schedule_running(
+        self, rows: list[tuple[Sequence, int, SeqBlocks]], budget: int
+    ) -> tuple[int, bool]:
         """Give running sequences their tokens, oldest first, preempting the youngest when
         blocks run out. Returns the budget left and whether anything was preempted."""
         running = self.running
-        kv = self.kv
+        blocks_of = self.kv.seq_blocks
         max_model_len = self.max_model_len
         # Runnable sequences not yet visited: each keeps one token of budget reserved.
         pending = sum(1 for s in running if not s.awaiting_token)
@@ -237,34 +242,47 @@ class Scheduler:
             if seq.awaiting_token:
                 continue
             pending -= 1
-            gap = min(seq.num_tokens, max_model_len) - seq.num_computed_tokens
-            num_new = min(gap, budget - pending)
+            num_tokens = len(seq.token_ids)
+            if num_tokens > max_model_len:
+                num_tokens = max_model_len
+            num_new = num_tokens - seq.num_computed_tokens
+            if num_new > budget - pending:
+                num_new = budget - pending
             if num_new <= 0:
                 continue
-            scheduled = True
-            while not kv.allocate_slots(
-                seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new
-            ):
-                victim = running[-1]
-                if victim is seq and len(running) == 1:
-                    # Unreachable: __init__ checked one max_model_len sequence fits the pool
-                    # and only running sequences hold blocks.
-                    scheduled = False
-                    break
-                running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    scheduled = False
-                    break
-                if not victim.awaiting_token:
-                    pending -= 1
-            if scheduled:
-                rows.append((seq, num_new))
-                budget -= num_new
+            rec = blocks_of(seq.seq_id)
+            if rec is None or seq.num_computed_tokens + num_new > rec.fast_limit:
+                num_preemptions = self.num_preemptions
+                rec = self._allocate_or_preempt(seq, num_new)
+                if self.num_preemptions != num_preemptions:
+                    preempted = True
+                    pending = sum(1 for s in running[i:] if not s.awaiting_token)
+                if rec is None:
+                    continue
+            rows.append((seq, num_new, rec))
+            budget -= num_new
         return budget, preempted
 
-    def _admit_waiting(self, rows: list[tuple[Sequence, int]], budget: int) -> None:
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> SeqBlocks | None:
+        """Allocate `num_new` slots for a running sequence, preempting the youngest running
+        sequences until it fits. Returns None if `seq` itself had to be preempted."""
+        running = self.running
+        allocate = self.kv.allocate_slots
+        while True:
+            rec = allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new)
+            if rec is not None:
+                return rec
+            victim = running[-1]
+            if victim is seq and len(running) == 1:
+                # __init__ checked that one max_model_len sequence fits the pool, and only
+                # running sequences hold blocks: reaching here is a bookkeeping bug.
+                raise RuntimeError(f"sequence {seq.seq_id} alone does not fit the KV cache")
+            running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return None
+
+    def _admit_waiting(self, rows: list[tuple[Sequence, int, SeqBlocks]], budget: int) -> None:
         """Admit waiting sequences FCFS with the remaining budget; stop at the first that
         does not fit (no preemption for admission)."""
         waiting, running, kv = self.waiting, self.running, self.kv
@@ -278,7 +296,8 @@ class Scheduler:
             num_new = min(num_tokens - num_hit_tokens, budget)
             if num_new <= 0:
                 break
-            if not kv.allocate_slots(seq.seq_id, seq.token_ids, 0, num_new, hits):
+            rec = kv.allocate_slots(seq.seq_id, seq.token_ids, 0, num_new, hits)
+            if rec is None:
                 break
             waiting.popleft()
             if seq.use_prefix_cache:
@@ -289,30 +308,33 @@ class Scheduler:
             seq.num_computed_tokens = num_hit_tokens
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
-            rows.append((seq, num_new))
+            rows.append((seq, num_new, rec))
             budget -= num_new
 
-    def _build_batch(self, rows: list[tuple[Sequence, int]]) -> StepBatch:
+    def _build_batch(self, rows: list[tuple[Sequence, int, SeqBlocks]]) -> StepBatch:
         """Turn the chosen rows into the step message and advance `num_computed_tokens`
         (the K/V of these tokens will be in the cache once the step runs)."""
         step_id = self._next_step_id
         self._next_step_id += 1
-        block_table = self.kv.block_table
         seqs: list[ScheduledSeq] = []
         started: list[SeqStart] = []
         sampling: list[Sequence] = []
-        for seq, num_new in rows:
+        for seq, num_new, blocks in rows:
+            tokens = seq.token_ids
+            num_tokens = len(tokens)
             start = seq.num_computed_tokens
             end = start + num_new
-            sample = end == seq.num_tokens
+            sample = end == num_tokens
             seqs.append(
                 ScheduledSeq(
                     seq_id=seq.seq_id,
-                    token_ids=tuple(seq.token_ids[start:end]),
+                    token_ids=(tokens[-1],)
+                    if num_new == 1 and sample
+                    else tuple(tokens[start:end]),
                     num_computed_tokens=start,
-                    block_table=block_table(seq.seq_id),
+                    block_table=blocks.table,
                     sample=sample,
-                    num_output_tokens=seq.num_tokens - seq.num_prompt_tokens,
+                    num_output_tokens=num_tokens - seq.num_prompt_tokens,
                 )
             )
             seq.num_computed_tokens = end
