@@ -74,3 +74,27 @@ def hf_home_with_gpt2(gpt2_hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> It
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     yield gpt2_hf_home
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled SmolLM2-135M-Instruct converted to an HF directory (read-only for tests).
+
+    Reuses an up-to-date conversion in the user's flowllm cache when there is one; otherwise
+    converts once per session into a temporary cache (about 10 s).
+    """
+    from flowllm.models.bundled import ensure_bundled_model, find_bundled_model
+
+    found = find_bundled_model()
+    if found is not None:
+        return found
+    return ensure_bundled_model(tmp_path_factory.mktemp("flowllm-cache"))
+
+
+@pytest.fixture
+def flowllm_cache_with_smollm2(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point FLOWLLM_CACHE at the cache holding `smollm2_dir`, so the name
+    `smollm2-135m-instruct` resolves to it without converting again. Returns the cache."""
+    cache = smollm2_dir.parent.parent  # <cache>/models/smollm2-135m-instruct
+    monkeypatch.setenv("FLOWLLM_CACHE", str(cache))
+    return cache

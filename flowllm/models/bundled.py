@@ -314,7 +314,7 @@ def _write_tokenizer(reader: Any, dest: Path, max_len: int) -> None:
         "eos_token": eos,
         "model_max_length": max_len,
         "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "tokenizer_class": "GPT2Tokenizer",
+        "tokenizer_class": "PreTrainedTokenizerFast",  # tokenizer.json as written
         "unk_token": token("tokenizer.ggml.unknown_token_id"),
         "vocab_size": len(tokens),
     }

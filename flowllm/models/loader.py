@@ -326,7 +326,8 @@ def load_hf_config(path: Path | str) -> Any:
         return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except (KeyError, ValueError) as e:
         raise UnknownArchitectureError(
-            f"unknown model architecture {model_type!r} {archs} in {path}"
+            f"unknown model architecture {model_type!r} ({', '.join(archs) or 'no architectures'})"
+            f" in {path}; flowllm runs GPT-2 and Llama-family models"
         ) from e
     except OSError as e:
         raise CorruptCheckpointError(f"cannot read model config in {path}: {e}") from e
@@ -355,37 +356,20 @@ def resolve_device(device: torch.device | str = "auto") -> torch.device:
         raise ModelLoadError(f"invalid device {device!r}: {e}") from e
 
 
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
 def resolve_dtype(
     dtype: torch.dtype | str, hf_config: Any, device: torch.device | str = "cpu"
 ) -> torch.dtype:
-    """The compute dtype. `auto` takes the checkpoint's declared dtype (fp32 when it declares
-    none, as GPT-2 does); fp16 becomes bf16 on CPU, where fp16 matmuls are slow."""
+    """A torch dtype as given, or a name (`auto`, `float32`, `bfloat16`, `float16`) resolved
+    by flowllm.models.dtype's policy for this device and checkpoint."""
+    from flowllm.config import ConfigError
+    from flowllm.models import dtype as dtype_policy
+
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype != "auto":
-        if dtype not in _DTYPE_NAMES:
-            raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
-        return _DTYPE_NAMES[dtype]
-    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(declared, str):
-        declared = _DTYPE_NAMES.get(declared)
-    if declared not in (torch.float32, torch.bfloat16, torch.float16):
-        return torch.float32
-    if declared == torch.float16 and torch.device(device).type == "cpu":
-        return torch.bfloat16
-    return declared
+    try:
+        return dtype_policy.resolve_dtype(dtype, device, hf_config)
+    except ConfigError as e:
+        raise ModelLoadError(one_line(e)) from e
 
 
 @dataclass
@@ -415,21 +399,17 @@ def load_model(
     generation_config = load_generation_config(resolved.path)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, hf_config, dev)
-    archs = getattr(hf_config, "architectures", None) or [hf_config.model_type]
     try:
         cls = model_class_for(hf_config)
     except UnsupportedModelError as e:
-        raise UnknownArchitectureError(
-            f"model {name_or_path!r}: unsupported architecture {', '.join(archs)}: {one_line(e)}"
-        ) from e
-    files = safetensors_files(resolved.path)  # fail on missing weights before building
+        raise UnknownArchitectureError(f"model {name_or_path!r}: {one_line(e)}") from e
+    safetensors_files(resolved.path)  # fail on missing weights before building the model
+    where = "" if Path(name_or_path) == resolved.path else f" ({resolved.path})"
     try:
         model = cls(hf_config, torch_dtype, dev)
         model.load_weights(iter_weights(resolved.path, torch_dtype))
     except WeightLoadError as e:
-        raise WeightMismatchError(
-            f"model {name_or_path!r} ({files[0].parent}): {one_line(e)}"
-        ) from e
+        raise WeightMismatchError(f"model {name_or_path!r}{where}: {one_line(e)}") from e
     except UnsupportedModelError as e:
         raise UnknownArchitectureError(f"model {name_or_path!r}: {one_line(e)}") from e
     except ModelError as e:
