@@ -10,7 +10,13 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
-from flowllm.bench.metrics import BenchMetrics, LatencyStats, RequestRecord, percentile_key
+from flowllm.bench.metrics import (
+    BenchMetrics,
+    LatencyStats,
+    RequestRecord,
+    percentile_key,
+    request_tpot,
+)
 
 _WIDTH = 50
 _LABEL = 40
@@ -46,6 +52,8 @@ def _stats_lines(name: str, stats: LatencyStats, percentiles: Sequence[float]) -
         _line(f"Median {name} (ms):", _ms(stats.median_ms)),
     ]
     for p in percentiles:
+        if p == 50.0:
+            continue  # the median, already shown
         key = percentile_key(p)
         lines.append(_line(f"{key.upper()} {name} (ms):", _ms(stats.percentiles_ms.get(key))))
     return lines
@@ -107,8 +115,6 @@ def plot_latencies(
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
-
-    from flowllm.bench.metrics import request_tpot
 
     ok = [r for r in records if r.success]
     samples_ms = {

@@ -319,6 +319,15 @@ def build_prompts(config: BenchServeConfig, tokenizer: TokenizerLike | None = No
     )
 
 
+def _token_counter(tokenizer: TokenizerLike) -> Callable[[str], int]:
+    """Counts generated tokens locally, for servers that report no `usage`."""
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    return count
+
+
 async def benchmark(
     config: BenchServeConfig,
     *,
@@ -343,13 +352,7 @@ async def benchmark(
             f"max concurrency {config.max_concurrency or '-'}",
             file=log,
         )
-    count_tokens = None
-    if tokenizer is not None:
-        tok = tokenizer
-
-        def count_tokens(text: str) -> int:
-            return len(tok.encode(text, add_special_tokens=False))
-
+    count_tokens = _token_counter(tokenizer) if tokenizer is not None else None
     bar = ProgressBar(
         len(prompts),
         progress_stream or sys.stderr,
