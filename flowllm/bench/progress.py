@@ -53,6 +53,7 @@ class ProgressBar:
         self._clock = clock
         self._start = clock()
         self._last_draw = float("-inf")
+        self._drawn = -1  # `done` as last drawn
 
     def update(self, n: int = 1) -> None:
         """Count `n` more finished items; redraw if enough time passed or all are done."""
@@ -64,14 +65,16 @@ class ProgressBar:
             self._draw(now)
 
     def close(self) -> None:
-        """Draw the final state and end the line."""
+        """Draw the final state (unless already shown) and end the line."""
         if self._enabled:
-            self._draw(self._clock())
+            if self._drawn != self.done:
+                self._draw(self._clock())
             self._stream.write("\n")
             self._stream.flush()
             self._enabled = False
 
     def _draw(self, now: float) -> None:
         self._last_draw = now
+        self._drawn = self.done
         self._stream.write("\r" + render_bar(self.done, self.total, now - self._start))
         self._stream.flush()

@@ -48,8 +48,16 @@ def test_enabled_bar_redraws_at_most_every_interval_and_ends_the_line() -> None:
     clock.now += 0.1
     bar.update(7)  # all done: always drawn
     bar.close()
+    closed_early = io.StringIO()
+    early = ProgressBar(10, closed_early, enabled=True, min_interval=1.0, clock=clock)
+    early.update()
+    clock.now += 0.1
+    early.update()  # not drawn: close shows it
+    early.close()
+    assert closed_early.getvalue().count("\r") == 2
+    assert closed_early.getvalue().endswith("| 2/10 [00:00<00:00, 20.00 req/s]\n")
     text = out.getvalue()
-    assert text.count("\r") == 4  # three updates drawn, plus close
+    assert text.count("\r") == 3  # close adds no redraw of the state already shown
     assert text.endswith("| 10/10 [00:01<00:00, 8.33 req/s]\n")
 
 
