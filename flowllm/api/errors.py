@@ -29,8 +29,9 @@ _TYPES: dict[int, str] = {
     503: "ServiceUnavailableError",
 }
 
-# msgspec's validation messages end with the JSON path of the bad value, e.g. "at `$.n`".
-_PATH = re.compile(r"at `\$\.?([A-Za-z_][A-Za-z0-9_]*)?")
+# msgspec's validation messages end with the JSON path of the bad value, e.g. "at `$.n`"
+# or "at `key` in `$.logit_bias`"; the top-level field is the OpenAI `param`.
+_PATH = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
 class ApiError(Exception):
