@@ -247,3 +247,14 @@ def test_python_dash_m_flowllm_bench_serve(start_server: StartServer, tmp_path: 
     assert "Successful requests:                     4" in proc.stdout
     assert proc.stderr == ""  # not a terminal: no progress bar
     assert json.loads(result.read_text())["metrics"]["total_output_tokens"] == 12
+
+
+def test_plot_file_is_written_when_matplotlib_is_installed(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    server = start_server(ttft_s=0.01, itl_s=0.002)
+    plot = tmp_path / "latency.png"
+    status, _ = bench(server, tmp_path, "--model", "m", "--plot", str(plot), n=6)
+    assert status == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
