@@ -395,6 +395,10 @@ def serve_command(args: argparse.Namespace) -> int:
     except BenchConfigError as exc:
         _error(str(exc))
         return 2
+    for flag, target in (("--result-file", config.result_file), ("--plot", config.plot)):
+        if target is not None and not Path(target).resolve().parent.is_dir():
+            _error(f"{flag}: the directory of {target!r} does not exist")
+            return 2
     if config.plot is not None and not matplotlib_available():
         _error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
         return 2
@@ -402,7 +406,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if config.tokenizer is not None:
         try:
             tokenizer = load_tokenizer(config.tokenizer)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError) as exc:
             _error(f"cannot load the tokenizer from {config.tokenizer!r}: {exc}")
             return 2
 
@@ -437,7 +441,11 @@ def serve_command(args: argparse.Namespace) -> int:
     if result.metrics.errors:
         print(format_errors(result.metrics.errors))
     if config.result_file is not None:
-        write_result_file(result, config.result_file)
+        try:
+            write_result_file(result, config.result_file)
+        except OSError as exc:
+            _error(f"cannot write {config.result_file!r}: {exc}")
+            return 1
         print(f"Results written to {config.result_file}")
     if config.plot is not None:
         try:

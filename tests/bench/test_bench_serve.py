@@ -233,6 +233,8 @@ def test_bad_options_exit_with_status_2(capsys: pytest.CaptureFixture[str]) -> N
     assert main([*base, "--request-rate", "-1"]) == 2
     assert main([*base, "--tokenizer", "/nonexistent/tokenizer"]) == 2
     assert "cannot load the tokenizer" in capsys.readouterr().err
+    assert main([*base, "--result-file", "/nonexistent/dir/r.json"]) == 2
+    assert "--result-file: the directory" in capsys.readouterr().err
 
 
 def test_python_dash_m_flowllm_bench_serve(start_server: StartServer, tmp_path: Path) -> None:
