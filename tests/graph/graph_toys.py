@@ -58,7 +58,12 @@ class Relay(PerMessageStage):
     outputs: ClassVar[dict[str, Any]] = {"out": Item}
     Params = DelayParams
 
+    def __init__(self, params: Any, services: Any) -> None:
+        super().__init__(params, services)
+        self.handled = 0
+
     async def handle(self, message: Item, ctx: StageContext) -> None:
+        self.handled += 1
         if self.params.delay:
             await anyio.sleep(self.params.delay)
         await ctx.emit("out", message)

@@ -1,0 +1,294 @@
+"""The graph runtime with toy stages: delivery, backpressure, fan-in, replicas, failure, stop."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+from graph_toys import Collect, Feeder, Item, Loop, Pending, Relay
+
+from flowllm.graph.channel import ChannelTypeError
+from flowllm.graph.runtime import Graph
+from flowllm.graph.spec import GraphSpec
+from flowllm.stages.base import StageNotRunningError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def make_graph(text: str, services: Any = None, **kwargs: Any) -> Graph:
+    spec = GraphSpec.from_yaml(text, source="<test>", base_dir=FIXTURES)
+    kwargs.setdefault("logger", quiet_logger())
+    return Graph(spec, services, **kwargs)
+
+
+def quiet_logger(capture: structlog.testing.LogCapture | None = None) -> Any:
+    """A logger writing nowhere (or into `capture`), enabled for DEBUG."""
+    processors: list[Any] = [capture] if capture is not None else [_drop]
+    return structlog.wrap_logger(
+        None,
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+    )
+
+
+def _drop(logger: Any, method: str, event: Any) -> Any:
+    raise structlog.DropEvent
+
+
+def run(graph: Graph, limit: float = 20.0) -> None:
+    async def main() -> None:
+        with anyio.fail_after(limit):
+            await graph.run()
+
+    anyio.run(main)
+
+
+def test_three_stage_pipeline_delivers_10000_in_order() -> None:
+    graph = make_graph(
+        """
+        stages:
+          - {name: source, use: "graph_toys:Count", with: {count: 10000}}
+          - {name: relay, use: "graph_toys:Relay"}
+          - {name: sink, use: "graph_toys:Collect"}
+        edges:
+          - source.out -> relay.in
+          - {from: relay.out, to: sink.in, capacity: 16}
+        """
+    )
+    run(graph)
+    sink = graph.stage("sink")
+    assert isinstance(sink, Collect)
+    assert [item.seq for item in sink.items] == list(range(10000))
+    assert graph.failure is None
+    assert graph.finished and not graph.healthy  # finished graphs do not serve
+
+
+def test_slow_consumer_makes_producer_wait_and_channels_stay_bounded() -> None:
+    capacity = 4
+    graph = make_graph(
+        f"""
+        stages:
+          - {{name: source, use: "graph_toys:Count", with: {{count: 60}}}}
+          - {{name: sink, use: "graph_toys:Collect", with: {{delay: 0.001}}}}
+        edges:
+          - {{from: source.out, to: sink.in, capacity: {capacity}}}
+        """
+    )
+    channel = graph.channels["sink.in"]
+    sink = graph.stage("sink")
+    assert isinstance(sink, Collect)
+    depths: list[int] = []
+    ahead: list[int] = []
+
+    def tap(message: Any, send_time: float) -> None:
+        depths.append(channel.depth())
+        # Sent so far minus handled so far: the buffer plus the message in the sink's hands.
+        ahead.append(message.seq + 1 - len(sink.items))
+
+    channel.add_tap(tap)
+    run(graph)
+    assert len(depths) == 60
+    assert max(depths) <= capacity
+    assert max(depths) == capacity  # the producer ran ahead until the channel was full ...
+    assert max(ahead) <= capacity + 1  # ... and then waited for the consumer
+    assert [item.seq for item in sink.items] == list(range(60))
+
+
+def test_fan_in_delivers_every_message_exactly_once() -> None:
+    graph = make_graph(
+        """
+        stages:
+          - {name: a, use: "graph_toys:Count", with: {count: 1500}}
+          - {name: b, use: "graph_toys:Count", with: {count: 1500}}
+          - {name: c, use: "graph_toys:Count", with: {count: 1500}}
+          - {name: sink, use: "graph_toys:Collect"}
+        edges:
+          - a.out -> sink.in
+          - {from: b.out, to: sink.in, capacity: 8}
+          - c.out -> sink.in
+        """
+    )
+    assert graph.channels["sink.in"].capacity == 64  # the largest capacity of the fan-in
+    run(graph)
+    sink = graph.stage("sink")
+    assert isinstance(sink, Collect)
+    assert len(sink.items) == 4500
+    for origin in "abc":
+        # Each producer's messages arrive once each, in that producer's order.
+        assert [i.seq for i in sink.items if i.origin == origin] == list(range(1500))
+    origins = [i.origin for i in sink.items[:300]]
+    assert len(set(origins)) == 3  # producers interleave; none is starved
+
+
+def test_replicas_share_one_inbox_and_deliver_exactly_once() -> None:
+    graph = make_graph(
+        """
+        stages:
+          - {name: source, use: "graph_toys:Count", with: {count: 400}}
+          - {name: relay, use: "graph_toys:Relay", with: {delay: 0.0005}, replicas: 4}
+          - {name: sink, use: "graph_toys:Collect"}
+        edges:
+          - source.out -> relay.in
+          - relay.out -> sink.in
+        """
+    )
+    relays = graph.replicas("relay")
+    assert len(relays) == 4 and len({id(r) for r in relays}) == 4
+    run(graph)
+    sink = graph.stage("sink")
+    assert isinstance(sink, Collect)
+    assert sorted(item.seq for item in sink.items) == list(range(400))
+    handled = [r.handled for r in relays if isinstance(r, Relay)]
+    assert sum(handled) == 400
+    assert all(count > 0 for count in handled)  # the work was spread over the replicas
+
+
+def test_a_failing_stage_fails_inflight_work_and_the_runtime_returns() -> None:
+    capture = structlog.testing.LogCapture()
+    services: dict[str, Any] = {}
+    graph = make_graph(
+        """
+        stages:
+          - {name: source, use: "graph_toys:Count", with: {count: 100000}}
+          - {name: explode, use: "graph_toys:Explode", with: {fail_at: 500}}
+          - {name: pending, use: "graph_toys:Pending"}
+          - {name: slow, use: "graph_toys:Collect", with: {delay: 10}}
+          - {name: side, use: "graph_toys:Count", with: {count: 100}}
+        edges:
+          - source.out -> explode.in
+          - {from: explode.out, to: pending.in, capacity: 4}
+          - {from: side.out, to: slow.in, capacity: 2}
+        """,
+        services,
+        logger=quiet_logger(capture),
+    )
+    run(graph, limit=10.0)  # also: the blocked `side` producer and sleeping `slow` end
+    pending = services["pending"]
+    assert isinstance(pending, Pending)
+    assert graph.failure is not None and graph.failure.stage == "explode"
+    assert "boom at 500" in graph.failure.traceback
+    assert not graph.healthy
+    assert sorted(pending.failed) == list(range(500))  # every in-flight item failed ...
+    assert all("boom at 500" in reason for reason in pending.failed.values())
+    assert not pending.open  # ... and none is left open
+    slow = graph.stage("slow")
+    assert isinstance(slow, Collect) and isinstance(slow.failed_with, RuntimeError)
+    errors = [e for e in capture.entries if e["log_level"] == "error" and "stage" in e]
+    assert errors[0]["stage"] == "explode" and errors[0]["exc_info"] is graph.failure.error
+    assert graph.registry.get_sample_value(
+        "flowllm:stage_errors_total", {"stage": "explode"}
+    ) == pytest.approx(1.0)
+
+
+def test_graceful_stop_drains_queued_messages() -> None:
+    graph = make_graph(
+        """
+        stages:
+          - {name: feeder, use: "graph_toys:Feeder"}
+          - {name: relay, use: "graph_toys:Relay"}
+          - {name: sink, use: "graph_toys:Collect", with: {delay: 0.002}}
+        edges:
+          - {from: feeder.out, to: relay.in, capacity: 16}
+          - {from: relay.out, to: sink.in, capacity: 16}
+        """
+    )
+    queued_at_stop: list[int] = []
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with graph.serve(stop_timeout=5) as running:
+                assert running.healthy
+                feeder = running.stage("feeder")
+                assert isinstance(feeder, Feeder)
+                for seq in range(40):
+                    await feeder.submit(Item(seq))
+                queued_at_stop.append(sum(c.depth() for c in running.channels.values()))
+            assert graph.finished
+            with pytest.raises(RuntimeError, match="not accepting"):
+                await feeder.submit(Item(99))
+
+    anyio.run(main)
+    sink = graph.stage("sink")
+    assert isinstance(sink, Collect)
+    assert queued_at_stop[0] > 10  # messages were still queued when the stop began
+    assert [item.seq for item in sink.items] == list(range(40))
+    assert graph.failure is None
+
+
+def test_stop_cancels_after_the_timeout_when_the_graph_cannot_drain() -> None:
+    graph = make_graph(
+        """
+        stages:
+          - {name: feeder, use: "graph_toys:Feeder"}
+          - {name: sink, use: "graph_toys:Collect", with: {delay: 30}}
+        edges:
+          - feeder.out -> sink.in
+        """
+    )
+    drained: list[bool] = []
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(graph.run)
+                feeder = graph.stage("feeder")
+                assert isinstance(feeder, Feeder)
+                await feeder.submit(Item(0))
+                await feeder.submit(Item(1))
+                drained.append(await graph.stop(timeout=0.2))
+
+    anyio.run(main)
+    assert drained == [False]
+    assert graph.finished and graph.failure is None
+
+
+def test_cycle_through_a_credit_bounded_stage_runs_to_completion() -> None:
+    graph = Graph(FIXTURES / "cycle_ok.yaml", logger=quiet_logger())
+    run(graph)
+    loop = graph.stage("loop")
+    sink = graph.stage("sink")
+    assert isinstance(loop, Loop) and isinstance(sink, Collect)
+    assert sorted(item.seq for item in sink.items) == list(range(20))
+    assert loop.max_inflight_seen == 2
+
+
+def test_user_stage_from_a_py_file_runs() -> None:
+    graph = Graph(FIXTURES / "py_file_stage.yaml", logger=quiet_logger())
+    run(graph)
+    assert graph.stage("gather").values == [0, 3, 6, 9, 12]  # type: ignore[attr-defined]
+
+
+def test_emitting_outside_a_running_graph_or_the_wrong_type_fails() -> None:
+    graph = make_graph(
+        """
+        stages:
+          - {name: feeder, use: "graph_toys:Feeder"}
+          - {name: sink, use: "graph_toys:Collect"}
+        edges:
+          - feeder.out -> sink.in
+        """
+    )
+    feeder = graph.stage("feeder")
+    assert isinstance(feeder, Feeder)
+    with pytest.raises(StageNotRunningError):
+        _ = feeder.context
+    with pytest.raises(KeyError, match="no stage 'fedeer'"):
+        graph.stage("fedeer")
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            async with graph.serve(stop_timeout=2):
+                try:
+                    await feeder.context.emit("out", "not an item")
+                except ChannelTypeError as exc:
+                    errors.append(exc)
+        with pytest.raises(RuntimeError, match="already run"):
+            await graph.run()
+
+    anyio.run(main)
+    assert "carries Item, got str" in str(errors[0])
