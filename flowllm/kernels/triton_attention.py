@@ -105,13 +105,14 @@ def _store_kv_kernel(
     """One program per token: copy its [num_kv_heads, head_dim] K and V rows into its slot."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    valid = (slot >= 0) & (slot < num_slots)  # slots outside the cache (padding) are skipped
+    # Slots outside the cache (padding tokens) are skipped: no head is in range then.
+    num_heads = tl.where((slot >= 0) & (slot < num_slots), NUM_KV_HEADS, 0)
     block = slot // block_size
     offset = slot % block_size
 
     h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & valid  # [BLOCK_H, BLOCK_D]
+    mask = (h < num_heads) & (d < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
 
     k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
@@ -148,6 +149,7 @@ def _attend_kv_tile(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WIDEN_DOT: tl.constexpr,  # multiply 16-bit tiles as fp32 (see _widen_dot)
 ):
     """Fold one tile of BLOCK_N cache positions into the online softmax of every row."""
     pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] cache positions
@@ -161,7 +163,11 @@ def _attend_kv_tile(
 
     k_rows = block * stride_kb + within * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
     k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+    if WIDEN_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    s = s * qk_scale  # [BLOCK_M, BLOCK_N] fp32, base-2 logits
     keep = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # causal; q_pos -1: padded row
     s = tl.where(keep, s, float("-inf"))
 
@@ -173,7 +179,12 @@ def _attend_kv_tile(
 
     v_rows = block * stride_vb + within * stride_vs + kv_head * stride_vh
     v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    p = p.to(v.dtype)  # the PV product runs in the cache dtype, accumulating in fp32
+    if WIDEN_DOT:
+        pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p, v, input_precision="ieee")
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -205,6 +216,7 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr,  # >= max(16, GROUP): the group's heads, padded for tl.dot
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WIDEN_DOT: tl.constexpr,
 ):
     """One program per (sequence, KV head): the sequence's single query, for every query head
     of the group, attends to all seq_len cached positions (the query is the last of them)."""
@@ -213,12 +225,13 @@ def _decode_kernel(
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    has_query = q_end > q_start  # a sequence may have no query this step
-    kv_end = tl.where(has_query, seq_len, 0)
+    # A sequence may have no query this step: then no row is valid and no key is read.
+    q_count = tl.minimum(q_end - q_start, 1).to(tl.int32)  # 0 or 1
+    kv_end = seq_len * q_count
 
     m = tl.arange(0, BLOCK_M)  # row m is query head kv_head * GROUP + m
     d = tl.arange(0, BLOCK_D)
-    row_ok = (m < GROUP) & has_query
+    row_ok = m < GROUP * q_count
     head = (kv_head * GROUP + m).to(tl.int64)
     io_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
     q = tl.load(
@@ -237,7 +250,7 @@ def _decode_kernel(
             q, acc, m_i, l_i, q_pos, start, seq_len, table_row_ptr, max_blocks,
             k_cache_ptr, v_cache_ptr, kv_head, block_size,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_N, BLOCK_D,
+            HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_DOT,
         )  # fmt: skip
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
@@ -278,6 +291,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per tile, BLOCK_M // GROUP
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WIDEN_DOT: tl.constexpr,
 ):
     """One program per (sequence, tile of BLOCK_Q queries, KV head). Queries are the last
     q_len of the sequence's seq_len positions; each attends causally to the cached prefix and
@@ -317,7 +331,7 @@ def _prefill_kernel(
             q, acc, m_i, l_i, q_pos, start, seq_len, table_row_ptr, max_blocks,
             k_cache_ptr, v_cache_ptr, kv_head, block_size,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_N, BLOCK_D,
+            HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_DOT,
         )  # fmt: skip
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
@@ -336,6 +350,13 @@ def interpreted() -> bool:
     """Whether the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at
     import time): Triton decides when a kernel is decorated, not when it is launched."""
     return not isinstance(_store_kv_kernel, JITFunction)
+
+
+def _widen_dot(dtype: torch.dtype) -> bool:
+    """Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit patterns, so
+    there the tiles are widened to fp32 first. That computes what a GPU computes: bf16
+    products are exact in fp32 and the sums accumulate in fp32 either way."""
+    return interpreted() and dtype == torch.bfloat16
 
 
 def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
@@ -564,6 +585,7 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
+    widen = _widen_dot(query.dtype)
     block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     common = (
         query, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
@@ -582,6 +604,7 @@ def paged_attention(
                 BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
                 BLOCK_N=tiles.decode_block_n,
                 BLOCK_D=block_d,
+                WIDEN_DOT=widen,
                 num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages,
             )
@@ -597,6 +620,7 @@ def paged_attention(
                 BLOCK_Q=block_q,
                 BLOCK_N=tiles.block_n,
                 BLOCK_D=block_d,
+                WIDEN_DOT=widen,
                 num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages,
             )
