@@ -468,3 +468,46 @@ def test_kv_cache_usage_counts_cached_free_blocks_as_free() -> None:
     sample(sched, batch)
     assert sched.stats.kv_cache_usage == 0.0
     assert sched.kv.pool.num_cached_blocks == 2
+
+
+# ---------------------------------------------------------------------------- steps in flight
+
+
+def test_sequence_with_a_token_in_flight_is_not_scheduled_again() -> None:
+    """With two steps in flight, a sequence whose next token is not known yet waits, while
+    a prompt's non-sampling chunks keep going."""
+    sched = make_scheduler(budget=8, block_size=4)
+    sched.add_request(request("a", [1, 2]))
+    b0 = sched.schedule()
+    assert b0 is not None and rows(b0) == {0: (0, 2, True)}
+    assert sched.schedule() is None  # a's token is still in flight
+    sched.add_request(request("b", range(100, 120)))  # 20 tokens: 8 + 8 + 4
+    b1 = sched.schedule()
+    assert b1 is not None and rows(b1) == {1: (0, 8, False)}
+    b2 = sched.schedule()
+    assert b2 is not None and rows(b2) == {1: (8, 8, False)}
+    sample(sched, b0, token=50)  # a's token arrives; the later steps sampled nothing
+    sample(sched, b1)
+    b3 = sched.schedule()
+    assert b3 is not None
+    assert rows(b3) == {0: (2, 1, True), 1: (16, 4, True)}
+    assert b3.seqs[0].token_ids == (50,)
+
+
+def test_stop_string_and_abort_reach_preempted_sequences() -> None:
+    sched = make_scheduler(budget=32, block_size=4, num_blocks=4, max_model_len=16)
+    sched.add_request(request("a", [1, 2, 3, 4]))
+    sched.add_request(request("b", range(5, 13)))
+    step(sched)
+    step(sched)  # b preempts itself: a needs block 3
+    seq_b = sched.get_sequence(1)
+    assert seq_b is not None and seq_b.status is SequenceStatus.PREEMPTED
+    done = sched.finish_sequence(1, "!")
+    assert done is not None and done.finish_reason == "stop" and done.num_output_tokens == 1
+    assert sched.stats.num_waiting == 0
+    batch = sched.schedule()
+    assert batch is not None and batch.released == (1,)
+    sample(sched, batch)
+    (gone,) = sched.abort_request("a")
+    assert gone.num_output_tokens == 3
+    assert sched.kv.pool.num_used_blocks == 0
