@@ -61,8 +61,9 @@ def test_counts_tokens_latencies_and_the_request_bodies(
     # because the machine is shared.
     assert m["ttft"]["min_ms"] >= 150.0 and m["ttft"]["max_ms"] < 150.0 + 1000.0
     assert m["itl"]["count"] == 8 * 4
-    assert m["itl"]["median_ms"] >= 15.0
-    assert 18.0 <= m["tpot"]["mean_ms"] < 20.0 + 300.0
+    # Gaps are 20 ms at the server; a late read can bunch two events, so bounds are loose.
+    assert m["itl"]["median_ms"] >= 10.0
+    assert 15.0 <= m["tpot"]["mean_ms"] < 20.0 + 300.0
     assert m["e2el"]["min_ms"] >= 150.0 + 4 * 20.0 - 5.0
     assert m["request_throughput"] == pytest.approx(8 / m["duration_s"])
     assert m["peak_concurrency"] <= 3 and server.max_inflight <= 3
@@ -137,7 +138,7 @@ def test_a_hung_request_times_out_and_the_run_ends(
     assert m["errors"] == {"timeout: no complete response within 0.6 s": 2}
     for r in result["requests"]:
         if not r["success"]:
-            assert r["latency_s"] == pytest.approx(0.6, abs=0.3)
+            assert 0.6 <= r["latency_s"] < 0.6 + 1.0
             assert r["ttft_s"] is not None  # its first token did arrive
 
 
