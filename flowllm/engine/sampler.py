@@ -1,0 +1,565 @@
+"""Batched sampling: one call turns a step's logits into one token per sequence.
+
+The `sample` stage is a thin actor around `Sampler`. The sampler keeps what it needs about
+each sequence (parameters, generator, token history) keyed by seq_id, learned from
+`SeqStart` and dropped on release, so step messages carry only ids and logits.
+
+Per step, for a batch of rows (one per sequence), in this order (vLLM's):
+
+1. raw logprobs: `log_softmax` of the logits as the model gave them (rows asking only);
+2. min_tokens: EOS and stop_token_ids get -inf while fewer than min_tokens outputs exist;
+3. logit_bias: added, each value clamped to ±100;
+4. penalties: repetition over prompt + output tokens (divide positive logits by the
+   penalty, multiply negative ones), then frequency (times the output count) and presence
+   (once per distinct output token) subtracted; both over output tokens only;
+5. greedy rows (temperature < 1e-5) take the argmax; the others divide by temperature,
+   softmax, drop tokens below min_p × the top probability, keep the top_k, keep the
+   smallest set of top tokens whose mass reaches top_p (ties kept), and draw one token by
+   inverse CDF with a uniform number per row.
+
+Every step is skipped when no row of the batch uses it, so an all-greedy or all-plain batch
+costs little more than one pass (argmax) or a softmax plus one summing pass.
+
+Randomness: unseeded rows draw their uniforms from one generator seeded at construction.
+A seeded sequence owns a generator seeded from `sibling_seed(seed, index)` and draws exactly
+one uniform per random step from it; every batched operation on its row is row-wise or
+exactly rounded, so the same seed and logits give the same tokens whatever else is in the
+batch and wherever the row sits in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flowllm.engine.stopping import check_stop
+from flowllm.messages import SampledToken, SamplingParams, SeqStart, TokenLogprobs
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-LIMIT, LIMIT]
+_CDF_BLOCK = 256  # inverse CDF: block size of the two-level search
+_TOP_P_CANDIDATES = (256, 4096)  # top_p: top-K tried before a full sort of a row
+
+
+class SamplerError(RuntimeError):
+    """The sampler was driven inconsistently (unknown or duplicate seq_id, bad shapes)."""
+
+
+def sibling_seed(seed: int, index: int) -> int:
+    """The generator seed of choice `index` of a request seeded with `seed`.
+
+    `seed + index` (mod 2**64), as vLLM seeds the children of an `n > 1` request: choice 0
+    samples exactly like an `n = 1` request with the same seed, siblings differ from each
+    other, and every choice is reproducible on its own.
+    """
+    return (seed + index) % 2**64
+
+
+class _TokenHistory:
+    """Distinct tokens of the prompt and outputs, with each one's count among the outputs.
+
+    Penalties touch only these tokens, so they cost O(distinct tokens) per step instead of
+    O(vocab). Arrays grow by doubling; `pos` maps a token id to its slot.
+    """
+
+    __slots__ = ("counts", "ids", "n", "pos")
+
+    def __init__(self, prompt_token_ids: Sequence[int]) -> None:
+        distinct = list(dict.fromkeys(prompt_token_ids))
+        capacity = max(16, 2 * len(distinct))
+        self.ids = np.zeros(capacity, dtype=np.int64)  # [capacity], valid in [:n]
+        self.counts = np.zeros(capacity, dtype=np.float32)  # output count of ids[i]
+        self.ids[: len(distinct)] = distinct
+        self.pos: dict[int, int] = {t: i for i, t in enumerate(distinct)}
+        self.n = len(distinct)
+
+    def add(self, token_id: int) -> None:
+        i = self.pos.get(token_id)
+        if i is None:
+            if self.n == len(self.ids):
+                self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+                self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+            i = self.n
+            self.ids[i] = token_id
+            self.pos[token_id] = i
+            self.n += 1
+        self.counts[i] += 1.0
+
+
+@dataclass(slots=True)
+class _SeqState:
+    """What the sampler keeps about one sequence."""
+
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    eos_token_ids: frozenset[int]
+    min_tokens_ids: torch.Tensor  # [k] int64: EOS ∪ stop_token_ids, masked before min_tokens
+    greedy: bool
+    generator: torch.Generator | None  # only for seeded, non-greedy sequences
+    bias_ids: torch.Tensor | None  # [k] int64
+    bias_values: torch.Tensor | None  # [k] float32, clamped
+    history: _TokenHistory | None  # only when a penalty is active
+    num_sampled: int = 0
+
+
+class Sampler:
+    """Per-sequence sampling state plus the batched sampling step.
+
+    `seed` seeds the generator shared by unseeded rows (ModelConfig.seed);
+    `max_model_len` feeds the "length" stop rule (None: no context limit);
+    `device` is where logits arrive and where per-sequence generators live.
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self._device = torch.device(device)
+        self._max_model_len = max_model_len
+        self._generator = torch.Generator(device=self._device)
+        self._generator.manual_seed(seed % 2**64)
+        self._seqs: dict[int, _SeqState] = {}
+        self._buffers: dict[str, torch.Tensor] = {}  # reused batch-sized scratch, by role
+
+    # ------------------------------------------------------------------ sequence state
+
+    def start(self, seq: SeqStart) -> None:
+        """Learn a sequence the first step it runs."""
+        if seq.seq_id in self._seqs:
+            raise SamplerError(f"seq_id {seq.seq_id} started twice")
+        p = seq.params
+        greedy = p.temperature < GREEDY_TEMPERATURE
+        generator = None
+        if p.seed is not None and not greedy:
+            generator = torch.Generator(device=self._device)
+            generator.manual_seed(sibling_seed(p.seed, seq.index))
+        bias_ids = bias_values = None
+        if p.logit_bias:
+            bias_ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.int64)
+            bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32).clamp_(
+                -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT
+            )
+        penalized = (
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        )
+        stop_ids = sorted(set(seq.eos_token_ids) | set(p.stop_token_ids))
+        self._seqs[seq.seq_id] = _SeqState(
+            params=p,
+            prompt_token_ids=seq.prompt_token_ids,
+            eos_token_ids=frozenset(seq.eos_token_ids),
+            min_tokens_ids=torch.tensor(stop_ids, dtype=torch.int64),
+            greedy=greedy,
+            generator=generator,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            history=_TokenHistory(seq.prompt_token_ids) if penalized else None,
+        )
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence (finished, aborted); unknown ids are ignored."""
+        self._seqs.pop(seq_id, None)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(
+        self,
+        seq_ids: Sequence[int],
+        logits: torch.Tensor,
+        num_output_tokens: Sequence[int],
+    ) -> list[SampledToken]:
+        """Sample one token per row, record it, and say whether it ends its sequence.
+
+        logits: [B, V] float32, row i for seq_ids[i]; it is the step's scratch and is
+        modified in place. num_output_tokens[i]: outputs of seq_ids[i] before this token.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(seq_ids):
+            raise SamplerError(
+                f"logits must be [len(seq_ids)={len(seq_ids)}, V], got {tuple(logits.shape)}"
+            )
+        if len(num_output_tokens) != len(seq_ids):
+            raise SamplerError("num_output_tokens must have one entry per seq_id")
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        states = [self._state(s) for s in seq_ids]
+        batch, vocab = logits.shape
+
+        # 1. raw logprobs, before anything below touches the logits
+        lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        raw_logprobs = None
+        if lp_rows:
+            rows = self._rows(logits, lp_rows, "gather")
+            raw_logprobs = self._buffer("logprobs", len(lp_rows), vocab)  # [len(lp_rows), V]
+            torch.log_softmax(rows, dim=-1, out=raw_logprobs)
+
+        # 2-4. logits processors, in place
+        self._process(logits, states, num_output_tokens)
+
+        # 5. choose
+        tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        greedy_rows = [i for i, s in enumerate(states) if s.greedy]
+        random_rows = [i for i, s in enumerate(states) if not s.greedy]
+        if len(greedy_rows) == batch:
+            tokens = logits.argmax(dim=-1)
+        elif greedy_rows:
+            g = torch.tensor(greedy_rows, device=logits.device)
+            tokens[g] = logits.index_select(0, g).argmax(dim=-1)
+        if random_rows:
+            chosen = self._sample_random(logits, random_rows, [states[i] for i in random_rows])
+            if len(random_rows) == batch:
+                tokens = chosen
+            else:
+                tokens[torch.tensor(random_rows, device=logits.device)] = chosen
+        token_list: list[int] = tokens.tolist()
+
+        logprobs: list[TokenLogprobs | None] = [None] * batch
+        if raw_logprobs is not None:
+            chosen_lp = _token_logprobs(
+                raw_logprobs,
+                [token_list[i] for i in lp_rows],
+                [states[i].params.logprobs or 0 for i in lp_rows],
+                self._buffer("probs", len(lp_rows), vocab),
+            )
+            for row, entry in zip(lp_rows, chosen_lp, strict=True):
+                logprobs[row] = entry
+
+        out: list[SampledToken] = []
+        for i, (sid, state, token) in enumerate(zip(seq_ids, states, token_list, strict=True)):
+            if state.history is not None:
+                state.history.add(token)
+            state.num_sampled += 1
+            n_out = num_output_tokens[i] + 1
+            finish, stop = check_stop(
+                state.params,
+                token,
+                state.eos_token_ids,
+                n_out,
+                len(state.prompt_token_ids) + n_out,
+                self._max_model_len,
+            )
+            out.append(
+                SampledToken(
+                    seq_id=sid,
+                    token_id=token,
+                    logprobs=logprobs[i],
+                    finish_reason=finish,
+                    stop_reason=stop,
+                )
+            )
+        return out
+
+    def prompt_logprobs(
+        self, seq_id: int, num_computed_tokens: int, logits: torch.Tensor
+    ) -> tuple[TokenLogprobs | None, ...]:
+        """Logprobs of the prompt tokens that a prefill chunk's logits predict.
+
+        logits: [T, V], row t computed at position num_computed_tokens + t, so it predicts
+        prompt token num_computed_tokens + t + 1; rows past the prompt are ignored. The
+        chunk at position 0 starts with None (nothing predicts the first token), so the
+        chunks of one prompt concatenate to exactly one entry per prompt token. Returns ()
+        when the sequence did not ask for prompt_logprobs.
+        """
+        state = self._state(seq_id)
+        top_n = state.params.prompt_logprobs
+        if top_n is None:
+            return ()
+        if logits.dim() != 2:
+            raise SamplerError(f"prompt logits must be [T, V], got {tuple(logits.shape)}")
+        prompt = state.prompt_token_ids
+        first: tuple[TokenLogprobs | None, ...] = (None,) if num_computed_tokens == 0 else ()
+        n = max(0, min(logits.shape[0], len(prompt) - 1 - num_computed_tokens))
+        if n == 0:
+            return first
+        lp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, V]
+        targets = list(prompt[num_computed_tokens + 1 : num_computed_tokens + 1 + n])
+        return first + tuple(_token_logprobs(lp, targets, [top_n] * n, torch.empty_like(lp)))
+
+    def apply_processors(
+        self, seq_ids: Sequence[int], logits: torch.Tensor, num_output_tokens: Sequence[int]
+    ) -> None:
+        """Apply min_tokens, logit_bias and the penalties to `logits` [B, V] in place.
+
+        This is what `sample` does before choosing; exposed so that processed logits can be
+        inspected (tests, debugging) without sampling or recording anything.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(seq_ids):
+            raise SamplerError(
+                f"logits must be [len(seq_ids)={len(seq_ids)}, V], got {tuple(logits.shape)}"
+            )
+        self._process(logits, [self._state(s) for s in seq_ids], num_output_tokens)
+
+    # ------------------------------------------------------------------ internals
+
+    def _state(self, seq_id: int) -> _SeqState:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise SamplerError(f"unknown seq_id {seq_id}: not started or already released")
+        return state
+
+    def _process(
+        self, logits: torch.Tensor, states: list[_SeqState], num_output_tokens: Sequence[int]
+    ) -> None:
+        self._mask_min_tokens(logits, states, num_output_tokens)
+        self._apply_logit_bias(logits, states)
+        self._apply_penalties(logits, states)
+
+    def _buffer(self, key: str, rows: int, vocab: int) -> torch.Tensor:
+        """A reused [rows, vocab] float32 scratch tensor.
+
+        Batch-sized temporaries are tens of MB; allocating them afresh each step costs page
+        faults that can exceed the arithmetic, so each role keeps one buffer and grows it.
+        """
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < rows * vocab:
+            buf = torch.empty(rows * vocab, dtype=torch.float32, device=self._device)
+            self._buffers[key] = buf
+        return buf[: rows * vocab].view(rows, vocab)
+
+    def _rows(self, logits: torch.Tensor, rows: list[int], key: str) -> torch.Tensor:
+        """logits itself when `rows` is every row, else those rows copied into a buffer."""
+        if len(rows) == logits.shape[0]:
+            return logits
+        out = self._buffer(key, len(rows), logits.shape[1])
+        torch.index_select(logits, 0, torch.tensor(rows, device=logits.device), out=out)
+        return out
+
+    def _mask_min_tokens(
+        self, logits: torch.Tensor, states: list[_SeqState], num_output_tokens: Sequence[int]
+    ) -> None:
+        """-inf on EOS and stop_token_ids for rows with fewer than min_tokens outputs."""
+        rows: list[int] = []
+        cols: list[torch.Tensor] = []
+        for i, s in enumerate(states):
+            if num_output_tokens[i] < s.params.min_tokens and s.min_tokens_ids.numel():
+                rows.append(i)
+                cols.append(s.min_tokens_ids)
+        if not rows:
+            return
+        r, c = _flatten_rows(rows, cols, logits.shape[1], logits.device)
+        logits[r, c] = float("-inf")
+
+    def _apply_logit_bias(self, logits: torch.Tensor, states: list[_SeqState]) -> None:
+        rows: list[int] = []
+        cols: list[torch.Tensor] = []
+        vals: list[torch.Tensor] = []
+        for i, s in enumerate(states):
+            if s.bias_ids is not None and s.bias_values is not None:
+                rows.append(i)
+                cols.append(s.bias_ids)
+                vals.append(s.bias_values)
+        if not rows:
+            return
+        vocab = logits.shape[1]
+        c_all = torch.cat(cols)
+        v_all = torch.cat(vals).to(logits.device)
+        counts = torch.tensor([len(c) for c in cols])
+        r_all = torch.repeat_interleave(torch.tensor(rows), counts)
+        keep = (c_all >= 0) & (c_all < vocab)  # out-of-vocab ids are the validator's to reject
+        r_all, c_all, v_all = r_all[keep], c_all[keep], v_all[keep.to(v_all.device)]
+        r_all, c_all = r_all.to(logits.device), c_all.to(logits.device)
+        logits.index_put_((r_all, c_all), v_all, accumulate=True)
+
+    def _apply_penalties(self, logits: torch.Tensor, states: list[_SeqState]) -> None:
+        """Repetition, frequency and presence penalties on each row's distinct tokens."""
+        rows = [i for i, s in enumerate(states) if s.history is not None and s.history.n]
+        if not rows:
+            return
+        hists = [states[i].history for i in rows]
+        lens = torch.tensor([h.n for h in hists if h is not None])
+        ids = np.concatenate([h.ids[: h.n] for h in hists if h is not None])
+        counts = np.concatenate([h.counts[: h.n] for h in hists if h is not None])
+        dev = logits.device
+        r = torch.repeat_interleave(torch.tensor(rows), lens).to(dev)  # [N]
+        c = torch.from_numpy(ids).to(dev)  # [N] distinct token ids per row
+        cnt = torch.from_numpy(counts).to(dev)  # [N] output counts (0: prompt only)
+
+        def per_token(values: list[float]) -> torch.Tensor:
+            return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), lens).to(dev)
+
+        rep = per_token([states[i].params.repetition_penalty for i in rows])
+        freq = per_token([states[i].params.frequency_penalty for i in rows])
+        pres = per_token([states[i].params.presence_penalty for i in rows])
+        vals = logits[r, c]  # [N]
+        vals = torch.where(vals > 0, vals / rep, vals * rep)
+        vals = vals - freq * cnt
+        vals = vals - pres * (cnt > 0).float()
+        logits[r, c] = vals
+
+    def _sample_random(
+        self, logits: torch.Tensor, rows: list[int], states: list[_SeqState]
+    ) -> torch.Tensor:
+        """Temperature, min_p, top_k, top_p and the draw for the non-greedy rows: [R] int64."""
+        vocab = logits.shape[1]
+        dev = logits.device
+        n = len(rows)
+        lg = self._rows(logits, rows, "gather")  # [R, V]
+        params = [s.params for s in states]
+
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            lg.div_(torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1))
+        probs = self._buffer("probs", n, vocab)  # [R, V]; rows sum to 1 until masked below
+        torch.softmax(lg, dim=-1, out=probs)
+
+        min_ps = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_ps):
+            top = probs.amax(dim=-1, keepdim=True)  # [R, 1]
+            floor = torch.tensor(min_ps, dtype=torch.float32, device=dev).unsqueeze(1) * top
+            probs.masked_fill_(probs < floor, 0.0)
+
+        k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+        if k_rows:
+            _keep_top_k(probs, k_rows, [params[i].top_k for i in k_rows])
+
+        p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        if p_rows:
+            _keep_top_p(probs, p_rows, [params[i].top_p for i in p_rows])
+
+        u = torch.empty(n, dtype=torch.float32, device=dev)  # [R] uniforms in [0, 1)
+        unseeded = [i for i, s in enumerate(states) if s.generator is None]
+        if unseeded:
+            draws = torch.rand(len(unseeded), generator=self._generator, device=dev)
+            if len(unseeded) == n:
+                u = draws
+            else:
+                u[torch.tensor(unseeded, device=dev)] = draws
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                u[i] = torch.rand(1, generator=s.generator, device=dev)[0]
+        return _inverse_cdf(probs, u)
+
+
+# ---------------------------------------------------------------------- batched helpers
+
+
+def _flatten_rows(
+    rows: list[int], cols: list[torch.Tensor], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, column) pairs for per-row column lists, dropping out-of-vocab columns."""
+    c = torch.cat(cols)
+    r = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(x) for x in cols]))
+    keep = (c >= 0) & (c < vocab)
+    return r[keep].to(device), c[keep].to(device)
+
+
+def _select_rows(probs: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the rows to filter, their index): probs itself (index None) when rows are all rows."""
+    if len(rows) == probs.shape[0]:
+        return probs, None
+    idx = torch.tensor(rows, device=probs.device)
+    return probs.index_select(0, idx), idx
+
+
+def _keep_top_k(probs: torch.Tensor, rows: list[int], ks: list[int]) -> None:
+    """Zero all but each row's k largest probabilities (ties with the k-th kept)."""
+    sub, idx = _select_rows(probs, rows)  # [Rk, V]
+    top = sub.topk(max(ks), dim=-1).values  # [Rk, kmax], descending
+    kth = top.gather(1, torch.tensor(ks, device=probs.device).unsqueeze(1) - 1)  # [Rk, 1]
+    sub.masked_fill_(sub < kth, 0.0)
+    if idx is not None:
+        probs.index_copy_(0, idx, sub)
+
+
+def _keep_top_p(probs: torch.Tensor, rows: list[int], ps: list[float]) -> None:
+    """Keep each row's smallest top set with mass >= p × row mass (ties with its last kept).
+
+    The nucleus is looked for among the top 256, then 4096 candidates; only rows whose
+    nucleus is larger get a full sort. Prefix sums of the top-K equal those of a full sort,
+    so the result is the same either way.
+    """
+    dev = probs.device
+    vocab = probs.shape[1]
+    sub, idx = _select_rows(probs, rows)  # [Rp, V]
+    target = sub.sum(dim=-1) * torch.tensor(ps, dtype=torch.float32, device=dev)  # [Rp]
+    threshold = torch.zeros(len(rows), dtype=torch.float32, device=dev)  # [Rp]
+    pending = torch.arange(len(rows), device=dev)
+    for k in (*(c for c in _TOP_P_CANDIDATES if c < vocab), vocab):
+        part = sub if len(pending) == len(rows) else sub.index_select(0, pending)
+        top = part.topk(k, dim=-1).values if k < vocab else part.sort(-1, descending=True)[0]
+        cum = top.cumsum(dim=-1)  # [P, k]
+        tgt = target.index_select(0, pending).unsqueeze(1)  # [P, 1]
+        reached = cum[:, -1:] >= tgt if k < vocab else torch.ones_like(tgt, dtype=torch.bool)
+        reached = reached.squeeze(1)
+        m = torch.searchsorted(cum, tgt).clamp_(max=k - 1)  # first index with cum >= target
+        threshold[pending[reached]] = top.gather(1, m).squeeze(1)[reached]
+        pending = pending[~reached]
+        if pending.numel() == 0:
+            break
+    sub.masked_fill_(sub < threshold.unsqueeze(1), 0.0)
+    if idx is not None:
+        probs.index_copy_(0, idx, sub)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one index per row with probability proportional to `probs` (rows need mass > 0).
+
+    Two levels so the cost is one summing pass: block sums of 256 tokens locate the block
+    holding u × mass, then a cumsum inside that block alone locates the token. A token of
+    zero probability is never returned, whatever the rounding.
+    probs: [R, V] >= 0; u: [R] in [0, 1). Returns [R] int64.
+    """
+    rows, vocab = probs.shape
+    nb = vocab // _CDF_BLOCK
+    parts = []
+    if nb:
+        parts.append(probs[:, : nb * _CDF_BLOCK].reshape(rows, nb, _CDF_BLOCK).sum(dim=-1))
+    if vocab % _CDF_BLOCK:
+        parts.append(probs[:, nb * _CDF_BLOCK :].sum(dim=-1, keepdim=True))
+    block_cdf = torch.cat(parts, dim=1).cumsum(dim=-1)  # [R, NB]
+    total = block_cdf[:, -1:].contiguous()  # [R, 1]
+    x = u.unsqueeze(1) * total  # [R, 1]
+    b = torch.minimum(
+        torch.searchsorted(block_cdf, x, right=True),  # first block whose cdf exceeds x
+        torch.searchsorted(block_cdf, total),  # last block with mass (rounding guard)
+    )  # [R, 1]
+    before = torch.where(
+        b > 0, block_cdf.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(x)
+    )  # [R, 1]
+    residual = (x - before).clamp_(min=0.0)
+    cols = b * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=probs.device)  # [R, BLOCK]
+    inside = probs.gather(1, cols.clamp(max=vocab - 1))
+    inside.masked_fill_(cols >= vocab, 0.0)
+    inner_cdf = inside.cumsum(dim=-1)  # [R, BLOCK]
+    j = torch.minimum(
+        torch.searchsorted(inner_cdf, residual, right=True),
+        torch.searchsorted(inner_cdf, inner_cdf[:, -1:].contiguous()),  # last token with mass
+    )
+    return (b * _CDF_BLOCK + j).squeeze(1)
+
+
+def _token_logprobs(
+    logprobs: torch.Tensor, token_ids: list[int], top_ns: list[int], scratch: torch.Tensor
+) -> list[TokenLogprobs]:
+    """TokenLogprobs for row i's token_ids[i] and its top_ns[i] alternatives.
+
+    logprobs: [R, V] log_softmax; scratch: [R, V] float32 to overwrite.
+    rank = 1 + the number of tokens strictly more likely.
+    """
+    dev = logprobs.device
+    tok = torch.tensor(token_ids, dtype=torch.int64, device=dev).unsqueeze(1)  # [R, 1]
+    chosen = logprobs.gather(1, tok)  # [R, 1]
+    torch.gt(logprobs, chosen, out=scratch)  # 1.0 where strictly more likely
+    ranks = (scratch.sum(dim=-1) + 1).long().tolist()
+    chosen_list = chosen.squeeze(1).tolist()
+    k = min(max(top_ns), logprobs.shape[1])
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if k > 0:
+        values, indices = logprobs.topk(k, dim=-1)
+        top_vals, top_ids = values.tolist(), indices.tolist()
+    out = []
+    for i, (t, lp, rank, n) in enumerate(zip(token_ids, chosen_list, ranks, top_ns, strict=True)):
+        top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n > 0 else ()
+        out.append(TokenLogprobs(token_id=t, logprob=lp, rank=rank, top=top))
+    return out
