@@ -11,8 +11,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import huggingface_hub  # noqa: F401
 import pytest
 
+# huggingface_hub reads HF_HUB_OFFLINE, HF_HOME, HF_ENDPOINT... once, when first imported.
+# Importing it here, before any test sets those variables, keeps its module constants equal to
+# the real environment whatever order tests run in.
 sys.path.insert(0, str(Path(__file__).parent))
 
 from model_fixtures import (
