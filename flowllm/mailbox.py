@@ -7,6 +7,9 @@ its unread text, never a stalled graph.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import anyio
 
 from flowllm.messages import Chunk, RequestError
@@ -29,6 +32,8 @@ class Mailbox:
         self._pending: dict[int, Chunk] = {}  # choice index -> merged unread chunk
         self._error: RequestError | None = None
         self._wakeup = anyio.Event()
+        self.arrival_time = 0.0  # set by the registry; read for latency metrics
+        self.first_chunk_time: float | None = None
 
     @property
     def done(self) -> bool:
@@ -38,6 +43,8 @@ class Mailbox:
     def put(self, chunk: Chunk) -> None:
         if self.done:
             return
+        if self.first_chunk_time is None:
+            self.first_chunk_time = time.monotonic()
         pending = self._pending.get(chunk.index)
         self._pending[chunk.index] = chunk if pending is None else pending.merge(chunk)
         if chunk.finish_reason is not None:
@@ -63,3 +70,61 @@ class Mailbox:
             self._wakeup = anyio.Event()
         index = next(iter(self._pending))
         return self._pending.pop(index)
+
+
+class Mailboxes:
+    """Every open request's mailbox, by request id: ingest opens, format delivers.
+
+    A request is *pending* from `open` until its first chunk (or its end): that count is
+    what admission control bounds, the requests waiting to be scheduled.
+    """
+
+    def __init__(self) -> None:
+        self._boxes: dict[str, Mailbox] = {}
+        self._pending: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._boxes)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def open(self, request_id: str, num_choices: int, arrival_time: float) -> Mailbox:
+        if request_id in self._boxes:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        box = Mailbox(request_id, num_choices)
+        box.arrival_time = arrival_time
+        self._boxes[request_id] = box
+        self._pending.add(request_id)
+        return box
+
+    def get(self, request_id: str) -> Mailbox | None:
+        return self._boxes.get(request_id)
+
+    def deliver(self, chunk: Chunk) -> Mailbox | None:
+        """Put a chunk in its request's mailbox; returns the mailbox (None if it is gone)."""
+        box = self._boxes.get(chunk.request_id)
+        if box is None:
+            return None
+        self._pending.discard(chunk.request_id)
+        box.put(chunk)
+        if box.done:
+            del self._boxes[chunk.request_id]
+        return box
+
+    def fail(self, error: RequestError) -> Mailbox | None:
+        box = self.close(error.request_id)
+        if box is not None:
+            box.fail(error)
+        return box
+
+    def close(self, request_id: str) -> Mailbox | None:
+        """Forget a request (aborted, failed); later chunks for it are dropped."""
+        self._pending.discard(request_id)
+        return self._boxes.pop(request_id, None)
+
+    def fail_all(self, make_error: Callable[[str], RequestError]) -> None:
+        """Answer every open request with an error (the graph is going down)."""
+        for request_id in list(self._boxes):
+            self.fail(make_error(request_id))

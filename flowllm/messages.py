@@ -68,7 +68,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     model: str
     params: SamplingParams
-    arrival_time: float
+    arrival_time: float  # time.monotonic() when the request arrived
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None

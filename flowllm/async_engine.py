@@ -1,0 +1,83 @@
+"""The running engine: the stage graph plus the model it serves, as an EngineClient.
+
+`AsyncEngine.start(config)` is an async context manager: it loads the model (once), builds
+the graph from YAML (the default one unless told otherwise) and runs it for the body;
+leaving the body stops intake, drains in-flight requests up to `stop_timeout`, then
+cancels. The HTTP lifespan and the offline `LLM` both use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from flowllm.config import EngineConfig
+from flowllm.graph.runtime import Graph
+from flowllm.mailbox import Mailbox
+from flowllm.messages import GenerateRequest
+from flowllm.stages.ingest import Ingest
+from flowllm.stages.services import EngineServices, build_services
+
+DEFAULT_GRAPH = Path(__file__).parent / "graph" / "default.yaml"
+
+
+class AsyncEngine:
+    """A started graph seen from outside (implements flowllm.engine_client.EngineClient)."""
+
+    def __init__(self, graph: Graph, services: EngineServices) -> None:
+        self.graph = graph
+        self.services = services
+        ingest = graph.stage("ingest")
+        if not isinstance(ingest, Ingest):
+            raise TypeError(f"the graph's 'ingest' stage must be an Ingest, not {ingest!r}")
+        self._ingest = ingest
+
+    @classmethod
+    @asynccontextmanager
+    async def start(
+        cls,
+        config: EngineConfig | None = None,
+        *,
+        graph: str | Path | None = None,
+        services: EngineServices | None = None,
+        stop_timeout: float = 30.0,
+        **graph_options: Any,
+    ) -> AsyncIterator[AsyncEngine]:
+        """Run an engine for the body. Pass `services` to reuse an already loaded model."""
+        if services is None:
+            services = build_services(config or EngineConfig())
+        runtime = Graph(
+            graph or DEFAULT_GRAPH, services, registry=services.registry, **graph_options
+        )
+        async with runtime.serve(stop_timeout) as running:
+            yield cls(running, services)
+
+    # -- EngineClient ---------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.services.served_model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.services.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.services.tokenizer
+
+    @property
+    def healthy(self) -> bool:
+        return self.graph.healthy
+
+    @property
+    def metrics_registry(self) -> Any:
+        return self.services.registry
+
+    def submit(self, request: GenerateRequest) -> Mailbox:
+        return self._ingest.submit(request)
+
+    def abort(self, request_id: str) -> None:
+        self._ingest.abort(request_id)

@@ -1,0 +1,193 @@
+"""The offline API: `LLM(model).generate(prompts, params)` through the same stage graph.
+
+The model, tokenizer and KV cache load once, in the constructor; each `generate` call runs
+the graph on its own event loop for the duration of the call, submitting every prompt at
+once so continuous batching does the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from flowllm.async_engine import AsyncEngine
+from flowllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from flowllm.engine_client import Overloaded
+from flowllm.mailbox import Mailbox
+from flowllm.messages import GenerateRequest, SamplingParams, TokenLogprobs
+from flowllm.stages.services import EngineServices, build_services
+
+
+class CompletionOutput(msgspec.Struct, kw_only=True):
+    """One generated choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """Everything one prompt produced."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[TokenLogprobs | None] | None
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    Keyword arguments are the engine settings by their CLI names without dashes
+    (`dtype`, `max_model_len`, `block_size`, `kv_cache_memory`, `max_num_seqs`,
+    `max_num_batched_tokens`, `enable_prefix_caching`, `seed`, ...), or pass `config`.
+    `graph` runs another graph YAML.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        graph: str | Path | None = None,
+        **settings: Any,
+    ) -> None:
+        if config is None:
+            config = engine_config(model, **settings)
+        elif model is not None or settings:
+            raise TypeError("pass either config or model and settings, not both")
+        self.config = config
+        self.graph = graph
+        self.services: EngineServices = build_services(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.services.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        requests = [self._request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
+        return anyio.run(self._run, requests)
+
+    def _request(self, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
+        text = prompt if isinstance(prompt, str) else None
+        ids = None if isinstance(prompt, str) else tuple(int(i) for i in prompt)
+        return GenerateRequest(
+            request_id=f"offline-{next(self._ids)}",
+            model=self.services.served_model_name,
+            params=params,
+            arrival_time=time.monotonic(),
+            prompt=text,
+            prompt_token_ids=ids,
+            echo=text is not None,  # keeps the prompt text on the output
+        )
+
+    async def _run(self, requests: list[GenerateRequest]) -> list[RequestOutput]:
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+        services = self.services.fresh()
+        async with (
+            AsyncEngine.start(graph=self.graph, services=services) as engine,
+            anyio.create_task_group() as tg,
+        ):
+            for i, request in enumerate(requests):
+                box = await _submit(engine, request)
+                tg.start_soon(_collect, box, request, outputs, i)
+        return [o for o in outputs if o is not None]
+
+
+async def _submit(engine: AsyncEngine, request: GenerateRequest) -> Mailbox:
+    """Submit, waiting while admission is full (offline callers queue, never fail)."""
+    while True:
+        try:
+            return engine.submit(request)
+        except Overloaded:
+            await anyio.sleep(0.005)
+
+
+async def _collect(
+    box: Mailbox, request: GenerateRequest, outputs: list[RequestOutput | None], slot: int
+) -> None:
+    """Read a request's mailbox to its end into outputs[slot] (errors raise RequestFailed)."""
+    choices = [CompletionOutput(index=i) for i in range(request.params.n)]
+    result = RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=list(request.prompt_token_ids or ()),
+        prompt_logprobs=None,
+        outputs=choices,
+    )
+    want_logprobs = request.params.logprobs is not None
+    async for chunk in box:
+        if chunk.prompt_token_ids:
+            result.prompt_token_ids = list(chunk.prompt_token_ids)
+            if request.params.prompt_logprobs is not None:
+                result.prompt_logprobs = list(chunk.prompt_logprobs)
+        out = choices[chunk.index]
+        out.text += chunk.text
+        out.token_ids.extend(chunk.token_ids)
+        if want_logprobs:
+            out.logprobs = (out.logprobs or []) + list(chunk.logprobs)
+        out.finish_reason = chunk.finish_reason
+        out.stop_reason = chunk.stop_reason
+    outputs[slot] = result
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+}
+
+
+def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
+    """An EngineConfig from flat settings named as the CLI flags (unknown names raise)."""
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    top: dict[str, Any] = {}
+    for key, value in settings.items():
+        section = next((n for n, s in _SECTIONS.items() if key in s.__struct_fields__), None)
+        if section is not None:
+            sections[section][key] = value
+        elif key in EngineConfig.__struct_fields__ and key not in _SECTIONS:
+            top[key] = value
+        else:
+            raise TypeError(f"unknown engine setting {key!r}")
+    if model is not None:
+        sections["model"]["model"] = model
+    built = {name: struct(**sections[name]) for name, struct in _SECTIONS.items()}
+    return EngineConfig(**built, **top)

@@ -1,0 +1,112 @@
+"""detokenize: sampled tokens to text, per choice, incrementally and UTF-8 safe.
+
+A stop string found in the text ends its sequence here: the choice's last chunk says
+`finish_reason="stop"` with the string as `stop_reason`, and a `Finish` tells schedule to
+free the sequence at once (tokens it already sampled beyond are dropped here).
+The first chunk of each choice carries the prompt (for echo and prompt logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from flowllm.engine.detokenizer import IncrementalDetokenizer
+from flowllm.messages import (
+    Chunk,
+    Finish,
+    FinishReason,
+    SampledToken,
+    SeqStart,
+    StepTokens,
+    TextDeltas,
+    TokenLogprobs,
+)
+from flowllm.stages.base import PerMessageStage, StageContext
+from flowllm.stages.services import EngineServices
+
+
+@dataclass
+class _Choice:
+    """One sequence's text state (this stage's own; schedule owns the sequence)."""
+
+    start: SeqStart
+    detokenizer: IncrementalDetokenizer
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_output_tokens: int = 0
+    sent_first: bool = False
+    done: bool = False
+
+
+class Detokenize(PerMessageStage):
+    inputs = {"in": StepTokens}
+    outputs = {"out": TextDeltas, "finishes": Finish}
+
+    def __init__(self, params: Any, services: EngineServices) -> None:
+        super().__init__(params, services)
+        self._tokenizer = services.tokenizer
+        self._choices: dict[int, _Choice] = {}
+
+    async def handle(self, step: StepTokens, ctx: StageContext) -> None:
+        choices = self._choices
+        for seq_id in step.released:
+            choices.pop(seq_id, None)
+        for start in step.started:
+            choices[start.seq_id] = _Choice(
+                start,
+                IncrementalDetokenizer(self._tokenizer, start.prompt_token_ids, start.params),
+            )
+        for seq_id, logprobs in step.prompt_logprobs.items():
+            choice = choices.get(seq_id)
+            if choice is not None:
+                choice.prompt_logprobs.extend(logprobs)
+        chunks: list[Chunk] = []
+        for token in step.tokens:
+            choice = choices.get(token.seq_id)
+            if choice is None or choice.done:
+                continue
+            choice.num_output_tokens += 1
+            out = choice.detokenizer.step([token.token_id])
+            text, finish, stop_reason = out.text, token.finish_reason, token.stop_reason
+            if out.stop_string is not None:
+                finish, stop_reason = "stop", out.stop_string
+                await ctx.emit("finishes", Finish(token.seq_id, out.stop_string))
+            elif finish is not None:
+                text += choice.detokenizer.flush()
+            if finish is not None:
+                choice.done = True
+            chunks.append(self._chunk(choice, text, token, finish, stop_reason))
+        if chunks:
+            await ctx.emit("out", TextDeltas(step_id=step.step_id, chunks=tuple(chunks)))
+
+    @staticmethod
+    def _chunk(
+        choice: _Choice,
+        text: str,
+        token: SampledToken,
+        finish: FinishReason | None,
+        stop_reason: str | int | None,
+    ) -> Chunk:
+        start = choice.start
+        chunk = Chunk(
+            request_id=start.request_id,
+            index=start.index,
+            text=text,
+            token_ids=(token.token_id,),
+            logprobs=(token.logprobs,) if token.logprobs is not None else (),
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=len(start.prompt_token_ids),
+            num_output_tokens=choice.num_output_tokens,
+        )
+        if choice.sent_first:
+            return chunk
+        choice.sent_first = True
+        return msgspec.structs.replace(
+            chunk,
+            prompt_text=start.prompt_text,
+            prompt_token_ids=start.prompt_token_ids,
+            prompt_logprobs=tuple(choice.prompt_logprobs),
+        )

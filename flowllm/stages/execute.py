@@ -1,0 +1,38 @@
+"""execute: one model forward per StepBatch, in a worker thread so HTTP keeps flowing.
+
+It owns the KV cache tensors (through its ModelRunner) and asks for prompt logits only for
+sequences that want prompt logprobs, and only until their prompt has been computed once
+(a recompute after preemption does not ask again).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio.to_thread
+
+from flowllm.messages import StepBatch, StepLogits
+from flowllm.models.runner import ModelRunner
+from flowllm.stages.base import PerMessageStage, StageContext
+from flowllm.stages.services import EngineServices
+
+
+class Execute(PerMessageStage):
+    inputs = {"in": StepBatch}
+    outputs = {"out": StepLogits}
+
+    def __init__(self, params: Any, services: EngineServices) -> None:
+        super().__init__(params, services)
+        self.runner = ModelRunner(
+            services.model, services.kv_caches, services.config.cache.block_size, services.device
+        )
+        self._want_prompt_logits: set[int] = set()
+
+    async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
+        want = self._want_prompt_logits
+        want.update(s.seq_id for s in batch.started if s.params.prompt_logprobs is not None)
+        want.difference_update(batch.released)
+        asked = {s.seq_id for s in batch.seqs if s.seq_id in want} if want else set()
+        logits, prompt_logits = await anyio.to_thread.run_sync(self.runner.run, batch.seqs, asked)
+        want.difference_update(s.seq_id for s in batch.seqs if s.sample and s.seq_id in asked)
+        await ctx.emit("out", StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits))

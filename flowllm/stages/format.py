@@ -1,0 +1,63 @@
+"""format: the end of the graph. Delivers chunks and errors to the requests' mailboxes.
+
+Delivery never blocks (a mailbox merges what its reader has not taken), so a slow client
+cannot stall the graph. It also observes the per-request latency metrics, and when any
+stage fails it answers every open request with a 500.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flowllm.mailbox import Mailbox
+from flowllm.messages import Chunk, RequestError, TextDeltas
+from flowllm.stages.base import PerMessageStage, StageContext
+from flowllm.stages.services import EngineServices
+
+
+class Format(PerMessageStage):
+    inputs = {"in": TextDeltas, "errors": RequestError}
+    outputs = {}
+
+    def __init__(self, params: Any, services: EngineServices) -> None:
+        super().__init__(params, services)
+        self._mailboxes = services.mailboxes
+        self._metrics = services.metrics
+
+    async def handle(self, message: TextDeltas | RequestError, ctx: StageContext) -> None:
+        if isinstance(message, RequestError):
+            self._mailboxes.fail(message)
+            return
+        for chunk in message.chunks:
+            box = self._mailboxes.get(chunk.request_id)
+            if box is None:
+                continue  # aborted: nobody reads it any more
+            first = box.first_chunk_time is None
+            self._mailboxes.deliver(chunk)
+            self._observe(box, chunk, first)
+
+    def _observe(self, box: Mailbox, chunk: Chunk, first: bool) -> None:
+        metrics = self._metrics
+        now = time.monotonic()
+        if first:
+            metrics.time_to_first_token.observe(now - box.arrival_time)
+            metrics.prompt_tokens.inc(chunk.num_prompt_tokens)
+        if chunk.finish_reason is not None and chunk.index == 0:
+            e2e = now - box.arrival_time
+            metrics.e2e_request_latency.observe(e2e)
+            if chunk.num_output_tokens > 1 and box.first_chunk_time is not None:
+                decode_time = now - box.first_chunk_time
+                metrics.time_per_output_token.observe(decode_time / (chunk.num_output_tokens - 1))
+        if box.done:
+            metrics.request_success.inc()
+
+    async def fail_inflight(self, error: BaseException) -> None:
+        self._mailboxes.fail_all(
+            lambda request_id: RequestError(
+                request_id=request_id,
+                message=f"The engine failed: {type(error).__name__}: {error}",
+                type="InternalServerError",
+                status_code=500,
+            )
+        )

@@ -1,0 +1,92 @@
+"""schedule: continuous batching. Owns every sequence and the KV block bookkeeping.
+
+Each turn it takes what has arrived — step results first, so a finished step always frees
+its credit before new work is considered, then stop-string finishes, then new requests and
+aborts — and, while fewer than `max_inflight_steps` steps are in flight, sends the next
+`StepBatch`. The in-flight bound is the credit that keeps the schedule → execute → sample
+→ schedule cycle deadlock free (every channel on it holds at least that many messages).
+It returns once its request input has closed and no sequence or step is left.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from flowllm.engine.scheduler import Scheduler, SchedulerError
+from flowllm.messages import (
+    Abort,
+    Finish,
+    RequestError,
+    StepBatch,
+    StepTokens,
+    TokenizedRequest,
+)
+from flowllm.stages.base import CLOSED, Stage, StageContext
+from flowllm.stages.services import EngineServices
+
+
+class ScheduleParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_inflight_steps: int = 1
+
+
+class Schedule(Stage):
+    inputs = {"step_results": StepTokens, "finishes": Finish, "requests": TokenizedRequest | Abort}
+    outputs = {"out": StepBatch, "errors": RequestError}
+    Params = ScheduleParams
+    credit_param = "max_inflight_steps"
+
+    def __init__(self, params: ScheduleParams, services: EngineServices) -> None:
+        super().__init__(params, services)
+        config = services.config
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, services.num_blocks, services.max_model_len
+        )
+        self._metrics = services.metrics
+
+    async def run(self, ctx: StageContext) -> None:
+        scheduler = self.scheduler
+        inflight = 0
+        intake_open = True
+        while intake_open or inflight or scheduler.has_unfinished():
+            if inflight < self.params.max_inflight_steps:
+                batch = scheduler.schedule()
+                if batch is not None:
+                    self._observe_started(batch)
+                    await ctx.emit("out", batch)
+                    inflight += 1
+                    continue
+            port, message = await ctx.receive_any()
+            started = time.perf_counter()
+            if message is CLOSED:
+                intake_open &= port != "requests"
+                continue
+            if isinstance(message, StepTokens):
+                scheduler.apply(message)
+                inflight -= 1
+                self._metrics.generation_tokens.inc(len(message.tokens))
+            elif isinstance(message, Finish):
+                scheduler.finish_sequence(message.seq_id, message.stop_reason)
+            elif isinstance(message, Abort):
+                scheduler.abort_request(message.request_id)
+            else:
+                await self._add(message, ctx)
+            self._metrics.observe_scheduler(scheduler.stats)
+            ctx.spans.record(message, started, ctx.last_wait)
+
+    async def _add(self, request: TokenizedRequest, ctx: StageContext) -> None:
+        try:
+            self.scheduler.add_request(request)
+        except SchedulerError as e:
+            await ctx.emit(
+                "errors",
+                RequestError(request_id=request.request_id, message=str(e), status_code=400),
+            )
+
+    def _observe_started(self, batch: StepBatch) -> None:
+        now = time.monotonic()
+        for start in batch.started:
+            seq = self.scheduler.get_sequence(start.seq_id)
+            if seq is not None and start.index == 0:
+                self._metrics.request_queue_time.observe(now - seq.arrival_time)

@@ -1,0 +1,98 @@
+"""What the engine stages share, built once before the graph starts.
+
+The runtime hands this object to every stage constructor. Each piece still has exactly one
+stage that edits it: the mailboxes belong to ingest (open) and format (deliver), the KV
+cache tensors to execute; the rest is read-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from flowllm.config import ConfigError, EngineConfig
+from flowllm.mailbox import Mailboxes
+from flowllm.metrics import EngineMetrics
+from flowllm.models.kv_cache import KVCaches, KVCacheSpec, allocate_kv_cache
+from flowllm.models.loader import LoadedModel, load_model
+from flowllm.models.tokenizer import load_tokenizer
+
+
+@dataclass
+class EngineServices:
+    """The loaded model and everything the stages need to know about it."""
+
+    config: EngineConfig
+    model: Any  # a flowllm model (forward over a flattened batch + paged KV), or a stand-in
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    kv_caches: KVCaches
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    device: Any
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    mailboxes: Mailboxes = field(default_factory=Mailboxes)
+    metrics: EngineMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = EngineMetrics(self.registry)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.model.name
+
+    def fresh(self) -> EngineServices:
+        """The same model, tokenizer and KV cache with new mailboxes and metrics, for
+        another run of a graph (the offline API starts one per `generate` call)."""
+        return EngineServices(
+            config=self.config,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            kv_caches=self.kv_caches,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            device=self.device,
+        )
+
+
+def eos_token_ids(loaded: LoadedModel, tokenizer: Any) -> tuple[int, ...]:
+    """The generation config's EOS ids (an int or a list), else the tokenizer's."""
+    eos = loaded.generation_config.get("eos_token_id")
+    if eos is None:
+        eos = getattr(loaded.hf_config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return tuple(int(i) for i in ids)
+
+
+def build_services(config: EngineConfig) -> EngineServices:
+    """Load the model and tokenizer and allocate the KV cache for `config`."""
+    loaded = load_model(config.model.model, config.model.dtype, config.model.device)
+    tokenizer = load_tokenizer(loaded.path, config.model.chat_template)
+    model = loaded.model
+    max_model_len = model.max_position_embeddings
+    if config.model.max_model_len is not None:
+        if config.model.max_model_len > max_model_len:
+            raise ConfigError(
+                f"max_model_len={config.model.max_model_len} is longer than the model's "
+                f"context of {max_model_len} tokens"
+            )
+        max_model_len = config.model.max_model_len
+    spec = KVCacheSpec.for_model(model, config.cache.block_size)
+    num_blocks, kv_caches = allocate_kv_cache(
+        spec, loaded.device, config.cache.kv_cache_memory, config.cache.gpu_memory_utilization
+    )
+    return EngineServices(
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        kv_caches=kv_caches,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids(loaded, tokenizer),
+        device=loaded.device,
+    )

@@ -1,0 +1,118 @@
+"""tokenize: prompt text or chat messages to token ids; the context-length check.
+
+Chat requests are rendered with the model's chat template (or the one given with the
+request or the server) by transformers, then encoded without adding special tokens again,
+as the template already holds them. CPU-bound and stateless, so it can run replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from flowllm.engine.validation import check_context_length
+from flowllm.messages import (
+    Abort,
+    GenerateRequest,
+    RequestError,
+    TokenizedRequest,
+    ValidRequest,
+)
+from flowllm.stages.base import PerMessageStage, StageContext
+from flowllm.stages.services import EngineServices
+
+
+class PromptError(ValueError):
+    """The prompt cannot be tokenized; the message says why (becomes a 400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Tokenize(PerMessageStage):
+    inputs = {"in": ValidRequest | Abort}
+    outputs = {"out": TokenizedRequest | Abort, "errors": RequestError}
+
+    def __init__(self, params: Any, services: EngineServices) -> None:
+        super().__init__(params, services)
+        self._tokenizer = services.tokenizer
+        self._vocab_size = len(services.tokenizer)
+        self._max_model_len = services.max_model_len
+        self._eos_token_ids = services.eos_token_ids
+
+    async def handle(self, message: ValidRequest | Abort, ctx: StageContext) -> None:
+        if isinstance(message, Abort):
+            await ctx.emit("out", message)
+            return
+        request = message.request
+        try:
+            prompt_ids = self.prompt_token_ids(request)
+        except PromptError as e:
+            await ctx.emit("errors", _bad_request(request.request_id, str(e), e.param))
+            return
+        max_tokens, error = check_context_length(
+            request.request_id, len(prompt_ids), request.params.max_tokens, self._max_model_len
+        )
+        if error is not None:
+            await ctx.emit("errors", error)
+            return
+        prompt_text = None
+        if request.echo:
+            prompt_text = (
+                request.prompt
+                if request.prompt is not None
+                else self._tokenizer.decode(prompt_ids)
+            )
+        await ctx.emit(
+            "out",
+            TokenizedRequest(
+                request_id=request.request_id,
+                prompt_token_ids=prompt_ids,
+                params=msgspec.structs.replace(request.params, max_tokens=max_tokens),
+                eos_token_ids=self._eos_token_ids,
+                arrival_time=request.arrival_time,
+                prompt_text=prompt_text,
+            ),
+        )
+
+    def prompt_token_ids(self, request: GenerateRequest) -> tuple[int, ...]:
+        """The request's prompt as token ids; PromptError when it has none or bad ids."""
+        tokenizer = self._tokenizer
+        if request.prompt_token_ids is not None:
+            ids = request.prompt_token_ids
+            bad = [i for i in ids if not 0 <= i < self._vocab_size]
+            if bad:
+                raise PromptError(
+                    f"Token id {bad[0]} is out of vocabulary (vocab size {self._vocab_size}).",
+                    "prompt",
+                )
+        elif request.messages is not None:
+            template = request.chat_template or tokenizer.chat_template
+            if template is None:
+                raise PromptError(
+                    "As of transformers v4.44, default chat template is no longer allowed, "
+                    "so you must provide a chat template if the tokenizer does not define "
+                    "one.",
+                    "messages",
+                )
+            text = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.messages],
+                chat_template=template,
+                add_generation_prompt=request.add_generation_prompt,
+                tokenize=False,
+            )
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            ids = tuple(tokenizer.encode(request.prompt or ""))
+        if not ids:
+            raise PromptError("The prompt is empty: it must contain at least one token.", "prompt")
+        return ids
+
+
+def _bad_request(request_id: str, message: str, param: str) -> RequestError:
+    return RequestError(
+        request_id=request_id, message=message, type="BadRequestError", param=param,
+        status_code=400,
+    )
