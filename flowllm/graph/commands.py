@@ -71,18 +71,19 @@ def render_text(graph: ValidGraph) -> str:
     """Stages with their class, params and ports; then channels with types and capacity."""
     lines = [f"graph {graph.name}  ({graph.spec.source})", "", "stages:"]
     width = max((len(name) for name in graph.stages), default=0)
+    use_width = max((len(b.spec.use) for b in graph.stages.values()), default=0)
     for name, bound in graph.stages.items():
-        extra = f" x{bound.spec.replicas}" if bound.spec.replicas > 1 else ""
-        credit = bound.credit_bound
-        credit_text = f"  credit bound {credit}" if credit is not None else ""
-        params = _params_text(bound.spec.params)
-        lines.append(
-            f"  {name:<{width}}  {bound.spec.use}{extra}  {params}{credit_text}".rstrip()
-        )
+        extra = [_params_text(bound.spec.params)]
+        if bound.spec.replicas > 1:
+            extra.append(f"replicas: {bound.spec.replicas}")
+        if bound.credit_bound is not None:
+            extra.append(f"(credit bound {bound.credit_bound})")
+        text = "  ".join(e for e in extra if e)
+        lines.append(f"  {name:<{width}}  {bound.spec.use:<{use_width}}  {text}".rstrip())
         for port, tp in bound.cls.inputs.items():
-            lines.append(f"  {'':<{width}}    in  {port}: {type_name(tp)}")
+            lines.append(f"  {'':<{width}}    in   {port}: {type_name(tp)}")
         for port, tp in bound.cls.outputs.items():
-            lines.append(f"  {'':<{width}}    out {port}: {type_name(tp)}")
+            lines.append(f"  {'':<{width}}    out  {port}: {type_name(tp)}")
     lines += ["", "channels:"]
     for channel in graph.channels.values():
         sources = ", ".join(str(p) for p in channel.producers)
