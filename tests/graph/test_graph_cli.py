@@ -34,7 +34,9 @@ def test_show_prints_a_listing_and_a_mermaid_chart() -> None:
     assert commands.show_command(FIXTURES / "cycle_ok.yaml", False, out, err) == 0
     text = out.getvalue()
     assert "graph loop" in text
-    loop_line = "  loop     graph_toys:Loop       {max_inflight_steps: 2, steps: 5}  (credit bound 2)"
+    loop_line = (
+        "  loop     graph_toys:Loop       {max_inflight_steps: 2, steps: 5}  (credit bound 2)"
+    )
     assert loop_line in text
     assert "in   requests: Item" in text and "out  steps: Step" in text
     assert "loop.steps -> execute.in  [Step, capacity 2]" in text
