@@ -11,6 +11,18 @@ import sys
 from collections.abc import Sequence
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from flowllm.commands import serve_command
+
+    return serve_command(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from flowllm.commands import generate_command
+
+    return generate_command(args)
+
+
 def _graph_validate(args: argparse.Namespace) -> int:
     from flowllm.graph.commands import validate_command
 
@@ -35,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="An OpenAI-compatible LLM server built as a dataflow graph of stages.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    from flowllm.commands import add_generate_arguments, add_serve_arguments
+
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI API")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_serve)
+    generate = commands.add_parser("generate", help="generate text offline for prompts")
+    add_generate_arguments(generate)
+    generate.set_defaults(func=_generate)
 
     graph = commands.add_parser("graph", help="inspect and check stage graphs")
     graph_commands = graph.add_subparsers(dest="graph_command", required=True, metavar="ACTION")

@@ -6,6 +6,8 @@ message naming the field.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 BUNDLED_MODEL = "smollm2-135m-instruct"
@@ -88,3 +90,28 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
         _require(self.max_n >= 1, f"max_n must be >= 1, got {self.max_n}")
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+}
+
+
+def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
+    """An EngineConfig from flat settings named as the CLI flags (unknown names raise)."""
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    top: dict[str, Any] = {}
+    for key, value in settings.items():
+        section = next((n for n, s in _SECTIONS.items() if key in s.__struct_fields__), None)
+        if section is not None:
+            sections[section][key] = value
+        elif key in EngineConfig.__struct_fields__ and key not in _SECTIONS:
+            top[key] = value
+        else:
+            raise TypeError(f"unknown engine setting {key!r}")
+    if model is not None:
+        sections["model"]["model"] = model
+    built = {name: struct(**sections[name]) for name, struct in _SECTIONS.items()}
+    return EngineConfig(**built, **top)

@@ -17,7 +17,7 @@ import anyio
 import msgspec
 
 from flowllm.async_engine import AsyncEngine
-from flowllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from flowllm.config import EngineConfig, engine_config
 from flowllm.engine_client import Overloaded
 from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest, SamplingParams, TokenLogprobs
@@ -77,6 +77,7 @@ class LLM:
         self.graph = graph
         self.services: EngineServices = build_services(config)
         self._ids = itertools.count()
+        self.last_run: EngineServices | None = None  # the latest generate's (for its metrics)
 
     @property
     def tokenizer(self) -> Any:
@@ -120,7 +121,7 @@ class LLM:
 
     async def _run(self, requests: list[GenerateRequest]) -> list[RequestOutput]:
         outputs: list[RequestOutput | None] = [None] * len(requests)
-        services = self.services.fresh()
+        services = self.last_run = self.services.fresh()
         async with (
             AsyncEngine.start(graph=self.graph, services=services) as engine,
             anyio.create_task_group() as tg,
@@ -166,28 +167,3 @@ async def _collect(
         out.finish_reason = chunk.finish_reason
         out.stop_reason = chunk.stop_reason
     outputs[slot] = result
-
-
-_SECTIONS: dict[str, type[msgspec.Struct]] = {
-    "model": ModelConfig,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-}
-
-
-def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
-    """An EngineConfig from flat settings named as the CLI flags (unknown names raise)."""
-    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-    top: dict[str, Any] = {}
-    for key, value in settings.items():
-        section = next((n for n, s in _SECTIONS.items() if key in s.__struct_fields__), None)
-        if section is not None:
-            sections[section][key] = value
-        elif key in EngineConfig.__struct_fields__ and key not in _SECTIONS:
-            top[key] = value
-        else:
-            raise TypeError(f"unknown engine setting {key!r}")
-    if model is not None:
-        sections["model"]["model"] = model
-    built = {name: struct(**sections[name]) for name, struct in _SECTIONS.items()}
-    return EngineConfig(**built, **top)

@@ -1,0 +1,124 @@
+"""`flowllm serve` and `flowllm generate`: the engine behind HTTP, or one prompt offline."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from flowllm.config import ConfigError
+from flowllm.graph.spans import configure_logging
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Load the model, then serve the OpenAI API until SIGINT/SIGTERM; exit 0 after a drain."""
+    import uvicorn
+
+    from flowllm.api.app import create_app
+    from flowllm.async_engine import AsyncEngine
+    from flowllm.engine_args import config_from_args
+    from flowllm.models.loader import ModelLoadError
+    from flowllm.stages.services import build_services
+
+    configure_logging(fmt=args.log_format, level=args.log_level, force=True)
+    try:
+        config = config_from_args(args)
+        services = build_services(config)  # before binding the port: errors are one line
+    except (ConfigError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    url = f"http://{args.host}:{args.port}"
+
+    @asynccontextmanager
+    async def engine() -> AsyncIterator[AsyncEngine]:
+        async with AsyncEngine.start(
+            graph=args.graph, services=services, stop_timeout=args.shutdown_timeout
+        ) as running:
+            print(f"flowllm serving {config.model.name!r} at {url}/v1", file=sys.stderr)
+            yield running
+
+    app = create_app(
+        engine,
+        api_key=args.api_key or os.environ.get("FLOWLLM_API_KEY") or None,
+        served_model_name=config.model.name,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=int(args.shutdown_timeout),
+        )
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from flowllm.engine_args import add_engine_arguments
+
+    add_engine_arguments(parser, model_optional=True)
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
+        "only; 0.0.0.0 serves every interface)"
+    )
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", help="require this Bearer key on /v1/* (or FLOWLLM_API_KEY)")
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="seconds to finish in-flight requests after SIGINT/SIGTERM",
+    )
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    from flowllm.engine_args import add_engine_arguments
+
+    add_engine_arguments(parser, model_optional=False)
+    parser.add_argument("prompt", nargs="+", help="one or more prompts")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--sampling-seed", type=int, help="per-request seed")
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    """Generate for the prompts offline and print each choice's text."""
+    from flowllm.engine_args import config_from_args
+    from flowllm.llm import LLM
+    from flowllm.mailbox import RequestFailed
+    from flowllm.messages import SamplingParams
+    from flowllm.models.loader import ModelLoadError
+
+    configure_logging(fmt=args.log_format, level=args.log_level, force=True)
+    try:
+        llm = LLM(config=config_from_args(args), graph=args.graph)
+        params = SamplingParams(
+            n=args.n,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+            seed=args.sampling_seed,
+        )
+        outputs = llm.generate(args.prompt, params)
+    except (ConfigError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RequestFailed as e:
+        print(f"error: {e.error.message}", file=sys.stderr)
+        return 1
+    for output in outputs:
+        for choice in output.outputs:
+            print(f"{output.prompt}{choice.text}")
+    return 0

@@ -1,0 +1,99 @@
+"""Continuous batching through the whole graph is exact: a request's tokens do not depend
+on what else runs beside it, through chunked prefill, preemption and prefix-cache hits."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from flowllm import LLM, SamplingParams
+from flowllm.llm import RequestOutput
+
+VOCAB = 50257
+TINY_BLOCK_BYTES = 2 * 2 * 16 * 4 * 16 * 4  # K+V, 2 layers, 16 slots, 4 heads x 16, fp32
+
+
+def random_prompts(rng: random.Random, count: int, low: int, high: int) -> list[list[int]]:
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def token_ids(outputs: list[RequestOutput]) -> list[list[list[int]]]:
+    return [[o.token_ids for o in out.outputs] for out in outputs]
+
+
+def metric(llm: LLM, name: str) -> float:
+    assert llm.last_run is not None
+    value = llm.last_run.registry.get_sample_value(name)
+    assert value is not None, name
+    return value
+
+
+def alone(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[list[list[int]]]:
+    return [token_ids(llm.generate([p], sp))[0] for p, sp in zip(prompts, params, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def llm(gpt2_tiny_dir: Path) -> LLM:
+    return LLM(
+        str(gpt2_tiny_dir),
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=256,  # long prompts are chunked
+        kv_cache_memory=4096 * TINY_BLOCK_BYTES,
+    )
+
+
+def test_64_mixed_greedy_requests_batched_equal_each_alone(llm: LLM) -> None:
+    rng = random.Random(0)
+    prompts = random_prompts(rng, 64, 5, 400)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=True)
+        for _ in prompts
+    ]
+    batched = token_ids(llm.generate(prompts, params))
+    assert [len(c[0]) for c in batched] == [p.max_tokens for p in params]
+    assert metric(llm, "flowllm:num_preemptions_total") == 0
+    assert batched == alone(llm, prompts, params)
+
+
+def test_seeded_sampling_batched_equals_alone(llm: LLM) -> None:
+    rng = random.Random(1)
+    prompts = random_prompts(rng, 16, 5, 120)
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=i, max_tokens=12,
+                       ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    batched = token_ids(llm.generate(prompts, params))
+    assert batched == alone(llm, prompts, params)
+    assert batched == token_ids(llm.generate(prompts, params))
+
+
+def test_preemption_keeps_results_exact(gpt2_tiny_dir: Path, llm: LLM) -> None:
+    small = LLM(
+        str(gpt2_tiny_dir),
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        kv_cache_memory=48 * TINY_BLOCK_BYTES,  # 768 token slots for 16 growing sequences
+    )
+    rng = random.Random(2)
+    prompts = random_prompts(rng, 16, 40, 200)
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) for _ in prompts]
+    batched = token_ids(small.generate(prompts, params))
+    assert metric(small, "flowllm:num_preemptions_total") > 0
+    assert batched == token_ids(llm.generate(prompts, params))
+
+
+def test_shared_prefix_hits_the_cache_and_keeps_results_exact(llm: LLM) -> None:
+    rng = random.Random(3)
+    prefix = [rng.randrange(VOCAB) for _ in range(256)]
+    prompts = [prefix + p for p in random_prompts(rng, 12, 1, 40)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True) for _ in prompts]
+    batched = token_ids(llm.generate(prompts, params))
+    assert metric(llm, "flowllm:prefix_cache_hits_total") > 0
+    assert batched == alone(llm, prompts, params)
