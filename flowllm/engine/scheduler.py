@@ -116,8 +116,8 @@ class Scheduler:
         if params.n < 1:
             raise SchedulerError(f"request {request.request_id}: n must be >= 1")
         max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - len(prompt)
+        if max_tokens is None:  # up to the context; a full-length prompt still samples one
+            max_tokens = max(1, self.max_model_len - len(prompt))
         if max_tokens < 1:
             raise SchedulerError(f"request {request.request_id}: max_tokens must be >= 1")
         use_cache = self.enable_prefix_caching and params.prompt_logprobs is None
@@ -176,17 +176,18 @@ class Scheduler:
         return self._build_batch(rows)
 
     def apply(self, step: StepTokens) -> list[FinishedSeq]:
-        """Append one step's sampled tokens and finish the sequences they end. Tokens for
-        sequences that already left (aborted, stop string) are ignored."""
-        for seq in self._inflight.pop(step.step_id, ()):
-            seq.awaiting_token = False
+        """Append one step's sampled tokens and finish the sequences they end; returns those.
+        Tokens for sequences that already left (aborted, stop string), or that the step did
+        not sample, are ignored."""
+        step_id = step.step_id
         finished: list[FinishedSeq] = []
         finished_waiting = False  # preempted while its token was in flight (overlap only)
         max_model_len = self.max_model_len
         for token in step.tokens:
             seq = self._seqs.get(token.seq_id)
-            if seq is None:
-                continue
+            if seq is None or seq.awaiting_step != step_id:
+                continue  # it left, or this step did not sample it
+            seq.awaiting_step = None
             tokens = seq.token_ids
             tokens.append(token.token_id)
             reason = token.finish_reason
@@ -199,6 +200,13 @@ class Scheduler:
                 finished_waiting |= seq.status is not SequenceStatus.RUNNING
                 self._finish(seq, FINISH_STATUSES[reason], token.stop_reason)
                 finished.append(seq.to_finished())
+        for seq in self._inflight.pop(step_id, ()):
+            if seq.awaiting_step == step_id:
+                # No token came for it: compute its last token again next step, so it
+                # samples again instead of waiting forever.
+                seq.awaiting_step = None
+                if seq.num_computed_tokens == len(seq.token_ids):
+                    seq.num_computed_tokens -= 1
         if finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
             if finished_waiting:
@@ -233,13 +241,13 @@ class Scheduler:
         blocks_of = self.kv.seq_blocks
         max_model_len = self.max_model_len
         # Runnable sequences not yet visited: each keeps one token of budget reserved.
-        pending = sum(1 for s in running if not s.awaiting_token)
+        pending = sum(1 for s in running if s.awaiting_step is None)
         preempted = False
         i = 0
         while i < len(running):
             seq = running[i]
             i += 1
-            if seq.awaiting_token:
+            if seq.awaiting_step is not None:
                 continue
             pending -= 1
             num_tokens = len(seq.token_ids)
@@ -256,7 +264,7 @@ class Scheduler:
                 rec = self._allocate_or_preempt(seq, num_new)
                 if self.num_preemptions != num_preemptions:
                     preempted = True
-                    pending = sum(1 for s in running[i:] if not s.awaiting_token)
+                    pending = sum(1 for s in running[i:] if s.awaiting_step is None)
                 if rec is None:
                     continue
             rows.append((seq, num_new, rec))
@@ -288,7 +296,7 @@ class Scheduler:
         waiting, running, kv = self.waiting, self.running, self.kv
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0]
-            if seq.awaiting_token:  # preempted while its sampled token is still in flight
+            if seq.awaiting_step is not None:  # preempted while its token is in flight
                 break
             num_tokens = min(seq.num_tokens, self.max_model_len)
             hits = kv.find_cached_prefix(seq.seq_id, seq.token_ids) if seq.use_prefix_cache else []
@@ -339,7 +347,7 @@ class Scheduler:
             )
             seq.num_computed_tokens = end
             if sample:
-                seq.awaiting_token = True
+                seq.awaiting_step = step_id
                 sampling.append(seq)
             if not seq.started:
                 seq.started = True
@@ -365,7 +373,7 @@ class Scheduler:
         """Mark finished and free blocks now; the caller removes it from running/waiting."""
         seq.status = status
         seq.stop_reason = stop_reason
-        seq.awaiting_token = False
+        seq.awaiting_step = None
         self.kv.remove(seq.seq_id)
         del self._seqs[seq.seq_id]
         siblings = self._requests.get(seq.request_id)

@@ -61,13 +61,13 @@ class FinishedSeq(msgspec.Struct, frozen=True, kw_only=True):
 class Sequence:
     """The scheduler's record of one sequence.
 
-    Invariants: `0 <= num_computed_tokens <= num_tokens`; `num_tokens <= max_model_len`
-    is guarded by the scheduler; `token_ids[:num_prompt_tokens]` is the prompt.
+    Invariants: `0 <= num_computed_tokens <= num_tokens`; computed positions stay below
+    max_model_len (the scheduler guards it); `token_ids[:num_prompt_tokens]` is the prompt.
     """
 
     __slots__ = (
         "arrival_time",
-        "awaiting_token",
+        "awaiting_step",
         "eos_token_ids",
         "index",
         "max_tokens",
@@ -118,9 +118,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.stop_reason: str | int | None = None
         self.started = False  # has a SeqStart gone downstream?
-        # True while a step that samples for this sequence is in flight: its next token is
-        # unknown, so it must not be scheduled again until `apply` delivers that token.
-        self.awaiting_token = False
+        # The id of the in-flight step that samples this sequence's next token, else None.
+        # Until `apply` delivers that token the sequence is not scheduled again.
+        self.awaiting_step: int | None = None
 
     @property
     def num_tokens(self) -> int:

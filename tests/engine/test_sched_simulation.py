@@ -13,6 +13,7 @@ generation of its prompt gives.
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 from hypothesis import given, settings
@@ -124,7 +125,29 @@ class Simulation:
     def slot(self, table: tuple[int, ...], pos: int) -> int:
         return table[pos // self.bs] * self.bs + pos % self.bs
 
-    def check_batch(self, batch: StepBatch) -> None:
+    def schedule_step(self) -> StepBatch | None:
+        """Schedule one step and check the policy against the scheduler's state now."""
+        sched = self.sched
+        batch = sched.schedule()
+        if batch is None:
+            return None
+        self.steps += 1
+        num_tokens = sum(len(r.token_ids) for r in batch.seqs)
+        assert num_tokens <= sched.max_num_batched_tokens
+        assert len(batch.seqs) <= sched.max_num_seqs
+        assert len({r.seq_id for r in batch.seqs}) == len(batch.seqs)
+        # Decode-first and no starvation: every running sequence whose next token is known
+        # computes something (with steps in flight, the others wait for their token).
+        runnable = {
+            s.seq_id
+            for s in sched.running
+            if s.awaiting_step is None or s.awaiting_step == batch.step_id
+        }
+        assert {r.seq_id for r in batch.seqs} == runnable
+        return batch
+
+    def execute_step(self, batch: StepBatch) -> None:
+        """What execute, sample and detokenize do with a step, then `apply`."""
         sched = self.sched
         for start in batch.started:
             assert start.seq_id not in self.live and start.seq_id not in self.done
@@ -133,21 +156,6 @@ class Simulation:
             )
         for seq_id in batch.released:
             self.done[seq_id] = self.live.pop(seq_id)
-        num_tokens = sum(len(r.token_ids) for r in batch.seqs)
-        assert num_tokens <= sched.max_num_batched_tokens
-        assert len(batch.seqs) <= sched.max_num_seqs
-        self.max_batch_tokens = max(self.max_batch_tokens, num_tokens)
-        # Decode-first and no starvation: every running sequence computes something.
-        assert {r.seq_id for r in batch.seqs} == {s.seq_id for s in sched.running}
-        assert len({r.seq_id for r in batch.seqs}) == len(batch.seqs)
-
-    def run_step(self) -> bool:
-        sched = self.sched
-        batch = sched.schedule()
-        if batch is None:
-            return False
-        self.steps += 1
-        self.check_batch(batch)
         # Store every row's tokens first (as the model stores a layer's K/V before attending).
         for row in batch.seqs:
             ds = self.live[row.seq_id]
@@ -189,7 +197,6 @@ class Simulation:
         finished = sched.apply(StepTokens(step_id=batch.step_id, tokens=tuple(sampled)))
         for f in finished:
             assert f.finish_reason == self.live[f.seq_id].finish
-        return True
 
     def random_interrupts(self) -> None:
         rng = self.rng
@@ -204,7 +211,9 @@ class Simulation:
 
 
 def run(seed: int, block_size: int, extra_blocks: int, budget: int, max_num_seqs: int,
-        caching: bool, max_model_len: int) -> Simulation:  # fmt: skip
+        caching: bool, max_model_len: int, inflight: int = 1) -> Simulation:  # fmt: skip
+    """One random workload; `inflight` steps may be scheduled before the oldest is applied
+    (steps execute and apply in the order they were scheduled, as in the graph)."""
     rng = random.Random(seed)
     num_blocks = -(-max_model_len // block_size) + extra_blocks
     sched = Scheduler(
@@ -217,11 +226,16 @@ def run(seed: int, block_size: int, extra_blocks: int, budget: int, max_num_seqs
     num_requests = rng.randrange(1, 12)
     for _ in range(min(3, num_requests)):
         sim.add_random_request()
-    for _ in range(2000):
+    pipeline: deque[StepBatch] = deque()
+    for _ in range(4000):
         if len(sim.requests) < num_requests and rng.random() < 0.4:
             sim.add_random_request()
         sim.random_interrupts()
-        if not sim.run_step() and len(sim.requests) >= num_requests:
+        while len(pipeline) < inflight and (batch := sim.schedule_step()) is not None:
+            pipeline.append(batch)
+        if pipeline:
+            sim.execute_step(pipeline.popleft())
+        elif len(sim.requests) >= num_requests:
             break
     assert not sched.has_unfinished()
     assert sched.schedule() is None  # the last released ids went out in an empty batch
@@ -249,6 +263,7 @@ def run(seed: int, block_size: int, extra_blocks: int, budget: int, max_num_seqs
     max_num_seqs=st.integers(1, 8),
     caching=st.booleans(),
     max_model_len=st.integers(12, 40),
+    inflight=st.sampled_from([1, 1, 2]),
 )
 def test_simulated_engine_matches_sequential_generation(
     seed: int,
@@ -258,8 +273,9 @@ def test_simulated_engine_matches_sequential_generation(
     max_num_seqs: int,
     caching: bool,
     max_model_len: int,
+    inflight: int,
 ) -> None:
-    run(seed, block_size, extra_blocks, budget, max_num_seqs, caching, max_model_len)
+    run(seed, block_size, extra_blocks, budget, max_num_seqs, caching, max_model_len, inflight)
 
 
 def test_tight_cache_forces_preemptions_and_prefix_hits() -> None:

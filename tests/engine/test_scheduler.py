@@ -100,9 +100,12 @@ def test_add_request_validates_and_resolves_max_tokens() -> None:
         sched.add_request(request("a", range(3)))
     seq = sched.get_sequence(0)
     assert seq is not None and seq.max_tokens == 6
-    assert sched.add_request(request("b", range(3), n=3)) == [1, 2, 3]
+    sched.add_request(request("full", range(16), max_tokens=None))  # still samples one
+    full = sched.get_sequence(1)
+    assert full is not None and full.max_tokens == 1
+    assert sched.add_request(request("b", range(3), n=3)) == [2, 3, 4]
     assert sched.has_unfinished()
-    assert sched.stats.num_waiting == 4
+    assert sched.stats.num_waiting == 5
 
 
 def test_nothing_to_do_returns_none() -> None:
@@ -454,6 +457,16 @@ def test_tokens_for_unknown_or_finished_sequences_are_ignored() -> None:
     assert sched.apply(stray) == []
     seq = sched.get_sequence(0)
     assert seq is not None and seq.token_ids == [1, 2]
+    # The step is over and no token came for seq 0: its last token is computed again so it
+    # samples again, and a late token carrying the old step id is not appended.
+    again = sched.schedule()
+    assert again is not None and rows(again) == {0: (1, 1, True)}
+    assert again.seqs[0].token_ids == (2,)
+    late = StepTokens(step_id=batch.step_id, tokens=(SampledToken(seq_id=0, token_id=3),))
+    assert sched.apply(late) == []
+    assert seq.token_ids == [1, 2]
+    sample(sched, again, token=4)
+    assert seq.token_ids == [1, 2, 4]
 
 
 # ---------------------------------------------------------------------------- stats
