@@ -7,9 +7,11 @@ port) is several sender clones of one channel, `replicas: N` is N receiver clone
 one inbox (each message goes to exactly one replica), and a stage's end closes exactly the
 clones it held.
 
-Lifecycle. A stage task runs `stage.run(ctx)`; when it returns, its clones close. A
+Lifecycle. A stage task runs `stage.run(ctx)`; when it returns, its outboxes close. A
 channel ends for its consumers once its last producer task has ended, so the end of input
-flows down the graph and the graph finishes when every stage has returned.
+flows down the graph and the graph finishes when every stage has returned. Inputs still
+open when a stage returns (a stage on a cycle decides itself when it is done) are drained
+and their late messages dropped, so their producers neither fail nor block.
 
 Supervision. If a stage raises, the runtime logs the stage and traceback, counts it in
 `flowllm:stage_errors_total`, marks the graph unhealthy, calls `fail_inflight(error)` on
@@ -38,7 +40,7 @@ from prometheus_client import CollectorRegistry
 from flowllm.graph.channel import Channel
 from flowllm.graph.spans import GraphMetrics, SpanRecorder, configure_logging
 from flowllm.graph.spec import GraphSpec, PortRef, ValidGraph, load_graph
-from flowllm.stages.base import Outbox, Stage, StageContext
+from flowllm.stages.base import CLOSED, Outbox, Stage, StageContext
 
 
 class GraphBuildError(RuntimeError):
@@ -269,9 +271,29 @@ class Graph:
         except Exception as exc:
             await self._on_failure(task, exc)
         else:
-            ctx.log.debug("stage finished")
+            ctx.close_outputs()
+            late = await self._drain_late(ctx)
+            ctx.log.debug("stage finished", late_messages_dropped=late)
         finally:
             ctx.close()
+
+    @staticmethod
+    async def _drain_late(ctx: StageContext) -> int:
+        """Discard what still arrives on a finished stage's open inputs until they close.
+
+        A stage on a cycle ends by its own decision (e.g. schedule, once its request input
+        has closed and nothing is in flight) while other inputs may still be open; a late
+        message there (a stop-string Finish racing the last step) is no longer needed.
+        Draining instead of closing keeps its producers from failing or blocking.
+        """
+        dropped = 0
+        while True:
+            try:
+                _port, message = await ctx.receive_any()
+            except anyio.EndOfStream:
+                return dropped
+            if message is not CLOSED:
+                dropped += 1
 
     async def _on_failure(self, task: _Task, error: Exception) -> None:
         self.metrics.stage_errors.labels(task.name).inc()

@@ -223,11 +223,15 @@ class StageContext:
         """`with ctx.span(msg): ...` records one span (default wait: `last_wait`)."""
         return self.spans.span(message, self.last_wait if queue_wait is None else queue_wait)
 
-    def close(self) -> None:
-        """Close this task's channel clones; called by the runtime when the task ends."""
+    def close_outputs(self) -> None:
+        """Close this task's outboxes, so the end propagates downstream."""
         self._closed = True
         for outbox in self._outboxes.values():
             outbox.close()
+
+    def close(self) -> None:
+        """Close this task's channel clones; called by the runtime when the task ends."""
+        self.close_outputs()
         for inbox in self._inboxes.values():
             inbox.close()
 

@@ -267,3 +267,15 @@ class StepRelay(PerMessageStage):
 
 class NotAStage:
     """A plain class, for the 'not a Stage' fixture."""
+
+
+class Take(Stage):
+    """Passes the first `count` Items on, then returns with its input still open."""
+
+    inputs: ClassVar[dict[str, Any]] = {"in": Item}
+    outputs: ClassVar[dict[str, Any]] = {"out": Item}
+    Params = CountParams
+
+    async def run(self, ctx: StageContext) -> None:
+        for _ in range(self.params.count):
+            await ctx.emit("out", await ctx.receive("in"))

@@ -79,5 +79,6 @@ def test_the_cli_exit_codes() -> None:
         check=False,
         timeout=60,
     )
-    assert bad.returncode == 1
-    assert "did you mean 'in'?" in bad.stderr and "did you mean 'sink'?" in bad.stderr
+    assert bad.returncode == 1, bad.stderr
+    assert "did you mean 'in'?" in bad.stderr, bad.stderr
+    assert "did you mean 'sink'?" in bad.stderr

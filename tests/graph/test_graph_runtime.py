@@ -292,3 +292,22 @@ def test_emitting_outside_a_running_graph_or_the_wrong_type_fails() -> None:
 
     anyio.run(main)
     assert "carries Item, got str" in str(errors[0])
+
+
+def test_a_stage_that_ends_early_does_not_break_or_block_its_producers() -> None:
+    graph = make_graph(
+        """
+        stages:
+          - {name: source, use: "graph_toys:Count", with: {count: 500}}
+          - {name: take, use: "graph_toys:Take", with: {count: 5}}
+          - {name: sink, use: "graph_toys:Collect"}
+        edges:
+          - {from: source.out, to: take.in, capacity: 2}
+          - take.out -> sink.in
+        """
+    )
+    run(graph, limit=10.0)
+    sink = graph.stage("sink")
+    assert isinstance(sink, Collect)
+    assert graph.failure is None
+    assert [item.seq for item in sink.items] == list(range(5))
