@@ -58,7 +58,7 @@ class LLM:
     Keyword arguments are the engine settings by their CLI names without dashes
     (`dtype`, `max_model_len`, `block_size`, `kv_cache_memory`, `max_num_seqs`,
     `max_num_batched_tokens`, `enable_prefix_caching`, `seed`, ...), or pass `config`.
-    `graph` runs another graph YAML.
+    `graph` runs another graph YAML; `services` reuses an already loaded model.
     """
 
     def __init__(
@@ -67,15 +67,21 @@ class LLM:
         *,
         config: EngineConfig | None = None,
         graph: str | Path | None = None,
+        services: EngineServices | None = None,
         **settings: Any,
     ) -> None:
-        if config is None:
-            config = engine_config(model, **settings)
-        elif model is not None or settings:
-            raise TypeError("pass either config or model and settings, not both")
-        self.config = config
+        if services is not None:
+            if model is not None or config is not None or settings:
+                raise TypeError("services already hold the model and its config")
+        else:
+            if config is None:
+                config = engine_config(model, **settings)
+            elif model is not None or settings:
+                raise TypeError("pass either config or model and settings, not both")
+            services = build_services(config)
+        self.config = services.config
         self.graph = graph
-        self.services: EngineServices = build_services(config)
+        self.services = services
         self._ids = itertools.count()
         self.last_run: EngineServices | None = None  # the latest generate's (for its metrics)
 

@@ -1,0 +1,98 @@
+"""Graph overhead per step: the default graph with a model that answers instantly.
+
+Everything but the model forward runs for real — ingest, validate, tokenize (GPT-2
+tokenizer), the scheduler with its block pool, input building, the sampler (greedy), the
+incremental detokenizer, format and the mailboxes — so the time per step is what the graph
+adds around a model step. Run:
+
+    .venv/bin/python benchmarks/pipeline_overhead.py [--vocab 50257] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from model_fixtures import write_gpt2_tokenizer_files
+
+from flowllm.config import engine_config
+from flowllm.llm import LLM
+from flowllm.messages import SamplingParams
+from flowllm.models.tokenizer import load_tokenizer
+from flowllm.stages.services import EngineServices
+
+
+class InstantModel:
+    """Returns the same logits row for every sampled position, at once."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        generator = torch.Generator().manual_seed(0)
+        self._row = torch.randn(vocab_size, generator=generator)
+        self._logits = self._row.expand(1024, vocab_size).contiguous()
+
+    def __call__(self, input_ids: Any, positions: Any, kv_caches: Any, ctx: Any) -> torch.Tensor:
+        return self._logits[: len(ctx.logits_indices)]
+
+
+def services(vocab_size: int, tokenizer: Any) -> EngineServices:
+    config = engine_config(
+        "instant", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192
+    )
+    return EngineServices(
+        config=config,
+        model=InstantModel(vocab_size),
+        tokenizer=tokenizer,
+        kv_caches=[],
+        num_blocks=256 * 64,
+        max_model_len=4096,
+        eos_token_ids=(50256,),
+        device=torch.device("cpu"),
+    )
+
+
+def run(llm: LLM, num_seqs: int, steps: int) -> tuple[float, int]:
+    prompts = [[(i * 7 + k) % 50000 for k in range(16)] for i in range(num_seqs)]
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    assert all(len(o.outputs[0].token_ids) == steps for o in outputs)
+    assert llm.last_run is not None
+    count = llm.last_run.registry.get_sample_value(
+        "flowllm:stage_duration_seconds_count", {"stage": "execute"}
+    )
+    return elapsed, int(count or 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        write_gpt2_tokenizer_files(Path(tmp))
+        tokenizer = load_tokenizer(tmp)
+    llm = LLM(services=services(args.vocab, tokenizer))
+    run(llm, 4, 4)  # warm up
+    print(f"vocab {args.vocab}, {args.steps} decode steps per run, greedy, instant model")
+    print(f"{'running seqs':>12} {'steps':>6} {'steps/s':>9} {'µs/step':>9} {'µs/seq-step':>12}")
+    for num_seqs in (1, 64, 256):
+        elapsed, steps = run(llm, num_seqs, args.steps)
+        per_step = elapsed / steps
+        print(
+            f"{num_seqs:>12} {steps:>6} {1 / per_step:>9.0f} {per_step * 1e6:>9.0f} "
+            f"{per_step * 1e6 / num_seqs:>12.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
