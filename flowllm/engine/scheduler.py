@@ -227,6 +227,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
         )
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after a weight reload); only when idle."""
+        return self.kv.pool.reset_prefix_cache()
+
     def get_sequence(self, seq_id: int) -> Sequence | None:
         """An unfinished sequence, for inspection (the scheduler stays its only editor)."""
         return self._seqs.get(seq_id)

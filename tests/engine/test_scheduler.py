@@ -524,3 +524,16 @@ def test_stop_string_and_abort_reach_preempted_sequences() -> None:
     (gone,) = sched.abort_request("a")
     assert gone.num_output_tokens == 3
     assert sched.kv.pool.num_used_blocks == 0
+
+
+def test_reset_prefix_cache_only_when_idle() -> None:
+    sched = make_scheduler(block_size=4)
+    sched.add_request(request("a", range(1, 10), max_tokens=1))
+    batch = sched.schedule()
+    assert batch is not None
+    assert not sched.reset_prefix_cache()  # blocks in use
+    sample(sched, batch)
+    assert sched.reset_prefix_cache()
+    sched.add_request(request("b", range(1, 10)))
+    again = sched.schedule()
+    assert again is not None and rows(again) == {1: (0, 9, True)}
