@@ -169,13 +169,18 @@ class Graph:
         Once the body starts, every stage's outboxes exist, so the owner can call stage
         methods that emit. (A Litestar lifespan is this context manager.)
         """
+        error: Exception | None = None
         async with anyio.create_task_group() as tg:
             await tg.start(self.run)
             try:
                 yield self
+            except Exception as exc:  # re-raised below as itself, not in an ExceptionGroup
+                error = exc
             finally:
                 with anyio.CancelScope(shield=True):
                     await self.stop(stop_timeout)
+        if error is not None:
+            raise error
 
     async def run(self, *, task_status: TaskStatus[Any] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run every stage until all have returned (or the graph failed or was stopped)."""

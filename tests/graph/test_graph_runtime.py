@@ -311,3 +311,27 @@ def test_a_stage_that_ends_early_does_not_break_or_block_its_producers() -> None
     assert isinstance(sink, Collect)
     assert graph.failure is None
     assert [item.seq for item in sink.items] == list(range(5))
+
+
+def test_serve_reraises_the_owners_error_after_stopping_the_graph() -> None:
+    graph = make_graph(
+        """
+        stages:
+          - {name: feeder, use: "graph_toys:Feeder"}
+          - {name: sink, use: "graph_toys:Collect"}
+        edges:
+          - feeder.out -> sink.in
+        """
+    )
+
+    async def main() -> None:
+        assert await graph.stop() is True  # not started: nothing to stop
+        with anyio.fail_after(5), pytest.raises(ValueError, match="owner failed"):
+            async with graph.serve(stop_timeout=2):
+                await graph.stage("feeder").submit(Item(1))  # type: ignore[attr-defined]
+                raise ValueError("owner failed")
+
+    anyio.run(main)
+    assert graph.finished and graph.failure is None
+    sink = graph.stage("sink")
+    assert isinstance(sink, Collect) and sink.items == [Item(1)]
