@@ -59,8 +59,17 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
 class Scheduler:
     """Owns every sequence and the KV block bookkeeping; synchronous and I/O free.
 
-    Use: `add_request` / `abort_request` / `finish_sequence` as messages arrive; then
-    `batch = schedule()`; after the step runs, `apply(step_tokens)`; repeat.
+    How the `schedule` stage drives it, message by message:
+
+    * `TokenizedRequest` -> `add_request(req)`; a `SchedulerError` (empty or too long
+      prompt, duplicate id) becomes the request's `RequestError`.
+    * `Abort` -> `abort_request(abort.request_id)`; `Finish` -> `finish_sequence(seq_id,
+      stop_reason)`. Both free blocks at once and return what finished (for metrics).
+    * `StepTokens` -> `apply(tokens)`, returning the sequences that finished.
+    * Whenever fewer than `max_inflight_steps` steps are in flight: `schedule()`, and send
+      the `StepBatch` if it is not None. With more than one step in flight, a sequence
+      whose sampled token is still in flight is skipped until `apply` delivers it, while
+      prompt chunks that do not sample keep going; steps must run in schedule order.
     """
 
     def __init__(
