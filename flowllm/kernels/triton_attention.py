@@ -29,13 +29,21 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-__all__ = ["AttentionTiles", "choose_tiles", "interpreted", "paged_attention", "store_kv"]
+__all__ = [
+    "AttentionTiles",
+    "auto_decode_splits",
+    "choose_tiles",
+    "interpreted",
+    "paged_attention",
+    "store_kv",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 # tl.dot needs every block dimension >= 16 on NVIDIA and AMD tensor cores.
 _MIN_DOT = 16
+_MAX_DECODE_SPLITS = 32
 
 
 @dataclass(frozen=True)
@@ -46,15 +54,23 @@ class AttentionTiles:
       pair, so a tile covers block_m // group query tokens.
     block_n: cache tokens per KV tile (prefill and decode).
     decode_block_n: cache tokens per KV tile in the decode kernel.
+    decode_splits: parallel splits of each context in the decode kernel; 0 chooses from
+      the batch and the GPU's SM count (always 1 off CUDA).
     """
 
     block_m: int = 64
     block_n: int = 64
     decode_block_n: int = 64
+    decode_splits: int = 0
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self) -> None:
+        if not 0 <= self.decode_splits <= _MAX_DECODE_SPLITS:
+            raise ValueError(
+                f"AttentionTiles.decode_splits must be in [0, {_MAX_DECODE_SPLITS}], "
+                f"got {self.decode_splits}"
+            )
         for name in ("block_m", "block_n", "decode_block_n"):
             value = getattr(self, name)
             if value < _MIN_DOT or value & (value - 1):
@@ -67,12 +83,24 @@ class AttentionTiles:
             raise ValueError(f"AttentionTiles.num_stages must be >= 1, got {self.num_stages}")
 
 
-def choose_tiles(head_dim: int) -> AttentionTiles:
-    """Default tiles: 64x64 keeps q, k, v and the fp32 accumulator in registers up to
-    head_dim 128; wider heads halve the tiles to stay within the register file."""
-    if head_dim > 128:
-        return AttentionTiles(block_m=32, block_n=32, decode_block_n=32)
-    return AttentionTiles()
+def choose_tiles(head_dim: int, dtype: torch.dtype) -> AttentionTiles:
+    """Default tiles for one head width and dtype.
+
+    A 64-row query tile with its fp32 accumulator fits the register file up to head_dim
+    128; wider heads use 32 rows. KV tiles are sized so the K and V tiles of the software
+    pipeline (num_stages of each) stay within ~64 KiB of shared memory, which every CUDA
+    GPU that Triton supports has.
+    """
+    width = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    row_bytes = width * torch.empty((), dtype=dtype).element_size()
+    stages = 2
+    block_n = 64
+    while block_n > _MIN_DOT and 2 * stages * block_n * row_bytes > 64 * 1024:
+        block_n //= 2
+    block_m = 64 if width <= 128 else 32
+    return AttentionTiles(
+        block_m=block_m, block_n=block_n, decode_block_n=block_n, num_stages=stages
+    )
 
 
 # --------------------------------------------------------------------------- kernels
@@ -211,17 +239,26 @@ def _decode_kernel(
     stride_bt,
     max_blocks,
     block_size,
+    part_acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] fp32, when NUM_SPLITS > 1
+    part_m_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
+    part_l_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,  # >= max(16, GROUP): the group's heads, padded for tl.dot
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     WIDEN_DOT: tl.constexpr,
 ):
-    """One program per (sequence, KV head): the sequence's single query, for every query head
-    of the group, attends to all seq_len cached positions (the query is the last of them)."""
+    """One program per (sequence, KV head, split): the sequence's single query, for every
+    query head of the group, attends to the split's share of the seq_len cached positions
+    (the query is the last of them). With one split the program writes the output; with
+    several (flash decoding, for batches too small to fill the GPU) it writes its unnormalised
+    accumulator and softmax statistics for _decode_reduce_kernel to merge."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
@@ -245,7 +282,11 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + seq * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    # This split's share: a contiguous run of whole BLOCK_N tiles (possibly none).
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_hi = tl.minimum(kv_lo + tiles_per_split * BLOCK_N, kv_end)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, q_pos, start, seq_len, table_row_ptr, max_blocks,
             k_cache_ptr, v_cache_ptr, kv_head, block_size,
@@ -253,12 +294,60 @@ def _decode_kernel(
             HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_DOT,
         )  # fmt: skip
 
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_i[:, None]
+    if NUM_SPLITS == 1:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + q_start * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
+    else:
+        part = (seq * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M] int64
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=io_mask)
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    part_acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] fp32
+    part_m_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
+    part_l_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, query head): merge the splits' partial softmaxes."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
+    q_count = tl.minimum(q_end - q_start, 1).to(tl.int32)  # 0: nothing was computed
+
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    split_ok = sp < NUM_SPLITS * q_count  # [BLOCK_S]
+    part = (seq * NUM_HEADS + head) * NUM_SPLITS + sp  # [BLOCK_S]
+    # A split that saw no key has m = -1e30 and l = 0, so its weight below is 0.
+    m_s = tl.load(part_m_ptr + part, mask=split_ok, other=-1.0e30)
+    l_s = tl.load(part_l_ptr + part, mask=split_ok, other=0.0)
+    weight = tl.exp2(m_s - tl.max(m_s, axis=0))  # [BLOCK_S]
+    acc_mask = split_ok[:, None] & (d[None, :] < HEAD_DIM)
+    acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=acc_mask, other=0.0)
+    total = tl.sum(l_s * weight, axis=0)
+    total = tl.where(total > 0.0, total, 1.0)
+    out = tl.sum(acc_s * weight[:, None], axis=0) / total  # [BLOCK_D]
     tl.store(
-        out_ptr + q_start * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out_ptr + q_start * stride_ot + head * stride_oh + d,
         out.to(out_ptr.dtype.element_ty),
-        mask=io_mask,
+        mask=d < HEAD_DIM * q_count,
     )
 
 
@@ -350,6 +439,36 @@ def interpreted() -> bool:
     """Whether the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at
     import time): Triton decides when a kernel is decorated, not when it is launched."""
     return not isinstance(_store_kv_kernel, JITFunction)
+
+
+def _decode_splits(
+    tiles: AttentionTiles, device: torch.device, programs: int, max_seq_len: int
+) -> int:
+    """How many splits of each sequence's context the decode kernel runs in parallel."""
+    if tiles.decode_splits:
+        return tiles.decode_splits
+    if device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return auto_decode_splits(num_sms, programs, max_seq_len, tiles.decode_block_n)
+
+
+def auto_decode_splits(num_sms: int, programs: int, max_seq_len: int, block_n: int) -> int:
+    """Splits for `programs` (sequence, KV head) pairs on a GPU with `num_sms` SMs.
+
+    One program per pair leaves most of a GPU idle for small batches of long sequences;
+    splitting the context fills it, at the price of a merge pass. Aim at two programs per
+    SM, keep at least four KV tiles per split, and use powers of two so few kernel variants
+    get compiled.
+    """
+    if programs >= num_sms:
+        return 1
+    want = min(
+        triton.cdiv(2 * num_sms, max(programs, 1)),
+        triton.cdiv(max_seq_len, block_n) // 4,
+        _MAX_DECODE_SPLITS,
+    )
+    return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
 def _widen_dot(dtype: torch.dtype) -> bool:
@@ -504,7 +623,7 @@ def paged_attention(
     max_query_len, max_seq_len: host-side upper bounds of the above (no device sync).
       max_query_len == 1 (all decodes) runs the decode kernel; anything else the prefill
       kernel, which also handles mixed decode and prefill batches.
-    tiles: tile sizes; None picks choose_tiles(head_dim).
+    tiles: tile sizes; None picks choose_tiles(head_dim, query.dtype).
     Returns [num_tokens, num_heads, head_dim] in query's dtype; rows past qsl[-1] are
     unspecified.
     """
@@ -575,7 +694,7 @@ def paged_attention(
          "query_start_loc": query_start_loc, "seq_lens": seq_lens}
     )  # fmt: skip
     if tiles is None:
-        tiles = choose_tiles(head_dim)
+        tiles = choose_tiles(head_dim, query.dtype)
     elif not isinstance(tiles, AttentionTiles):
         raise ValueError(f"tiles must be an AttentionTiles, got {type(tiles).__name__}")
 
@@ -597,17 +716,45 @@ def paged_attention(
     )  # fmt: skip
     with _launch_device(query):
         if max_query_len == 1:
-            _decode_kernel[(num_seqs, num_kv_heads)](
+            splits = _decode_splits(tiles, query.device, num_seqs * num_kv_heads, max_seq_len)
+            if splits > 1:
+                # Partial results of each split, merged by _decode_reduce_kernel.
+                part_acc = torch.empty(
+                    (num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=out.device
+                )
+                part_m = torch.empty(
+                    (num_seqs, num_heads, splits), dtype=torch.float32, device=out.device
+                )
+                part_l = torch.empty_like(part_m)
+            else:
+                part_acc = part_m = part_l = out  # never touched with one split
+            _decode_kernel[(num_seqs, num_kv_heads, splits)](
                 *common,
+                part_acc,
+                part_m,
+                part_l,
+                NUM_HEADS=num_heads,
                 GROUP=group,
                 HEAD_DIM=head_dim,
                 BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
                 BLOCK_N=tiles.decode_block_n,
                 BLOCK_D=block_d,
+                NUM_SPLITS=splits,
                 WIDEN_DOT=widen,
                 num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages,
             )
+            if splits > 1:
+                _decode_reduce_kernel[(num_seqs, num_heads)](
+                    out, query_start_loc, part_acc, part_m, part_l,
+                    out.stride(0), out.stride(1),
+                    NUM_HEADS=num_heads,
+                    HEAD_DIM=head_dim,
+                    NUM_SPLITS=splits,
+                    BLOCK_S=triton.next_power_of_2(splits),
+                    BLOCK_D=triton.next_power_of_2(head_dim),
+                    num_warps=tiles.num_warps,
+                )  # fmt: skip
         else:
             block_m = max(tiles.block_m, triton.next_power_of_2(group))
             block_q = block_m // group

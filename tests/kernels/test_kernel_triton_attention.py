@@ -229,6 +229,47 @@ def test_prefill_matches_oracle(
 
 
 @needs_backend
+@pytest.mark.parametrize("splits", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_decode_matches_oracle(splits: int, dtype: torch.dtype) -> None:
+    """Flash decoding: contexts split over programs and merged. Some splits get no tile
+    (short contexts), and one sequence has no query at all."""
+    case = make_case([(0, 1), (20, 1), (49, 1), (70, 1)], dtype=dtype, block_size=8, seed=splits)
+    qsl = case.query_start_loc.tolist()
+    idle = replace(
+        case,
+        block_tables=case.block_tables[[0, 1, 1, 2, 3]],
+        query_start_loc=torch.tensor(qsl[:2] + qsl[1:], device=DEVICE).int(),
+        seq_lens=case.seq_lens[[0, 1, 1, 2, 3]],
+    )
+    tiles = replace(SMALL_TILES, decode_splits=splits)
+    out = ta.paged_attention(*idle.args(), tiles=tiles)
+    assert_close(out, dense_oracle(case), dtype)
+
+
+def test_auto_decode_splits() -> None:
+    # Enough (sequence, KV head) programs to fill the GPU: no split.
+    assert ta.auto_decode_splits(num_sms=108, programs=256, max_seq_len=4096, block_n=64) == 1
+    # One sequence, 8 KV heads, long context: 2 * 108 / 8 = 27 -> 16 (a power of two).
+    assert ta.auto_decode_splits(num_sms=108, programs=8, max_seq_len=8192, block_n=64) == 16
+    # Short context: at least four tiles per split (512 / 64 / 4 = 2).
+    assert ta.auto_decode_splits(num_sms=108, programs=8, max_seq_len=512, block_n=64) == 2
+    assert ta.auto_decode_splits(num_sms=108, programs=8, max_seq_len=100, block_n=64) == 1
+    # Never more than 32.
+    assert ta.auto_decode_splits(num_sms=1000, programs=1, max_seq_len=10**6, block_n=16) == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [8, 64, 80, 128, 256])
+def test_choose_tiles_fit_shared_memory(head_dim: int, dtype: torch.dtype) -> None:
+    tiles = ta.choose_tiles(head_dim, dtype)
+    width = max(16, 1 << (head_dim - 1).bit_length())
+    kv_bytes = 2 * tiles.num_stages * tiles.block_n * width * dtype.itemsize
+    assert kv_bytes <= 64 * 1024
+    assert tiles.block_n >= 16 and tiles.block_m >= 16
+
+
+@needs_backend
 @pytest.mark.parametrize(
     "seqs",
     [[(0, 1), (7, 1), (100, 1)], [(0, 33), (90, 7), (3, 1)]],
@@ -490,6 +531,8 @@ def test_paged_attention_rejects_bad_inputs(breakage: str) -> None:
 def test_paged_attention_rejects_bad_tiles() -> None:
     with pytest.raises(ValueError, match="block_n"):
         ta.AttentionTiles(block_n=8)
+    with pytest.raises(ValueError, match="decode_splits"):
+        ta.AttentionTiles(decode_splits=33)
     with pytest.raises(ValueError, match="tiles"):
         ta.paged_attention(**_attention_inputs(), tiles=(16, 16))  # type: ignore[arg-type]
 
