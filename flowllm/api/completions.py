@@ -51,7 +51,7 @@ class CompletionFormat:
     def prompt_text(self, chunk: Chunk) -> str:
         if chunk.prompt_text is not None:
             return chunk.prompt_text
-        return "".join(self.texts(t) for t in chunk.prompt_token_ids)
+        return self.texts.decode(chunk.prompt_token_ids)
 
     def choice(
         self, index: int, chunk: Chunk, *, first: bool, text_offset: int

@@ -33,6 +33,10 @@ class TokenTexts:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Several tokens as one text (multi-byte characters across tokens stay whole)."""
+        return str(self._tokenizer.decode(list(token_ids)))
+
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:

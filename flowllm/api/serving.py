@@ -50,6 +50,12 @@ class Generation:
     @classmethod
     def submit(cls, engine: EngineClient, requests: Sequence[GenerateRequest]) -> Generation:
         """Enter every sub-request; if admission refuses one, abort the others: 503."""
+        if not engine.healthy:
+            raise ApiError(
+                "The engine has failed and cannot serve requests; see /health.",
+                status_code=500,
+                code="engine_unhealthy",
+            )
         generation = cls(engine, [])
         try:
             for request in requests:
@@ -63,6 +69,9 @@ class Generation:
                 code="server_overloaded",
                 headers={"Retry-After": str(retry)},
             ) from exc
+        except BaseException:
+            generation.close()  # whatever failed, no admitted sibling runs on
+            raise
         generation.first_chunks = [None] * len(generation.mailboxes)
         return generation
 

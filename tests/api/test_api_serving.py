@@ -1,0 +1,139 @@
+"""Generation (submit, merge, abort) and the chat template loader, without HTTP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from api_fake_engine import FakeEngine
+from conftest import make_app
+from litestar.testing import AsyncTestClient
+
+from flowllm.api.chat import ChatTemplateError, load_chat_template
+from flowllm.api.errors import ApiError
+from flowllm.api.serving import Generation
+from flowllm.mailbox import Mailbox
+from flowllm.messages import Chunk, GenerateRequest, SamplingParams
+
+
+class RecordingEngine:
+    """Just enough EngineClient to drive Generation by hand."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.mailboxes: list[Mailbox] = []
+        self.aborted: list[str] = []
+        self.fail_on = fail_on
+        self.healthy = True
+
+    def submit(self, request: GenerateRequest) -> Mailbox:
+        if self.fail_on is not None and len(self.mailboxes) == self.fail_on:
+            raise RuntimeError("graph stopped")
+        mailbox = Mailbox(request.request_id, request.params.n)
+        self.mailboxes.append(mailbox)
+        return mailbox
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def requests(count: int, n: int = 1) -> list[GenerateRequest]:
+    params = SamplingParams(n=n)
+    return [
+        GenerateRequest(request_id=f"r-{i}", model="m", params=params, arrival_time=0, prompt="x")
+        for i in range(count)
+    ]
+
+
+def chunk(rid: str, index: int, text: str, finish: Any = None) -> Chunk:
+    return Chunk(
+        request_id=rid,
+        index=index,
+        text=text,
+        token_ids=(len(text),),
+        finish_reason=finish,
+        num_output_tokens=1,
+    )
+
+
+@pytest.mark.anyio
+async def test_slow_reader_gets_coalesced_chunks() -> None:
+    engine = RecordingEngine()
+    generation = Generation.submit(engine, requests(2, n=2))  # type: ignore[arg-type]
+    first, second = engine.mailboxes
+    # The graph delivers everything before the reader looks: nothing blocks, text merges.
+    for k in range(50):
+        first.put(chunk("r-0", k % 2, "a", "length" if k >= 48 else None))
+    second.put(chunk("r-1", 0, "b", "stop"))
+    second.put(chunk("r-1", 1, "c", "length"))
+    results = await generation.collect()
+    assert results[0][0].text == "a" * 25 and results[0][1].text == "a" * 25
+    assert results[0][0].finish_reason == "length" and len(results[0][0].token_ids) == 25
+    assert (results[1][0].text, results[1][1].text) == ("b", "c")
+    generation.close()
+    assert engine.aborted == []  # all finished: nothing to abort
+
+
+@pytest.mark.anyio
+async def test_close_aborts_only_unfinished_sub_requests() -> None:
+    engine = RecordingEngine()
+    generation = Generation.submit(engine, requests(3))  # type: ignore[arg-type]
+    engine.mailboxes[1].put(chunk("r-1", 0, "done", "stop"))
+    generation.close()
+    generation.close()  # idempotent
+    assert engine.aborted == ["r-0", "r-2"]
+
+
+def test_submit_failure_aborts_admitted_siblings() -> None:
+    engine = RecordingEngine(fail_on=2)
+    with pytest.raises(RuntimeError):
+        Generation.submit(engine, requests(3))  # type: ignore[arg-type]
+    assert engine.aborted == ["r-0", "r-1"]
+
+
+def test_unhealthy_engine_refuses_with_500() -> None:
+    engine = RecordingEngine()
+    engine.healthy = False
+    with pytest.raises(ApiError) as refused:
+        Generation.submit(engine, requests(1))  # type: ignore[arg-type]
+    assert refused.value.status_code == 500
+    assert engine.mailboxes == []
+
+
+@pytest.mark.anyio
+async def test_unhealthy_engine_through_http(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer)
+    async with AsyncTestClient(make_app(engine)) as client:
+        engine.is_healthy = False
+        r = await client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "InternalServerError"
+        assert (await client.get("/health")).status_code == 503
+
+
+@pytest.mark.anyio
+async def test_pumps_merge_mailboxes_in_arrival_order() -> None:
+    engine = RecordingEngine()
+    generation = Generation.submit(engine, requests(2))  # type: ignore[arg-type]
+    seen: list[tuple[int, str]] = []
+    async with anyio.create_task_group() as tg:
+        stream = generation.start_pumps(tg)
+        engine.mailboxes[1].put(chunk("r-1", 0, "x"))
+        engine.mailboxes[0].put(chunk("r-0", 0, "y", "stop"))
+        engine.mailboxes[1].put(chunk("r-1", 0, "z", "length"))
+        async for prompt_index, item in stream:
+            assert isinstance(item, Chunk)
+            seen.append((prompt_index, item.text))
+    assert sorted(seen) == [(0, "y"), (1, "xz")] or sorted(seen) == [(0, "y"), (1, "x"), (1, "z")]
+
+
+def test_load_chat_template(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template
+    assert load_chat_template(template) == template  # inline, as vLLM accepts
+    assert load_chat_template(None) is None
+    with pytest.raises(ChatTemplateError, match="does not exist"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
