@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from flowllm.config import CacheConfig, SchedulerConfig
 from flowllm.engine.scheduler import Scheduler
+from flowllm.engine.stopping import check_stop
 from flowllm.messages import (
     FinishReason,
     SampledToken,
@@ -43,15 +44,9 @@ def next_token(index: int, context: list[int]) -> int:
 def stop_check(
     params: SamplingParams, token: int, num_output: int, num_tokens: int, max_model_len: int
 ) -> tuple[FinishReason | None, int | None]:
-    """The sample stage's finishing rule, as the simulation applies it (and the reference)."""
-    if num_output > params.min_tokens:
-        if token == EOS and not params.ignore_eos:
-            return "stop", None
-        if token in params.stop_token_ids:
-            return "stop", token
-    if num_output >= (params.max_tokens or 10**9) or num_tokens >= max_model_len:
-        return "length", None
-    return None, None
+    """The sample stage's finishing rule (the engine's own), used by the simulation and the
+    reference alike."""
+    return check_stop(params, token, (EOS,), num_output, num_tokens, max_model_len)
 
 
 def reference(
