@@ -1,0 +1,17 @@
+"""The OpenAI-compatible HTTP API on Litestar.
+
+- protocol.py: request and response bodies (msgspec Structs), OpenAI's shapes exactly
+- convert.py: request bodies -> `GenerateRequest`s (one per prompt) with the API defaults
+- serving.py: submit, read mailboxes, stream SSE, abort what a departed client left running
+- completions.py, chat.py: chunks -> OpenAI choices, whole or streamed
+- logprobs.py: token strings and the two logprobs shapes
+- errors.py: every failure as `{"error": {"message", "type", "param", "code"}}`
+- app.py: `create_app`, the routes and the HTTP boundary (request ids, API key)
+"""
+
+from __future__ import annotations
+
+from flowllm.api.app import create_app
+from flowllm.api.chat import ChatTemplateError, load_chat_template
+
+__all__ = ["ChatTemplateError", "create_app", "load_chat_template"]

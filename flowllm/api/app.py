@@ -145,7 +145,7 @@ def _state(request: Request[Any, Any, Any]) -> ApiState:
 
 
 def _ids(request: Request[Any, Any, Any], prefix: str) -> tuple[str, str]:
-    """(graph request id, response id, headers): the graph's ids stay unique even when
+    """(graph request id, response id): the graph's ids stay unique even when
     clients reuse an X-Request-Id, which only names the response."""
     request_id: str = request.scope.get(_SCOPE_REQUEST_ID) or uuid.uuid4().hex  # type: ignore[assignment]
     given = bool(request.scope.get(_SCOPE_REQUEST_ID_GIVEN))

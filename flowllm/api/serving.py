@@ -9,6 +9,7 @@ coroutine in the same task that closes the generation, so the abort cannot be sk
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -178,14 +179,16 @@ async def until_disconnect(request: Request[Any, Any, Any], work: Callable[[], A
     return result[0]
 
 
-class EventSource:
+class EventSource(abc.ABC):
     """What an `EventStream` sends: `run` writes the events, `close` always runs after."""
 
+    @abc.abstractmethod
     async def run(self, emit: Emit, task_group: TaskGroup) -> None:
-        raise NotImplementedError
+        """Write every event with `emit`; start helper tasks in `task_group`."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Release what the stream holds (abort unfinished requests); called exactly once."""
 
 
 class _ASGIEventStream(ASGIStreamingResponse):
