@@ -8,7 +8,8 @@ Prints µs per message and messages/s for:
 - a message through an 8-stage graph (source, 6 relays, sink: 7 hops), with spans off,
   spans on (timing + histograms; span events filtered out at INFO), and spans on with
   every span event rendered as JSON (to a null stream),
-- the same 8-stage graph, one message at a time (end-to-end latency, not throughput).
+- the same 8-stage graph, one message at a time (end-to-end latency, not throughput),
+  beside bare anyio streams between 8 tasks measured the same ways (the floor).
 The best of R repeats is reported, since the machine is shared and noisy.
 """
 
@@ -125,6 +126,29 @@ async def raw_chain(n: int, stages: int) -> float:
     return time.perf_counter() - start
 
 
+async def raw_chain_latency(n: int, stages: int) -> float:
+    """The floor for latency: one message at a time through bare anyio streams."""
+    streams = [anyio.create_memory_object_stream[Any](DEFAULT_CAPACITY) for _ in range(stages - 1)]
+
+    async def relay(k: int) -> None:
+        async with streams[k - 1][1] as receive, streams[k][0] as send:
+            async for message in receive:
+                await send.send(message)
+
+    total = 0.0
+    async with anyio.create_task_group() as tg:
+        for k in range(1, stages - 1):
+            tg.start_soon(relay, k)
+        send, receive = streams[0][0], streams[-1][1]
+        for i in range(n):
+            start = time.perf_counter()
+            await send.send(Msg(i))
+            await receive.receive()
+            total += time.perf_counter() - start
+        send.close()
+    return total
+
+
 async def channel_hop(n: int) -> float:
     channel: Channel[Msg] = Channel("bench", Msg, DEFAULT_CAPACITY)
     channel.add_tap(lambda message, sent: None)  # a tap costs what the trace recorder's will
@@ -212,6 +236,12 @@ def main() -> None:
         seconds = best(r, lambda s=spans, lv=level: graph_throughput(n, 8, s, lv))
         report(f"8-stage graph, {label}", seconds, n, 7)
     latency_n = max(n // 20, 100)
+    report(
+        "raw anyio streams, 8 tasks, one message at a time",
+        best(r, lambda: raw_chain_latency(latency_n, 8)),
+        latency_n,
+        7,
+    )
     report(
         "8-stage graph, one message at a time (latency)",
         best(r, lambda: graph_latency(latency_n, 8)),
