@@ -1,0 +1,241 @@
+"""Incremental detokenization: sampled token ids in, text deltas out, one sequence at a time.
+
+The `detokenize` stage keeps one `IncrementalDetokenizer` per sequence and calls `step` with
+each step's new tokens, then `finish` when the sequence ends for a reason other than a stop
+string. Three promises:
+
+- UTF-8 safe: a character whose bytes span several tokens is emitted once, whole. Text is
+  decoded over a short window of recent tokens; a trailing U+FFFD (an incomplete character)
+  is held back until the next token completes it, or until `finish`, which emits whatever
+  the full decode has there.
+- Streamed == full: the deltas of `step` and `finish` concatenate to the decode of all
+  output ids (with `skip_special_tokens`), cut at a stop string if one matched. The window
+  starts inside the prompt's last tokens, as vLLM does, so decoders that drop a leading
+  space at the start of a text (SentencePiece) still give the spaced continuation; for
+  byte-level BPE (GPT-2, Llama 3, SmolLM2) that equals the decode of the output ids alone.
+- Stop strings: when one appears, the text is cut there (kept with
+  `include_stop_str_in_output`) and `DetokenizerStep.stop_string` names it; when several
+  appear in one step, the one that completes first wins. Only the longest suffix of the
+  new text that could still begin a stop string is held back.
+
+Decoding uses the fast tokenizer's backend directly (what `PreTrainedTokenizerFast.decode`
+calls), skipping transformers' per-call overhead. `spaces_between_special_tokens=False`
+decodes the runs between added tokens separately and joins them without the separator
+some decoders put around added tokens; byte-level decoders put none, so for them both
+settings give the same text, as `tokenizer.decode` does. Clean-up of tokenization spaces
+is not applied (transformers skips it for BPE models; it cannot be done incrementally).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from flowllm.messages import SamplingParams
+
+REPLACEMENT_CHAR = "\ufffd"
+_CONTEXT_TOKENS = 4  # tokens kept before the unread ones; a UTF-8 character spans <= 4 bytes
+_MAX_WINDOW = 32  # tokens decoded per step before the window slides forward
+
+Decode = Callable[[list[int]], str]
+
+
+class DetokenizerStep(NamedTuple):
+    """New text since the previous step; `stop_string` is set when one ended the sequence."""
+
+    text_delta: str
+    stop_string: str | None = None
+
+
+def make_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between: bool) -> Decode:
+    """A function ids -> text that matches `tokenizer.decode(ids, skip_special_tokens=...)`.
+
+    For a fast tokenizer, its backend's decode; for any other tokenizer, its own decode with
+    both flags.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+
+        def slow_decode(ids: list[int]) -> str:
+            return str(
+                tokenizer.decode(
+                    ids,
+                    skip_special_tokens=skip_special_tokens,
+                    spaces_between_special_tokens=spaces_between,
+                )
+            )
+
+        return slow_decode
+
+    def fast_decode(ids: list[int]) -> str:
+        return str(backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    added = frozenset(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    if spaces_between or not added:
+        return fast_decode
+
+    def segmented_decode(ids: list[int]) -> str:
+        if added.isdisjoint(ids):
+            return fast_decode(ids)
+        pieces: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            if t in added:
+                if run:
+                    pieces.append(fast_decode(run))
+                    run = []
+                pieces.append(fast_decode([t]))
+            else:
+                run.append(t)
+        if run:
+            pieces.append(fast_decode(run))
+        return "".join(pieces)
+
+    return segmented_decode
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output tokens into text deltas (see the module docstring).
+
+    Invariant: `_decode(_ids[_start:])`, less a trailing U+FFFD while not finished, is
+    `_decoded` followed by text not yet read; everything read has been passed to the stop
+    string check, which emitted it or holds it in `_held`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        decode: Decode | None = None,
+    ) -> None:
+        self._decode = decode or make_decode(
+            tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
+        )
+        self._stops = tuple(s for s in params.stop if s)
+        self._include_stop = params.include_stop_str_in_output
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        context_text = self._decode(context) if context else ""
+        if context_text.endswith(REPLACEMENT_CHAR):
+            # The prompt ends inside a character: decode the output on its own instead.
+            context, context_text = [], ""
+        self._ids: list[int] = context  # context tokens, then every output token
+        self._start = 0  # the decode window is _ids[_start:]
+        self._decoded = context_text  # text of the window already read
+        self._held = ""  # read text held back because a stop string may begin there
+        self._pieces: list[str] = []  # emitted deltas
+        self._num_output_tokens = 0
+        self._stop_string: str | None = None
+        self._done = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_output_tokens
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the sequence, if one did."""
+        return self._stop_string
+
+    @property
+    def finished(self) -> bool:
+        """A stop string matched or `finish` was called; later calls return no text."""
+        return self._done
+
+    def step(
+        self, new_token_ids: Sequence[int], *, stop_terminated: bool = False
+    ) -> DetokenizerStep:
+        """Feed the step's new output tokens; return the text they complete.
+
+        `stop_terminated`: the last id ended the sequence (EOS or one of stop_token_ids); as in
+        vLLM its text is left out unless include_stop_str_in_output. Call `finish` after it.
+        """
+        if self._done:
+            return DetokenizerStep("")
+        ids = list(new_token_ids)
+        self._num_output_tokens += len(ids)
+        if stop_terminated and ids and not self._include_stop:
+            ids.pop()
+        if not ids:
+            return DetokenizerStep("")
+        self._ids.extend(ids)
+        return self._emit(self._read(final=False), final=False)
+
+    def finish(self) -> DetokenizerStep:
+        """The sequence ended (length, EOS, stop token, abort): emit everything held back."""
+        if self._done:
+            return DetokenizerStep("")
+        result = self._emit(self._read(final=True), final=True)
+        self._done = True
+        return result
+
+    # ------------------------------------------------------------------ internals
+
+    def _read(self, *, final: bool) -> str:
+        """Decode the window and return its text not read before."""
+        text = self._decode(self._ids[self._start :])
+        if not final and text.endswith(REPLACEMENT_CHAR):
+            text = text[:-1]  # maybe an incomplete character: wait for more bytes
+        new = ""
+        if len(text) > len(self._decoded):
+            new = text[len(self._decoded) :]
+            self._decoded = text
+        if len(self._ids) - self._start > _MAX_WINDOW:
+            # Slide, keeping a few tokens of context: the bytes of an incomplete trailing
+            # character lie in the last 3 tokens, so they stay inside the window.
+            self._start = len(self._ids) - _CONTEXT_TOKENS
+            window = self._decode(self._ids[self._start :])
+            if not final and window.endswith(REPLACEMENT_CHAR):
+                window = window[:-1]
+            self._decoded = window
+        return new
+
+    def _emit(self, new_text: str, *, final: bool) -> DetokenizerStep:
+        if not self._stops:
+            if new_text:
+                self._pieces.append(new_text)
+            return DetokenizerStep(new_text)
+        pending = self._held + new_text
+        match = _first_stop(pending, self._stops)
+        if match is not None:
+            begin, stop = match
+            delta = pending[: begin + len(stop) if self._include_stop else begin]
+            self._held = ""
+            self._stop_string = stop
+            self._done = True
+            if delta:
+                self._pieces.append(delta)
+            return DetokenizerStep(delta, stop)
+        keep = 0 if final else _partial_stop_suffix(pending, self._stops)
+        delta = pending[: len(pending) - keep]
+        self._held = pending[len(pending) - keep :]
+        if delta:
+            self._pieces.append(delta)
+        return DetokenizerStep(delta)
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(start, stop string) of the match that ends first (then starts first), if any."""
+    best: tuple[int, int, str] | None = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
+            best = (i + len(s), i, s)
+    return None if best is None else (best[1], best[2])
+
+
+def _partial_stop_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest

@@ -1,0 +1,264 @@
+"""Incremental detokenizer against `tokenizer.decode` of the whole output, with the real
+GPT-2 tokenizer: random sequences with split multi-byte characters, stop strings that span
+tokens, special tokens, and the stop-token rule."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from flowllm.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from flowllm.messages import SamplingParams
+
+EOT = 50256  # <|endoftext|>
+
+TEXTS = [
+    "Hello world, the café serves crème brûlée.",
+    "日本語のテキストと English mixed: 東京は大きい。",
+    "Emoji time 😀🎉👍🏽 and flags 🇫🇷🇯🇵!",
+    "Ünïcödé façade, naïve coöperation — “quotes” … ½ ¼ ∑ ∞ ≠",
+    "Ελληνικά και русский текст, עברית, العربية, हिन्दी, 한국어",
+    "Code: def f(x):\n    return x ** 2  # 🐍\n\n\ttabs\tand  double  spaces",
+]
+
+
+def stream(
+    detok: IncrementalDetokenizer, ids: list[int], rng: random.Random, *, max_chunk: int = 3
+) -> tuple[list[DetokenizerStep], DetokenizerStep]:
+    """Feed ids in random chunks of 1..max_chunk; return the steps and the finish step."""
+    steps = []
+    i = 0
+    while i < len(ids) and not detok.finished:
+        n = rng.randint(1, max_chunk)
+        steps.append(detok.step(ids[i : i + n]))
+        i += n
+    return steps, detok.finish()
+
+
+def joined(steps: list[DetokenizerStep], last: DetokenizerStep) -> str:
+    return "".join(s.text_delta for s in steps) + last.text_delta
+
+
+@pytest.fixture(scope="module")
+def pools(gpt2_tokenizer: Any) -> dict[str, list[int]]:
+    """Token ids of multi-byte text (many are partial UTF-8 on their own) and of ASCII."""
+    multi = sorted({t for text in TEXTS for t in gpt2_tokenizer.encode(text)})
+    partial = [t for t in multi if "\ufffd" in gpt2_tokenizer.decode([t])]
+    assert len(partial) > 20  # the pool really contains split characters
+    return {"multi": multi, "partial": partial}
+
+
+def random_sequence(rng: random.Random, tokenizer: Any, pools: dict[str, list[int]]) -> list[int]:
+    kind = rng.random()
+    if kind < 0.4:
+        # real text (no U+FFFD in its decode), cut at a random token
+        text = " ".join(rng.sample(TEXTS, k=rng.randint(1, 3)))
+        ids = tokenizer.encode(text)
+        return ids[rng.randint(0, len(ids) // 3) :][: rng.randint(1, 100)]
+    if kind < 0.8:
+        # a soup of partial-character tokens, text tokens and the odd <|endoftext|>
+        n = rng.randint(1, 80)
+        return [
+            EOT
+            if rng.random() < 0.05
+            else rng.choice(pools["partial"] if rng.random() < 0.5 else pools["multi"])
+            for _ in range(n)
+        ]
+    # anything at all from the vocabulary
+    return [rng.randrange(50257) for _ in range(rng.randint(1, 60))]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_streamed_text_equals_the_full_decode(
+    gpt2_tokenizer: Any, pools: dict[str, list[int]], skip_special_tokens: bool
+) -> None:
+    rng = random.Random(1234 + skip_special_tokens)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    with_fffd = 0
+    for case in range(200):
+        ids = random_sequence(rng, gpt2_tokenizer, pools)
+        prompt = gpt2_tokenizer.encode(rng.choice(TEXTS)) if case % 2 else []
+        detok = IncrementalDetokenizer(gpt2_tokenizer, prompt, params)
+        steps, last = stream(detok, ids, rng)
+        full = gpt2_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        got = joined(steps, last)
+        assert got == full, (case, ids)
+        assert detok.text == full
+        assert detok.num_output_tokens == len(ids)
+        # a character is emitted whole: a delta has U+FFFD only where the full decode does
+        assert got.count("\ufffd") == full.count("\ufffd")
+        with_fffd += "\ufffd" in full
+    assert 20 < with_fffd < 180  # both clean and broken byte streams were exercised
+
+
+def test_split_characters_are_emitted_once_whole(gpt2_tokenizer: Any) -> None:
+    ids = gpt2_tokenizer.encode("a😀b日本c")
+    detok = IncrementalDetokenizer(gpt2_tokenizer, [], SamplingParams())
+    deltas = [detok.step([t]).text_delta for t in ids]
+    assert "".join(deltas) == "a😀b日本c"
+    assert "😀" in deltas or any("😀" in d for d in deltas)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # some tokens only carried part of a character
+
+
+def test_prompt_context_and_a_prompt_ending_inside_a_character(gpt2_tokenizer: Any) -> None:
+    emoji = gpt2_tokenizer.encode(" 😀")
+    assert len(emoji) >= 2
+    out = gpt2_tokenizer.encode(" and more")
+    prompt = gpt2_tokenizer.encode("Say") + emoji[:-1]  # the prompt ends mid-character
+    detok = IncrementalDetokenizer(gpt2_tokenizer, prompt, SamplingParams())
+    text = joined([detok.step(emoji[-1:] + out)], detok.finish())
+    assert text == gpt2_tokenizer.decode(emoji[-1:] + out)  # starts with U+FFFD, as decode
+    detok = IncrementalDetokenizer(
+        gpt2_tokenizer, gpt2_tokenizer.encode("Say hi"), SamplingParams()
+    )
+    assert joined([detok.step(out)], detok.finish()) == " and more"
+
+
+def test_invalid_bytes_are_flushed_at_finish(gpt2_tokenizer: Any) -> None:
+    ids = gpt2_tokenizer.encode("x😀")[:-1]  # ends inside the emoji
+    detok = IncrementalDetokenizer(gpt2_tokenizer, [], SamplingParams())
+    streamed = detok.step(ids).text_delta
+    assert streamed == "x"
+    assert streamed + detok.finish().text_delta == gpt2_tokenizer.decode(ids)
+
+
+def test_special_tokens_skipped_or_kept(gpt2_tokenizer: Any) -> None:
+    ids = [*gpt2_tokenizer.encode("one"), EOT, *gpt2_tokenizer.encode(" two"), EOT, EOT]
+    for skip, spaces in ((True, True), (False, True), (False, False), (True, False)):
+        params = SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+        detok = IncrementalDetokenizer(gpt2_tokenizer, [], params)
+        got = joined([detok.step([t]) for t in ids], detok.finish())
+        want = gpt2_tokenizer.decode(
+            ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces
+        )
+        assert got == want
+        assert got == ("one two" if skip else "one<|endoftext|> two<|endoftext|><|endoftext|>")
+
+
+def test_stop_terminating_token_text_is_left_out_unless_included(gpt2_tokenizer: Any) -> None:
+    ids = gpt2_tokenizer.encode("Done.")
+    for include, want in ((False, "Done"), (True, "Done.")):
+        params = SamplingParams(include_stop_str_in_output=include)
+        detok = IncrementalDetokenizer(gpt2_tokenizer, [], params)
+        got = [detok.step(ids[:-1]), detok.step(ids[-1:], stop_terminated=True), detok.finish()]
+        assert joined(got[:-1], got[-1]) == want
+        assert detok.num_output_tokens == len(ids)
+    detok = IncrementalDetokenizer(gpt2_tokenizer, [], SamplingParams(skip_special_tokens=False))
+    got = [detok.step([*ids, EOT], stop_terminated=True), detok.finish()]
+    assert joined(got[:-1], got[-1]) == "Done."
+
+
+# ------------------------------------------------------------------------- stop strings
+
+
+def held_oracle(text: str, stops: list[str]) -> int:
+    """Longest suffix of text that is a proper prefix of a stop string (plain loop)."""
+    best = 0
+    for s in stops:
+        for k in range(1, len(s)):
+            if len(text) >= k and text[-k:] == s[:k]:
+                best = max(best, k)
+    return best
+
+
+def test_stop_string_spanning_tokens_is_cut_and_reported(gpt2_tokenizer: Any) -> None:
+    text = "The quick brown fox jumps over the lazy dog. Then more text."
+    ids = gpt2_tokenizer.encode(text)
+    stop = "fox jum"  # starts mid-token and spans three tokens
+    for include, want in ((False, "The quick brown "), (True, "The quick brown fox jum")):
+        params = SamplingParams(stop=("never", stop), include_stop_str_in_output=include)
+        detok = IncrementalDetokenizer(gpt2_tokenizer, [], params)
+        emitted = ""
+        result = None
+        for n, t in enumerate(ids):
+            out = detok.step([t])
+            emitted += out.text_delta
+            if out.stop_string is not None:
+                result = out
+                break
+            # only what could still start a stop string is held back
+            sofar = gpt2_tokenizer.decode(ids[: n + 1])
+            assert emitted == sofar[: len(sofar) - held_oracle(sofar, ["never", stop])]
+        assert result is not None and result.stop_string == stop
+        assert emitted == want
+        assert detok.finished and detok.stop_string == stop
+        assert detok.step(ids[-2:]) == DetokenizerStep("")
+        assert detok.finish() == DetokenizerStep("")
+
+
+def test_stop_strings_with_split_characters(gpt2_tokenizer: Any) -> None:
+    ids = gpt2_tokenizer.encode("Tokyo is 東京, Japan is 日本 indeed")
+    params = SamplingParams(stop=("日本",))
+    detok = IncrementalDetokenizer(gpt2_tokenizer, [], params)
+    steps, last = stream(detok, ids, random.Random(0), max_chunk=1)
+    assert joined(steps, last) == "Tokyo is 東京, Japan is "
+    assert [s.stop_string for s in steps if s.stop_string] == ["日本"]
+
+
+def test_the_stop_string_that_completes_first_wins(gpt2_tokenizer: Any) -> None:
+    ids = gpt2_tokenizer.encode("abcdef ghij")
+    params = SamplingParams(stop=("cdef", "bcd", "abcdefgh"), include_stop_str_in_output=True)
+    detok = IncrementalDetokenizer(gpt2_tokenizer, [], params)
+    out = detok.step(ids)  # everything in one step: "bcd" completes before "cdef"
+    assert out == DetokenizerStep("abcd", "bcd")
+
+
+def test_random_stop_strings_against_the_full_text(
+    gpt2_tokenizer: Any, pools: dict[str, list[int]]
+) -> None:
+    rng = random.Random(77)
+    for case in range(200):
+        ids = random_sequence(rng, gpt2_tokenizer, pools)
+        full = gpt2_tokenizer.decode(ids, skip_special_tokens=True)
+        stops: list[str] = []
+        for _ in range(rng.randint(1, 3)):
+            if full and rng.random() < 0.7:
+                a = rng.randrange(len(full))
+                stops.append(full[a : a + rng.randint(1, 6)])
+            else:
+                stops.append(rng.choice(["zzz", "\n\n", "😀😀", "END"]))
+        include = rng.random() < 0.5
+        params = SamplingParams(stop=tuple(stops), include_stop_str_in_output=include)
+        detok = IncrementalDetokenizer(gpt2_tokenizer, [], params)
+        steps, last = stream(detok, ids, rng)
+        got = joined(steps, last)
+        # oracle: the match that ends first in the whole text (then the one starting first)
+        matches = [(full.find(s) + len(s), full.find(s), s) for s in stops if s in full]
+        if not matches:
+            assert got == full, case
+            assert detok.stop_string is None
+            continue
+        end, begin, s = min(matches)
+        assert got == (full[:end] if include else full[:begin]), (case, stops)
+        assert detok.stop_string == s
+        reported = [x.stop_string for x in [*steps, last] if x.stop_string]
+        assert reported == [s]
+
+
+def test_spaces_between_special_tokens_for_a_decoder_that_joins_with_spaces() -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    backend = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tok.add_special_tokens({"additional_special_tokens": ["<a>", "<b>"]})
+    a, b = tok.convert_tokens_to_ids(["<a>", "<b>"])
+    ids = [1, a, b, 2, 1]
+    assert tok.decode(ids) == "hello <a> <b> world hello"
+    cases = {
+        (False, True): "hello <a> <b> world hello",
+        (False, False): "hello<a><b>world hello",
+        (True, True): "hello world hello",
+        (True, False): "helloworld hello",
+    }
+    for (skip, spaces), want in cases.items():
+        params = SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+        detok = IncrementalDetokenizer(tok, [], params)
+        assert joined([detok.step([t]) for t in ids], detok.finish()) == want
