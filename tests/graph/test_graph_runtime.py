@@ -10,6 +10,8 @@ import anyio
 import pytest
 import structlog
 from graph_toys import Collect, Feeder, Item, Loop, Pending, Relay
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flowllm.graph.channel import ChannelTypeError
 from flowllm.graph.runtime import Graph
@@ -335,3 +337,36 @@ def test_serve_reraises_the_owners_error_after_stopping_the_graph() -> None:
     assert graph.finished and graph.failure is None
     sink = graph.stage("sink")
     assert isinstance(sink, Collect) and sink.items == [Item(1)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    count=st.integers(0, 60),
+    hops=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 3)), min_size=0, max_size=3),
+    sink_capacity=st.integers(1, 5),
+)
+def test_any_chain_delivers_everything_once_and_keeps_order_without_replicas(
+    count: int, hops: list[tuple[int, int]], sink_capacity: int
+) -> None:
+    stages = [f'  - {{name: source, use: "graph_toys:Count", with: {{count: {count}}}}}']
+    edges = []
+    previous = "source"
+    for index, (capacity, replicas) in enumerate(hops):
+        name = f"relay{index}"
+        stages.append(f'  - {{name: {name}, use: "graph_toys:Relay", replicas: {replicas}}}')
+        edges.append(f"  - {{from: {previous}.out, to: {name}.in, capacity: {capacity}}}")
+        previous = name
+    stages.append('  - {name: sink, use: "graph_toys:Collect"}')
+    edges.append(f"  - {{from: {previous}.out, to: sink.in, capacity: {sink_capacity}}}")
+    graph = make_graph("\n".join(["stages:", *stages, "edges:", *edges]))
+    depths: list[tuple[int, int]] = []
+    for channel in graph.channels.values():
+        channel.add_tap(lambda m, t, c=channel: depths.append((c.depth(), c.capacity)))
+    run(graph, limit=10.0)
+    sink = graph.stage("sink")
+    assert isinstance(sink, Collect)
+    seqs = [item.seq for item in sink.items]
+    assert sorted(seqs) == list(range(count))
+    if all(replicas == 1 for _, replicas in hops):
+        assert seqs == list(range(count))
+    assert all(depth <= capacity for depth, capacity in depths)
