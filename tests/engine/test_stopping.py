@@ -1,0 +1,72 @@
+"""Stop rules for one sampled token: length limits, EOS, stop_token_ids, min_tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowllm.engine.stopping import check_stop
+from flowllm.messages import SamplingParams
+
+EOS = (50256,)
+
+
+@pytest.mark.parametrize(
+    ("params", "token", "n_out", "total", "max_len", "want"),
+    [
+        # nothing to stop
+        (SamplingParams(max_tokens=5), 11, 1, 10, 100, (None, None)),
+        # max_tokens reached by this token
+        (SamplingParams(max_tokens=5), 11, 5, 14, 100, ("length", None)),
+        # context full: total length reaches max_model_len
+        (SamplingParams(max_tokens=50), 11, 3, 100, 100, ("length", None)),
+        (SamplingParams(max_tokens=50), 11, 3, 99, 100, (None, None)),
+        # max_tokens None: only the context limits
+        (SamplingParams(max_tokens=None), 11, 10_000, 10_009, None, (None, None)),
+        (SamplingParams(max_tokens=None), 11, 91, 100, 100, ("length", None)),
+        # EOS stops, with no stop_reason
+        (SamplingParams(), 50256, 1, 10, 100, ("stop", None)),
+        # ignore_eos: EOS is an ordinary token
+        (SamplingParams(ignore_eos=True), 50256, 1, 10, 100, (None, None)),
+        # a stop token id stops and is reported
+        (SamplingParams(stop_token_ids=(13, 198)), 198, 2, 10, 100, ("stop", 198)),
+        (SamplingParams(stop_token_ids=(13,), ignore_eos=True), 13, 2, 10, 100, ("stop", 13)),
+        # EOS that is also a stop token id: EOS wins (no stop_reason)
+        (SamplingParams(stop_token_ids=(50256,)), 50256, 2, 10, 100, ("stop", None)),
+        # ignore_eos but EOS listed in stop_token_ids: it stops as a stop token
+        (
+            SamplingParams(stop_token_ids=(50256,), ignore_eos=True),
+            50256,
+            2,
+            10,
+            100,
+            ("stop", 50256),
+        ),
+        # before min_tokens: neither EOS nor stop tokens stop ...
+        (SamplingParams(min_tokens=3), 50256, 2, 10, 100, (None, None)),
+        (SamplingParams(min_tokens=3, stop_token_ids=(13,)), 13, 2, 10, 100, (None, None)),
+        # ... from min_tokens on they do
+        (SamplingParams(min_tokens=3), 50256, 3, 10, 100, ("stop", None)),
+        # ... but length limits apply before min_tokens too
+        (SamplingParams(min_tokens=8, max_tokens=4), 50256, 4, 10, 100, ("length", None)),
+        (SamplingParams(min_tokens=8, max_tokens=50), 11, 2, 100, 100, ("length", None)),
+        # the model chose to stop on the last allowed token: "stop" wins over "length"
+        (SamplingParams(max_tokens=4), 50256, 4, 10, 100, ("stop", None)),
+        (SamplingParams(max_tokens=4, stop_token_ids=(13,)), 13, 4, 100, 100, ("stop", 13)),
+    ],
+)
+def test_check_stop(
+    params: SamplingParams,
+    token: int,
+    n_out: int,
+    total: int,
+    max_len: int | None,
+    want: tuple[str | None, int | None],
+) -> None:
+    assert check_stop(params, token, EOS, n_out, total, max_len) == want
+
+
+def test_several_eos_ids() -> None:
+    eos = frozenset({2, 32000})
+    assert check_stop(SamplingParams(), 32000, eos, 1, 5, None) == ("stop", None)
+    assert check_stop(SamplingParams(), 2, eos, 1, 5, None) == ("stop", None)
+    assert check_stop(SamplingParams(), 3, eos, 1, 5, None) == (None, None)
