@@ -35,7 +35,7 @@ from flowllm.messages import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 _CONTEXT_TOKENS = 4  # tokens kept before the unread ones; a UTF-8 character spans <= 4 bytes
-_MAX_WINDOW = 32  # tokens decoded per step before the window slides forward
+_MAX_WINDOW = 10  # window length that triggers a slide (decode cost grows with it)
 
 Decode = Callable[[list[int]], str]
 
@@ -114,6 +114,7 @@ class IncrementalDetokenizer:
             tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
         )
         self._stops = tuple(s for s in params.stop if s)
+        self._stop_prefixes = _prefixes_by_last_char(self._stops)
         self._include_stop = params.include_stop_str_in_output
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         context_text = self._decode(context) if context else ""
@@ -212,7 +213,7 @@ class IncrementalDetokenizer:
             if delta:
                 self._pieces.append(delta)
             return DetokenizerStep(delta, stop)
-        keep = 0 if final else _partial_stop_suffix(pending, self._stops)
+        keep = 0 if final else _partial_stop_suffix(pending, self._stop_prefixes)
         delta = pending[: len(pending) - keep]
         self._held = pending[len(pending) - keep :]
         if delta:
@@ -230,12 +231,20 @@ def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     return None if best is None else (best[1], best[2])
 
 
-def _partial_stop_suffix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    longest = 0
+def _prefixes_by_last_char(stops: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
+    """Proper prefixes of the stop strings, grouped by their last character, longest first."""
+    table: dict[str, set[tuple[int, str]]] = {}
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest
+        for k in range(1, len(s)):
+            table.setdefault(s[k - 1], set()).add((k, s[:k]))
+    return {c: sorted(v, reverse=True) for c, v in table.items()}
+
+
+def _partial_stop_suffix(text: str, prefixes: dict[str, list[tuple[int, str]]]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    if not text:
+        return 0
+    for k, prefix in prefixes.get(text[-1], ()):
+        if k <= len(text) and text.endswith(prefix):
+            return k
+    return 0
