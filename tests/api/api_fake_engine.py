@@ -13,9 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup
+from litestar import Litestar
 from prometheus_client import CollectorRegistry, Counter
 
+from flowllm.api.app import create_app
 from flowllm.config import EngineConfig
 from flowllm.engine.validation import check_context_length, validate_request
 from flowllm.engine_client import Overloaded
@@ -23,6 +26,12 @@ from flowllm.mailbox import Mailbox
 from flowllm.messages import Chunk, GenerateRequest, RequestError, TokenLogprobs
 
 MODEL = "fake-model"
+
+# A template of our own, so chat prompts can be recomputed in the tests.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def expected_tokens(prompt_ids: list[int] | tuple[int, ...], count: int, choice: int) -> list[int]:
@@ -239,3 +248,22 @@ class FakeEngine:
 def factory(engine: FakeEngine) -> Callable[[], FakeEngine]:
     """An engine_factory for create_app that hands out this engine."""
     return lambda: engine
+
+
+def make_app(engine: FakeEngine, **kwargs: Any) -> Litestar:
+    """The real app over `engine`, serving it as MODEL with CHAT_TEMPLATE by default."""
+    kwargs.setdefault("served_model_name", MODEL)
+    kwargs.setdefault("chat_template", CHAT_TEMPLATE)
+    return create_app(factory(engine), **kwargs)
+
+
+def sse_events(text: str) -> list[Any]:
+    """The JSON payloads of an SSE body; checks the framing and the final [DONE]."""
+    assert text.endswith("data: [DONE]\n\n")
+    blocks = text.split("\n\n")
+    assert blocks[-1] == ""
+    payloads = []
+    for block in blocks[:-2]:
+        assert block.startswith("data: "), block
+        payloads.append(msgspec.json.decode(block[len("data: ") :]))
+    return payloads

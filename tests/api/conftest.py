@@ -13,15 +13,7 @@ from litestar.testing import AsyncTestClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/api: api_fake_engine
 
-from api_fake_engine import MODEL, FakeEngine, factory
-
-from flowllm.api.app import create_app
-
-# A template of our own, so chat prompts can be recomputed in the tests.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+from api_fake_engine import FakeEngine, make_app
 
 
 @pytest.fixture(scope="session")
@@ -38,12 +30,6 @@ def anyio_backend() -> str:
 @pytest.fixture
 def engine(tokenizer: Any) -> FakeEngine:
     return FakeEngine(tokenizer)
-
-
-def make_app(engine: FakeEngine, **kwargs: Any) -> Litestar:
-    kwargs.setdefault("served_model_name", MODEL)
-    kwargs.setdefault("chat_template", CHAT_TEMPLATE)
-    return create_app(factory(engine), **kwargs)
 
 
 @pytest.fixture

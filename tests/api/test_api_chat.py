@@ -5,10 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from api_fake_engine import MODEL, FakeEngine, expected_tokens, gen_logprob
-from conftest import CHAT_TEMPLATE, make_app
+from api_fake_engine import (
+    CHAT_TEMPLATE,
+    MODEL,
+    FakeEngine,
+    expected_tokens,
+    gen_logprob,
+    make_app,
+    sse_events,
+)
 from litestar.testing import AsyncTestClient
-from test_api_completions import sse_events
 
 pytestmark = pytest.mark.anyio
 

@@ -7,25 +7,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import pytest
-from api_fake_engine import MODEL, FakeEngine, expected_tokens, gen_logprob, prompt_logprob
-from conftest import make_app
+from api_fake_engine import (
+    MODEL,
+    FakeEngine,
+    expected_tokens,
+    gen_logprob,
+    make_app,
+    prompt_logprob,
+    sse_events,
+)
 from litestar.testing import AsyncTestClient
 
 pytestmark = pytest.mark.anyio
-
-
-def sse_events(text: str) -> list[Any]:
-    """The JSON payloads of an SSE body; checks the framing and the final [DONE]."""
-    assert text.endswith("data: [DONE]\n\n")
-    blocks = text.split("\n\n")
-    assert blocks[-1] == ""
-    payloads = []
-    for block in blocks[:-2]:
-        assert block.startswith("data: "), block
-        payloads.append(msgspec.json.decode(block[len("data: ") :]))
-    return payloads
 
 
 async def test_response_shape_n_and_usage(client: AsyncTestClient, tokenizer: Any) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from api_fake_engine import MODEL, FakeEngine
-from conftest import CHAT_TEMPLATE, make_app
+from api_fake_engine import CHAT_TEMPLATE, MODEL, FakeEngine, make_app
 from litestar.testing import AsyncTestClient
 
 import flowllm

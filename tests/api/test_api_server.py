@@ -13,8 +13,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from api_fake_engine import MODEL, FakeEngine, expected_tokens
-from conftest import make_app
+from api_fake_engine import MODEL, FakeEngine, expected_tokens, make_app
 
 API_KEY = "test-key"
 

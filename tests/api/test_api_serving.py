@@ -7,8 +7,7 @@ from typing import Any
 
 import anyio
 import pytest
-from api_fake_engine import FakeEngine
-from conftest import make_app
+from api_fake_engine import FakeEngine, make_app
 from litestar.testing import AsyncTestClient
 
 from flowllm.api.chat import ChatTemplateError, load_chat_template
