@@ -99,10 +99,14 @@ def handle_api_error(_: Request[Any, Any, Any], exc: ApiError) -> Response[Error
     return error_response(exc)
 
 
-def handle_http_exception(_: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:
-    """Litestar's own errors (404 route, 405 method, 400 body) in OpenAI's shape."""
+def handle_http_exception(
+    request: Request[Any, Any, Any], exc: HTTPException
+) -> Response[ErrorResponse]:
+    """Litestar's own errors (404 route, 405 method, 413 body size) in OpenAI's shape."""
     status = exc.status_code
     message = exc.detail or HTTPStatus(status).phrase
+    if status in (404, 405):
+        message = f"{message}: {request.method} {request.url.path}"
     headers = dict(exc.headers or {})
     return error_response(ApiError(message, status_code=status, headers=headers))
 

@@ -393,6 +393,7 @@ async def test_framework_errors_use_the_openai_body(client: AsyncTestClient) -> 
     r = await client.get("/v1/nothing-here")
     assert r.status_code == 404
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["message"] == "Not Found: GET /v1/nothing-here"
     r = await client.get("/v1/completions")
     assert r.status_code == 405
     assert r.json()["error"]["type"] == "MethodNotAllowedError"
