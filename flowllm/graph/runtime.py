@@ -20,7 +20,8 @@ group. `run()` returns; the failure stays on `graph.failure`.
 
 Graceful stop. `stop(timeout)` sets every context's `stop_requested` event and calls each
 stage's `stop_intake()` (source stages stop taking work and return), waits up to `timeout`
-for the graph to drain and finish, then cancels what is left.
+for the graph to drain and finish; if it has not, it calls `fail_inflight` with a
+`GraphStoppedError` on every stage (so no client waits forever) and cancels what is left.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ from flowllm.stages.base import CLOSED, Outbox, Stage, StageContext
 
 class GraphBuildError(RuntimeError):
     """A stage could not be constructed; the message names it."""
+
+
+class GraphStoppedError(RuntimeError):
+    """Given to `fail_inflight` when a graceful stop timed out with work still in flight."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,15 @@ class Graph:
             await self._done.wait()
             return self.failure is None
         self.log.warning("graph did not drain in time; cancelling", timeout_s=timeout)
+        if self.failure is None:
+            # Answer what is still in flight (format sends each open request an error)
+            # instead of leaving its clients waiting on a graph that no longer runs.
+            await self._fail_all_inflight(
+                GraphStoppedError(
+                    f"graph {self.name!r} stopped before this work finished "
+                    f"(drain timeout {timeout} s)"
+                )
+            )
         if self._scope is not None:
             self._scope.cancel()
         await self._done.wait()
@@ -316,14 +330,18 @@ class Graph:
             replica=task.replica,
             exc_info=error,
         )
-        with anyio.move_on_after(self._fail_inflight_timeout, shield=True) as scope:
-            for other in self._tasks:
-                try:
-                    await other.stage.fail_inflight(error)
-                except Exception as exc:
-                    self.log.warning("fail_inflight raised", stage=other.name, exc_info=exc)
-        if scope.cancelled_caught:
-            self.log.warning("fail_inflight timed out", timeout_s=self._fail_inflight_timeout)
+        await self._fail_all_inflight(error)
         if self._scope is not None:
             self._scope.cancel()
+
+    async def _fail_all_inflight(self, error: BaseException) -> None:
+        """Call every stage's `fail_inflight(error)`, shielded and bounded in time."""
+        with anyio.move_on_after(self._fail_inflight_timeout, shield=True) as scope:
+            for task in self._tasks:
+                try:
+                    await task.stage.fail_inflight(error)
+                except Exception as exc:
+                    self.log.warning("fail_inflight raised", stage=task.name, exc_info=exc)
+        if scope.cancelled_caught:
+            self.log.warning("fail_inflight timed out", timeout_s=self._fail_inflight_timeout)
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowllm.graph.channel import ChannelTypeError
-from flowllm.graph.runtime import Graph
+from flowllm.graph.runtime import Graph, GraphStoppedError
 from flowllm.graph.spec import GraphSpec
 from flowllm.stages.base import StageNotRunningError
 
@@ -248,6 +248,10 @@ def test_stop_cancels_after_the_timeout_when_the_graph_cannot_drain() -> None:
     anyio.run(main)
     assert drained == [False]
     assert graph.finished and graph.failure is None
+    sink = graph.stage("sink")
+    assert isinstance(sink, Collect)
+    assert isinstance(sink.failed_with, GraphStoppedError)  # the open work was answered
+    assert "drain timeout 0.2 s" in str(sink.failed_with)
 
 
 def test_cycle_through_a_credit_bounded_stage_runs_to_completion() -> None:
