@@ -432,3 +432,14 @@ async def test_arrival_time_is_stamped(client: AsyncTestClient, engine: FakeEngi
     before = time.time()
     await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     assert before <= engine.submitted[0].arrival_time <= time.time()
+
+
+async def test_null_max_tokens_means_the_rest_of_the_context(
+    client: AsyncTestClient, engine: FakeEngine
+) -> None:
+    r = await client.post(
+        "/v1/completions", json={"prompt": "a b", "max_tokens": None, "best_of": 1}
+    )
+    assert r.status_code == 200
+    assert engine.submitted[0].params.max_tokens is None
+    assert r.json()["usage"]["total_tokens"] == engine.max_model_len

@@ -133,3 +133,17 @@ async def test_api_key_on_v1(engine: FakeEngine, headers: dict[str, str], status
         assert (await client.get("/metrics")).status_code == 200
     if status == 401:
         assert engine.submitted == []
+
+
+async def test_tokenize_uses_the_model_template_when_none_is_given(
+    gpt2_tokenizer_dir: Any,
+) -> None:
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(str(gpt2_tokenizer_dir))
+    own.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    async with AsyncTestClient(make_app(FakeEngine(own), chat_template=None)) as client:
+        messages = [{"role": "user", "content": "hello"}]
+        r = await client.post("/tokenize", json={"messages": messages})
+    assert r.status_code == 200
+    assert own.decode(r.json()["tokens"]) == "[user] hello"
