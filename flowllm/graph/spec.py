@@ -27,7 +27,8 @@ The credit rule (DESIGN.md §3). A cycle of bounded channels can deadlock: every
 may block sending into a full channel whose consumer is itself blocked sending. A cycle is
 accepted only when some stage on it declares a credit bound B (`Stage.credit_param`, e.g.
 `schedule`'s `max_inflight_steps`: it never has more than B messages in flight around the
-loop) and every channel on the cycle has capacity >= B, so no send on the cycle can block.
+loop; with `replicas: N` the bound is N x B) and every channel on the cycle has capacity
+>= B, so no send on the cycle can block.
 """
 
 from __future__ import annotations
@@ -359,7 +360,9 @@ class BoundStage:
 
     @property
     def credit_bound(self) -> int | None:
-        return self.cls.credit_bound(self.params)
+        """Messages in flight around a cycle through this stage, over all its replicas."""
+        bound = self.cls.credit_bound(self.params)
+        return None if bound is None else bound * self.spec.replicas
 
 
 @dataclass(frozen=True)
@@ -678,6 +681,16 @@ class _Validator:
                 continue
             holder, bound = min(credited.items(), key=lambda item: item[1])
             param = stages[holder].cls.credit_param
+            replicas = stages[holder].spec.replicas
+            if replicas > 1:
+                param = f"{param} x {replicas} replicas"
+            if bound < 1:
+                self.problem(
+                    f"cycle {path}: stage {holder!r} has credit bound {bound} ({param}); "
+                    "it must be >= 1 for work to flow",
+                    stages[holder].spec.line,
+                )
+                continue
             for channel_name in dict.fromkeys(str(e.dst) for e in on_cycle):
                 capacity = channels[channel_name].capacity
                 if capacity < bound:

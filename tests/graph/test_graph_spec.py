@@ -135,8 +135,9 @@ def test_a_union_producer_needs_every_member_accepted() -> None:
           - mixed.out -> sink.in
         """
     )
-    assert "mixed.out sends Item | Other but sink.in accepts Item (Other not accepted)" in (
-        problems[0]
+    assert (
+        "mixed.out sends Item | Other but sink.in accepts Item (Other not accepted)"
+        in (problems[0])
     )
 
 
@@ -227,3 +228,24 @@ def test_use_accepts_a_py_file_relative_to_the_yaml(tmp_path: Path) -> None:
     assert "stage 'a': cannot import" in problems[0] and "SyntaxError" in problems[0]
     assert "stage 'b': cannot import 'nope/missing.py'" in problems[1]
     assert "does not exist" in problems[1]
+
+
+def test_replicas_of_the_credit_stage_multiply_its_bound() -> None:
+    text = (FIXTURES / "cycle_ok.yaml").read_text()
+    text = text.replace(
+        "max_inflight_steps: 2, steps: 5}}", "max_inflight_steps: 2, steps: 5}, replicas: 2}"
+    )
+    problems = problems_in(text)
+    assert len(problems) == 3  # execute.in, sample.in and loop.results hold 2 < 4
+    assert (
+        "channel 'execute.in' has capacity 2, below the credit bound 4 of stage 'loop'"
+        in (problems[0])
+    )
+    assert "(max_inflight_steps x 2 replicas)" in problems[0]
+    zero = (
+        (FIXTURES / "cycle_ok.yaml")
+        .read_text()
+        .replace("max_inflight_steps: 2", "max_inflight_steps: 0")
+    )
+    (problem,) = problems_in(zero)
+    assert "stage 'loop' has credit bound 0 (max_inflight_steps); it must be >= 1" in problem
