@@ -136,12 +136,10 @@ def ensure_bundled_model(cache_dir: Path | None = None) -> Path:
 
 
 def _make_shareable(directory: Path) -> None:
-    """mkdtemp makes a private (0700) directory; give it the usual umask-based modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
+    """mkdtemp makes a private (0700) directory; a model cache is world-readable."""
+    directory.chmod(0o755)
     for f in directory.iterdir():
-        f.chmod(0o666 & ~umask)
+        f.chmod(0o644)
 
 
 def _remove_stale_builds(parent: Path) -> None:
