@@ -8,6 +8,11 @@ test that CPU tensors are refused outside the interpreter runs either way.
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -615,3 +620,70 @@ def test_cpu_tensors_refused_without_interpreter(monkeypatch: pytest.MonkeyPatch
 def test_interpreted_follows_triton() -> None:
     """interpreted() reports the mode Triton built the kernels in (fixed at import)."""
     assert ta.interpreted() == bool(triton.knobs.runtime.interpret)
+
+
+# ----------------------------------------------------------------------------- GPU compile
+
+# Compiles every kernel for an sm_80 GPU down to a cubin, with no GPU present: proof that the
+# kernels use no interpreter-only construct and that their tiles fit in shared memory. It
+# runs in a child process because under TRITON_INTERPRET=1 this process only has the
+# interpreter's versions of the kernels.
+COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from flowllm.kernels import triton_attention as ta
+
+    HEAD_DIM, GROUP, NUM_HEADS = 128, 4, 32
+    tiles = ta.choose_tiles(HEAD_DIM, torch.bfloat16)
+    target = GPUTarget("cuda", 80, 32)
+    pointers = {
+        "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+        "key_ptr": "*bf16", "value_ptr": "*bf16", "block_tables_ptr": "*i32",
+        "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i64",
+        "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+    }
+
+    def shared_bytes(fn, constexprs):
+        signature = {
+            name: "constexpr" if name in constexprs
+            else pointers.get(name, "fp32" if name == "qk_scale" else "i32")
+            for name in fn.arg_names
+        }
+        source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+        compiled = triton.compile(source, target=target, options=options)
+        if "cubin" not in compiled.asm:
+            raise RuntimeError(f"{fn.__name__}: no cubin")
+        return compiled.metadata.shared
+
+    common = dict(GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, WIDEN_DOT=False)
+    decode = dict(common, NUM_HEADS=NUM_HEADS, BLOCK_M=16, BLOCK_N=tiles.decode_block_n)
+    report = {
+        "store_kv": shared_bytes(ta._store_kv_kernel, dict(
+            NUM_KV_HEADS=NUM_HEADS // GROUP, HEAD_DIM=HEAD_DIM, BLOCK_H=8, BLOCK_D=HEAD_DIM)),
+        "decode": shared_bytes(ta._decode_kernel, dict(decode, NUM_SPLITS=1)),
+        "decode_split": shared_bytes(ta._decode_kernel, dict(decode, NUM_SPLITS=4)),
+        "decode_reduce": shared_bytes(ta._decode_reduce_kernel, dict(
+            NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=HEAD_DIM)),
+        "prefill": shared_bytes(ta._prefill_kernel, dict(
+            common, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // GROUP,
+            BLOCK_N=tiles.block_n)),
+    }
+    print(json.dumps(report))
+    """
+)
+
+
+def test_kernels_compile_for_cuda() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(shared) == {"store_kv", "decode", "decode_split", "decode_reduce", "prefill"}
+    # 64 KiB: the most shared memory a block may use on the smallest CUDA GPUs (sm_75).
+    assert all(0 <= size <= 64 * 1024 for size in shared.values()), shared
