@@ -175,6 +175,7 @@ def _hub_snapshot(name: str) -> Path:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        HFValidationError,
         IncompleteSnapshotError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
@@ -195,6 +196,11 @@ def _hub_snapshot(name: str) -> Path:
             token=os.environ.get("HF_TOKEN") or None,
             endpoint=os.environ.get("HF_ENDPOINT") or None,
         )
+    except HFValidationError as e:
+        raise ModelNotFoundError(
+            f"model {shown} is neither a local directory nor a valid Hugging Face Hub id "
+            "(org/name)"
+        ) from e
     except IncompleteSnapshotError as e:
         raise HubUnreachableError(
             f"model {shown} is only partly in the HF cache at {cache} and the Hugging Face "

@@ -76,6 +76,12 @@ def test_missing_local_directory(name: str, empty_hf_home: Path) -> None:
     _one_line(e.value, name, "does not exist")
 
 
+def test_invalid_name(empty_hf_home: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model("not a model!")
+    _one_line(e.value, "not a model!", "local directory", "Hub id")
+
+
 def test_local_file_is_not_a_model(gpt2_tiny_dir: Path) -> None:
     with pytest.raises(ModelNotFoundError) as e:
         resolve_model(str(gpt2_tiny_dir / "config.json"))
