@@ -69,15 +69,16 @@ class CompletionFormat:
         else:
             token_ids, entries, text = chunk.token_ids, chunk.logprobs, chunk.text
             finish, stop_reason = chunk.finish_reason, chunk.stop_reason
-        if len(entries) != len(token_ids):  # no logprobs from the engine: nulls, aligned
-            entries = (*entries, *([None] * (len(token_ids) - len(entries))))[: len(token_ids)]
+        entries = _aligned(entries, len(token_ids))
         prefix = ""
         if echo:
             prefix = self.prompt_text(chunk)
             prompt_ids = chunk.prompt_token_ids
-            prompt_entries = chunk.prompt_logprobs or (None,) * len(prompt_ids)
+            prompt_entries: Sequence[TokenLogprobs | None] = chunk.prompt_logprobs
+            if len(prompt_entries) == len(prompt_ids) - 1:  # the first token's null left out
+                prompt_entries = (None, *prompt_entries)
             token_ids = (*prompt_ids, *token_ids)
-            entries = (*prompt_entries, *entries)
+            entries = (*_aligned(prompt_entries, len(prompt_ids)), *entries)
         logprobs: CompletionLogProbs | None = None
         if self.prepared.logprobs is not None:
             logprobs = completion_logprobs(
@@ -122,6 +123,15 @@ class CompletionFormat:
                 total_tokens=prompt_tokens + completion_tokens,
             ),
         )
+
+
+def _aligned(
+    entries: Sequence[TokenLogprobs | None], length: int
+) -> Sequence[TokenLogprobs | None]:
+    """One logprobs entry per token: nulls where the engine sent none."""
+    if len(entries) == length:
+        return entries
+    return (*entries[:length], *([None] * (length - len(entries))))
 
 
 def sse(encoder: msgspec.json.Encoder, payload: object) -> bytes:

@@ -136,3 +136,41 @@ def test_load_chat_template(tmp_path: Path) -> None:
     assert load_chat_template(None) is None
     with pytest.raises(ChatTemplateError, match="does not exist"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_completion_format_aligns_what_the_engine_leaves_out(tokenizer: Any) -> None:
+    """Prompt logprobs sent without the first token's null, generated ones missing: the
+    lists stay aligned with the tokens, nulls where nothing was sent."""
+    from flowllm.api.completions import CompletionFormat
+    from flowllm.api.convert import PreparedCompletion
+    from flowllm.api.logprobs import TokenTexts
+    from flowllm.messages import TokenLogprobs
+
+    prepared = PreparedCompletion(
+        requests=(),
+        n=1,
+        echo=True,
+        echo_only=False,
+        logprobs=0,
+        prompt_logprobs=None,
+        include_usage=False,
+    )
+    fmt = CompletionFormat(
+        prepared, response_id="cmpl-x", created=0, model="m", texts=TokenTexts(tokenizer)
+    )
+    ids = tuple(tokenizer.encode("one two three"))
+    chunk = Chunk(
+        request_id="r",
+        index=0,
+        text=" four five",
+        token_ids=(1440, 1936),
+        logprobs=(TokenLogprobs(1440, -1.0, 1),),
+        prompt_text="one two three",
+        prompt_token_ids=ids,
+        prompt_logprobs=(TokenLogprobs(ids[1], -2.0, 1), TokenLogprobs(ids[2], -3.0, 1)),
+    )
+    choice = fmt.choice(0, chunk, first=True, text_offset=0)
+    assert choice.text == "one two three four five"
+    assert choice.logprobs is not None
+    assert choice.logprobs.token_logprobs == [None, -2.0, -3.0, -1.0, None]
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in (*ids, 1440, 1936)]
