@@ -357,9 +357,12 @@ def resolve_device(device: torch.device | str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError as e:
-        raise ModelLoadError(f"invalid device {device!r}: {e}") from e
+        raise ModelLoadError(f"invalid device {device!r}: {one_line(e)}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    return dev
 
 
 def resolve_dtype(

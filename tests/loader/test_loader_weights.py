@@ -221,3 +221,13 @@ def test_bad_dtype(gpt2_tiny_dir: Path) -> None:
     with pytest.raises(ModelLoadError) as e:
         load_model(str(gpt2_tiny_dir), dtype="float8", device="cpu")
     _assert_one_line(e.value, "float8")
+
+
+def test_bad_device(gpt2_tiny_dir: Path) -> None:
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(gpt2_tiny_dir), dtype="float32", device="tpu:banana")
+    _assert_one_line(e.value, "tpu:banana")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError) as e:
+            load_model(str(gpt2_tiny_dir), dtype="float32", device="cuda")
+        _assert_one_line(e.value, "CUDA")
