@@ -390,6 +390,9 @@ class Sampler:
         rep = per_token([states[i].params.repetition_penalty for i in rows])
         freq = per_token([states[i].params.frequency_penalty for i in rows])
         pres = per_token([states[i].params.presence_penalty for i in rows])
+        if int(c.max()) >= logits.shape[1] or int(c.min()) < 0:
+            keep = (c >= 0) & (c < logits.shape[1])  # ids the model cannot emit: no logit
+            r, c, cnt, rep, freq, pres = (t[keep] for t in (r, c, cnt, rep, freq, pres))
         vals = logits[r, c]  # [N]
         vals = torch.where(vals > 0, vals / rep, vals * rep)
         vals = vals - freq * cnt

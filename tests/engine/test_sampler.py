@@ -521,3 +521,15 @@ def test_driving_errors_are_typed() -> None:
     assert 0 not in sampler
     with pytest.raises(SamplerError):
         sampler.sample([0], torch.zeros(1, 4), [0])
+
+
+def test_penalties_ignore_prompt_ids_outside_the_logits() -> None:
+    sampler = Sampler()
+    start(sampler, 0, SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=(1, 9, 3))
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0, -4.0, 0.5]])
+    raw = logits.clone()
+    sampler.apply_processors([0], logits, [0])
+    assert torch.equal(
+        logits, ref_process(raw[0], SamplingParams(repetition_penalty=2.0), (1, 3), [], 0)
+    )
+    assert sampler.sample([0], raw, [0])[0].token_id == 3
