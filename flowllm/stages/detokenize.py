@@ -68,13 +68,16 @@ class Detokenize(PerMessageStage):
             if choice is None or choice.done:
                 continue
             choice.num_output_tokens += 1
-            out = choice.detokenizer.step([token.token_id])
-            text, finish, stop_reason = out.text, token.finish_reason, token.stop_reason
+            finish, stop_reason = token.finish_reason, token.stop_reason
+            detokenizer = choice.detokenizer
+            # EOS / a stop token id: its text is left out (as vLLM, unless asked to keep it)
+            out = detokenizer.step([token.token_id], stop_terminated=finish == "stop")
+            text = out.text_delta
             if out.stop_string is not None:
                 finish, stop_reason = "stop", out.stop_string
                 await ctx.emit("finishes", Finish(token.seq_id, out.stop_string))
             elif finish is not None:
-                text += choice.detokenizer.flush()
+                text += detokenizer.finish().text_delta
             if finish is not None:
                 choice.done = True
             chunks.append(self._chunk(choice, text, token, finish, stop_reason))
