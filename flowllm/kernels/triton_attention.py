@@ -44,6 +44,7 @@ _LOG2E = 1.4426950408889634
 # tl.dot needs every block dimension >= 16 on NVIDIA and AMD tensor cores.
 _MIN_DOT = 16
 _MAX_DECODE_SPLITS = 32
+_MAX_GRID_YZ = 65535  # CUDA's limit on the second and third grid dimensions
 
 
 @dataclass(frozen=True)
@@ -689,14 +690,14 @@ def paged_attention(
     _check_unit_last_stride("block_tables", block_tables)
     _check_contiguous("query_start_loc", query_start_loc)
     _check_contiguous("seq_lens", seq_lens)
-    _check_devices(
-        {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
-         "query_start_loc": query_start_loc, "seq_lens": seq_lens}
-    )  # fmt: skip
     if tiles is None:
         tiles = choose_tiles(head_dim, query.dtype)
     elif not isinstance(tiles, AttentionTiles):
         raise ValueError(f"tiles must be an AttentionTiles, got {type(tiles).__name__}")
+    _check_devices(
+        {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+         "query_start_loc": query_start_loc, "seq_lens": seq_lens}
+    )  # fmt: skip
 
     # out: [num_tokens, num_heads, head_dim], contiguous
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -758,7 +759,13 @@ def paged_attention(
         else:
             block_m = max(tiles.block_m, triton.next_power_of_2(group))
             block_q = block_m // group
-            grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+            q_tiles = triton.cdiv(max_query_len, block_q)
+            if q_tiles > _MAX_GRID_YZ:
+                raise ValueError(
+                    f"max_query_len={max_query_len} needs {q_tiles} query tiles of {block_q}; "
+                    f"a launch allows {_MAX_GRID_YZ}: split the prefill into chunks"
+                )
+            grid = (num_seqs, q_tiles, num_kv_heads)
             _prefill_kernel[grid](
                 *common,
                 GROUP=group,
