@@ -529,7 +529,7 @@ def test_penalties_ignore_prompt_ids_outside_the_logits() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0, 4.0, -4.0, 0.5]])
     raw = logits.clone()
     sampler.apply_processors([0], logits, [0])
-    assert torch.equal(
-        logits, ref_process(raw[0], SamplingParams(repetition_penalty=2.0), (1, 3), [], 0)
-    )
-    assert sampler.sample([0], raw, [0])[0].token_id == 3
+    want = ref_process(raw[0], SamplingParams(repetition_penalty=2.0), (1, 3), [], 0)
+    assert torch.equal(logits[0], want)
+    assert logits[0].tolist() == [1.0, 1.0, 3.0, 2.0, -4.0, 0.5]
+    assert sampler.sample([0], raw, [0])[0].token_id == 2
