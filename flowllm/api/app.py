@@ -178,7 +178,8 @@ async def _respond(
 
 @post("/v1/completions", status_code=200)
 async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
-    arrival = time.time()
+    arrival = time.monotonic()  # the graph's clock for latency metrics
+    created = int(time.time())
     api = _state(request)
     body = api.decode(await request.body(), CompletionRequest)
     graph_id, response_id = _ids(request, "cmpl")
@@ -188,7 +189,7 @@ async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
     fmt = CompletionFormat(
         prepared,
         response_id=response_id,
-        created=int(arrival),
+        created=created,
         model=body.model or api.served_model_name,
         texts=api.texts,
     )
@@ -202,7 +203,8 @@ async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
 
 @post("/v1/chat/completions", status_code=200)
 async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[Any]:
-    arrival = time.time()
+    arrival = time.monotonic()  # the graph's clock for latency metrics
+    created = int(time.time())
     api = _state(request)
     body = api.decode(await request.body(), ChatCompletionRequest)
     graph_id, response_id = _ids(request, "chatcmpl")
@@ -216,7 +218,7 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
     fmt = ChatFormat(
         prepared,
         response_id=response_id,
-        created=int(arrival),
+        created=created,
         model=body.model or api.served_model_name,
         texts=api.texts,
     )

@@ -429,9 +429,11 @@ async def test_request_id_header_is_honoured_and_echoed(
 async def test_arrival_time_is_stamped(client: AsyncTestClient, engine: FakeEngine) -> None:
     import time
 
-    before = time.time()
-    await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
-    assert before <= engine.submitted[0].arrival_time <= time.time()
+    before, created = time.monotonic(), int(time.time())
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    # arrival_time is on the graph's monotonic clock; `created` is wall-clock seconds.
+    assert before <= engine.submitted[0].arrival_time <= time.monotonic()
+    assert created <= r.json()["created"] <= time.time()
 
 
 async def test_null_max_tokens_means_the_rest_of_the_context(
