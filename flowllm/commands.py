@@ -76,7 +76,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     from flowllm.engine_args import add_engine_arguments
 
-    add_engine_arguments(parser, model_optional=False)
+    add_engine_arguments(parser, model_optional=False, log_level="warning")
     parser.add_argument("prompt", nargs="+", help="one or more prompts")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)

@@ -19,7 +19,9 @@ def _bytes(text: str) -> int:
     return int(lowered)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, *, model_optional: bool) -> None:
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, *, model_optional: bool, log_level: str = "info"
+) -> None:
     parser.add_argument(
         "model",
         nargs="?" if model_optional else None,
@@ -46,7 +48,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_optional: boo
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--chat-template", help="a Jinja chat template file")
     parser.add_argument("--graph", help="run this graph YAML instead of the default one")
-    parser.add_argument("--log-level", default=os.environ.get("FLOWLLM_LOG_LEVEL", "info"))
+    parser.add_argument("--log-level", default=os.environ.get("FLOWLLM_LOG_LEVEL", log_level))
     parser.add_argument(
         "--log-format",
         choices=("auto", "console", "json"),
