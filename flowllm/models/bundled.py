@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
 
 from flowllm.config import BUNDLED_MODEL
@@ -111,6 +112,9 @@ def ensure_bundled_model(cache_dir: Path | None = None) -> Path:
     except OSError as e:
         raise BundledModelError(f"cannot create the flowllm cache at {parent}: {e}") from e
     _remove_stale_builds(parent)
+    log = structlog.get_logger("flowllm.models")
+    log.info("converting the bundled model (once)", gguf=str(gguf_path), target=str(target))
+    start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{BUNDLED_MODEL}.", suffix=".tmp", dir=parent))
     try:
         convert_gguf(gguf_path, tmp)
@@ -132,6 +136,8 @@ def ensure_bundled_model(cache_dir: Path | None = None) -> Path:
         raise BundledModelError(f"cannot write the bundled model to {target}: {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    seconds = round(time.perf_counter() - start, 1)
+    log.info("bundled model ready", target=str(target), seconds=seconds)
     return target
 
 
