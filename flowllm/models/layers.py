@@ -2,9 +2,12 @@
 rotary embeddings, paged attention, and the bookkeeping that maps checkpoint names to them.
 
 Weight layout: a linear layer stores its weight either as [out, in] (torch's convention,
-run with `F.linear`) or transposed-contiguous as [in, out] (run as `x @ w`). On CPU a
-single-row fp32 product reads an [in, out] weight about twice as fast, while bf16/fp16
-prefer [out, in]; `prefer_in_out` picks the layout once, at build time.
+run with `F.linear`) or transposed-contiguous as [in, out]. On CPU a single-row fp32
+product (`x @ w`, an MKL GEMV) reads an [in, out] weight about twice as fast, while
+bf16/fp16 prefer [out, in]; `prefer_in_out` picks the layout once, at build time. For
+several rows, MKL's fp32 GEMM is slow with few rows on some CPUs (3-4x on AMD Zen), so
+fp32 products of more than one row go to oneDNN, which reads the same [in, out] storage
+through a transposed view.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ def config_get(config: Any, name: str, default: Any = None) -> Any:
 def prefer_in_out(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linear weights should be stored [in, out] (see the module docstring)."""
     return device.type == "cpu" and dtype == torch.float32
+
+
+def _onednn_linear_op() -> Any:
+    """oneDNN's linear (the op torch's CPU compiler lowers to), or None where unavailable."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -71,14 +81,18 @@ class Linear(nn.Module):
         shape = (in_features, out_features) if self.in_out else (out_features, in_features)
         self.weight = _frozen(torch.empty(shape, dtype=dtype, device=device))
         self.bias = _frozen(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self._onednn = _onednn_linear_op() if self.in_out and dtype == torch.float32 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out]
-        if self.in_out:
-            if self.bias is None:
-                return x @ self.weight
-            return torch.addmm(self.bias, x, self.weight)
-        return F.linear(x, self.weight, self.bias)
+        if not self.in_out:
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] > 1 and self._onednn is not None:
+            # weight.t(): an [out, in] view of the [in, out] storage, which oneDNN reads as is
+            return self._onednn(x, self.weight.t(), self.bias, "none", [], "")
+        if self.bias is None:
+            return x @ self.weight
+        return torch.addmm(self.bias, x, self.weight)
 
     def load_weight(
         self,
