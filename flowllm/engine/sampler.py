@@ -102,7 +102,6 @@ class _SeqState:
     bias_ids: torch.Tensor | None  # [k] int64
     bias_values: torch.Tensor | None  # [k] float32, clamped
     history: _TokenHistory | None  # only when a penalty is active
-    num_sampled: int = 0
 
 
 class Sampler:
@@ -238,7 +237,6 @@ class Sampler:
         for i, (sid, state, token) in enumerate(zip(seq_ids, states, token_list, strict=True)):
             if state.history is not None:
                 state.history.add(token)
-            state.num_sampled += 1
             n_out = num_output_tokens[i] + 1
             finish, stop = check_stop(
                 state.params,
@@ -503,7 +501,8 @@ def _keep_top_p(
     dev = probs.device
     vocab = probs.shape[1]
     sub, idx = _select_rows(probs, rows)  # [Rp, V]
-    target = sub.sum(dim=-1) * torch.tensor(ps, dtype=torch.float32, device=dev)  # [Rp]
+    mass = _block_sums(sub).sum(dim=-1)  # [Rp]
+    target = mass * torch.tensor(ps, dtype=torch.float32, device=dev)  # [Rp]
     threshold = torch.zeros(len(rows), dtype=torch.float32, device=dev)  # [Rp]
     pending = torch.arange(len(rows), device=dev)
     for k in (*(c for c in _TOP_P_CANDIDATES if c < vocab), vocab):
@@ -523,6 +522,22 @@ def _keep_top_p(
         probs.index_copy_(0, idx, sub)
 
 
+def _block_sums(x: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R, ceil(V / 256)]: sums of consecutive 256-token blocks.
+
+    Each block is summed serially whatever R is; a plain row sum would be split across
+    threads when R = 1 and rounded differently than inside a batch.
+    """
+    rows, vocab = x.shape
+    nb = vocab // _CDF_BLOCK
+    parts = []
+    if nb:
+        parts.append(x[:, : nb * _CDF_BLOCK].reshape(rows, nb, _CDF_BLOCK).sum(dim=-1))
+    if vocab % _CDF_BLOCK:
+        parts.append(x[:, nb * _CDF_BLOCK :].sum(dim=-1, keepdim=True))
+    return torch.cat(parts, dim=1)
+
+
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Draw one index per row with probability proportional to `probs` (rows need mass > 0).
 
@@ -531,14 +546,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     zero probability is never returned, whatever the rounding.
     probs: [R, V] >= 0; u: [R] in [0, 1). Returns [R] int64.
     """
-    rows, vocab = probs.shape
-    nb = vocab // _CDF_BLOCK
-    parts = []
-    if nb:
-        parts.append(probs[:, : nb * _CDF_BLOCK].reshape(rows, nb, _CDF_BLOCK).sum(dim=-1))
-    if vocab % _CDF_BLOCK:
-        parts.append(probs[:, nb * _CDF_BLOCK :].sum(dim=-1, keepdim=True))
-    block_cdf = torch.cat(parts, dim=1).cumsum(dim=-1)  # [R, NB]
+    vocab = probs.shape[1]
+    block_cdf = _block_sums(probs).cumsum(dim=-1)  # [R, NB]
     total = block_cdf[:, -1:].contiguous()  # [R, 1]
     x = u.unsqueeze(1) * total  # [R, 1]
     b = torch.minimum(
