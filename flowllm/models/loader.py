@@ -36,11 +36,12 @@ HUB_ALIASES = {
     "distilgpt2": "distilbert/distilgpt2",
 }
 
-# What a snapshot download fetches: enough to serve, never pickled or duplicate weights.
+# What a snapshot download fetches: enough to serve, never pickled or duplicate weights
+# (`model*.safetensors` is the HF-format file or its shards, not e.g. a consolidated.* copy).
 HUB_ALLOW_PATTERNS = [
     "config.json",
     "generation_config.json",
-    "*.safetensors",
+    "model*.safetensors",
     "model.safetensors.index.json",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -228,7 +229,7 @@ def _hub_snapshot(name: str) -> Path:
             f"model {shown}: the Hugging Face Hub answered HTTP {status}; {_BUNDLED_HINT}"
         ) from e
     except (OSError, ValueError) as e:
-        # Proxy errors, invalid repo ids, unwritable caches: huggingface_hub's own message.
+        # Proxy errors, unwritable caches, bad arguments: huggingface_hub's own message.
         raise ModelLoadError(f"model {shown}: {one_line(e)}") from e
     except Exception as e:
         # Network stack errors (httpx) that huggingface_hub does not wrap.
@@ -251,7 +252,7 @@ def _read_json(path: Path, what: str) -> Any:
     except FileNotFoundError as e:
         raise MissingFileError(f"{what} {path} is missing") from e
     except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{what} {path} is not valid JSON: {e}") from e
+        raise CorruptCheckpointError(f"{what} {path} is not valid JSON: {one_line(e)}") from e
 
 
 def safetensors_files(path: Path) -> list[Path]:
