@@ -229,3 +229,30 @@ def test_hub_errors_and_token(
 def test_all_errors_are_model_load_errors() -> None:
     for cls in (HubUnreachableError, ModelNotFoundError):
         assert issubclass(cls, ModelLoadError)
+
+
+def test_hub_download_selects_serving_files_only() -> None:
+    """The patterns, applied by huggingface_hub's own filter, keep config, tokenizer and
+    HF-format safetensors, and drop pickles, duplicates and sub-folders."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from flowllm.models.loader import HUB_ALLOW_PATTERNS, HUB_IGNORE_PATTERNS
+
+    repo = [
+        "README.md", "config.json", "generation_config.json", "model.safetensors",
+        "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+        "consolidated.safetensors", "pytorch_model.bin", "onnx/model.safetensors",
+        "original/params.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+        "merges.txt", "special_tokens_map.json", "chat_template.jinja", "flax_model.msgpack",
+    ]
+    kept = set(
+        filter_repo_objects(
+            repo, allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS
+        )
+    )
+    assert kept == {
+        "config.json", "generation_config.json", "model.safetensors",
+        "model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+        "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+        "chat_template.jinja",
+    }
