@@ -12,6 +12,5 @@
 from __future__ import annotations
 
 from flowllm.api.app import create_app
-from flowllm.api.chat import ChatTemplateError, load_chat_template
 
-__all__ = ["ChatTemplateError", "create_app", "load_chat_template"]
+__all__ = ["create_app"]

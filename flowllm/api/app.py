@@ -52,9 +52,10 @@ _SCOPE_REQUEST_ID = "flowllm.request_id"  # the id echoed in X-Request-Id
 _SCOPE_REQUEST_ID_GIVEN = "flowllm.request_id_given"  # did the client send it?
 # Status logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
+# vLLM's wording, as the graph's tokenize stage answers chat requests.
 NO_CHAT_TEMPLATE = (
-    "The model has no chat template and none was given (--chat-template or the request's "
-    "chat_template); chat requests need one."
+    "As of transformers v4.44, default chat template is no longer allowed, so you must "
+    "provide a chat template if the tokenizer does not define one."
 )
 
 
@@ -325,9 +326,10 @@ def create_app(
 ) -> Litestar:
     """The OpenAI-compatible app over the engine that `engine_factory()` runs.
 
-    `chat_template` is the template text (the server's --chat-template file, read), used
-    when a chat request brings none. `metrics_registry(engine)` gives the registry /metrics
-    renders (default: `engine.metrics_registry`).
+    `chat_template`: template text for chat requests that bring none; None (the usual
+    case) leaves it to the tokenizer's own template, which the loader already replaced
+    with --chat-template when one was given. `metrics_registry(engine)` gives the registry
+    /metrics renders (default: `engine.metrics_registry`).
     """
     registry = metrics_registry or _registry_of
 

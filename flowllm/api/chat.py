@@ -6,8 +6,6 @@ last delta of a choice carries its finish_reason.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgspec
 from anyio.abc import TaskGroup
 
@@ -28,28 +26,6 @@ from flowllm.api.serving import Emit, EventSource, Generation
 from flowllm.messages import Chunk, RequestError
 
 ROLE = "assistant"
-
-
-class ChatTemplateError(ValueError):
-    """--chat-template names a file that does not exist."""
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """The text of `--chat-template`: a file's contents, or the value itself when it is an
-    inline Jinja template (as vLLM accepts both)."""
-    if value is None:
-        return None
-    inline = any(c in value for c in "{}\n")
-    try:
-        path = Path(value).expanduser()
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
-    except OSError as exc:  # e.g. a long inline template is not a valid file name
-        if not inline:
-            raise ChatTemplateError(f"cannot read chat template file {value!r}: {exc}") from exc
-    if inline:
-        return value
-    raise ChatTemplateError(f"chat template file {value!r} does not exist")
 
 
 class ChatFormat:

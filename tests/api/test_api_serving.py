@@ -1,8 +1,7 @@
-"""Generation (submit, merge, abort) and the chat template loader, without HTTP."""
+"""Generation (submit, merge, abort) and completion formatting, without HTTP."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -10,7 +9,6 @@ import pytest
 from api_fake_engine import FakeEngine, make_app
 from litestar.testing import AsyncTestClient
 
-from flowllm.api.chat import ChatTemplateError, load_chat_template
 from flowllm.api.errors import ApiError
 from flowllm.api.serving import Generation
 from flowllm.mailbox import Mailbox
@@ -125,17 +123,6 @@ async def test_pumps_merge_mailboxes_in_arrival_order() -> None:
             assert isinstance(item, Chunk)
             seen.append((prompt_index, item.text))
     assert sorted(seen) == [(0, "y"), (1, "xz")] or sorted(seen) == [(0, "y"), (1, "x"), (1, "z")]
-
-
-def test_load_chat_template(tmp_path: Path) -> None:
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    path = tmp_path / "t.jinja"
-    path.write_text(template)
-    assert load_chat_template(str(path)) == template
-    assert load_chat_template(template) == template  # inline, as vLLM accepts
-    assert load_chat_template(None) is None
-    with pytest.raises(ChatTemplateError, match="does not exist"):
-        load_chat_template(str(tmp_path / "missing.jinja"))
 
 
 def test_completion_format_aligns_what_the_engine_leaves_out(tokenizer: Any) -> None:
