@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import huggingface_hub  # noqa: F401
 import pytest
@@ -26,6 +27,9 @@ from model_fixtures import (
     write_gpt2_tokenizer_files,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
 # The tiny GPT-2: 2 layers, 64 wide, 4 heads of 16, the real 50257-token vocabulary.
 TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4}
 
@@ -39,7 +43,7 @@ def gpt2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gpt2_tokenizer(gpt2_tokenizer_dir: Path):  # -> PreTrainedTokenizerFast
+def gpt2_tokenizer(gpt2_tokenizer_dir: Path) -> PreTrainedTokenizerFast:
     """The real GPT-2 tokenizer (transformers' GPT2Tokenizer, a PreTrainedTokenizerFast)."""
     from transformers import AutoTokenizer
 
