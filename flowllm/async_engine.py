@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
 
 from flowllm.config import EngineConfig
 from flowllm.graph.runtime import Graph
@@ -19,6 +21,9 @@ from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest
 from flowllm.stages.ingest import Ingest
 from flowllm.stages.services import EngineServices, build_services
+
+if TYPE_CHECKING:
+    from flowllm.traces.recorder import TraceRecorder
 
 DEFAULT_GRAPH = Path(__file__).parent / "graph" / "default.yaml"
 
@@ -43,16 +48,26 @@ class AsyncEngine:
         graph: str | Path | None = None,
         services: EngineServices | None = None,
         stop_timeout: float = 30.0,
+        recorder: TraceRecorder | None = None,
         **graph_options: Any,
     ) -> AsyncIterator[AsyncEngine]:
-        """Run an engine for the body. Pass `services` to reuse an already loaded model."""
+        """Run an engine for the body. Pass `services` to reuse an already loaded model,
+        `recorder` to record the run's channel traffic (closed when the graph has ended)."""
         if services is None:
             services = build_services(config or EngineConfig())
         runtime = Graph(
             graph or DEFAULT_GRAPH, services, registry=services.registry, **graph_options
         )
-        async with runtime.serve(stop_timeout) as running:
-            yield cls(running, services)
+        if recorder is None:
+            async with runtime.serve(stop_timeout) as running:
+                yield cls(running, services)
+            return
+        recorder.attach(runtime, services)
+        try:
+            async with runtime.serve(stop_timeout) as running:
+                yield cls(running, services)
+        finally:
+            await anyio.to_thread.run_sync(recorder.close)
 
     # -- EngineClient ---------------------------------------------------------------------
 

@@ -59,6 +59,8 @@ class LLM:
     (`dtype`, `max_model_len`, `block_size`, `kv_cache_memory`, `max_num_seqs`,
     `max_num_batched_tokens`, `enable_prefix_caching`, `seed`, ...), or pass `config`.
     `graph` runs another graph YAML; `services` reuses an already loaded model.
+    `trace_dir` records each `generate` call's channel traffic there (the latest call's
+    replaces the previous one), limited to `trace_channels` and `trace_max_bytes`.
     """
 
     def __init__(
@@ -68,6 +70,9 @@ class LLM:
         config: EngineConfig | None = None,
         graph: str | Path | None = None,
         services: EngineServices | None = None,
+        trace_dir: str | Path | None = None,
+        trace_channels: Sequence[str] | None = None,
+        trace_max_bytes: int | None = None,
         **settings: Any,
     ) -> None:
         if services is not None:
@@ -82,6 +87,9 @@ class LLM:
         self.config = services.config
         self.graph = graph
         self.services = services
+        self.trace_dir = trace_dir
+        self.trace_channels = trace_channels
+        self.trace_max_bytes = trace_max_bytes
         self._ids = itertools.count()
         self.last_run: EngineServices | None = None  # the latest generate's (for its metrics)
 
@@ -128,8 +136,15 @@ class LLM:
     async def _run(self, requests: list[GenerateRequest]) -> list[RequestOutput]:
         outputs: list[RequestOutput | None] = [None] * len(requests)
         services = self.last_run = self.services.fresh()
+        recorder = None
+        if self.trace_dir is not None:
+            from flowllm.traces.recorder import TraceRecorder
+
+            recorder = TraceRecorder(
+                self.trace_dir, channels=self.trace_channels, max_bytes=self.trace_max_bytes
+            )
         async with (
-            AsyncEngine.start(graph=self.graph, services=services) as engine,
+            AsyncEngine.start(graph=self.graph, services=services, recorder=recorder) as engine,
             anyio.create_task_group() as tg,
         ):
             for i, request in enumerate(requests):

@@ -39,7 +39,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
 from flowllm.graph.channel import Channel
-from flowllm.graph.spans import GraphMetrics, SpanRecorder, configure_logging
+from flowllm.graph.spans import GraphMetrics, SpanRecorder, SpanSink, configure_logging
 from flowllm.graph.spec import GraphSpec, PortRef, ValidGraph, load_graph
 from flowllm.stages.base import CLOSED, Outbox, Stage, StageContext
 
@@ -106,6 +106,7 @@ class Graph:
         self._spans = spans
         self._span_events = span_events
         self._fail_inflight_timeout = fail_inflight_timeout
+        self._span_sinks: list[SpanSink] = []
         self.failure: StageFailure | None = None
         self._running = False
         self._started = False
@@ -166,6 +167,12 @@ class Graph:
             return list(self._replicas[name])
         except KeyError:
             raise KeyError(f"graph {self.name!r} has no stage {name!r}") from None
+
+    def add_span_sink(self, sink: SpanSink) -> None:
+        """Also hand every span to `sink` (a trace recorder); call before `run()`."""
+        if self._started:
+            raise RuntimeError("add span sinks before the graph runs")
+        self._span_sinks.append(sink)
 
     @asynccontextmanager
     async def serve(self, stop_timeout: float = 10.0) -> AsyncIterator[Graph]:
@@ -273,7 +280,12 @@ class Graph:
                 outboxes=outboxes,
                 log=log,
                 spans=SpanRecorder(
-                    task.name, log, self.metrics, enabled=self._spans, events=self._span_events
+                    task.name,
+                    log,
+                    self.metrics,
+                    enabled=self._spans,
+                    events=self._span_events,
+                    sinks=tuple(self._span_sinks),
                 ),
                 stop_requested=self._stop_requested,
             )

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from time import perf_counter
 from typing import Any, TextIO
 
@@ -203,10 +203,15 @@ class GraphMetrics:
         self.channel_depth.labels(channel.name).set_function(channel.depth)
 
 
+SpanSink = Callable[[str, Any, float, float, float], None]
+"""Called as `sink(stage, message, started, duration, queue_wait)` for every span (a trace
+recorder); must be cheap and never block."""
+
+
 class SpanRecorder:
     """Records one span per message for one stage: histograms always, events at DEBUG."""
 
-    __slots__ = ("_duration", "_enabled", "_events", "_log", "_wait", "stage")
+    __slots__ = ("_duration", "_enabled", "_events", "_log", "_sinks", "_wait", "stage")
 
     def __init__(
         self,
@@ -216,8 +221,10 @@ class SpanRecorder:
         *,
         enabled: bool = True,
         events: bool | None = None,
+        sinks: tuple[SpanSink, ...] = (),
     ) -> None:
         self.stage = stage
+        self._sinks = sinks
         self._log = log
         self._enabled = enabled
         self._duration = metrics.stage_duration.labels(stage)
@@ -238,6 +245,8 @@ class SpanRecorder:
         duration = perf_counter() - started
         self._duration.observe(duration)
         self._wait.observe(queue_wait)
+        for sink in self._sinks:
+            sink(self.stage, message, started, duration, queue_wait)
         if self._events:
             self._log.debug(
                 "span",

@@ -1,0 +1,599 @@
+"""Replay a trace into fresh stages and compare what they emit with what was recorded.
+
+Each stage is built from the trace's own graph and engine config (`StageClass(params,
+services)`), then fed its recorded inputs in the order it received them when recording:
+for a stage with one input, send order; for several (schedule, format), the order of its
+recorded spans, one message at a time, the next sent once the stage has recorded the
+previous one's span (which it does before taking its next input, so its decisions between
+inputs are the same as when recording). Its outputs are compared with the recorded ones
+port by port: exactly, except
+
+- request ids map one-to-one in order of appearance, and `*_time` fields are ignored;
+- tensors (execute's logits) are equal within `atol + rtol * |recorded|` (default 1e-4
+  each); a logits digest (compact traces) is checked on its top-k and row moments, and
+  the stage downstream of it (sample) is fed the replayed tensors instead.
+
+State is rebuilt by replay itself: execute's KV cache from all its StepBatches in order,
+sample's unseeded generator from the engine config's seed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import torch
+
+from flowllm.graph.channel import Channel
+from flowllm.graph.spans import GraphMetrics, SpanRecorder
+from flowllm.stages.base import Outbox, SourceStage, Stage, StageContext
+from flowllm.traces.codec import TensorDigest
+from flowllm.traces.manifest import ModelSource, weights_sha256
+from flowllm.traces.trace import Trace, load_trace
+
+ATOL = 1e-4
+RTOL = 1e-4
+STAGE_TIMEOUT = 120.0
+
+
+class ReplayError(RuntimeError):
+    """A trace cannot be replayed here (its model cannot be rebuilt, a stage is unknown)."""
+
+
+class Difference(msgspec.Struct, kw_only=True):
+    """The first message that differs on one output port."""
+
+    port: str
+    index: int
+    path: str  # where inside the message, e.g. ".tokens[0].token_id"
+    recorded: str  # the recorded message, pretty-printed
+    replayed: str
+
+    def side_by_side(self, width: int = 58) -> str:
+        left = self.recorded.splitlines() or ["(none)"]
+        right = self.replayed.splitlines() or ["(none)"]
+        lines = [f"  {'recorded':<{width}}   replayed"]
+        for i in range(max(len(left), len(right))):
+            a = left[i] if i < len(left) else ""
+            b = right[i] if i < len(right) else ""
+            mark = " " if a == b else "|"
+            lines.append(f"  {a[:width]:<{width}} {mark} {b[:width]}")
+        return "\n".join(lines)
+
+
+class StageResult(msgspec.Struct, kw_only=True):
+    stage: str
+    status: str  # "pass", "fail" or "skip"
+    inputs: int = 0
+    outputs: int = 0
+    seconds: float = 0.0
+    detail: str = ""
+    difference: Difference | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "fail"
+
+
+class ReplayReport(msgspec.Struct, kw_only=True):
+    trace: str
+    results: list[StageResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def result(self, stage: str) -> StageResult:
+        for r in self.results:
+            if r.stage == stage:
+                return r
+        raise KeyError(stage)
+
+    def format(self) -> str:
+        """The pass/fail table, then each failure's first differing message."""
+        lines = [f"trace {self.trace}", f"{'stage':<12} {'result':<6} {'in':>5} {'out':>5}  detail"]
+        for r in self.results:
+            lines.append(
+                f"{r.stage:<12} {r.status.upper():<6} {r.inputs:>5} {r.outputs:>5}  {r.detail}"
+            )
+        for r in self.results:
+            if r.difference is not None:
+                d = r.difference
+                lines.append("")
+                lines.append(
+                    f"{r.stage}: first difference on port {d.port!r}, message #{d.index}, "
+                    f"at {d.path or '(whole message)'}"
+                )
+                lines.append(d.side_by_side())
+        return "\n".join(lines)
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+def resolve_model(trace: Trace, model: str | Path | None, cache_dir: Path | None) -> str:
+    """The model to load: `model` if given, else rebuilt from the manifest's source, else
+    the path or name recorded. A rebuilt or given directory must match the recorded
+    weights' sha256."""
+    info = trace.manifest.model
+    if model is not None:
+        chosen = Path(model)
+    elif info.source is not None:
+        chosen = build_model(info.source, info.weights_sha256, cache_dir)
+    else:
+        return info.path
+    if info.weights_sha256 is not None and chosen.is_dir():
+        found = weights_sha256(chosen)
+        if found != info.weights_sha256:
+            raise ReplayError(
+                f"model {chosen} has weights sha256 {found}, but the trace was recorded with "
+                f"{info.weights_sha256}"
+            )
+    return str(chosen)
+
+
+def build_model(source: ModelSource, sha: str | None, cache_dir: Path | None) -> Path:
+    """Run the source's builder into the cache (once per weights hash) and return the dir."""
+    from flowllm.models.bundled import flowllm_cache_dir
+
+    base = (cache_dir or flowllm_cache_dir()) / "trace-models"
+    key = sha or msgspec.json.encode(source).hex()[:32]
+    dest = base / key
+    if (dest / "config.json").is_file() and (sha is None or weights_sha256(dest) == sha):
+        return dest
+    module_name, _, function = source.builder.partition(":")
+    tests_dir = Path(__file__).resolve().parents[2] / "tests"
+    added = False
+    if tests_dir.is_dir() and str(tests_dir) not in sys.path:
+        sys.path.insert(0, str(tests_dir))
+        added = True
+    try:
+        module = importlib.import_module(module_name)
+        builder = getattr(module, function)
+    except (ImportError, AttributeError) as e:
+        raise ReplayError(
+            f"cannot rebuild the trace's model with {source.builder} (looked in {tests_dir}): "
+            f"{e}; pass --model DIR"
+        ) from e
+    finally:
+        if added:
+            sys.path.remove(str(tests_dir))
+    tmp = base / f"{key}.partial"
+    tmp.mkdir(parents=True, exist_ok=True)
+    builder(tmp, **source.kwargs)
+    if dest.exists():
+        import shutil
+
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return dest
+
+
+def build_replay_services(trace: Trace, model_path: str) -> Any:
+    """The services the recording engine had, loading `model_path` in place of its model."""
+    from flowllm.stages.services import build_services
+
+    config = trace.manifest.engine_config
+    model_config = msgspec.structs.replace(
+        config.model, model=model_path, served_model_name=config.model.name
+    )
+    return build_services(msgspec.structs.replace(config, model=model_config))
+
+
+# -- comparing --------------------------------------------------------------------------
+
+
+class _Comparer:
+    """Walks two messages side by side; remembers the request-id bijection across calls."""
+
+    def __init__(self, atol: float, rtol: float) -> None:
+        self.atol = atol
+        self.rtol = rtol
+        self._ids: dict[str, str] = {}
+        self._ids_back: dict[str, str] = {}
+
+    def diff(self, rec: Any, rep: Any, path: str = "") -> str | None:
+        """The path of the first difference, or None."""
+        if isinstance(rec, TensorDigest) or isinstance(rec, torch.Tensor):
+            return self._tensor(rec, rep, path)
+        if type(rec) is not type(rep) and not (
+            isinstance(rec, (int, float)) and isinstance(rep, (int, float))
+        ):
+            return f"{path} (type {type(rec).__name__} vs {type(rep).__name__})"
+        if isinstance(rec, msgspec.Struct):
+            for name in rec.__struct_fields__:
+                if name.endswith("_time"):
+                    continue
+                a, b = getattr(rec, name), getattr(rep, name)
+                if name == "request_id" and isinstance(a, str) and isinstance(b, str):
+                    if self._ids.setdefault(a, b) != b or self._ids_back.setdefault(b, a) != a:
+                        return f"{path}.{name}"
+                    continue
+                found = self.diff(a, b, f"{path}.{name}")
+                if found is not None:
+                    return found
+            return None
+        if isinstance(rec, (tuple, list)):
+            if len(rec) != len(rep):
+                return f"{path} (length {len(rec)} vs {len(rep)})"
+            for i, (a, b) in enumerate(zip(rec, rep, strict=True)):
+                found = self.diff(a, b, f"{path}[{i}]")
+                if found is not None:
+                    return found
+            return None
+        if isinstance(rec, dict):
+            if set(rec) != set(rep):
+                return f"{path} (keys {sorted(rec)} vs {sorted(rep)})"
+            for key in rec:
+                found = self.diff(rec[key], rep[key], f"{path}[{key!r}]")
+                if found is not None:
+                    return found
+            return None
+        if isinstance(rec, float) and isinstance(rep, float):
+            if math.isnan(rec) and math.isnan(rep):
+                return None
+        return None if rec == rep else path
+
+    def _tensor(self, rec: Any, rep: Any, path: str) -> str | None:
+        if not isinstance(rep, torch.Tensor):
+            return f"{path} (tensor vs {type(rep).__name__})"
+        if isinstance(rec, torch.Tensor):
+            if tuple(rec.shape) != tuple(rep.shape):
+                return f"{path} (shape {tuple(rec.shape)} vs {tuple(rep.shape)})"
+            a, b = rec.to(torch.float64), rep.detach().cpu().to(torch.float64)
+            ok = torch.allclose(b, a, atol=self.atol, rtol=self.rtol, equal_nan=True)
+            return None if ok else f"{path} (max abs difference {(a - b).abs().max():.3g})"
+        if tuple(rec.shape) != tuple(rep.shape):
+            return f"{path} (shape {tuple(rec.shape)} vs {tuple(rep.shape)})"
+        rows = rep.detach().cpu().to(torch.float64).reshape(len(rec.sums), -1)
+        for r, (indices, values) in enumerate(zip(rec.indices, rec.values, strict=True)):
+            got = rows[r, torch.tensor(indices, dtype=torch.int64)]
+            want = torch.tensor(values, dtype=torch.float64)
+            if not torch.allclose(got, want, atol=self.atol, rtol=self.rtol):
+                return f"{path}[{r}] (top-k logits differ)"
+            top = torch.topk(rows[r], len(values)).values
+            if not torch.allclose(top, want, atol=self.atol, rtol=self.rtol):
+                return f"{path}[{r}] (top-k set differs)"
+        cols = rows.shape[1]
+        sums = rows.sum(dim=1).tolist()
+        sumsqs = (rows * rows).sum(dim=1).tolist()
+        for r in range(rows.shape[0]):
+            if abs(sums[r] - rec.sums[r]) > self.atol * cols + self.rtol * abs(rec.sums[r]):
+                return f"{path}[{r}] (row sum {rec.sums[r]:.6g} vs {sums[r]:.6g})"
+            bound = 2 * self.atol * math.sqrt(cols * rec.sumsqs[r]) + self.rtol * rec.sumsqs[r]
+            if abs(sumsqs[r] - rec.sumsqs[r]) > bound:
+                return f"{path}[{r}] (row sum of squares {rec.sumsqs[r]:.6g} vs {sumsqs[r]:.6g})"
+        return None
+
+
+def show(message: Any) -> str:
+    """A message as indented JSON (tensors summarised)."""
+    if message is None:
+        return "(no message)"
+
+    def hook(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            flat = obj.detach().cpu().reshape(-1)[:4].tolist()
+            return f"tensor{tuple(obj.shape)} {str(obj.dtype)[6:]} {[round(x, 4) for x in flat]}…"
+        raise NotImplementedError
+
+    data = msgspec.to_builtins(message, enc_hook=hook, str_keys=True)
+    if isinstance(message, msgspec.Struct):
+        data = {"type": type(message).__name__, **data} if isinstance(data, dict) else data
+    if isinstance(data, dict) and "logits" in data and isinstance(data["logits"], dict):
+        d = data["logits"]
+        data["logits"] = f"digest{tuple(d.get('shape', ()))} top1={d.get('values', [[None]])}"
+    return json.dumps(data, indent=1, ensure_ascii=False, default=str)
+
+
+# -- running one stage ------------------------------------------------------------------
+
+
+class _Harness:
+    """One stage instance wired to private channels: a feeder in, collectors out."""
+
+    def __init__(self, name: str, stage: Stage) -> None:
+        self.name = name
+        self.stage = stage
+        cls = type(stage)
+        self.inputs = {p: Channel(f"{name}.{p}", t, 1 << 20) for p, t in cls.inputs.items()}
+        self.outputs = {p: Channel(f"{name}>{p}", t, 1 << 20) for p, t in cls.outputs.items()}
+        self.emitted: dict[str, list[Any]] = {p: [] for p in cls.outputs}
+        self.handled = 0
+        self._progress = anyio.Event()
+        log = structlog.get_logger("flowllm.replay").bind(stage=name)
+        self.senders = {p: c.sender() for p, c in self.inputs.items()}
+        self.ctx = StageContext(
+            name=name,
+            replica=0,
+            inboxes={p: c.receiver() for p, c in self.inputs.items()},
+            outboxes={p: Outbox(p, [c.sender()]) for p, c in self.outputs.items()},
+            log=log,
+            spans=SpanRecorder(name, log, GraphMetrics(), events=False, sinks=(self._on_span,)),
+            stop_requested=anyio.Event(),
+        )
+        self._receivers = {p: c.receiver() for p, c in self.outputs.items()}
+        for channel in (*self.inputs.values(), *self.outputs.values()):
+            channel.close()
+        stage.bind(self.ctx)
+
+    def _on_span(self, *_: Any) -> None:
+        self.handled += 1
+        self._progress.set()
+
+    async def wait_handled(self, count: int) -> None:
+        while self.handled < count:
+            self._progress = anyio.Event()
+            if self.handled >= count:
+                return
+            await self._progress.wait()
+
+    async def collect(self, port: str) -> None:
+        async for message in self._receivers[port]:
+            self.emitted[port].append(message)
+
+    def close_inputs(self) -> None:
+        for sender in self.senders.values():
+            sender.close()
+
+
+async def _run_harness(
+    harness: _Harness, inputs: list[tuple[str, Any]], one_at_a_time: bool, outputs: Mapping[str, list[Any]]
+) -> BaseException | None:
+    """Run the stage over `inputs`; returns what it raised, if anything."""
+    error: BaseException | None = None
+    stage = harness.stage
+
+    async def run_stage() -> None:
+        nonlocal error
+        try:
+            await stage.run(harness.ctx)
+        except Exception as e:
+            error = e
+        finally:
+            harness.ctx.close()
+            harness._progress.set()
+
+    async def feed() -> None:
+        if isinstance(stage, SourceStage):
+            await _drive_source(stage, outputs)
+            harness.ctx.stop_requested.set()
+            return
+        for k, (port, message) in enumerate(inputs):
+            if error is not None:
+                break
+            await harness.senders[port].send(message)
+            if one_at_a_time:
+                await harness.wait_handled(k + 1)
+        harness.close_inputs()
+
+    with anyio.fail_after(STAGE_TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            for port in harness.outputs:
+                tg.start_soon(harness.collect, port)
+            tg.start_soon(run_stage)
+            await feed()
+    return error
+
+
+async def _drive_source(stage: Stage, outputs: Mapping[str, list[Any]]) -> None:
+    """A source stage (ingest) is driven by its owner's calls: submit what it sent."""
+    from flowllm.messages import Abort, GenerateRequest
+
+    for messages in outputs.values():
+        for message in messages:
+            if isinstance(message, GenerateRequest):
+                stage.submit(message)  # type: ignore[attr-defined]
+            elif isinstance(message, Abort):
+                stage.abort(message.request_id)  # type: ignore[attr-defined]
+            await anyio.lowlevel.checkpoint()
+
+
+def _has_digest(message: Any) -> bool:
+    return isinstance(getattr(message, "logits", None), TensorDigest)
+
+
+class Replayer:
+    """Replays the stages of one trace (the library call behind `flowllm trace replay`)."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        services: Any,
+        *,
+        stage_overrides: Mapping[str, type[Stage]] | None = None,
+        atol: float = ATOL,
+        rtol: float = RTOL,
+    ) -> None:
+        self.trace = trace
+        self.services = services
+        self.overrides = dict(stage_overrides or {})
+        self.atol = atol
+        self.rtol = rtol
+        self._emitted: dict[str, dict[str, list[Any]]] = {}
+        self._results: dict[str, StageResult] = {}
+
+    def stage_names(self) -> list[str]:
+        return list(self.trace.graph.stages)
+
+    def replay(self, stage: str) -> StageResult:
+        if stage in self._results:
+            return self._results[stage]
+        if stage not in self.trace.graph.stages:
+            raise ReplayError(
+                f"the trace's graph has no stage {stage!r}; it has {', '.join(self.stage_names())}"
+            )
+        started = perf_counter()
+        result = self._replay(stage)
+        result.seconds = perf_counter() - started
+        self._results[stage] = result
+        return result
+
+    def _recorded_outputs(self, stage: str) -> dict[str, list[Any] | None]:
+        """Port -> recorded messages (None when none of the port's channels was recorded)."""
+        found: dict[str, list[Any] | None] = {}
+        for port, channels in self.trace.stage_outputs(stage).items():
+            recorded = [c for c in channels if c in self.trace.entries]
+            found[port] = (
+                [e.message for e in self.trace.entries[recorded[0]]] if recorded else None
+            )
+        return found
+
+    def _inputs(self, stage: str) -> tuple[list[tuple[str, Any]], bool] | str:
+        """(port, message) in receive order and whether to feed one at a time, or why not."""
+        trace = self.trace
+        ports = trace.stage_inputs(stage)
+        missing = [c for c in ports.values() if c not in trace.entries]
+        if missing:
+            return f"input channel(s) not recorded: {', '.join(missing)}"
+        port_of = {channel: port for port, channel in ports.items()}
+        if len(ports) == 1:
+            ((port, channel),) = ports.items()
+            return [(port, e.message) for e in trace.entries[channel]], False
+        handled = trace.handled.get(stage, [])
+        if not handled and any(trace.entries[c] for c in ports.values()):
+            if not trace.manifest.spans:
+                return "several inputs and no spans recorded: receive order unknown"
+        ordered: list[tuple[str, Any]] = []
+        for h in handled:
+            if h.channel is None or h.index is None:
+                return f"a span of {stage} matches no recorded input: receive order unknown"
+            ordered.append((port_of[h.channel], trace.entries[h.channel][h.index].message))
+        return ordered, True
+
+    def _substitute_digests(self, stage: str, inputs: list[tuple[str, Any]]) -> list[tuple[str, Any]] | str:
+        """Compact traces hold logits digests: feed the producing stage's replayed outputs."""
+        if not any(_has_digest(m) for _, m in inputs):
+            return inputs
+        channels = self.trace.stage_inputs(stage)
+        fixed: list[tuple[str, Any]] = []
+        counters: dict[str, int] = {}
+        for port, message in inputs:
+            if not _has_digest(message):
+                fixed.append((port, message))
+                continue
+            spec = self.trace.graph.channels[channels[port]]
+            if len(spec.producers) != 1:
+                return "digested inputs from several producers"
+            producer = spec.producers[0]
+            upstream = self.replay(producer.stage)
+            if upstream.status != "pass":
+                return f"inputs are digests re-derived from {producer.stage}, which did not pass"
+            produced = self._emitted[producer.stage][producer.port]
+            i = counters.get(port, 0)
+            counters[port] = i + 1
+            if i >= len(produced):
+                return f"{producer.stage} replayed fewer messages than {stage} received"
+            fixed.append((port, produced[i]))
+        return fixed
+
+    def _replay(self, name: str) -> StageResult:
+        trace = self.trace
+        bound = trace.graph.stages[name]
+        cls = self.overrides.get(name, bound.cls)
+        recorded = self._recorded_outputs(name)
+        is_source = issubclass(cls, SourceStage)
+        if is_source:
+            inputs: list[tuple[str, Any]] = []
+            one_at_a_time = False
+            if not any(v is not None for v in recorded.values()):
+                return StageResult(stage=name, status="skip", detail="no output recorded")
+        else:
+            got = self._inputs(name)
+            if isinstance(got, str):
+                return StageResult(stage=name, status="skip", detail=got)
+            inputs, one_at_a_time = got
+            fixed = self._substitute_digests(name, inputs)
+            if isinstance(fixed, str):
+                return StageResult(stage=name, status="skip", inputs=len(inputs), detail=fixed)
+            inputs = fixed
+        try:
+            stage = cls(bound.params, self.services.fresh())
+        except Exception as e:
+            return StageResult(stage=name, status="fail", detail=f"failed to build: {e!r}")
+        harness = _Harness(name, stage)
+        sources = {p: v for p, v in recorded.items() if v is not None}
+        error = anyio.run(_run_harness, harness, inputs, one_at_a_time, sources)
+        self._emitted[name] = harness.emitted
+        n_out = sum(len(v) for v in harness.emitted.values())
+        comparer = _Comparer(self.atol, self.rtol)
+        truncated = trace.manifest.truncated
+        compared = 0
+        for port, want in recorded.items():
+            if want is None:
+                continue
+            got_list = harness.emitted[port]
+            n = len(want) if truncated else max(len(want), len(got_list))
+            for i in range(n):
+                a = want[i] if i < len(want) else None
+                b = got_list[i] if i < len(got_list) else None
+                where = (
+                    comparer.diff(a, b)
+                    if a is not None and b is not None
+                    else "(message missing)"
+                )
+                if where is not None:
+                    return StageResult(
+                        stage=name,
+                        status="fail",
+                        inputs=len(inputs),
+                        outputs=n_out,
+                        detail=f"port {port!r} message #{i} differs at {where or '(message)'}",
+                        difference=Difference(
+                            port=port, index=i, path=where, recorded=show(a), replayed=show(b)
+                        ),
+                    )
+                compared += 1
+        if error is not None:
+            return StageResult(
+                stage=name,
+                status="fail",
+                inputs=len(inputs),
+                outputs=n_out,
+                detail=f"raised {type(error).__name__}: {error}",
+            )
+        if not recorded:
+            detail = f"no output ports; {harness.handled} inputs handled without error"
+        else:
+            detail = f"{compared} messages equal"
+            unrecorded = [p for p, v in recorded.items() if v is None]
+            if unrecorded:
+                detail += f" (port(s) {', '.join(unrecorded)} not recorded)"
+        return StageResult(
+            stage=name, status="pass", inputs=len(inputs), outputs=n_out, detail=detail
+        )
+
+
+def replay_trace(
+    trace_dir: str | Path,
+    stage: str | None = None,
+    *,
+    model: str | Path | None = None,
+    services: Any = None,
+    stage_overrides: Mapping[str, type[Stage]] | None = None,
+    atol: float = ATOL,
+    rtol: float = RTOL,
+    cache_dir: Path | None = None,
+) -> ReplayReport:
+    """Replay every stage of a trace (or the one named) and report per stage.
+
+    `model` replaces the recorded model (a directory whose weights must match); `services`
+    reuses already built services; `stage_overrides` swaps a stage class (for testing that
+    replay catches a broken stage).
+    """
+    trace = load_trace(trace_dir)
+    if services is None:
+        services = build_replay_services(trace, resolve_model(trace, model, cache_dir))
+    replayer = Replayer(trace, services, stage_overrides=stage_overrides, atol=atol, rtol=rtol)
+    names = [stage] if stage is not None else replayer.stage_names()
+    results = [replayer.replay(n) for n in names]
+    return ReplayReport(trace=str(trace_dir), results=results)
