@@ -1,0 +1,82 @@
+"""Real `flowllm serve` processes on 127.0.0.1 for the end-to-end tests.
+
+Each server is `python -m flowllm serve` in a subprocess on a free port, waited for on
+`/health`, and always terminated by its fixture's finalizer. A server that does not come up
+fails the test with its own stderr. The servers are session-scoped: starting one loads the
+model and the tokenizer, which costs seconds on the 2-core machines.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/e2e: e2e_helpers
+
+from e2e_helpers import (
+    API_KEY,
+    BASE_FLAGS,
+    CHAT_TEMPLATE,
+    DEFAULT_GRAPH,
+    FLOOD_MAX_PENDING,
+    ServerProcess,
+    start_server,
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def chat_template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("e2e-template") / "chatml.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(gpt2_tiny_dir: Path, chat_template_file: Path) -> Iterator[ServerProcess]:
+    """The tiny GPT-2 (real tokenizer), no API key, with a ChatML template for chat."""
+    proc = start_server(
+        str(gpt2_tiny_dir), [*BASE_FLAGS, "--chat-template", str(chat_template_file)]
+    )
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def auth_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
+    """The tiny GPT-2 behind `--api-key`."""
+    proc = start_server(str(gpt2_tiny_dir), [*BASE_FLAGS, "--api-key", API_KEY])
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def flood_server(
+    gpt2_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The tiny GPT-2 on a copy of the default graph whose ingest admits only
+    `FLOOD_MAX_PENDING` requests without output, and at most 2 sequences per step."""
+    graph = tmp_path_factory.mktemp("e2e-graph") / "small-pending.yaml"
+    text = DEFAULT_GRAPH.read_text()
+    limited = text.replace("{max_pending: 1024}", f"{{max_pending: {FLOOD_MAX_PENDING}}}")
+    if limited == text:
+        raise RuntimeError("default.yaml no longer sets ingest's max_pending: update the test")
+    graph.write_text(limited)
+    proc = start_server(
+        str(gpt2_tiny_dir), [*BASE_FLAGS, "--graph", str(graph), "--max-num-seqs", "2"]
+    )
+    try:
+        yield proc
+    finally:
+        proc.stop()
