@@ -87,21 +87,22 @@ class AttentionTiles:
 def choose_tiles(head_dim: int, dtype: torch.dtype) -> AttentionTiles:
     """Default tiles for one head width and dtype.
 
-    A 64-row query tile with its fp32 accumulator fits the register file up to head_dim
-    128; wider heads use 32 rows. KV tiles are sized so the K and V tiles of the software
-    pipeline (num_stages of each) stay within ~64 KiB of shared memory, which every CUDA
-    GPU that Triton supports has.
+    Chosen from sm_80 builds (registers per thread, spills, shared memory) so that no
+    kernel spills registers and none needs more than 64 KiB of shared memory (the most an
+    sm_75 block may use). fp32 tiles are smaller: fp32 dots run on FMA units (IEEE
+    precision, no TF32), which hold whole tiles in registers.
     """
     width = max(_MIN_DOT, triton.next_power_of_2(head_dim))
-    row_bytes = width * torch.empty((), dtype=dtype).element_size()
-    stages = 2
-    block_n = 64
-    while block_n > _MIN_DOT and 2 * stages * block_n * row_bytes > 64 * 1024:
-        block_n //= 2
-    block_m = 64 if width <= 128 else 32
-    return AttentionTiles(
-        block_m=block_m, block_n=block_n, decode_block_n=block_n, num_stages=stages
-    )
+    if dtype == torch.float32:
+        side = 32 if width <= 128 else 16
+        return AttentionTiles(block_m=side, block_n=side, decode_block_n=side)
+    if width <= 64:
+        return AttentionTiles(block_m=64, block_n=64, decode_block_n=64)
+    if width <= 128:
+        return AttentionTiles(block_m=64, block_n=32, decode_block_n=64)
+    if width <= 256:
+        return AttentionTiles(block_m=32, block_n=32, decode_block_n=32)
+    return AttentionTiles(block_m=16, block_n=16, decode_block_n=16)
 
 
 # --------------------------------------------------------------------------- kernels
