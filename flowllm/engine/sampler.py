@@ -41,7 +41,8 @@ from flowllm.messages import SampledToken, SamplingParams, SeqStart, TokenLogpro
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-LIMIT, LIMIT]
 _CDF_BLOCK = 256  # inverse CDF: block size of the two-level search
-_TOP_P_CANDIDATES = (256, 4096)  # top_p: top-K tried before a full sort of a row
+_RADIX_CHUNK = 1 << 21  # top_p: values per thresholding chunk (keeps temporaries small)
+_SORT_VOCAB = 4096  # top_p: up to this vocabulary size a full sort is the cheaper way
 
 
 class SamplerError(RuntimeError):
@@ -493,33 +494,72 @@ def _keep_top_p(
 ) -> None:
     """Keep each row's smallest top set with mass >= p × row mass (ties with its last kept).
 
-    scratch: [len(rows), V] float32 to overwrite (allocated when None).
-    The nucleus is looked for among the top 256, then 4096 candidates; only rows whose
-    nucleus is larger get a full sort. Prefix sums of the top-K equal those of a full sort,
-    so the result is the same either way.
+    scratch: [len(rows), V] float32 to overwrite (allocated when None). The threshold (the
+    value of the last token kept) comes from `_top_p_threshold`, without sorting the row.
     """
     dev = probs.device
-    vocab = probs.shape[1]
     sub, idx = _select_rows(probs, rows)  # [Rp, V]
-    mass = _block_sums(sub).sum(dim=-1)  # [Rp]
-    target = mass * torch.tensor(ps, dtype=torch.float32, device=dev)  # [Rp]
-    threshold = torch.zeros(len(rows), dtype=torch.float32, device=dev)  # [Rp]
-    pending = torch.arange(len(rows), device=dev)
-    for k in (*(c for c in _TOP_P_CANDIDATES if c < vocab), vocab):
-        part = sub if len(pending) == len(rows) else sub.index_select(0, pending)
-        top = part.topk(k, dim=-1).values if k < vocab else part.sort(-1, descending=True)[0]
-        cum = top.cumsum(dim=-1)  # [P, k]
-        tgt = target.index_select(0, pending).unsqueeze(1)  # [P, 1]
-        reached = cum[:, -1:] >= tgt if k < vocab else torch.ones_like(tgt, dtype=torch.bool)
-        reached = reached.squeeze(1)
-        m = torch.searchsorted(cum, tgt).clamp_(max=k - 1)  # first index with cum >= target
-        threshold[pending[reached]] = top.gather(1, m).squeeze(1)[reached]
-        pending = pending[~reached]
-        if pending.numel() == 0:
-            break
+    target = _block_sums(sub).sum(dim=-1) * torch.tensor(ps, dtype=torch.float32, device=dev)
+    if sub.shape[1] <= _SORT_VOCAB:
+        threshold = _sorted_threshold(sub, target)  # [Rp]
+    else:
+        # chunks of ~2M values keep the int64 bucket ids under glibc's mmap threshold
+        step = max(1, min(1024, _RADIX_CHUNK // sub.shape[1]))
+        threshold = torch.cat(
+            [
+                _top_p_threshold(sub[i : i + step], target[i : i + step])
+                for i in range(0, len(rows), step)
+            ]
+        )  # [Rp]
     _zero_below(sub, threshold.unsqueeze(1), torch.empty_like(sub) if scratch is None else scratch)
     if idx is not None:
         probs.index_copy_(0, idx, sub)
+
+
+def _sorted_threshold(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`_top_p_threshold` by a full sort: cheaper than bucketing for small vocabularies."""
+    values = probs.sort(dim=1, descending=True).values  # [P, V]
+    m = torch.searchsorted(values.cumsum(dim=1), target.unsqueeze(1).contiguous())
+    return values.gather(1, m.clamp_(max=probs.shape[1] - 1)).squeeze(1)
+
+
+def _top_p_threshold(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The largest value t of each row such that the mass of the values >= t reaches target.
+
+    probs: [P, V] >= 0; target: [P]. Equal to reading the threshold off a descending sort
+    and its prefix sums (up to float rounding of the sums), without sorting the row:
+    non-negative floats order like their int32 bit patterns, so the top 11 bits (exponent
+    and 3 mantissa bits: buckets of 1/8 octave) bucket the values in one pass; the bucket
+    where the running mass from the top reaches the target is the only one that needs
+    sorting, and it is small.
+    """
+    rows = probs.shape[0]
+    dev = probs.device
+    nb = 2048  # bucket = bits >> 20 for any non-negative float32
+    bucket = (probs.view(torch.int32) >> 20).long()  # [P, V]
+    mass = torch.zeros(rows, nb, dtype=torch.float32, device=dev)
+    mass.scatter_add_(1, bucket, probs)  # [P, nb]
+    at_or_above = mass.flip(1).cumsum(1).flip(1)  # [P, nb] mass of buckets >= b
+    b = torch.arange(nb, device=dev)
+    ok = (mass > 0) & (at_or_above >= target.unsqueeze(1))
+    last_ok = torch.where(ok, b, -1).amax(dim=1, keepdim=True)  # [P, 1]
+    first_nonempty = torch.where(mass > 0, b, nb - 1).amin(dim=1, keepdim=True)
+    chosen = torch.where(last_ok >= 0, last_ok, first_nonempty)  # [P, 1] crossing bucket
+    above = torch.where(
+        chosen + 1 < nb, at_or_above.gather(1, (chosen + 1).clamp(max=nb - 1)), 0.0
+    )  # [P, 1] mass of the buckets above it
+    # The crossing bucket's values, one padded row each, sorted descending.
+    r, j = (bucket == chosen).nonzero(as_tuple=True)  # row-major: r ascending
+    counts = torch.bincount(r, minlength=rows)  # [P] >= 1
+    starts = counts.cumsum(0) - counts
+    pos = torch.arange(r.numel(), device=dev) - starts[r]
+    cand = torch.zeros(rows, int(counts.max()), dtype=torch.float32, device=dev)
+    cand[r, pos] = probs[r, j]
+    cand = cand.sort(dim=1, descending=True).values  # [P, K]
+    cum = cand.cumsum(dim=1) + above  # [P, K] mass of everything >= cand[:, k]
+    m = torch.searchsorted(cum, target.unsqueeze(1).contiguous())  # first k reaching target
+    m = torch.minimum(m, (counts - 1).unsqueeze(1))
+    return cand.gather(1, m).squeeze(1)
 
 
 def _block_sums(x: torch.Tensor) -> torch.Tensor:

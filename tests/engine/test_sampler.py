@@ -21,6 +21,8 @@ from flowllm.engine.sampler import (
     _inverse_cdf,
     _keep_top_k,
     _keep_top_p,
+    _sorted_threshold,
+    _top_p_threshold,
     sibling_seed,
 )
 from flowllm.messages import SamplingParams, SeqStart
@@ -312,6 +314,26 @@ def test_top_k_and_top_p_helpers_equal_a_full_sort_reference() -> None:
         assert bool((got[row][got[row] > 0] >= kth).all())
     for row in (0, 2, 3, 5):
         assert torch.equal(got[row], probs[row])
+
+
+def test_bucketed_top_p_threshold_equals_the_sorted_one() -> None:
+    gen = torch.Generator().manual_seed(21)
+    vocab = 6000
+    rows = [torch.softmax(torch.randn(vocab, generator=gen) * s, dim=-1) for s in (0.01, 1, 3, 8)]
+    ties = torch.randint(0, 5, (vocab,), generator=gen).float()  # many exactly equal values
+    rows.append(ties / ties.sum())
+    one_hot = torch.zeros(vocab)
+    one_hot[123] = 0.25  # unnormalised, a single token left after other filters
+    rows.append(one_hot)
+    sparse = torch.softmax(torch.randn(vocab, generator=gen) * 2, dim=-1)
+    sparse[torch.rand(vocab, generator=gen) < 0.9] = 0.0  # most tokens already filtered
+    rows.append(sparse)
+    probs = torch.stack(rows)
+    for p in (0.01, 0.3, 0.9, 0.9999):
+        target = probs.sum(dim=1) * p
+        got = _top_p_threshold(probs, target)
+        want = _sorted_threshold(probs, target)
+        assert torch.equal(got, want), p
 
 
 def test_top_k_keeps_ties_with_the_kth() -> None:
