@@ -313,17 +313,32 @@ def test_fp16_and_int64_indices(max_query_len: int) -> None:
     assert_close(out, dense_oracle(case), torch.float16)
 
 
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache stored as [num_blocks, num_kv_heads, block_size, head_dim], viewed back
+    as [num_blocks, block_size, num_kv_heads, head_dim] (not contiguous)."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 @needs_backend
-def test_strided_views() -> None:
-    """query sliced out of a fused QKV tensor; block_tables a slice of a wider table."""
-    case = make_case([(0, 5), (9, 3), (17, 1)], seed=5)
+@pytest.mark.parametrize("max_query_len", [1, 3])
+def test_strided_views(max_query_len: int) -> None:
+    """query sliced out of a fused QKV tensor; block_tables a slice of a wider table; caches
+    stored head-major."""
+    case = make_case([(0, max_query_len), (9, 3 if max_query_len > 1 else 1), (17, 1)], seed=5)
     num_tokens, num_heads, head_dim = case.query.shape
     qkv = torch.randn(num_tokens, 3 * num_heads, head_dim, device=DEVICE)
     qkv[:, :num_heads] = case.query
     wide = torch.full((case.block_tables.shape[0], 11), -1, dtype=torch.int32, device=DEVICE)
     wide[:, : case.block_tables.shape[1]] = case.block_tables
-    strided = replace(case, query=qkv[:, :num_heads], block_tables=wide[:, :-2])
+    strided = replace(
+        case,
+        query=qkv[:, :num_heads],
+        block_tables=wide[:, :-2],
+        k_cache=_head_major(case.k_cache),
+        v_cache=_head_major(case.v_cache),
+    )
     assert not strided.query.is_contiguous() and not strided.block_tables.is_contiguous()
+    assert not strided.k_cache.is_contiguous()
     out = ta.paged_attention(*strided.args(), tiles=SMALL_TILES)
     assert out.is_contiguous()
     assert_close(out, dense_oracle(case), torch.float32)
@@ -414,6 +429,19 @@ def test_store_kv_strided_inputs_and_padding_slots() -> None:
     expected_v[slots[keep].long()] = value.cpu()[keep]
     assert torch.equal(k_cache.cpu().view_as(expected_k), expected_k)
     assert torch.equal(v_cache.cpu().view_as(expected_v), expected_v)
+
+
+@needs_backend
+def test_store_kv_into_head_major_cache() -> None:
+    key, value = _kv_rows(5, 2, 16, torch.float32, seed=8)
+    k_cache = _head_major(torch.zeros(3, 8, 2, 16, device=DEVICE))
+    v_cache = _head_major(torch.zeros(3, 8, 2, 16, device=DEVICE))
+    slots = torch.tensor([3, 8, 23, 12, 0], device=DEVICE)
+    ta.store_kv(key, value, k_cache, v_cache, slots)
+    blocks, offsets = slots // 8, slots % 8
+    assert torch.equal(k_cache[blocks, offsets], key)
+    assert torch.equal(v_cache[blocks, offsets], value)
+    assert int((k_cache != 0).sum()) == key.numel()
 
 
 @needs_backend
