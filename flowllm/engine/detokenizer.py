@@ -51,7 +51,8 @@ def make_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between: bool)
     """A function ids -> text that matches `tokenizer.decode(ids, skip_special_tokens=...)`.
 
     For a fast tokenizer, its backend's decode; for any other tokenizer, its own decode with
-    both flags.
+    both flags. Build it once per flag pair and pass it to every `IncrementalDetokenizer`
+    (`decode=`) to skip the per-sequence lookups.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -70,8 +71,10 @@ def make_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between: bool)
     def fast_decode(ids: list[int]) -> str:
         return str(backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    if spaces_between:
+        return fast_decode
     added = frozenset(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    if spaces_between or not added:
+    if not added:
         return fast_decode
 
     def segmented_decode(ids: list[int]) -> str:

@@ -11,7 +11,7 @@ Per step, for a batch of rows (one per sequence), in this order (vLLM's):
 3. logit_bias: added, each value clamped to ±100;
 4. penalties: repetition over prompt + output tokens (divide positive logits by the
    penalty, multiply negative ones), then frequency (times the output count) and presence
-   (once per distinct output token) subtracted; both over output tokens only;
+   (once per distinct output token) subtracted, these two over output tokens only;
 5. greedy rows (temperature < 1e-5) take the argmax; the others divide by temperature,
    softmax, drop tokens below min_p × the top probability, keep the top_k, keep the
    smallest set of top tokens whose mass reaches top_p (ties kept), and draw one token by
@@ -22,9 +22,9 @@ costs little more than one pass (argmax) or a softmax plus one summing pass.
 
 Randomness: unseeded rows draw their uniforms from one generator seeded at construction.
 A seeded sequence owns a generator seeded from `sibling_seed(seed, index)` and draws exactly
-one uniform per random step from it; every batched operation on its row is row-wise or
-exactly rounded, so the same seed and logits give the same tokens whatever else is in the
-batch and wherever the row sits in it.
+one uniform per random step from it; every batched operation on its row is row-wise (with
+reductions summed in fixed 256-token blocks) or exactly rounded, so the same seed and
+logits give the same tokens whatever else is in the batch and wherever the row sits in it.
 """
 
 from __future__ import annotations
