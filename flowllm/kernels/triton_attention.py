@@ -585,6 +585,8 @@ def store_kv(
     if num_tokens == 0 or k_cache.numel() == 0:
         return
 
+    # One program copies a token's whole [num_kv_heads, head_dim] row of K and of V.
+    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     with _launch_device(key):
         _store_kv_kernel[(num_tokens,)](
             key, value, k_cache, v_cache, slot_mapping,
@@ -594,9 +596,9 @@ def store_kv(
             num_blocks * block_size, block_size,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(num_kv_heads),
-            BLOCK_D=triton.next_power_of_2(head_dim),
-            num_warps=4,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            num_warps=4 if block_h * block_d <= 2048 else 8,  # wide rows: more threads
         )  # fmt: skip
 
 
