@@ -555,3 +555,34 @@ def test_penalties_ignore_prompt_ids_outside_the_logits() -> None:
     assert torch.equal(logits[0], want)
     assert logits[0].tolist() == [1.0, 1.0, 3.0, 2.0, -4.0, 0.5]
     assert sampler.sample([0], raw, [0])[0].token_id == 2
+
+
+def test_siblings_in_one_batch_sample_as_they_do_alone() -> None:
+    gen = torch.Generator().manual_seed(12)
+    rows = [torch.randn(3000, generator=gen) for _ in range(5)]
+    params = SamplingParams(seed=9, n=2, temperature=0.9, top_p=0.95)
+
+    def alone(index: int) -> list[int]:
+        sampler = Sampler(seed=index)
+        start(sampler, 0, params, index=index)
+        return [sampler.sample([0], r.clone()[None], [i])[0].token_id for i, r in enumerate(rows)]
+
+    together = Sampler(seed=3)
+    start(together, 10, params, index=0)
+    start(together, 11, params, index=1)
+    pairs = [
+        [t.token_id for t in together.sample([10, 11], torch.stack([r, r]), [i, i])]
+        for i, r in enumerate(rows)
+    ]
+    assert [p[0] for p in pairs] == alone(0)
+    assert [p[1] for p in pairs] == alone(1)
+
+
+def test_bfloat16_logits_are_accepted() -> None:
+    sampler = Sampler()
+    start(sampler, 0, SamplingParams(temperature=0.0, logprobs=1))
+    logits = torch.tensor([[0.0, 3.0, 1.0]], dtype=torch.bfloat16)
+    got = sampler.sample([0], logits, [0])[0]
+    assert got.token_id == 1
+    assert got.logprobs is not None and got.logprobs.rank == 1
+    assert got.logprobs.logprob == pytest.approx(float(torch.log_softmax(logits.float(), -1)[0, 1]))
