@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
+
+    from flowllm.traces.commands import add_trace_parser
+
+    add_trace_parser(commands)
     return parser
 
 

@@ -33,8 +33,18 @@ def serve_command(args: argparse.Namespace) -> int:
 
     @asynccontextmanager
     async def engine() -> AsyncIterator[AsyncEngine]:
+        recorder = None
+        if getattr(args, "trace_dir", None):
+            from flowllm.traces.recorder import TraceRecorder
+
+            recorder = TraceRecorder(
+                args.trace_dir, channels=args.trace_channels, max_bytes=args.trace_max_bytes
+            )
         async with AsyncEngine.start(
-            graph=args.graph, services=services, stop_timeout=args.shutdown_timeout
+            graph=args.graph,
+            services=services,
+            stop_timeout=args.shutdown_timeout,
+            recorder=recorder,
         ) as running:
             print(f"flowllm serving {config.model.name!r} at {url}/v1", file=sys.stderr)
             yield running
@@ -99,7 +109,13 @@ def generate_command(args: argparse.Namespace) -> int:
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True)
     try:
-        llm = LLM(config=config_from_args(args), graph=args.graph)
+        llm = LLM(
+            config=config_from_args(args),
+            graph=args.graph,
+            trace_dir=args.trace_dir,
+            trace_channels=args.trace_channels,
+            trace_max_bytes=args.trace_max_bytes,
+        )
         params = SamplingParams(
             n=args.n,
             max_tokens=args.max_tokens,

@@ -19,6 +19,11 @@ def _bytes(text: str) -> int:
     return int(lowered)
 
 
+def _names(text: str) -> list[str]:
+    """`a.in,b.out` -> ["a.in", "b.out"]."""
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 def add_engine_arguments(
     parser: argparse.ArgumentParser, *, model_optional: bool, log_level: str = "info"
 ) -> None:
@@ -48,6 +53,17 @@ def add_engine_arguments(
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--chat-template", help="a Jinja chat template file")
     parser.add_argument("--graph", help="run this graph YAML instead of the default one")
+    parser.add_argument(
+        "--trace-dir", help="record every channel's messages and the spans into this directory"
+    )
+    parser.add_argument(
+        "--trace-channels",
+        type=_names,
+        help="record only these channels (comma-separated, as `stage.port`)",
+    )
+    parser.add_argument(
+        "--trace-max-bytes", type=_bytes, help="stop recording at this size (e.g. 64MiB)"
+    )
     parser.add_argument("--log-level", default=os.environ.get("FLOWLLM_LOG_LEVEL", log_level))
     parser.add_argument(
         "--log-format",

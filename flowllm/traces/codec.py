@@ -84,7 +84,7 @@ class TensorDigest(msgspec.Struct, array_like=True, kw_only=True):
     def of(cls, tensor: torch.Tensor, k: int) -> TensorDigest:
         """The digest of `tensor` ([rows, cols], or 1-D as one row)."""
         t = tensor.detach().to("cpu", torch.float64)
-        rows = t.reshape(1, -1) if t.dim() == 1 else t.reshape(t.shape[0], -1)
+        rows = t.reshape(1, -1) if t.dim() < 2 else t.flatten(1)  # [rows, cols]
         k = min(k, rows.shape[1]) if rows.numel() else 0
         if rows.shape[0] and k:
             values, indices = torch.topk(rows, k, dim=1)

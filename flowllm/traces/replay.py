@@ -38,7 +38,7 @@ from flowllm.graph.spans import GraphMetrics, SpanRecorder
 from flowllm.stages.base import Outbox, SourceStage, Stage, StageContext
 from flowllm.traces.codec import TensorDigest
 from flowllm.traces.manifest import ModelSource, weights_sha256
-from flowllm.traces.trace import Trace, load_trace
+from flowllm.traces.trace import Trace, load_trace, producer_of
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -178,15 +178,49 @@ def build_model(source: ModelSource, sha: str | None, cache_dir: Path | None) ->
     return dest
 
 
-def build_replay_services(trace: Trace, model_path: str) -> Any:
-    """The services the recording engine had, loading `model_path` in place of its model."""
-    from flowllm.stages.services import build_services
+def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> Any:
+    """The services the recording engine had, loading `model_path` in place of its model.
+
+    `base`: services already holding that model (same path and dtype) whose model and
+    tokenizer are reused, so replaying many traces loads the model once.
+    """
+    from flowllm.config import ConfigError
+    from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
+    from flowllm.stages.services import EngineServices, build_services
 
     config = trace.manifest.engine_config
     model_config = msgspec.structs.replace(
         config.model, model=model_path, served_model_name=config.model.name
     )
-    return build_services(msgspec.structs.replace(config, model=model_config))
+    config = msgspec.structs.replace(config, model=model_config)
+    same_model = (
+        base is not None
+        and base.config.model.model == model_path
+        and base.config.model.dtype == model_config.dtype
+        and base.config.model.chat_template == model_config.chat_template
+    )
+    if not same_model:
+        return build_services(config)
+    model = base.model
+    max_model_len = model.max_position_embeddings
+    if model_config.max_model_len is not None:
+        if model_config.max_model_len > max_model_len:
+            raise ConfigError(f"max_model_len={model_config.max_model_len} exceeds the model's")
+        max_model_len = model_config.max_model_len
+    spec = KVCacheSpec.for_model(model, config.cache.block_size)
+    num_blocks, kv_caches = allocate_kv_cache(
+        spec, base.device, config.cache.kv_cache_memory, config.cache.gpu_memory_utilization
+    )
+    return EngineServices(
+        config=config,
+        model=model,
+        tokenizer=base.tokenizer,
+        kv_caches=kv_caches,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        eos_token_ids=base.eos_token_ids,
+        device=base.device,
+    )
 
 
 # -- comparing --------------------------------------------------------------------------
@@ -203,7 +237,7 @@ class _Comparer:
 
     def diff(self, rec: Any, rep: Any, path: str = "") -> str | None:
         """The path of the first difference, or None."""
-        if isinstance(rec, TensorDigest) or isinstance(rec, torch.Tensor):
+        if isinstance(rec, (TensorDigest, torch.Tensor)):
             return self._tensor(rec, rep, path)
         if type(rec) is not type(rep) and not (
             isinstance(rec, (int, float)) and isinstance(rep, (int, float))
@@ -238,9 +272,8 @@ class _Comparer:
                 if found is not None:
                     return found
             return None
-        if isinstance(rec, float) and isinstance(rep, float):
-            if math.isnan(rec) and math.isnan(rep):
-                return None
+        if isinstance(rec, float) and isinstance(rep, float) and math.isnan(rec):
+            return None if math.isnan(rep) else path
         return None if rec == rep else path
 
     def _tensor(self, rec: Any, rep: Any, path: str) -> str | None:
@@ -254,7 +287,8 @@ class _Comparer:
             return None if ok else f"{path} (max abs difference {(a - b).abs().max():.3g})"
         if tuple(rec.shape) != tuple(rep.shape):
             return f"{path} (shape {tuple(rec.shape)} vs {tuple(rep.shape)})"
-        rows = rep.detach().cpu().to(torch.float64).reshape(len(rec.sums), -1)
+        flat = rep.detach().cpu().to(torch.float64)
+        rows = flat.reshape(1, -1) if flat.dim() < 2 else flat.flatten(1)  # [rows, cols]
         for r, (indices, values) in enumerate(zip(rec.indices, rec.values, strict=True)):
             got = rows[r, torch.tensor(indices, dtype=torch.int64)]
             want = torch.tensor(values, dtype=torch.float64)
@@ -347,7 +381,10 @@ class _Harness:
 
 
 async def _run_harness(
-    harness: _Harness, inputs: list[tuple[str, Any]], one_at_a_time: bool, outputs: Mapping[str, list[Any]]
+    harness: _Harness,
+    inputs: list[tuple[str, Any]],
+    one_at_a_time: bool,
+    outputs: Mapping[str, list[Any]],
 ) -> BaseException | None:
     """Run the stage over `inputs`; returns what it raised, if anything."""
     error: BaseException | None = None
@@ -441,11 +478,23 @@ class Replayer:
     def _recorded_outputs(self, stage: str) -> dict[str, list[Any] | None]:
         """Port -> recorded messages (None when none of the port's channels was recorded)."""
         found: dict[str, list[Any] | None] = {}
-        for port, channels in self.trace.stage_outputs(stage).items():
-            recorded = [c for c in channels if c in self.trace.entries]
-            found[port] = (
-                [e.message for e in self.trace.entries[recorded[0]]] if recorded else None
-            )
+        trace = self.trace
+        for port, channels in trace.stage_outputs(stage).items():
+            recorded = [c for c in channels if c in trace.entries]
+            if not recorded:
+                found[port] = None
+                continue
+            # Prefer a channel this stage alone feeds; on a fan-in channel (errors), keep
+            # the entries this stage sent, told apart by the spans open at each send.
+            recorded.sort(key=lambda c: len(trace.graph.channels[c].producers))
+            channel = recorded[0]
+            entries = trace.entries[channel]
+            if len(trace.graph.channels[channel].producers) > 1:
+                if not trace.spans:
+                    found[port] = None
+                    continue
+                entries = [e for e in entries if producer_of(trace, channel, e) == stage]
+            found[port] = [e.message for e in entries]
         return found
 
     def _inputs(self, stage: str) -> tuple[list[tuple[str, Any]], bool] | str:
@@ -460,9 +509,8 @@ class Replayer:
             ((port, channel),) = ports.items()
             return [(port, e.message) for e in trace.entries[channel]], False
         handled = trace.handled.get(stage, [])
-        if not handled and any(trace.entries[c] for c in ports.values()):
-            if not trace.manifest.spans:
-                return "several inputs and no spans recorded: receive order unknown"
+        if not trace.manifest.spans and any(trace.entries[c] for c in ports.values()):
+            return "several inputs and no spans recorded: receive order unknown"
         ordered: list[tuple[str, Any]] = []
         for h in handled:
             if h.channel is None or h.index is None:
@@ -470,7 +518,9 @@ class Replayer:
             ordered.append((port_of[h.channel], trace.entries[h.channel][h.index].message))
         return ordered, True
 
-    def _substitute_digests(self, stage: str, inputs: list[tuple[str, Any]]) -> list[tuple[str, Any]] | str:
+    def _substitute_digests(
+        self, stage: str, inputs: list[tuple[str, Any]]
+    ) -> list[tuple[str, Any]] | str:
         """Compact traces hold logits digests: feed the producing stage's replayed outputs."""
         if not any(_has_digest(m) for _, m in inputs):
             return inputs
@@ -537,9 +587,7 @@ class Replayer:
                 a = want[i] if i < len(want) else None
                 b = got_list[i] if i < len(got_list) else None
                 where = (
-                    comparer.diff(a, b)
-                    if a is not None and b is not None
-                    else "(message missing)"
+                    comparer.diff(a, b) if a is not None and b is not None else "(message missing)"
                 )
                 if where is not None:
                     return StageResult(
@@ -587,12 +635,12 @@ def replay_trace(
     """Replay every stage of a trace (or the one named) and report per stage.
 
     `model` replaces the recorded model (a directory whose weights must match); `services`
-    reuses already built services; `stage_overrides` swaps a stage class (for testing that
-    replay catches a broken stage).
+    holding that model are reused for its model and tokenizer (the engine config is the
+    trace's); `stage_overrides` swaps a stage class (for testing that replay catches a
+    broken stage).
     """
     trace = load_trace(trace_dir)
-    if services is None:
-        services = build_replay_services(trace, resolve_model(trace, model, cache_dir))
+    services = build_replay_services(trace, resolve_model(trace, model, cache_dir), services)
     replayer = Replayer(trace, services, stage_overrides=stage_overrides, atol=atol, rtol=rtol)
     names = [stage] if stage is not None else replayer.stage_names()
     results = [replayer.replay(n) for n in names]

@@ -57,6 +57,27 @@ class Trace:
         }
 
 
+def producer_of(trace: Trace, channel: str, entry: Entry) -> str | None:
+    """Which producer of a fan-in channel sent `entry`: the producer whose span was open at
+    the send (a stage emits while handling), preferring one about the same request."""
+    producers = {p.stage for p in trace.graph.channels[channel].producers}
+    if len(producers) == 1:
+        return next(iter(producers))
+    t = entry.send_time
+    open_spans = [
+        h.span
+        for stage in producers
+        for h in trace.handled.get(stage, ())
+        if h.span.started <= t <= h.span.started + h.span.duration
+    ]
+    request_id = getattr(entry.message, "request_id", None)
+    same = [s for s in open_spans if request_id is not None and s.request_id == request_id]
+    chosen = same or open_spans
+    if not chosen:
+        return None
+    return max(chosen, key=lambda s: s.started).stage
+
+
 def load_trace(directory: str | Path) -> Trace:
     """Read a trace directory (refusing another schema version)."""
     directory = Path(directory)
@@ -97,9 +118,9 @@ def _link_spans(trace: Trace) -> dict[str, list[Handled]]:
             )
         best: tuple[float, str, int] | None = None
         for candidate in by_object.get(span.object_id, ()):
-            if candidate[1] in inputs and candidate[0] <= span.started:
-                if best is None or candidate[0] > best[0]:
-                    best = candidate
+            fits = candidate[1] in inputs and candidate[0] <= span.started
+            if fits and (best is None or candidate[0] > best[0]):
+                best = candidate
         channel, index = (best[1], best[2]) if best is not None else (None, None)
         handled[span.stage].append(Handled(span, channel, index))
     return dict(handled)
