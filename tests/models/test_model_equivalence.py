@@ -11,6 +11,7 @@ import torch
 from model_test_utils import Blocks, PagedSeq, reference_logits, schedule
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from flowllm import kernels
 from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.registry import model_class_for
 from flowllm.models.runner import ModelRunner
@@ -137,3 +138,31 @@ def test_bfloat16_close_to_transformers_fp32() -> None:
     _, prompt = runner.run([schedule(seq, 37, Blocks(8), BLOCK)], {0})
     want = reference_logits(ref, seq.tokens)
     assert (prompt[0] - want).abs().max().item() < 0.1 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied"])
+def test_model_on_triton_kernels_matches_transformers(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's CUDA path (the Triton kernels), run by the interpreter on CPU tensors."""
+    triton_attention = pytest.importorskip("flowllm.kernels.triton_attention")
+    if not triton_attention.interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 before flowllm is imported (the Makefile sets it)")
+    monkeypatch.setattr(kernels, "implementation_for", lambda device: triton_attention)
+    build, tol = REFERENCES[name]
+    ref = build()
+    model, kv = ours_from(ref)
+    runner = ModelRunner(model, kv, BLOCK, "cpu")
+    rng = random.Random(3)
+    seqs = [PagedSeq(i, [rng.randrange(VOCAB) for _ in range(n)]) for i, n in enumerate((20, 9))]
+    blocks = Blocks(96)
+    _, first = runner.run([schedule(seqs[0], 17, blocks, BLOCK)], {0})
+    seqs[0].num_computed = 17
+    # A decode after a block boundary beside a fresh prefill.
+    logits, prompt = runner.run(
+        [schedule(seqs[0], 1, blocks, BLOCK), schedule(seqs[1], 9, blocks, BLOCK)], {1}
+    )
+    want0, want1 = (reference_logits(ref, s.tokens) for s in seqs)
+    assert (first[0] - want0[:17]).abs().max().item() <= tol
+    assert (logits[0] - want0[17]).abs().max().item() <= tol
+    assert (prompt[1] - want1).abs().max().item() <= tol
