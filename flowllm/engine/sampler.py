@@ -606,7 +606,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         torch.searchsorted(inner_cdf, residual, right=True),
         torch.searchsorted(inner_cdf, inner_cdf[:, -1:].contiguous()),  # last token with mass
     )
-    return (b * _CDF_BLOCK + j).squeeze(1)
+    # the clamp only matters for rows without finite mass (NaN logits): stay a valid id
+    return (b * _CDF_BLOCK + j).squeeze(1).clamp_(0, vocab - 1)
 
 
 def _token_logprobs(
