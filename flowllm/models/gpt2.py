@@ -2,7 +2,7 @@
 token batches and a paged KV cache.
 
 Learned absolute positions, pre-LayerNorm blocks, fused QKV, a GELU MLP, and an LM head
-tied to the token embedding (one stored tensor serves both).
+tied to the token embedding (one stored tensor serves both) unless the config unties it.
 """
 
 from __future__ import annotations
@@ -95,8 +95,15 @@ class GPT2Model(nn.Module):
         self.head_dim = d // self.num_heads
         self.hidden_size = d
         eps = float(config_get(hf_config, "layer_norm_epsilon", 1e-5))
+        self.tie_word_embeddings = bool(config_get(hf_config, "tie_word_embeddings", True))
         self.lm_head = Linear(d, self.vocab_size, False, dtype, device)
-        self.wte = Embedding(self.vocab_size, d, dtype, device, tied_to=self.lm_head)
+        self.wte = Embedding(
+            self.vocab_size,
+            d,
+            dtype,
+            device,
+            tied_to=self.lm_head if self.tie_word_embeddings else None,
+        )
         self.wpe = nn.Parameter(
             torch.empty(self.max_position_embeddings, d, dtype=dtype, device=device),
             requires_grad=False,
@@ -122,13 +129,17 @@ class GPT2Model(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF GPT-2 tensors (prefixed `transformer.` or not; Conv1D weights [in, out])."""
+        tied = self.tie_word_embeddings
         m = WeightMap(
             prefixes=("transformer.",),
             ignored_suffixes=(".attn.bias", ".attn.masked_bias"),
-            optional=frozenset({"lm_head.weight"}),
+            optional=frozenset({"lm_head.weight"}) if tied else frozenset(),
         )
         m.add("wte.weight", lambda t: self.wte.load("wte.weight", t))
-        m.add("lm_head.weight", lambda t: self.wte.load("lm_head.weight", t))
+        if tied:  # a tied checkpoint may still carry the head: the same values
+            m.add("lm_head.weight", lambda t: self.wte.load("lm_head.weight", t))
+        else:
+            m.add("lm_head.weight", lambda t: self.lm_head.load_weight("lm_head.weight", t))
         m.add("wpe.weight", lambda t: _copy("wpe.weight", self.wpe, t))
         m.add("ln_f.weight", lambda t: _copy("ln_f.weight", self.ln_f.weight, t))
         m.add("ln_f.bias", lambda t: _copy("ln_f.bias", self.ln_f.bias, t))

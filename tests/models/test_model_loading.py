@@ -161,3 +161,19 @@ def test_kv_cache_sizing_and_allocation() -> None:
         spec.num_blocks_for(spec.bytes_per_block - 1)
     model = LlamaModel(tiny_llama().config, torch.float32, "cpu")
     assert KVCacheSpec.for_model(model, 8) == KVCacheSpec(1, 2, 8, torch.float32, 8)
+
+
+def test_gpt2_untied_head_loads_separately() -> None:
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, tie_word_embeddings=False)
+    ref = GPT2LMHeadModel(cfg).eval()
+    sd = dict(ref.state_dict())
+    model = GPT2Model(cfg, torch.float32, "cpu")
+    model.load_weights(sd.items())
+    h = torch.randn(2, 32)
+    torch.testing.assert_close(model.lm_head(h), ref.lm_head(h))
+    ids = torch.tensor([1, 50])
+    torch.testing.assert_close(model.wte(ids), ref.transformer.wte.weight[ids], rtol=0, atol=0)
+    del sd["lm_head.weight"]
+    with pytest.raises(WeightLoadError, match=r"lm_head\.weight"):
+        GPT2Model(cfg, torch.float32, "cpu").load_weights(sd.items())
