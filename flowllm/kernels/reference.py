@@ -56,6 +56,11 @@ def _gather_context(
     cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
 ) -> torch.Tensor:
     """The first `num_blocks` blocks of each row of `block_tables`, as [B, L, kv_heads, D]."""
+    if num_blocks > block_tables.shape[1]:
+        raise KernelInputError(
+            f"a sequence needs {num_blocks} blocks but block_tables has only "
+            f"{block_tables.shape[1]} columns"
+        )
     blocks = block_tables[:, :num_blocks].to(torch.int64)  # [B, nb]
     gathered = cache.index_select(0, blocks.reshape(-1))  # [B * nb, bs, kv_heads, D]
     return gathered.view(blocks.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])

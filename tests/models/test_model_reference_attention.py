@@ -126,5 +126,7 @@ def test_bad_shapes_raise_typed_errors() -> None:
         reference.paged_attention(
             query, k_cache[:, :, :2], v_cache[:, :, :2], tables, qsl, seq_lens, 1.0, 1, 3
         )
+    with pytest.raises(KernelInputError, match="needs 1 blocks"):
+        reference.paged_attention(query, k_cache, v_cache, tables[:, :0], qsl, seq_lens, 1.0, 1, 3)
     with pytest.raises(KernelInputError, match="slot_mapping"):
         reference.store_kv(query, query, k_cache, v_cache, torch.tensor([0, 1]))
