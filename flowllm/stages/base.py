@@ -178,6 +178,7 @@ class StageContext:
                     continue
                 except anyio.EndOfStream:
                     self._reported_closed.add(port)
+                    self.spans.input_closed(port)
                     return port, CLOSED
                 self.last_wait = inbox.last_wait
                 return port, message

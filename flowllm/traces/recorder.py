@@ -21,7 +21,7 @@ import msgspec
 import flowllm
 from flowllm.graph.channel import type_name
 from flowllm.graph.runtime import Graph
-from flowllm.graph.spans import message_fields
+from flowllm.graph.spans import InputClosed, message_fields
 from flowllm.traces.codec import MessageCodec, snapshot
 from flowllm.traces.manifest import (
     SCHEMA_VERSION,
@@ -50,6 +50,7 @@ class SpanRecord(msgspec.Struct, array_like=True, kw_only=True):
     object_id: int  # id() of the message handled: matches a channel entry's object_id
     request_id: str | None = None
     step_id: int | None = None
+    closed_port: str | None = None  # set instead of a message: this input port ended
 
 
 _STOP = object()
@@ -201,6 +202,19 @@ class TraceRecorder:
                 index = item[0]
                 if index < 0:
                     _, stage, message, started, duration, wait = item
+                    if isinstance(message, InputClosed):
+                        record = SpanRecord(
+                            stage=stage,
+                            started=started,
+                            duration=0.0,
+                            queue_wait=0.0,
+                            object_id=0,
+                            closed_port=message.port,
+                        )
+                        data = codec.encode_value(record)
+                        key, name = -1, SPANS_FILE
+                        self._write(files, key, name, data, index)
+                        continue
                     fields = message_fields(message)
                     record = SpanRecord(
                         stage=stage,
@@ -217,24 +231,30 @@ class TraceRecorder:
                     _, message, send_time, object_id = item
                     data = codec.encode(message, send_time, object_id)
                     key, name = index, self._infos[index].file
-                if self.max_bytes is not None and self.bytes_written + len(data) > self.max_bytes:
-                    self._stopped = True
-                    self.truncated = True
-                    continue
-                out = files.get(key)
-                if out is None:
-                    out = files[key] = (self.trace_dir / name).open("ab")
-                out.write(data)
-                self.bytes_written += len(data)
-                if index >= 0:
-                    self._infos[index].count += 1
-                    self._infos[index].bytes += len(data)
+                self._write(files, key, name, data, index)
         except BaseException as e:  # reported by close(); the graph itself keeps running
             self._error = e
             self._stopped = True
         finally:
             for out in files.values():
                 out.close()
+
+    def _write(
+        self, files: dict[int, BinaryIO], key: int, name: str, data: bytes, index: int
+    ) -> None:
+        """Append one frame, unless it would pass max_bytes (then recording stops)."""
+        if self.max_bytes is not None and self.bytes_written + len(data) > self.max_bytes:
+            self._stopped = True
+            self.truncated = True
+            return
+        out = files.get(key)
+        if out is None:
+            out = files[key] = (self.trace_dir / name).open("ab")
+        out.write(data)
+        self.bytes_written += len(data)
+        if index >= 0:
+            self._infos[index].count += 1
+            self._infos[index].bytes += len(data)
 
     def close(self) -> None:
         """Flush what is queued, close the files and write the final manifest."""

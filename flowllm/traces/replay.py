@@ -19,6 +19,7 @@ sample's unseeded generator from the engine config's seed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import math
@@ -34,7 +35,7 @@ import structlog
 import torch
 
 from flowllm.graph.channel import Channel
-from flowllm.graph.spans import GraphMetrics, SpanRecorder
+from flowllm.graph.spans import GraphMetrics, InputClosed, SpanRecorder
 from flowllm.stages.base import Outbox, SourceStage, Stage, StageContext
 from flowllm.traces.codec import TensorDigest
 from flowllm.traces.manifest import ModelSource, weights_sha256
@@ -43,6 +44,7 @@ from flowllm.traces.trace import Trace, load_trace, producer_of
 ATOL = 1e-4
 RTOL = 1e-4
 STAGE_TIMEOUT = 120.0
+INPUT_END: Any = object()  # in a replayed input sequence: the port ended here
 
 
 class ReplayError(RuntimeError):
@@ -146,7 +148,7 @@ def build_model(source: ModelSource, sha: str | None, cache_dir: Path | None) ->
     from flowllm.models.bundled import flowllm_cache_dir
 
     base = (cache_dir or flowllm_cache_dir()) / "trace-models"
-    key = sha or msgspec.json.encode(source).hex()[:32]
+    key = hashlib.sha256(msgspec.json.encode(source)).hexdigest()[:24]
     dest = base / key
     if (dest / "config.json").is_file() and (sha is None or weights_sha256(dest) == sha):
         return dest
@@ -360,7 +362,9 @@ class _Harness:
             channel.close()
         stage.bind(self.ctx)
 
-    def _on_span(self, *_: Any) -> None:
+    def _on_span(self, _stage: str, message: Any, *_: Any) -> None:
+        if isinstance(message, InputClosed):
+            return
         self.handled += 1
         self._progress.set()
 
@@ -405,12 +409,17 @@ async def _run_harness(
             await _drive_source(stage, outputs)
             harness.ctx.stop_requested.set()
             return
-        for k, (port, message) in enumerate(inputs):
+        count = 0
+        for port, message in inputs:
             if error is not None:
                 break
+            if message is INPUT_END:  # the input ended here when recording
+                harness.senders[port].close()
+                continue
             await harness.senders[port].send(message)
+            count += 1
             if one_at_a_time:
-                await harness.wait_handled(k + 1)
+                await harness.wait_handled(count)
         harness.close_inputs()
 
     with anyio.fail_after(STAGE_TIMEOUT):
@@ -511,18 +520,21 @@ class Replayer:
         handled = trace.handled.get(stage, [])
         if not trace.manifest.spans and any(trace.entries[c] for c in ports.values()):
             return "several inputs and no spans recorded: receive order unknown"
+        closes = trace.closes.get(stage, [])
         ordered: list[tuple[str, Any]] = []
-        for h in handled:
+        for k, h in enumerate(handled):
+            ordered += [(port, INPUT_END) for at, port in closes if at == k]
             if h.channel is None or h.index is None:
                 return f"a span of {stage} matches no recorded input: receive order unknown"
             ordered.append((port_of[h.channel], trace.entries[h.channel][h.index].message))
+        ordered += [(port, INPUT_END) for at, port in closes if at >= len(handled)]
         return ordered, True
 
     def _substitute_digests(
         self, stage: str, inputs: list[tuple[str, Any]]
     ) -> list[tuple[str, Any]] | str:
         """Compact traces hold logits digests: feed the producing stage's replayed outputs."""
-        if not any(_has_digest(m) for _, m in inputs):
+        if not any(_has_digest(m) for _, m in inputs if m is not INPUT_END):
             return inputs
         channels = self.trace.stage_inputs(stage)
         fixed: list[tuple[str, Any]] = []
@@ -566,6 +578,7 @@ class Replayer:
             if isinstance(fixed, str):
                 return StageResult(stage=name, status="skip", inputs=len(inputs), detail=fixed)
             inputs = fixed
+        n_in = sum(1 for _, m in inputs if m is not INPUT_END)
         try:
             stage = cls(bound.params, self.services.fresh())
         except Exception as e:
@@ -593,7 +606,7 @@ class Replayer:
                     return StageResult(
                         stage=name,
                         status="fail",
-                        inputs=len(inputs),
+                        inputs=n_in,
                         outputs=n_out,
                         detail=f"port {port!r} message #{i} differs at {where or '(message)'}",
                         difference=Difference(
@@ -605,7 +618,7 @@ class Replayer:
             return StageResult(
                 stage=name,
                 status="fail",
-                inputs=len(inputs),
+                inputs=n_in,
                 outputs=n_out,
                 detail=f"raised {type(error).__name__}: {error}",
             )
@@ -616,9 +629,7 @@ class Replayer:
             unrecorded = [p for p, v in recorded.items() if v is None]
             if unrecorded:
                 detail += f" (port(s) {', '.join(unrecorded)} not recorded)"
-        return StageResult(
-            stage=name, status="pass", inputs=len(inputs), outputs=n_out, detail=detail
-        )
+        return StageResult(stage=name, status="pass", inputs=n_in, outputs=n_out, detail=detail)
 
 
 def replay_trace(

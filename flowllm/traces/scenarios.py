@@ -79,16 +79,19 @@ def _sampled() -> list[GenerateRequest]:
 
 
 def _stop() -> list[GenerateRequest]:
-    # Seed 11 with top_k=3 on this model gives " to" within the first tokens.
+    # Seed 11 with top_k=3 on this model samples " silly Shir Metatron~ silly ...": the stop
+    # string spans three tokens and ends inside the fifth.
     return [
-        _request("stop-0", "The quick brown fox", seed=11, top_k=3, max_tokens=16, stop=(" to",)),
+        _request(
+            "stop-0", "The quick brown fox", seed=11, top_k=3, max_tokens=16, stop=("tron~ sil",)
+        ),
         _request(
             "stop-1",
             "The quick brown fox",
             seed=11,
             top_k=3,
             max_tokens=16,
-            stop=(" to",),
+            stop=("tron~ sil",),
             include_stop_str_in_output=True,
         ),
     ]

@@ -34,6 +34,8 @@ class Trace:
     entries: dict[str, list[Entry]]  # recorded channels only, send order
     spans: list[SpanRecord]
     handled: dict[str, list[Handled]] = field(default_factory=dict)  # stage -> in order
+    # stage -> (number of spans before it, port): where each input ended among the spans
+    closes: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
 
     @property
     def recorded(self) -> set[str]:
@@ -108,7 +110,11 @@ def _link_spans(trace: Trace) -> dict[str, list[Handled]]:
             by_object[entry.object_id].append((entry.send_time, channel, index))
     handled: dict[str, list[Handled]] = defaultdict(list)
     inputs_of: dict[str, set[str]] = {}
+    closes: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for span in trace.spans:
+        if span.closed_port is not None:
+            closes[span.stage].append((len(handled[span.stage]), span.closed_port))
+            continue
         inputs = inputs_of.get(span.stage)
         if inputs is None:
             inputs = inputs_of[span.stage] = (
@@ -123,6 +129,7 @@ def _link_spans(trace: Trace) -> dict[str, list[Handled]]:
                 best = candidate
         channel, index = (best[1], best[2]) if best is not None else (None, None)
         handled[span.stage].append(Handled(span, channel, index))
+    trace.closes = dict(closes)
     return dict(handled)
 
 
