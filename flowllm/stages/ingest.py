@@ -41,7 +41,10 @@ class Ingest(SourceStage):
         if not self._accepting or self._mailboxes.num_pending >= self.params.max_pending:
             raise Overloaded()
         ctx = self.context
-        box = self._mailboxes.open(request.request_id, request.params.n, request.arrival_time)
+        # At least one choice: a box opened for n < 1 would count as finished at once and
+        # drop the error validate sends for that n (the client would get no choices, 200).
+        choices = max(request.params.n, 1)
+        box = self._mailboxes.open(request.request_id, choices, request.arrival_time)
         try:
             ctx.emit_nowait("out", request)
         except anyio.WouldBlock:
