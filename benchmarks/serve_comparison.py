@@ -122,15 +122,21 @@ def _server_command(args: argparse.Namespace, name: str, port: int) -> list[str]
 
 
 def _warm_up(url: str, model: str) -> None:
-    """One short request, so the first measured request does not pay one-time costs."""
+    """One short streamed request, so the first measured one does not pay one-time costs.
+
+    Streamed because `transformers serve --continuous-batching` drops the connection of a
+    non-streamed chat request (seen with 5.23.0).
+    """
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Hello"}],
         "max_completion_tokens": 8,
+        "stream": True,
     }
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
-    if response.status_code != 200:
-        raise ComparisonError(f"warm-up request failed: {response.status_code} {response.text}")
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        text = response.read().decode(errors="replace")
+    if response.status_code != 200 or "data:" not in text:
+        raise ComparisonError(f"warm-up request failed: {response.status_code} {text[:500]}")
 
 
 def _bench(
