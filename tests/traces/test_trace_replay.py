@@ -1,0 +1,174 @@
+"""Stage-level replay of every committed trace, and replay catching subtly broken stages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from flowllm.cli import main
+from flowllm.config import engine_config
+from flowllm.messages import GenerateRequest
+from flowllm.stages.sample import Sample
+from flowllm.stages.services import EngineServices, build_services
+from flowllm.stages.tokenize import Tokenize
+from flowllm.traces.manifest import read_manifest
+from flowllm.traces.replay import ReplayError, replay_trace
+
+REPO = Path(__file__).resolve().parents[2]
+TRACES = sorted(d.name for d in (REPO / "traces").iterdir() if d.is_dir())
+STAGES = ["ingest", "validate", "tokenize", "schedule", "execute", "sample", "detokenize", "format"]
+
+
+@pytest.fixture(scope="module")
+def tiny_services(gpt2_tiny_dir: Path) -> EngineServices:
+    """The tiny GPT-2 loaded once; each replay reuses its model and tokenizer."""
+    return build_services(
+        engine_config(str(gpt2_tiny_dir), dtype="float32", kv_cache_memory=1 << 20)
+    )
+
+
+def test_the_committed_traces_cover_the_scenarios() -> None:
+    assert set(TRACES) >= {"greedy", "sampled", "stop", "n2", "stream", "errors", "preemption"}
+    for name in TRACES:
+        size = sum(f.stat().st_size for f in (REPO / "traces" / name).iterdir())
+        assert size < 100 * 1024, f"trace {name} is {size} bytes"
+
+
+@pytest.mark.parametrize("name", TRACES)
+def test_every_stage_replays_every_committed_trace(
+    name: str, gpt2_tiny_dir: Path, tiny_services: EngineServices
+) -> None:
+    report = replay_trace(REPO / "traces" / name, model=gpt2_tiny_dir, services=tiny_services)
+    assert report.ok, report.format()
+    assert [r.stage for r in report.results] == STAGES
+    for result in report.results:
+        assert result.status == "pass", report.format()
+        if result.stage not in ("ingest", "format"):
+            assert result.inputs > 0 and result.outputs > 0, report.format()
+
+
+def test_committed_traces_exercise_what_they_are_named_for() -> None:
+    from flowllm.traces.trace import load_trace
+
+    def chunks(name: str) -> list[Any]:
+        trace = load_trace(REPO / "traces" / name)
+        return [c for e in trace.entries["format.in"] for c in e.message.chunks]
+
+    stops = [c for c in chunks("stop") if c.finish_reason == "stop"]
+    assert {c.stop_reason for c in stops} == {"tron~ sil"}
+    assert {c.index for c in chunks("n2")} == {0, 1}
+    errors = load_trace(REPO / "traces" / "errors").entries["format.errors"]
+    assert {e.message.request_id for e in errors} == {"bad-top-p", "too-long", "bad-model"}
+    stream = load_trace(REPO / "traces" / "stream").entries["schedule.requests"]
+    assert any(type(e.message).__name__ == "Abort" for e in stream)
+    preemption = load_trace(REPO / "traces" / "preemption")
+    # A preempted sequence is computed again from its first token: a second prefill.
+    prefills: dict[int, int] = {}
+    for entry in preemption.entries["execute.in"]:
+        for seq in entry.message.seqs:
+            if seq.num_computed_tokens == 0:
+                prefills[seq.seq_id] = prefills.get(seq.seq_id, 0) + 1
+    assert max(prefills.values()) >= 2
+
+
+class DroppingTokenize(Tokenize):
+    """A tokenizer that loses the last token of every prompt."""
+
+    def prompt_token_ids(self, request: GenerateRequest) -> tuple[int, ...]:
+        ids = super().prompt_token_ids(request)
+        return ids[:-1] if len(ids) > 1 else ids
+
+
+class TopKBlindSample(Sample):
+    """A sampler that ignores top_k."""
+
+    def __init__(self, params: Any, services: EngineServices) -> None:
+        super().__init__(params, services)
+        start = self.sampler.start
+
+        def start_without_top_k(seq: Any) -> None:
+            start(msgspec.structs.replace(seq, params=msgspec.structs.replace(seq.params, top_k=0)))
+
+        self.sampler.start = start_without_top_k  # type: ignore[method-assign]
+
+
+def test_a_tokenizer_dropping_a_token_fails_replay(
+    gpt2_tiny_dir: Path, tiny_services: EngineServices
+) -> None:
+    report = replay_trace(
+        REPO / "traces" / "greedy",
+        model=gpt2_tiny_dir,
+        services=tiny_services,
+        stage_overrides={"tokenize": DroppingTokenize},
+    )
+    assert not report.ok
+    failed = [r.stage for r in report.results if r.status == "fail"]
+    assert failed == ["tokenize"]
+    diff = report.result("tokenize").difference
+    assert diff is not None
+    assert (diff.port, diff.index) == ("out", 0)
+    assert diff.path.startswith(".prompt_token_ids")
+    text = report.format()
+    assert "tokenize     FAIL" in text
+    assert "tokenize: first difference on port 'out', message #0" in text
+    assert "recorded" in text and "replayed" in text
+
+
+def test_a_sampler_ignoring_top_k_fails_replay(
+    gpt2_tiny_dir: Path, tiny_services: EngineServices
+) -> None:
+    report = replay_trace(
+        REPO / "traces" / "sampled",
+        "sample",
+        model=gpt2_tiny_dir,
+        services=tiny_services,
+        stage_overrides={"sample": TopKBlindSample},
+    )
+    result = report.result("sample")
+    assert result.status == "fail"
+    assert result.difference is not None
+    assert result.difference.port == "out"
+    assert ".tokens" in result.difference.path
+    assert "sample: first difference on port 'out'" in report.format()
+
+
+def test_replay_refuses_a_model_with_other_weights(tmp_path: Path, gpt2_tiny_dir: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(gpt2_tiny_dir, other)
+    (other / "model.safetensors").write_bytes(b"not the weights")
+    with pytest.raises(ReplayError, match="weights sha256"):
+        replay_trace(REPO / "traces" / "greedy", model=other)
+
+
+def test_the_cli_replays_a_stage_and_refuses_another_schema(
+    tmp_path: Path, gpt2_tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = REPO / "traces" / "errors"
+    code = main(
+        ["trace", "replay", str(trace), "--stage", "validate", "--model", str(gpt2_tiny_dir)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "validate     PASS" in out
+    copy = tmp_path / "old"
+    shutil.copytree(trace, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["schema_version"] = 0
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["trace", "replay", str(copy)]) == 2
+    assert "schema version 0" in capsys.readouterr().err
+
+
+def test_the_manifest_names_how_to_rebuild_the_model() -> None:
+    manifest = read_manifest(REPO / "traces" / "greedy")
+    assert manifest.model.source is not None
+    assert manifest.model.source.builder == "model_fixtures:build_gpt2_dir"
+    assert manifest.model.source.kwargs == {"seed": 0, "n_layer": 2, "n_embd": 64, "n_head": 4}
+    assert manifest.dtype == "float32"
+    assert manifest.digest_k > 0
+    assert manifest.model.weights_sha256 is not None
