@@ -125,6 +125,7 @@ class TraceRecorder:
                     producers=sorted({p.stage for p in spec.producers}),
                 )
             )
+            (self.trace_dir / self._infos[-1].file).write_bytes(b"")  # present even if unused
             graph.channels[name].add_tap(self._tap(index))
         if self.spans:
             graph.add_span_sink(self._span)
