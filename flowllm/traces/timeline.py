@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flowllm.graph.spans import message_fields
 from flowllm.stages.base import SourceStage
 from flowllm.traces.trace import Handled, Trace, seq_request_map
 
@@ -239,6 +240,8 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
             step_id = getattr(getattr(message, "batch", message), "step_id", None)
         if step_id is not None:
             args["step_id"] = step_id
+        if message is not None and "batch_size" in (fields := message_fields(message)):
+            args["batch_size"] = fields["batch_size"]  # 0: a step that only releases seqs
         if h.channel is not None:
             args["channel"] = h.channel
             receives[h.channel].append(span.started)
