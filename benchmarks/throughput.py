@@ -192,6 +192,9 @@ def run_flowllm(
         "kv_cache_memory": kv_memory,
         "max_model_len": len(work.prompts[0]) + work.output_len,
     }
+    if args.trace_dir is not None:  # record the runs (the timed one is the last written)
+        settings["trace_dir"] = args.trace_dir / f"{path.name}-{dtype}"
+        settings["trace_max_bytes"] = args.trace_max_bytes
     llm = LLM(str(path), graph=args.graph, **settings)
     params = SamplingParams(temperature=0.0, max_tokens=work.output_len, ignore_eos=True)
     llm.generate(work.prompts[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm up
@@ -381,6 +384,10 @@ def main() -> None:
     parser.add_argument("--graph", help="a graph YAML instead of the default one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--trace-dir", type=Path, help="record flowllm's runs into DIR/<model>-<dtype>"
+    )
+    parser.add_argument("--trace-max-bytes", type=int, help="stop recording at this size")
     args = parser.parse_args()
     if min(args.num_requests, args.input_len, args.output_len) < 1:
         parser.error("--num-requests, --input-len and --output-len must be >= 1")

@@ -22,7 +22,7 @@ def add_trace_parser(commands: Any) -> None:
         description="Record the scenarios of the committed traces. To record any other run, "
         "pass --trace-dir to `flowllm serve` or `flowllm generate`.",
     )
-    record.add_argument("dir", help="output directory (the repository's traces/)")
+    record.add_argument("dir", nargs="?", help="output directory (the repository's traces/)")
     record.add_argument(
         "--scenario", action="append", default=None, help="record only this one (repeat)"
     )
@@ -60,6 +60,9 @@ def record_command(args: argparse.Namespace) -> int:
         for name, scenario in SCENARIOS.items():
             print(f"{name:<12} {scenario.description}")
         return 0
+    if not args.dir:
+        print("error: give the output directory (e.g. traces)", file=sys.stderr)
+        return 2
     try:
         record_all(
             Path(args.dir),
