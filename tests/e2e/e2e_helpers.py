@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import openai
 
+from flowllm.config import BUNDLED_MODEL
+
 
 def sync_client(url: str, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=60)
@@ -90,17 +92,18 @@ class ServerProcess:
     """One `python -m flowllm serve` subprocess, its URL and its captured output."""
 
     def __init__(
-        self, model: str, flags: Sequence[str], *, env: dict[str, str] | None = None
+        self, model: str | None, flags: Sequence[str], *, env: dict[str, str] | None = None
     ) -> None:
+        """`model` None: no model argument, so the server's default (the bundled model)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.model = model
+        self.model = model if model is not None else BUNDLED_MODEL
         # stderr goes to a file, not a pipe: a chatty server must never block on a full pipe.
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
             prefix="flowllm-e2e-", suffix=".log", delete=False
         )
         cmd = [
-            sys.executable, "-m", "flowllm", "serve", model,
+            sys.executable, "-m", "flowllm", "serve", *([model] if model is not None else []),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--log-level", "warning", "--shutdown-timeout", "5", *flags,
         ]  # fmt: skip
@@ -154,7 +157,7 @@ class ServerProcess:
 
 
 def start_server(
-    model: str, flags: Sequence[str], *, env: dict[str, str] | None = None
+    model: str | None, flags: Sequence[str], *, env: dict[str, str] | None = None
 ) -> ServerProcess:
     server = ServerProcess(model, flags, env=env)
     try:

@@ -1,0 +1,68 @@
+"""The README's exchange: `flowllm serve` with no model argument brings the bundled
+SmolLM2-135M-Instruct up (found through FLOWLLM_CACHE, as on a fresh clone after the first
+conversion), and the seed documents' request returns 50 tokens with usage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_helpers import ServerProcess, start_server, sync_client
+
+BUNDLED = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def bundled_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
+    """The README's `flowllm serve` (no model argument: the bundled default), on a free port."""
+    cache = smollm2_dir.parent.parent  # <cache>/models/smollm2-135m-instruct
+    proc = start_server(None, [], env={"FLOWLLM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def test_readme_completion_returns_50_tokens(bundled_server: ServerProcess) -> None:
+    models = httpx.get(f"{bundled_server.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [BUNDLED]
+    request = {
+        "model": BUNDLED, "prompt": "Today's weather is", "max_tokens": 50, "temperature": 0.5,
+    }  # fmt: skip
+    result = _post(bundled_server, "/v1/completions", request)
+    choice = result["choices"][0]
+    usage = result["usage"]
+    assert result["object"] == "text_completion" and result["model"] == BUNDLED
+    assert usage["prompt_tokens"] == 4  # SmolLM2's tokenizer: "Today", "'s", " weather", " is"
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert choice["text"].strip()
+    if choice["finish_reason"] == "length":
+        assert usage["completion_tokens"] == 50
+    else:  # sampled text may end at EOS; the 50 tokens are then asked for explicitly
+        assert choice["finish_reason"] == "stop"
+        forced = _post(bundled_server, "/v1/completions", {**request, "ignore_eos": True})
+        assert forced["usage"]["completion_tokens"] == 50
+        assert forced["choices"][0]["finish_reason"] == "length"
+
+
+def test_readme_chat_knows_paris(bundled_server: ServerProcess) -> None:
+    client = sync_client(bundled_server.url)
+    answer = client.chat.completions.create(
+        model=BUNDLED,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=32,
+    )
+    content = answer.choices[0].message.content or ""
+    assert "Paris" in content, content
+    assert answer.choices[0].finish_reason == "stop"  # the model ends its turn by itself
+    assert answer.usage is not None and answer.usage.completion_tokens < 32
