@@ -83,20 +83,24 @@ class TensorDigest(msgspec.Struct, array_like=True, kw_only=True):
     @classmethod
     def of(cls, tensor: torch.Tensor, k: int) -> TensorDigest:
         """The digest of `tensor` ([rows, cols], or 1-D as one row)."""
-        t = tensor.detach().to("cpu", torch.float64)
+        t = tensor.detach().to("cpu")
+        if not t.is_floating_point():
+            t = t.to(torch.float64)
         rows = t.reshape(1, -1) if t.dim() < 2 else t.flatten(1)  # [rows, cols]
         k = min(k, rows.shape[1]) if rows.numel() else 0
         if rows.shape[0] and k:
             values, indices = torch.topk(rows, k, dim=1)
         else:
             values = indices = torch.empty(rows.shape[0], 0)
+        # Moments accumulated in float64 without a float64 copy of the whole tensor.
+        norms = torch.linalg.vector_norm(rows, 2, dim=1, dtype=torch.float64)
         return cls(
             dtype=str(tensor.dtype).removeprefix("torch."),
             shape=tuple(tensor.shape),
             indices=indices.to(torch.int64).tolist(),
-            values=values.tolist(),
-            sums=rows.sum(dim=1).tolist(),
-            sumsqs=(rows * rows).sum(dim=1).tolist(),
+            values=values.to(torch.float64).tolist(),
+            sums=rows.sum(dim=1, dtype=torch.float64).tolist(),
+            sumsqs=(norms * norms).tolist(),
         )
 
 

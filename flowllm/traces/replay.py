@@ -24,7 +24,7 @@ import importlib
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -36,6 +36,8 @@ import torch
 
 from flowllm.graph.channel import Channel
 from flowllm.graph.spans import GraphMetrics, InputClosed, SpanRecorder
+from flowllm.mailbox import Mailbox, Mailboxes
+from flowllm.messages import Chunk, RequestError
 from flowllm.stages.base import Outbox, SourceStage, Stage, StageContext
 from flowllm.traces.codec import TensorDigest
 from flowllm.traces.manifest import ModelSource, weights_sha256
@@ -444,6 +446,66 @@ async def _drive_source(stage: Stage, outputs: Mapping[str, list[Any]]) -> None:
             await anyio.lowlevel.checkpoint()
 
 
+class _RecordingMailboxes(Mailboxes):
+    """Mailboxes that log every chunk delivered and every error failed, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[Any] = []
+
+    def open_for(self, messages: Iterable[Any]) -> None:
+        """Open a mailbox for every request the messages name (with all its choices)."""
+        choices: dict[str, int] = {}
+        for message in messages:
+            for chunk in getattr(message, "chunks", ()):
+                choices[chunk.request_id] = max(choices.get(chunk.request_id, 0), chunk.index + 1)
+            if isinstance(message, RequestError):
+                choices.setdefault(message.request_id, 1)
+        for request_id, n in choices.items():
+            self.open(request_id, n, 0.0)
+
+    def deliver(self, chunk: Chunk) -> Mailbox | None:
+        box = super().deliver(chunk)
+        if box is not None:
+            self.log.append(chunk)
+        return box
+
+    def fail(self, error: RequestError) -> Mailbox | None:
+        box = super().fail(error)
+        if box is not None:
+            self.log.append(error)
+        return box
+
+
+def _expected_deliveries(messages: Iterable[Any]) -> list[Any]:
+    """What a sink owes the mailboxes for these inputs: every chunk, every error, in
+    order, nothing for a request after its error or after all its choices finished."""
+    messages = list(messages)
+    choices: dict[str, int] = {}
+    for message in messages:
+        for chunk in getattr(message, "chunks", ()):
+            choices[chunk.request_id] = max(choices.get(chunk.request_id, 0), chunk.index + 1)
+    out: list[Any] = []
+    unfinished = {request_id: set(range(n)) for request_id, n in choices.items()}
+    closed: set[str] = set()
+    for message in messages:
+        if isinstance(message, RequestError):
+            if message.request_id not in closed:
+                out.append(message)
+                closed.add(message.request_id)
+            continue
+        for chunk in getattr(message, "chunks", ()):
+            if chunk.request_id in closed:
+                continue
+            out.append(chunk)
+            left = unfinished[chunk.request_id]
+            if chunk.finish_reason is not None:
+                left.discard(chunk.index)
+                if not left:
+                    closed.add(chunk.request_id)
+    return out
+
+
 def _has_digest(message: Any) -> bool:
     return isinstance(getattr(message, "logits", None), TensorDigest)
 
@@ -579,8 +641,13 @@ class Replayer:
                 return StageResult(stage=name, status="skip", inputs=len(inputs), detail=fixed)
             inputs = fixed
         n_in = sum(1 for _, m in inputs if m is not INPUT_END)
+        services = self.services.fresh()
+        mailboxes = _RecordingMailboxes()
+        if not cls.outputs:  # a sink (format): check what it delivers to mailboxes
+            services.mailboxes = mailboxes
+            mailboxes.open_for(m for _, m in inputs if m is not INPUT_END)
         try:
-            stage = cls(bound.params, self.services.fresh())
+            stage = cls(bound.params, services)
         except Exception as e:
             return StageResult(stage=name, status="fail", detail=f"failed to build: {e!r}")
         harness = _Harness(name, stage)
@@ -623,7 +690,30 @@ class Replayer:
                 detail=f"raised {type(error).__name__}: {error}",
             )
         if not recorded:
-            detail = f"no output ports; {harness.handled} inputs handled without error"
+            expected = _expected_deliveries(m for _, m in inputs if m is not INPUT_END)
+            for i in range(max(len(expected), len(mailboxes.log))):
+                a = expected[i] if i < len(expected) else None
+                b = mailboxes.log[i] if i < len(mailboxes.log) else None
+                where = comparer.diff(a, b) if a is not None and b is not None else "(missing)"
+                if where is not None:
+                    return StageResult(
+                        stage=name,
+                        status="fail",
+                        inputs=n_in,
+                        outputs=len(mailboxes.log),
+                        detail=f"mailbox delivery #{i} differs at {where or '(message)'}",
+                        difference=Difference(
+                            port="(mailboxes)",
+                            index=i,
+                            path=where,
+                            recorded=show(a),
+                            replayed=show(b),
+                        ),
+                    )
+            detail = (
+                f"no output ports; {len(mailboxes.log)} chunks and errors delivered to the "
+                f"right mailboxes"
+            )
         else:
             detail = f"{compared} messages equal"
             unrecorded = [p for p, v in recorded.items() if v is None]
