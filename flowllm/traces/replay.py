@@ -710,6 +710,7 @@ class Replayer:
                             replayed=show(b),
                         ),
                     )
+            n_out = len(mailboxes.log)
             detail = (
                 f"no output ports; {len(mailboxes.log)} chunks and errors delivered to the "
                 f"right mailboxes"

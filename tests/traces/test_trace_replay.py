@@ -12,7 +12,8 @@ import pytest
 
 from flowllm.cli import main
 from flowllm.config import engine_config
-from flowllm.messages import GenerateRequest
+from flowllm.messages import GenerateRequest, TextDeltas
+from flowllm.stages.format import Format
 from flowllm.stages.sample import Sample
 from flowllm.stages.services import EngineServices, build_services
 from flowllm.stages.tokenize import Tokenize
@@ -135,6 +136,33 @@ def test_a_sampler_ignoring_top_k_fails_replay(
     assert result.difference.port == "out"
     assert ".tokens" in result.difference.path
     assert "sample: first difference on port 'out'" in report.format()
+
+
+class MisroutingFormat(Format):
+    """A format that delivers a request's chunks to the mailbox of choice 0 always."""
+
+    async def handle(self, message: Any, ctx: Any) -> None:
+        if isinstance(message, TextDeltas):
+            message = TextDeltas(
+                step_id=message.step_id,
+                chunks=tuple(msgspec.structs.replace(c, index=0) for c in message.chunks),
+            )
+        await super().handle(message, ctx)
+
+
+def test_a_format_misrouting_choices_fails_replay(
+    gpt2_tiny_dir: Path, tiny_services: EngineServices
+) -> None:
+    report = replay_trace(
+        REPO / "traces" / "n2",
+        "format",
+        model=gpt2_tiny_dir,
+        services=tiny_services,
+        stage_overrides={"format": MisroutingFormat},
+    )
+    result = report.result("format")
+    assert result.status == "fail", report.format()
+    assert result.difference is not None and result.difference.port == "(mailboxes)"
 
 
 def test_replay_refuses_a_model_with_other_weights(tmp_path: Path, gpt2_tiny_dir: Path) -> None:
