@@ -134,7 +134,6 @@ class LLM:
         )
 
     async def _run(self, requests: list[GenerateRequest]) -> list[RequestOutput]:
-        outputs: list[RequestOutput | None] = [None] * len(requests)
         services = self.last_run = self.services.fresh()
         recorder = None
         if self.trace_dir is not None:
@@ -143,14 +142,15 @@ class LLM:
             recorder = TraceRecorder(
                 self.trace_dir, channels=self.trace_channels, max_bytes=self.trace_max_bytes
             )
-        async with (
-            AsyncEngine.start(graph=self.graph, services=services, recorder=recorder) as engine,
-            anyio.create_task_group() as tg,
-        ):
-            for i, request in enumerate(requests):
-                box = await _submit(engine, request)
-                tg.start_soon(_collect, box, request, outputs, i)
-        return [o for o in outputs if o is not None]
+        async with AsyncEngine.start(
+            graph=self.graph, services=services, recorder=recorder
+        ) as engine:
+            boxes = [await _submit(engine, request) for request in requests]
+            # One reader, mailbox after mailbox: the mailboxes not being read merge their
+            # chunks without waking anyone, so a step costs one wakeup here, not one per
+            # running request (the graph never waits for a reader).
+            pairs = zip(boxes, requests, strict=True)
+            return [await _collect(box, request) for box, request in pairs]
 
 
 async def _submit(engine: AsyncEngine, request: GenerateRequest) -> Mailbox:
@@ -162,10 +162,8 @@ async def _submit(engine: AsyncEngine, request: GenerateRequest) -> Mailbox:
             await anyio.sleep(0.005)
 
 
-async def _collect(
-    box: Mailbox, request: GenerateRequest, outputs: list[RequestOutput | None], slot: int
-) -> None:
-    """Read a request's mailbox to its end into outputs[slot] (errors raise RequestFailed)."""
+async def _collect(box: Mailbox, request: GenerateRequest) -> RequestOutput:
+    """Read a request's mailbox to its end (errors raise RequestFailed)."""
     choices = [CompletionOutput(index=i) for i in range(request.params.n)]
     result = RequestOutput(
         request_id=request.request_id,
@@ -187,4 +185,4 @@ async def _collect(
             out.logprobs = (out.logprobs or []) + list(chunk.logprobs)
         out.finish_reason = chunk.finish_reason
         out.stop_reason = chunk.stop_reason
-    outputs[slot] = result
+    return result
