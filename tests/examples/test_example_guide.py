@@ -90,6 +90,14 @@ def test_graph_drawings_are_what_graph_show_prints() -> None:
     assert block("show-mermaid") == flowllm("graph", "show", "--mermaid")[1].rstrip("\n")
 
 
+def test_the_anatomy_snippet_is_schedules_own_declaration() -> None:
+    source = (REPO / "flowllm" / "stages" / "schedule.py").read_text()
+    for line in block("anatomy").splitlines():
+        code = line.split("  #")[0].strip()
+        if code and code != "...":
+            assert code in source, code
+
+
 def _type_text(tp: Any) -> str:
     text = tp.__name__ if isinstance(tp, type) else str(tp)
     text = text.replace("typing.", "").replace("flowllm.messages.", "")
