@@ -68,7 +68,8 @@ class Manifest(msgspec.Struct, kw_only=True):
     spans: bool = True
     digest_k: int = 0  # 0: tensors in full; k: logits as top-k digests
     max_bytes: int | None = None
-    truncated: bool = False  # recording stopped at max_bytes
+    truncated: bool = False  # recording stopped early (max_bytes, or the writer fell behind)
+    stop_reason: str | None = None
     description: str = ""
 
     def graph(self) -> ValidGraph:

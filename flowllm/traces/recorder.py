@@ -62,7 +62,8 @@ class TraceRecorder:
     `channels`: channel names ("stage.port") to record, default all. `max_bytes`: stop
     recording once the files would exceed it. `digest_k` > 0 stores tensors as top-k
     digests (compact; replay re-derives them from the producing stage). `model_source`
-    tells replay how to rebuild the model (see ModelSource).
+    tells replay how to rebuild the model (see ModelSource). `max_backlog`: entries queued
+    for the writer at most; past it recording stops (truncated) instead of holding more.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class TraceRecorder:
         spans: bool = True,
         model_source: ModelSource | None = None,
         description: str = "",
+        max_backlog: int = 4096,
     ) -> None:
         if max_bytes is not None and max_bytes < 1:
             raise TraceError(f"trace max bytes must be >= 1, got {max_bytes}")
@@ -87,6 +89,8 @@ class TraceRecorder:
         self.description = description
         self.bytes_written = 0
         self.truncated = False
+        self.stop_reason: str | None = None
+        self.max_backlog = max_backlog
         self._stopped = False  # read by taps: once set, they return at once
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -176,10 +180,21 @@ class TraceRecorder:
         put = self._queue.put
 
         def tap(message: Any, send_time: float) -> None:
-            if not self._stopped:
-                put((index, snapshot(message), send_time, id(message)))
+            if self._stopped:
+                return
+            if self._queue.qsize() >= self.max_backlog:
+                # The writer cannot keep up: stop rather than hold ever more copies.
+                self._stop("the trace writer fell behind the graph")
+                return
+            put((index, snapshot(message), send_time, id(message)))
 
         return tap
+
+    def _stop(self, reason: str) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self.truncated = True
+            self.stop_reason = reason
 
     def _span(
         self, stage: str, message: Any, started: float, duration: float, queue_wait: float
@@ -235,7 +250,7 @@ class TraceRecorder:
                 self._write(files, key, name, data, index)
         except BaseException as e:  # reported by close(); the graph itself keeps running
             self._error = e
-            self._stopped = True
+            self._stop(f"the trace writer failed: {e!r}")
         finally:
             for out in files.values():
                 out.close()
@@ -245,8 +260,7 @@ class TraceRecorder:
     ) -> None:
         """Append one frame, unless it would pass max_bytes (then recording stops)."""
         if self.max_bytes is not None and self.bytes_written + len(data) > self.max_bytes:
-            self._stopped = True
-            self.truncated = True
+            self._stop(f"reached the size limit of {self.max_bytes} bytes")
             return
         out = files.get(key)
         if out is None:
@@ -265,6 +279,7 @@ class TraceRecorder:
         self._thread.join()
         self._thread = None
         self._manifest.truncated = self.truncated
+        self._manifest.stop_reason = self.stop_reason
         write_manifest(self.trace_dir, self._manifest)
         if self._error is not None:
             raise TraceError(f"trace writer failed: {self._error!r}") from self._error

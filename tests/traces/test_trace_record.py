@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from flowllm.cli import main
 from flowllm.llm import LLM
-from flowllm.messages import SamplingParams
+from flowllm.messages import GenerateRequest, SamplingParams
 from flowllm.traces.codec import iter_frames, read_channel
 from flowllm.traces.manifest import SPANS_FILE, read_manifest
 from flowllm.traces.recorder import TraceError
@@ -72,6 +73,7 @@ def test_recording_stops_cleanly_at_max_bytes(llm: LLM, tmp_path: Path) -> None:
     assert _texts(traced.generate(PROMPTS, GREEDY)) == expected
     manifest = read_manifest(tmp_path)
     assert manifest.truncated
+    assert manifest.stop_reason == f"reached the size limit of {limit} bytes"
     assert manifest.max_bytes == limit
     files = list(tmp_path.glob("*.msgpack"))
     assert sum(f.stat().st_size for f in files) <= limit
@@ -101,3 +103,33 @@ def test_generate_cli_records_with_trace_flags(gpt2_tiny_dir: Path, tmp_path: Pa
     assert set(manifest.channels) == {"validate.in", "format.in"}
     assert manifest.max_bytes == 1 << 20
     assert manifest.channels["format.in"].count == 3
+
+
+def test_recording_stops_when_the_writer_falls_behind(llm: LLM, tmp_path: Path) -> None:
+    import anyio
+
+    from flowllm.async_engine import AsyncEngine
+    from flowllm.traces.recorder import TraceRecorder
+
+    recorder = TraceRecorder(tmp_path, max_backlog=1)
+
+    async def run() -> int:
+        async with AsyncEngine.start(services=llm.services.fresh(), recorder=recorder) as engine:
+            requests = [
+                GenerateRequest(
+                    request_id=f"r{i}", model=engine.model_name, params=GREEDY,
+                    arrival_time=time.monotonic(), prompt=p,
+                )
+                for i, p in enumerate(PROMPTS)
+            ]  # fmt: skip
+            boxes = [engine.submit(r) for r in requests]
+            done = 0
+            for box in boxes:
+                tokens = [t async for chunk in box for t in chunk.token_ids]
+                done += len(tokens) == GREEDY.max_tokens
+            return done
+
+    assert anyio.run(run) == len(PROMPTS)
+    manifest = read_manifest(tmp_path)
+    assert manifest.truncated
+    assert manifest.stop_reason == "the trace writer fell behind the graph"
