@@ -5,7 +5,7 @@ tokenizer), the scheduler with its block pool, input building, the sampler (gree
 incremental detokenizer, format and the mailboxes — so the time per step is what the graph
 adds around a model step. Run:
 
-    .venv/bin/python benchmarks/pipeline_overhead.py [--vocab 50257] [--steps 64]
+    .venv/bin/python benchmarks/pipeline_overhead.py [--vocab 50257] [--steps 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -59,7 +59,11 @@ def services(vocab_size: int, tokenizer: Any) -> EngineServices:
     )
 
 
-def run(llm: LLM, num_seqs: int, steps: int) -> tuple[float, int]:
+STAGES = ("schedule", "execute", "sample", "detokenize", "format")
+
+
+def run(llm: LLM, num_seqs: int, steps: int) -> tuple[float, int, dict[str, float]]:
+    """(seconds, model steps, busy seconds per stage) of one generate over `num_seqs`."""
     prompts = [[(i * 7 + k) % 50000 for k in range(16)] for i in range(num_seqs)]
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     started = time.perf_counter()
@@ -67,16 +71,22 @@ def run(llm: LLM, num_seqs: int, steps: int) -> tuple[float, int]:
     elapsed = time.perf_counter() - started
     assert all(len(o.outputs[0].token_ids) == steps for o in outputs)
     assert llm.last_run is not None
-    count = llm.last_run.registry.get_sample_value(
-        "flowllm:stage_duration_seconds_count", {"stage": "execute"}
-    )
-    return elapsed, int(count or 0)
+    registry = llm.last_run.registry
+    count = registry.get_sample_value("flowllm:stage_duration_seconds_count", {"stage": "execute"})
+    busy = {
+        stage: float(
+            registry.get_sample_value("flowllm:stage_duration_seconds_sum", {"stage": stage}) or 0
+        )
+        for stage in STAGES
+    }
+    return elapsed, int(count or 0), busy
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         write_gpt2_tokenizer_files(Path(tmp))
@@ -84,13 +94,22 @@ def main() -> None:
     llm = LLM(services=services(args.vocab, tokenizer))
     run(llm, 4, 4)  # warm up
     print(f"vocab {args.vocab}, {args.steps} decode steps per run, greedy, instant model")
-    print(f"{'running seqs':>12} {'steps':>6} {'steps/s':>9} {'µs/step':>9} {'µs/seq-step':>12}")
+    print("best of --repeats runs; then each stage's busy µs per step (execute and sample")
+    print("include waiting for the GIL in their worker thread)")
+    head = "".join(f"{s:>11}" for s in STAGES)
+    print(
+        f"{'running seqs':>12} {'steps':>6} {'steps/s':>9} {'µs/step':>9} {'µs/seq-step':>12}{head}"
+    )
     for num_seqs in (1, 64, 256):
-        elapsed, steps = run(llm, num_seqs, args.steps)
+        elapsed, steps, busy = min(
+            (run(llm, num_seqs, args.steps) for _ in range(args.repeats)),
+            key=lambda r: r[0] / r[1],
+        )
         per_step = elapsed / steps
+        stages = "".join(f"{busy[s] / steps * 1e6:>11.0f}" for s in STAGES)
         print(
             f"{num_seqs:>12} {steps:>6} {1 / per_step:>9.0f} {per_step * 1e6:>9.0f} "
-            f"{per_step * 1e6 / num_seqs:>12.1f}"
+            f"{per_step * 1e6 / num_seqs:>12.1f}{stages}"
         )
 
 
