@@ -65,7 +65,7 @@ class Audit(PerMessageStage):
         super().__init__(params, services)
         self._model = services.served_model_name
         # Opened now so a bad path stops the server at start, naming this stage.
-        self._file: IO[bytes] = Path(params.path).open("ab")  # noqa: SIM115 (closed by run)
+        self._file: IO[bytes] = Path(params.path).open("ab")  # noqa: SIM115 (run closes it)
         self._encoder = msgspec.json.Encoder()
         self._lines: list[bytes] = []  # encoded lines not yet handed to the writer
         self._wake = anyio.Event()  # set when lines are buffered or the intake ended

@@ -104,7 +104,8 @@ class Redactor:
         sent = ""
         if state.dead:
             # Word characters continuing a word that cannot match go out as they are.
-            end = _LEADING_WORD.match(pending).end()  # type: ignore[union-attr]
+            leading = _LEADING_WORD.match(pending)  # always matches, maybe empty
+            end = leading.end() if leading is not None else 0
             sent, pending = pending[:end], pending[end:]
             if not pending and not final:
                 return sent  # the dead word may continue in the next piece
