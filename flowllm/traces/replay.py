@@ -307,7 +307,8 @@ class _Comparer:
         for r in range(rows.shape[0]):
             if abs(sums[r] - rec.sums[r]) > self.atol * cols + self.rtol * abs(rec.sums[r]):
                 return f"{path}[{r}] (row sum {rec.sums[r]:.6g} vs {sums[r]:.6g})"
-            bound = 2 * self.atol * math.sqrt(cols * rec.sumsqs[r]) + self.rtol * rec.sumsqs[r]
+            # |sum(b^2 - a^2)| <= sum(|b - a| * |b + a|), with |b - a| <= atol + rtol * |a|
+            bound = 2 * self.atol * math.sqrt(cols * rec.sumsqs[r]) + 2 * self.rtol * rec.sumsqs[r]
             if abs(sumsqs[r] - rec.sumsqs[r]) > bound:
                 return f"{path}[{r}] (row sum of squares {rec.sumsqs[r]:.6g} vs {sumsqs[r]:.6g})"
         return None
@@ -327,9 +328,10 @@ def show(message: Any) -> str:
     data = msgspec.to_builtins(message, enc_hook=hook, str_keys=True)
     if isinstance(message, msgspec.Struct):
         data = {"type": type(message).__name__, **data} if isinstance(data, dict) else data
-    if isinstance(data, dict) and "logits" in data and isinstance(data["logits"], dict):
-        d = data["logits"]
-        data["logits"] = f"digest{tuple(d.get('shape', ()))} top1={d.get('values', [[None]])}"
+    logits = getattr(message, "logits", None)
+    if isinstance(data, dict) and isinstance(logits, TensorDigest):
+        tops = [round(row[0], 4) if row else None for row in logits.values]
+        data["logits"] = f"digest{tuple(logits.shape)} row maxima {tops}"
     return json.dumps(data, indent=1, ensure_ascii=False, default=str)
 
 

@@ -13,6 +13,7 @@ import pytest
 from flowllm.cli import main
 from flowllm.config import engine_config
 from flowllm.messages import GenerateRequest, TextDeltas
+from flowllm.stages.execute import Execute
 from flowllm.stages.format import Format
 from flowllm.stages.sample import Sample
 from flowllm.stages.services import EngineServices, build_services
@@ -136,6 +137,40 @@ def test_a_sampler_ignoring_top_k_fails_replay(
     assert result.difference.port == "out"
     assert ".tokens" in result.difference.path
     assert "sample: first difference on port 'out'" in report.format()
+
+
+class OffExecute(Execute):
+    """A model step whose logits are off by 1e-3 (a kernel with a small numeric bug)."""
+
+    async def handle(self, batch: Any, ctx: Any) -> None:
+        run = self.runner.run
+
+        def shifted(seqs: Any, asked: Any) -> Any:
+            logits, prompt = run(seqs, asked)
+            return logits + 1e-3, prompt
+
+        self.runner.run = shifted  # type: ignore[method-assign]
+        try:
+            await super().handle(batch, ctx)
+        finally:
+            self.runner.run = run  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("name", ["greedy", "preemption"])
+def test_logits_off_by_more_than_the_tolerance_fail_replay(
+    name: str, gpt2_tiny_dir: Path, tiny_services: EngineServices
+) -> None:
+    report = replay_trace(
+        REPO / "traces" / name,
+        "execute",
+        model=gpt2_tiny_dir,
+        services=tiny_services,
+        stage_overrides={"execute": OffExecute},
+    )
+    result = report.result("execute")
+    assert result.status == "fail", report.format()
+    assert result.difference is not None and ".logits" in result.difference.path
+    assert "digest" in result.difference.recorded
 
 
 class MisroutingFormat(Format):
