@@ -614,8 +614,16 @@ class _Validator:
 
     def check_unconnected(self, stages: dict[str, BoundStage], edges: list[EdgeSpec]) -> None:
         connected = {e.src for e in edges} | {e.dst for e in edges}
-        # A port named by an edge that failed for another reason is not reported twice.
+        # A port named by an edge that failed for another reason is not reported twice, nor
+        # is the port a mistyped name suggests: that edge's problem already points at it.
         named = {e.src for e in self.spec.edges} | {e.dst for e in self.spec.edges}
+        for edge in self.spec.edges:
+            for ref, kind in ((edge.src, "outputs"), (edge.dst, "inputs")):
+                bound = stages.get(ref.stage)
+                ports = list(getattr(bound.cls, kind)) if bound is not None else []
+                if ports and ref.port not in ports:
+                    close = difflib.get_close_matches(ref.port, ports, n=1, cutoff=0.6)
+                    named.update(PortRef(ref.stage, port) for port in close)
         for bound in stages.values():
             for kind, role in (("inputs", "input"), ("outputs", "output")):
                 for port, tp in getattr(bound.cls, kind).items():

@@ -193,6 +193,8 @@ def test_the_guides_validation_messages(workdir: Path) -> None:
         status, _, err = flowllm("graph", "validate", path.name, cwd=workdir)
         assert status == 1
         reported.append(err)
+    # a mistyped port is one problem, not also "tokenize.in is not connected"
+    assert reported[0].startswith("1 problem in the graph:"), reported[0]
     for line, output in zip(block("problems").splitlines(), reported, strict=True):
         assert line in output, f"{line!r} not in:\n{output}"
 
