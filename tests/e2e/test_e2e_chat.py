@@ -149,3 +149,21 @@ def test_stop_string(server: ServerProcess) -> None:
     choice = _chat(server, **request, stop=stop)["choices"][0]
     assert choice["message"]["content"] == text[:cut]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+
+
+def test_content_parts_and_max_completion_tokens(server: ServerProcess) -> None:
+    plain = _chat(server, max_tokens=6, temperature=0)
+    parts = _chat(
+        server,
+        messages=[
+            MESSAGES[0],
+            {"role": "user", "content": [{"type": "text", "text": MESSAGES[1]["content"]}]},
+        ],
+        max_completion_tokens=6,
+        max_tokens=99,  # max_completion_tokens wins
+        temperature=0,
+        user="someone",
+        response_format={"type": "text"},
+    )
+    assert parts["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert parts["usage"] == plain["usage"]

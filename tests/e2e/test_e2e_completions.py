@@ -238,3 +238,72 @@ def test_batched_prompts(server: ServerProcess, gpt2_tokenizer: Any) -> None:
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
     assert [texts[i] for i in range(3)] == [s["choices"][0]["text"] for s in singles]
+
+
+def test_sampling_fields(server: ServerProcess, gpt2_tokenizer: Any) -> None:
+    """vLLM's extras and OpenAI's knobs reach the sampler: checked against the tokenizer and
+    the server's own greedy output."""
+    greedy = _complete(server, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0)
+    greedy_text = greedy["choices"][0]["text"]
+    greedy_ids = gpt2_tokenizer.encode(greedy_text)
+
+    # top_k 1 at temperature 1 is greedy; so is min_p 1.
+    assert (
+        _complete(server, prompt=PROMPT, max_tokens=6, top_k=1, seed=5)["choices"][0]["text"]
+        == greedy_text
+    )
+    assert (
+        _complete(server, prompt=PROMPT, max_tokens=6, min_p=1.0, seed=5)["choices"][0]["text"]
+        == greedy_text
+    )
+
+    # logit_bias +100 on one token makes it every token.
+    forced_id = gpt2_tokenizer.encode(" banana")[0]
+    forced = _complete(
+        server, prompt=PROMPT, max_tokens=4, logit_bias={str(forced_id): 100}, seed=1
+    )
+    assert forced["choices"][0]["text"] == gpt2_tokenizer.decode([forced_id] * 4)
+
+    # stop_token_ids: generation ends at that token, reported as the stop reason.
+    stop_id = greedy_ids[2]
+    first = greedy_ids.index(stop_id)
+    stopped = _complete(
+        server, prompt=PROMPT, max_tokens=6, temperature=0, stop_token_ids=[stop_id]
+    )
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["stop_reason"] == stop_id
+    assert stopped["usage"]["completion_tokens"] == first + 1
+    assert stopped["choices"][0]["text"] == gpt2_tokenizer.decode(greedy_ids[:first])
+
+    # A strong repetition penalty changes a repetitive greedy continuation.
+    penalised = _complete(
+        server, prompt=PROMPT, max_tokens=6, temperature=0, repetition_penalty=2.0,
+        frequency_penalty=2.0, presence_penalty=2.0,
+    )  # fmt: skip
+    assert penalised["usage"]["completion_tokens"] == 6
+
+    # prompt_logprobs: one entry per prompt token, the first null.
+    n_prompt = len(gpt2_tokenizer.encode(PROMPT))
+    scored = _complete(server, prompt=PROMPT, max_tokens=1, prompt_logprobs=2)
+    entries = scored["choices"][0]["prompt_logprobs"]
+    assert len(entries) == n_prompt and entries[0] is None
+    for entry in entries[1:]:
+        assert 2 <= len(entry) <= 3
+        for value in entry.values():
+            assert set(value) == {"logprob", "rank", "decoded_token"} and value["logprob"] <= 0
+
+    # min_tokens with an EOS-only logit bias: EOS is masked until min_tokens are out.
+    eos = gpt2_tokenizer.eos_token_id
+    early = _complete(server, prompt=PROMPT, max_tokens=8, logit_bias={str(eos): 100})
+    assert early["choices"][0]["finish_reason"] == "stop"
+    assert early["usage"]["completion_tokens"] == 1
+    held = _complete(server, prompt=PROMPT, max_tokens=8, logit_bias={str(eos): 100}, min_tokens=3)
+    assert held["usage"]["completion_tokens"] == 4  # three forced-non-EOS tokens, then EOS
+    assert held["choices"][0]["finish_reason"] == "stop"
+    ignored = _complete(
+        server, prompt=PROMPT, max_tokens=5, logit_bias={str(eos): 100}, ignore_eos=True,
+        skip_special_tokens=False,
+    )  # fmt: skip
+    assert ignored["usage"]["completion_tokens"] == 5
+    assert ignored["choices"][0]["text"] == "<|endoftext|>" * 5
+    assert ignored["choices"][0]["finish_reason"] == "length"
