@@ -251,6 +251,15 @@ def test_redact_graph_end_to_end(
     finishes = [c.finish_reason for e in events for c in e.choices if c.finish_reason]
     assert sorted(finishes) == sorted(c.finish_reason for c in reference.choices)
 
+    # A client that leaves mid-stream (its request is aborted) does not disturb the next.
+    with server.client().completions.create(
+        stream=True, model=MODEL_NAME, prompt=PROMPT, max_tokens=200, seed=SEED
+    ) as leaving:
+        for _, _event in zip(range(3), leaving, strict=False):
+            pass
+    again = server.client().completions.create(n=2, seed=SEED, **request)
+    assert [c.text for c in again.choices] == expected
+
     # The shipped words: a strong logit bias makes the model write " secret" every time.
     (secret,) = gpt2_tokenizer.encode(" secret")
     forced = dict(
