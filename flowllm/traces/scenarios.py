@@ -1,8 +1,9 @@
 """The committed traces (`traces/` at the repository root) and how to record them again.
 
-Every scenario runs the default graph on the 2-layer random GPT-2 with the real GPT-2
-tokenizer (`tests/model_fixtures.py`, seed 0, rebuilt on demand), float32, with logits
-stored as top-8 digests so each trace stays tens of KB. The messages are deterministic
+Every scenario runs the default graph in float32 on the 2-layer random GPT-2 with the
+real GPT-2 tokenizer (`tests/model_fixtures.py`, seed 0, rebuilt on demand) — except
+`chat`, on the bundled SmolLM2-135M-Instruct — with logits stored as top-8 digests so
+each trace stays tens of KB. The messages are deterministic
 (greedy, seeded sampling, the engine seed for unseeded sampling); send times and the
 receive order of concurrent messages are those of the recording run.
 """
@@ -20,10 +21,10 @@ import anyio
 import msgspec
 
 from flowllm.async_engine import AsyncEngine
-from flowllm.config import engine_config
+from flowllm.config import BUNDLED_MODEL, engine_config
 from flowllm.engine_client import Overloaded
 from flowllm.mailbox import Mailbox, RequestFailed
-from flowllm.messages import GenerateRequest, SamplingParams
+from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams
 from flowllm.traces.manifest import ModelSource, weights_sha256
 from flowllm.traces.recorder import TraceRecorder
 from flowllm.traces.replay import build_model
@@ -46,6 +47,7 @@ class Scenario:
     description: str
     requests: Callable[[], list[GenerateRequest]]
     settings: dict[str, Any] = field(default_factory=dict)
+    bundled: bool = False  # runs the bundled SmolLM2 instead of the tiny GPT-2
     stream: bool = False
     abort_after_first_chunk: tuple[str, ...] = ()
     check: Callable[[AsyncEngine], None] | None = None
@@ -121,6 +123,20 @@ def _errors() -> list[GenerateRequest]:
     ]
 
 
+def _chat() -> list[GenerateRequest]:
+    request = GenerateRequest(
+        request_id="chat-0",
+        model=BUNDLED_MODEL,
+        params=SamplingParams(temperature=0.0, max_tokens=8),
+        arrival_time=time.monotonic(),
+        messages=(
+            ChatMessage("system", "You are a helpful assistant."),
+            ChatMessage("user", "What is the capital of France?"),
+        ),
+    )
+    return [request]
+
+
 def _preemption() -> list[GenerateRequest]:
     prompts = ["One two three four five", "Six seven eight nine ten", "Red green blue"]
     return [
@@ -159,6 +175,13 @@ SCENARIOS: dict[str, Scenario] = {
             "model (validate); and one that succeeds",
             _errors,
             settings={"max_model_len": 64},
+        ),
+        Scenario(
+            "chat",
+            "a chat request through SmolLM2's own template (the bundled model)",
+            _chat,
+            settings={"max_model_len": 256, "kv_cache_memory": 16 << 20},
+            bundled=True,
         ),
         Scenario(
             "preemption",
@@ -210,9 +233,10 @@ def record_scenario(
     """Record one scenario into `out_dir` (replacing what was there)."""
     from flowllm.stages.services import build_services
 
+    model = BUNDLED_MODEL if scenario.bundled else str(model_dir)
     config = engine_config(
-        str(model_dir),
-        served_model_name=MODEL_NAME,
+        model,
+        served_model_name=BUNDLED_MODEL if scenario.bundled else MODEL_NAME,
         dtype="float32",
         **{"kv_cache_memory": 1 << 20, **scenario.settings},
     )
@@ -222,7 +246,7 @@ def record_scenario(
     recorder = TraceRecorder(
         out_dir,
         digest_k=digest_k,
-        model_source=TINY_GPT2,
+        model_source=None if scenario.bundled else TINY_GPT2,
         description=scenario.description,
     )
 

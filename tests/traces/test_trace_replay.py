@@ -35,17 +35,26 @@ def tiny_services(gpt2_tiny_dir: Path) -> EngineServices:
 
 
 def test_the_committed_traces_cover_the_scenarios() -> None:
-    assert set(TRACES) >= {"greedy", "sampled", "stop", "n2", "stream", "errors", "preemption"}
+    assert set(TRACES) >= {
+        "greedy", "sampled", "stop", "n2", "stream", "errors", "preemption", "chat"
+    }  # fmt: skip
     for name in TRACES:
         size = sum(f.stat().st_size for f in (REPO / "traces" / name).iterdir())
         assert size < 100 * 1024, f"trace {name} is {size} bytes"
 
 
+BUNDLED_TRACES = ("chat",)  # recorded on the bundled SmolLM2, found by its name
+
+
 @pytest.mark.parametrize("name", TRACES)
 def test_every_stage_replays_every_committed_trace(
-    name: str, gpt2_tiny_dir: Path, tiny_services: EngineServices
+    name: str, gpt2_tiny_dir: Path, tiny_services: EngineServices, request: pytest.FixtureRequest
 ) -> None:
-    report = replay_trace(REPO / "traces" / name, model=gpt2_tiny_dir, services=tiny_services)
+    if name in BUNDLED_TRACES:
+        request.getfixturevalue("flowllm_cache_with_smollm2")
+        report = replay_trace(REPO / "traces" / name)
+    else:
+        report = replay_trace(REPO / "traces" / name, model=gpt2_tiny_dir, services=tiny_services)
     assert report.ok, report.format()
     assert [r.stage for r in report.results] == STAGES
     for result in report.results:
@@ -61,6 +70,7 @@ def test_committed_traces_exercise_what_they_are_named_for() -> None:
         trace = load_trace(REPO / "traces" / name)
         return [c for e in trace.entries["format.in"] for c in e.message.chunks]
 
+    assert "".join(c.text for c in chunks("chat")) == "The capital of France is Paris."
     stops = [c for c in chunks("stop") if c.finish_reason == "stop"]
     assert {c.stop_reason for c in stops} == {"tron~ sil"}
     assert {c.index for c in chunks("n2")} == {0, 1}
