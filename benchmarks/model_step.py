@@ -11,6 +11,10 @@ reached: 100% would be the machine's limit.
 
     .venv/bin/python benchmarks/model_step.py                 # everything
     .venv/bin/python benchmarks/model_step.py --models gpt2-124m --dtypes float32 --batches 1
+
+On a machine shared with other work, wall time measures the other work too; `--threads 1
+--cpu-time` times this process's CPU time instead (rates and steps alike), which stays
+meaningful under load because a single thread never waits for a descheduled sibling.
 """
 
 from __future__ import annotations
@@ -46,31 +50,37 @@ MODELS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def best_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+CLOCK: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def best_time(
+    fn: Callable[[], object], repeats: int, clock: str = "wall", warmup: int = 2
+) -> float:
     """The fastest of `repeats` runs (seconds): the least disturbed by other processes."""
+    now = CLOCK[clock]
     for _ in range(warmup):
         fn()
     best = math.inf
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = now()
         fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, now() - t)
     return best
 
 
-def copy_rate(repeats: int) -> float:
+def copy_rate(repeats: int, clock: str) -> float:
     """Bytes/s of a 256 MiB copy, reads and writes both counted."""
     src = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
     dst = torch.empty_like(src)
-    t = best_time(lambda: dst.copy_(src), repeats)
+    t = best_time(lambda: dst.copy_(src), repeats, clock)
     return 2 * src.numel() * src.element_size() / t
 
 
-def matmul_rate(dtype: torch.dtype, repeats: int) -> float:
+def matmul_rate(dtype: torch.dtype, repeats: int, clock: str) -> float:
     """FLOP/s of a 1024 x 1024 x 1024 product in `dtype`."""
     n = 1024
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / best_time(lambda: F.linear(a, b), repeats)
+    return 2 * n**3 / best_time(lambda: F.linear(a, b), repeats, clock)
 
 
 def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -134,14 +144,19 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,512")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cpu-time", action="store_true", help="time CPU, not wall, seconds")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = "cpu" if args.cpu_time else "wall"
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
 
-    copy = copy_rate(args.repeats)
-    rates = {dt: matmul_rate(dt, args.repeats) for dt in dtypes}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    copy = copy_rate(args.repeats, clock)
+    rates = {dt: matmul_rate(dt, args.repeats, clock) for dt in dtypes}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock} time")
     print(f"copy rate {copy / 1e9:.1f} GB/s (read + write); matmul rate", end="")
     print(", ".join(f" {str(dt)[6:]} {r / 1e9:.0f} GFLOP/s" for dt, r in rates.items()))
     header = (
@@ -165,7 +180,7 @@ def main() -> None:
             runner = ModelRunner(model, kv, BLOCK, "cpu")
             for label, batch, q_len, ctx in cases:
                 seqs = step_seqs(batch, q_len, ctx)
-                t = best_time(lambda s=seqs, r=runner: r.run(s), args.repeats)
+                t = best_time(lambda s=seqs, r=runner: r.run(s), args.repeats, clock)
                 kv_bytes, attn_flops = attention_work(model, [q_len] * batch, [ctx] * batch)
                 mem = (w_bytes + kv_bytes) / copy
                 comp = (2 * w_params * batch * q_len + attn_flops) / rates[dt]
