@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from flowllm.config import EngineConfig
+from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.runtime import Graph
+from flowllm.graph.spec import ValidGraph
 from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest
 from flowllm.stages.ingest import Ingest
@@ -24,9 +26,6 @@ from flowllm.stages.services import EngineServices, build_services
 
 if TYPE_CHECKING:
     from flowllm.traces.recorder import TraceRecorder
-
-DEFAULT_GRAPH = Path(__file__).parent / "graph" / "default.yaml"
-
 
 class AsyncEngine:
     """A started graph seen from outside (implements flowllm.engine_client.EngineClient)."""
@@ -45,7 +44,7 @@ class AsyncEngine:
         cls,
         config: EngineConfig | None = None,
         *,
-        graph: str | Path | None = None,
+        graph: ValidGraph | str | Path | None = None,
         services: EngineServices | None = None,
         stop_timeout: float = 30.0,
         recorder: TraceRecorder | None = None,

@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from flowllm.config import ConfigError
+from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.spans import configure_logging
+from flowllm.graph.spec import GraphValidationError, load_graph
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -25,8 +27,9 @@ def serve_command(args: argparse.Namespace) -> int:
     configure_logging(fmt=args.log_format, level=args.log_level, force=True)
     try:
         config = config_from_args(args)
+        graph = load_graph(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
         services = build_services(config)  # before binding the port: errors are one line
-    except (ConfigError, ModelLoadError) as e:
+    except (ConfigError, ModelLoadError, GraphValidationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     url = f"http://{args.host}:{args.port}"
@@ -41,7 +44,7 @@ def serve_command(args: argparse.Namespace) -> int:
                 args.trace_dir, channels=args.trace_channels, max_bytes=args.trace_max_bytes
             )
         async with AsyncEngine.start(
-            graph=args.graph,
+            graph=graph,
             services=services,
             stop_timeout=args.shutdown_timeout,
             recorder=recorder,
@@ -109,9 +112,10 @@ def generate_command(args: argparse.Namespace) -> int:
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True)
     try:
+        graph = load_graph(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
         llm = LLM(
             config=config_from_args(args),
-            graph=args.graph,
+            graph=graph,
             trace_dir=args.trace_dir,
             trace_channels=args.trace_channels,
             trace_max_bytes=args.trace_max_bytes,
@@ -128,7 +132,7 @@ def generate_command(args: argparse.Namespace) -> int:
             seed=args.sampling_seed,
         )
         outputs = llm.generate(args.prompt, params)
-    except (ConfigError, ModelLoadError) as e:
+    except (ConfigError, ModelLoadError, GraphValidationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except RequestFailed as e:

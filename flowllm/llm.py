@@ -19,6 +19,7 @@ import msgspec
 from flowllm.async_engine import AsyncEngine
 from flowllm.config import EngineConfig, engine_config
 from flowllm.engine_client import Overloaded
+from flowllm.graph.spec import ValidGraph
 from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest, SamplingParams, TokenLogprobs
 from flowllm.stages.services import EngineServices, build_services
@@ -68,7 +69,7 @@ class LLM:
         model: str | None = None,
         *,
         config: EngineConfig | None = None,
-        graph: str | Path | None = None,
+        graph: ValidGraph | str | Path | None = None,
         services: EngineServices | None = None,
         trace_dir: str | Path | None = None,
         trace_channels: Sequence[str] | None = None,

@@ -6,11 +6,17 @@ aborts — and, while fewer than `max_inflight_steps` steps are in flight, sends
 `StepBatch`. The in-flight bound is the credit that keeps the schedule → execute → sample
 → schedule cycle deadlock free (every channel on it holds at least that many messages).
 It returns once its request input has closed and no sequence or step is left.
+
+An Abort normally arrives after its request (both travel the request path). With a
+replicated stage upstream it may overtake it, so the ids of aborts for unknown requests
+are remembered (the most recent `EARLY_ABORTS_KEPT`) and such a request is dropped on
+arrival.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import msgspec
 
@@ -25,6 +31,8 @@ from flowllm.messages import (
 )
 from flowllm.stages.base import CLOSED, Stage, StageContext
 from flowllm.stages.services import EngineServices
+
+EARLY_ABORTS_KEPT = 4096
 
 
 class ScheduleParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -44,6 +52,7 @@ class Schedule(Stage):
             config.scheduler, config.cache, services.num_blocks, services.max_model_len
         )
         self._metrics = services.metrics
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
 
     async def run(self, ctx: StageContext) -> None:
         scheduler = self.scheduler
@@ -69,13 +78,23 @@ class Schedule(Stage):
             elif isinstance(message, Finish):
                 scheduler.finish_sequence(message.seq_id, message.stop_reason)
             elif isinstance(message, Abort):
-                scheduler.abort_request(message.request_id)
+                self._abort(message.request_id)
             else:
                 await self._add(message, ctx)
             self._metrics.observe_scheduler(scheduler.stats)
             ctx.spans.record(message, started, ctx.last_wait)
 
+    def _abort(self, request_id: str) -> None:
+        if self.scheduler.abort_request(request_id):
+            return
+        # Not running: not arrived yet (or just finished; remembering it then is harmless).
+        self._early_aborts[request_id] = None
+        if len(self._early_aborts) > EARLY_ABORTS_KEPT:
+            self._early_aborts.popitem(last=False)
+
     async def _add(self, request: TokenizedRequest, ctx: StageContext) -> None:
+        if self._early_aborts.pop(request.request_id, 0) is None:
+            return  # aborted before it arrived
         try:
             self.scheduler.add_request(request)
         except SchedulerError as e:

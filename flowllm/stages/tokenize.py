@@ -2,13 +2,15 @@
 
 Chat requests are rendered with the model's chat template (or the one given with the
 request or the server) by transformers, then encoded without adding special tokens again,
-as the template already holds them. CPU-bound and stateless, so it can run replicated.
+as the template already holds them. Stateless, and the encoding runs in a worker thread
+(the tokenizer releases the GIL), so `replicas: N` tokenizes N prompts at once.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import anyio.to_thread
 import msgspec
 
 from flowllm.engine.validation import check_context_length
@@ -48,7 +50,7 @@ class Tokenize(PerMessageStage):
             return
         request = message.request
         try:
-            prompt_ids = self.prompt_token_ids(request)
+            prompt_ids = await anyio.to_thread.run_sync(self.prompt_token_ids, request)
         except PromptError as e:
             await ctx.emit("errors", _bad_request(request.request_id, str(e), e.param))
             return
