@@ -84,6 +84,17 @@ def test_route_404_and_method_405(server: ServerProcess) -> None:
     assert error["type"] == "MethodNotAllowedError"
 
 
+def test_body_too_large_413(server: ServerProcess) -> None:
+    body = b'{"prompt": "' + b"a" * 11_000_000 + b'"}'  # past the 10 MB request limit
+    response = httpx.post(
+        f"{server.url}{COMPLETIONS}",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert assert_error(response, 413)["type"] == "RequestTooLargeError"
+
+
 def test_stream_error_before_first_event_keeps_status(server: ServerProcess) -> None:
     """A streamed request the graph rejects still answers with the HTTP error, not SSE."""
     body = {"prompt": "x", "max_tokens": 600, "stream": True}
