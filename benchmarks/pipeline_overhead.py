@@ -94,22 +94,24 @@ def main() -> None:
     llm = LLM(services=services(args.vocab, tokenizer))
     run(llm, 4, 4)  # warm up
     print(f"vocab {args.vocab}, {args.steps} decode steps per run, greedy, instant model")
-    print("best of --repeats runs; then each stage's busy µs per step (execute and sample")
-    print("include waiting for the GIL in their worker thread)")
+    print("best of --repeats runs. A round: every running sequence gains one token (the")
+    print("scheduler may split a round into several steps while requests trickle in); stage")
+    print("columns: busy µs per round (execute and sample include waiting for the GIL in")
+    print("their worker thread). The prompts' prefill step is spread over the rounds.")
     head = "".join(f"{s:>11}" for s in STAGES)
     print(
-        f"{'running seqs':>12} {'steps':>6} {'steps/s':>9} {'µs/step':>9} {'µs/seq-step':>12}{head}"
+        f"{'running seqs':>12} {'steps':>6} {'µs/step':>9} {'rounds/s':>9} {'µs/round':>9} "
+        f"{'µs/seq-token':>13}{head}"
     )
     for num_seqs in (1, 64, 256):
         elapsed, steps, busy = min(
-            (run(llm, num_seqs, args.steps) for _ in range(args.repeats)),
-            key=lambda r: r[0] / r[1],
+            (run(llm, num_seqs, args.steps) for _ in range(args.repeats)), key=lambda r: r[0]
         )
-        per_step = elapsed / steps
-        stages = "".join(f"{busy[s] / steps * 1e6:>11.0f}" for s in STAGES)
+        per_round = elapsed / args.steps
+        stages = "".join(f"{busy[s] / args.steps * 1e6:>11.0f}" for s in STAGES)
         print(
-            f"{num_seqs:>12} {steps:>6} {1 / per_step:>9.0f} {per_step * 1e6:>9.0f} "
-            f"{per_step * 1e6 / num_seqs:>12.1f}{stages}"
+            f"{num_seqs:>12} {steps:>6} {elapsed / steps * 1e6:>9.0f} {1 / per_round:>9.0f} "
+            f"{per_round * 1e6:>9.0f} {per_round * 1e6 / num_seqs:>13.1f}{stages}"
         )
 
 
