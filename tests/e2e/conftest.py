@@ -16,15 +16,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/e2e: e2e_helpers
 
-from e2e_helpers import (
-    API_KEY,
-    BASE_FLAGS,
-    CHAT_TEMPLATE,
-    DEFAULT_GRAPH,
-    FLOOD_MAX_PENDING,
-    ServerProcess,
-    start_server,
-)
+from e2e_helpers import API_KEY, CHAT_TEMPLATE, FLOOD_MAX_PENDING, start_server
+from server_process import DEFAULT_GRAPH, TINY_FLAGS, ServerProcess
 
 
 @pytest.fixture
@@ -43,7 +36,7 @@ def chat_template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(gpt2_tiny_dir: Path, chat_template_file: Path) -> Iterator[ServerProcess]:
     """The tiny GPT-2 (real tokenizer), no API key, with a ChatML template for chat."""
     proc = start_server(
-        str(gpt2_tiny_dir), [*BASE_FLAGS, "--chat-template", str(chat_template_file)]
+        str(gpt2_tiny_dir), [*TINY_FLAGS, "--chat-template", str(chat_template_file)]
     )
     try:
         yield proc
@@ -54,7 +47,7 @@ def server(gpt2_tiny_dir: Path, chat_template_file: Path) -> Iterator[ServerProc
 @pytest.fixture(scope="session")
 def auth_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
     """The tiny GPT-2 behind `--api-key`."""
-    proc = start_server(str(gpt2_tiny_dir), [*BASE_FLAGS, "--api-key", API_KEY])
+    proc = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--api-key", API_KEY])
     try:
         yield proc
     finally:
@@ -73,9 +66,7 @@ def flood_server(
     if limited == text:
         raise RuntimeError("default.yaml no longer sets ingest's max_pending: update the test")
     graph.write_text(limited)
-    proc = start_server(
-        str(gpt2_tiny_dir), [*BASE_FLAGS, "--graph", str(graph), "--max-num-seqs", "2"]
-    )
+    proc = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--max-num-seqs", "2"], graph=graph)
     try:
         yield proc
     finally:

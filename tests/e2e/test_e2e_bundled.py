@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import ServerProcess, start_server, sync_client
+from e2e_helpers import start_server
+from server_process import ServerProcess
 
 BUNDLED = "smollm2-135m-instruct"
 
@@ -55,7 +56,7 @@ def test_readme_completion_returns_50_tokens(bundled_server: ServerProcess) -> N
 
 
 def test_readme_chat_knows_paris(bundled_server: ServerProcess) -> None:
-    client = sync_client(bundled_server.url)
+    client = bundled_server.client()
     answer = client.chat.completions.create(
         model=BUNDLED,
         messages=[{"role": "user", "content": "What is the capital of France?"}],

@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import CHAT_TEMPLATE, ServerProcess, async_client, sse_events, sync_client
+from e2e_helpers import CHAT_TEMPLATE, sse_events
+from server_process import ServerProcess
 
 MESSAGES: list[Any] = [
     {"role": "system", "content": "You are terse."},
@@ -43,7 +44,7 @@ def test_prompt_is_the_chat_template(server: ServerProcess, gpt2_tokenizer: Any)
 
 
 def test_greedy_stream_equals_whole_sync_sdk(server: ServerProcess) -> None:
-    client = sync_client(server.url)
+    client = server.client()
     whole = client.chat.completions.create(
         model=server.model, messages=MESSAGES, max_tokens=20, temperature=0
     )
@@ -71,7 +72,7 @@ def test_greedy_stream_equals_whole_sync_sdk(server: ServerProcess) -> None:
 
 @pytest.mark.anyio
 async def test_greedy_stream_equals_whole_async_sdk(server: ServerProcess) -> None:
-    client = async_client(server.url)
+    client = server.async_client()
     whole = await client.chat.completions.create(
         model=server.model, messages=MESSAGES, max_completion_tokens=12, temperature=0
     )
@@ -122,7 +123,7 @@ def test_logprobs_shapes(server: ServerProcess) -> None:
 
 
 def test_n_and_seed(server: ServerProcess) -> None:
-    client = sync_client(server.url)
+    client = server.client()
     kwargs: dict[str, Any] = {
         "model": server.model, "messages": MESSAGES, "max_tokens": 10, "n": 2, "seed": 99,
         "temperature": 1.0,

@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import ServerProcess, async_client, sse_events, sync_client
+from e2e_helpers import sse_events
+from server_process import ServerProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then"
 
@@ -23,7 +24,7 @@ def _complete(server: ServerProcess, **body: Any) -> dict[str, Any]:
 
 
 def test_greedy_stream_equals_whole_sync_sdk(server: ServerProcess, gpt2_tokenizer: Any) -> None:
-    client = sync_client(server.url)
+    client = server.client()
     whole = client.completions.create(
         model=server.model, prompt=PROMPT, max_tokens=24, temperature=0
     )
@@ -58,7 +59,7 @@ def test_greedy_stream_equals_whole_sync_sdk(server: ServerProcess, gpt2_tokeniz
 
 @pytest.mark.anyio
 async def test_greedy_stream_equals_whole_async_sdk(server: ServerProcess) -> None:
-    client = async_client(server.url)
+    client = server.async_client()
     whole = await client.completions.create(
         model=server.model, prompt=PROMPT, max_tokens=16, temperature=0
     )
@@ -149,7 +150,7 @@ def test_echo(server: ServerProcess, gpt2_tokenizer: Any) -> None:
 
 
 def test_n_and_seed_reproducible(server: ServerProcess) -> None:
-    client = sync_client(server.url)
+    client = server.client()
     kwargs: dict[str, Any] = {
         "model": server.model, "prompt": PROMPT, "max_tokens": 12, "n": 2, "seed": 1234,
         "temperature": 1.0,
@@ -231,7 +232,7 @@ def test_batched_prompts(server: ServerProcess, gpt2_tokenizer: Any) -> None:
     # Token-id arrays batch the same way, streamed this time.
     ids = [gpt2_tokenizer.encode(p) for p in prompts]
     texts: dict[int, str] = {}
-    client = sync_client(server.url)
+    client = server.client()
     for chunk in client.completions.create(
         model=server.model, prompt=ids, max_tokens=6, temperature=0, stream=True
     ):

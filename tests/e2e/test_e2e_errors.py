@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from e2e_helpers import API_KEY, ServerProcess, assert_error, sync_client
+from e2e_helpers import API_KEY, assert_error
+from server_process import ServerProcess
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -73,7 +74,7 @@ def test_unknown_model_404(server: ServerProcess) -> None:
         error = assert_error(_post(server, path, body), 404, code="model_not_found")
         assert (error["type"], error["param"]) == ("NotFoundError", "model")
     with pytest.raises(openai.NotFoundError) as raised:
-        sync_client(server.url).completions.create(model="no-such-model", prompt="x")
+        server.client().completions.create(model="no-such-model", prompt="x")
     assert raised.value.status_code == 404
 
 
@@ -104,7 +105,7 @@ def test_stream_error_before_first_event_keeps_status(server: ServerProcess) -> 
 
 
 def test_sdk_raises_typed_errors(server: ServerProcess) -> None:
-    client = sync_client(server.url)
+    client = server.client()
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=server.model, prompt="x", max_tokens=600)
     assert raised.value.code == "context_length_exceeded"
@@ -118,7 +119,7 @@ def test_other_endpoints(server: ServerProcess, gpt2_tokenizer: Any) -> None:
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     version = httpx.get(f"{server.url}/version", timeout=10).json()
     assert isinstance(version["version"], str) and version["version"]
-    models = sync_client(server.url).models.list()
+    models = server.client().models.list()
     assert [m.id for m in models.data] == [server.model]
     card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
     assert (card["object"], card["max_model_len"]) == ("model", 512)
@@ -182,8 +183,8 @@ def test_auth_on(auth_server: ServerProcess) -> None:
     assert httpx.get(f"{auth_server.url}/metrics", timeout=10).status_code == 200
 
     with pytest.raises(openai.AuthenticationError):
-        sync_client(auth_server.url, api_key="wrong").models.list()
-    client = sync_client(auth_server.url, api_key=API_KEY)
+        auth_server.client(api_key="wrong").models.list()
+    client = auth_server.client(api_key=API_KEY)
     stream = client.completions.create(
         model=auth_server.model, prompt="x", max_tokens=3, stream=True
     )

@@ -9,13 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import (
-    FLOOD_MAX_PENDING,
-    ServerProcess,
-    assert_error,
-    async_client,
-    wait_until,
-)
+from e2e_helpers import FLOOD_MAX_PENDING, assert_error, wait_until
+from server_process import ServerProcess
 
 RUNNING = "flowllm:num_requests_running"
 KV_USAGE = "flowllm:kv_cache_usage_perc"
@@ -58,7 +53,7 @@ def test_stream_disconnect_frees_everything(server: ServerProcess) -> None:
 
 @pytest.mark.anyio
 async def test_async_sdk_stream_abandoned_frees_everything(server: ServerProcess) -> None:
-    client = async_client(server.url)
+    client = server.async_client()
     stream = await client.chat.completions.create(
         model=server.model,
         messages=[{"role": "user", "content": "Go on and on."}],
@@ -86,7 +81,7 @@ def test_non_streaming_client_timeout_frees_everything(server: ServerProcess) ->
 @pytest.mark.anyio
 async def test_64_concurrent_streams_complete(server: ServerProcess) -> None:
     prompts = [f"Client number {i} says" for i in range(8)]
-    client = async_client(server.url)
+    client = server.async_client()
     references = [
         (await client.completions.create(
             model=server.model, prompt=p, max_tokens=16, temperature=0

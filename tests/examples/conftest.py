@@ -6,7 +6,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from example_server import ServerProcess
+from example_server import example_server
+from server_process import ServerProcess
 
 StartServer = Callable[..., ServerProcess]
 
@@ -19,7 +20,7 @@ def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_server(gpt2_tiny_dir: Path, server_logs: Path) -> Iterator[ServerProcess]:
     """The tiny GPT-2 behind the built-in graph: the reference the examples compare with."""
-    server = ServerProcess(gpt2_tiny_dir, None, server_logs)
+    server = example_server(gpt2_tiny_dir, None, server_logs)
     try:
         yield server.wait_healthy()
     finally:
@@ -32,7 +33,7 @@ def start_server(gpt2_tiny_dir: Path, server_logs: Path) -> Iterator[StartServer
     started: list[ServerProcess] = []
 
     def start(graph: Path, cwd: Path | None = None) -> ServerProcess:
-        server = ServerProcess(gpt2_tiny_dir, graph, server_logs, cwd=cwd)
+        server = example_server(gpt2_tiny_dir, graph, server_logs, cwd=cwd)
         started.append(server)
         return server.wait_healthy()
 

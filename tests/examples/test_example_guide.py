@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 import openai
 import pytest
-from example_server import DEFAULT_GRAPH, EXAMPLES, MODEL_NAME, REPO
+from example_server import EXAMPLES, MODEL_NAME
+from server_process import DEFAULT_GRAPH, REPO
 
 import flowllm.messages as messages
 from flowllm.cli import main

@@ -19,9 +19,10 @@ import anyio
 import msgspec
 import pytest
 import yaml
-from example_server import EXAMPLES, MODEL_NAME, ServerProcess, copy_graph, stage_entry
+from example_server import EXAMPLES, MODEL_NAME, copy_graph, stage_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from server_process import ServerProcess
 
 from flowllm.graph.spec import GraphSpec, GraphValidationError
 from flowllm.messages import Chunk, TextDeltas

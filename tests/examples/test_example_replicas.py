@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from example_server import EXAMPLES, MODEL_NAME, ServerProcess
+from example_server import EXAMPLES, MODEL_NAME
+from server_process import ServerProcess
 
 from flowllm.graph.spec import load_graph
 

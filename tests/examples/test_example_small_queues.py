@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 import openai
-from example_server import EXAMPLES, MODEL_NAME, ServerProcess
+from example_server import EXAMPLES, MODEL_NAME
+from server_process import ServerProcess
 
 from flowllm.graph.spec import load_graph
 
