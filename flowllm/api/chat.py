@@ -11,7 +11,7 @@ from anyio.abc import TaskGroup
 
 from flowllm.api.completions import DONE, error_event, sse
 from flowllm.api.convert import PreparedChat
-from flowllm.api.logprobs import TokenTexts, chat_logprobs
+from flowllm.api.logprobs import chat_logprobs
 from flowllm.api.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -22,29 +22,14 @@ from flowllm.api.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from flowllm.api.serving import Emit, EventSource, Generation
+from flowllm.api.serving import Emit, EventSource, Generation, ResponseFormat
 from flowllm.messages import Chunk, RequestError
 
 ROLE = "assistant"
 
 
-class ChatFormat:
+class ChatFormat(ResponseFormat[PreparedChat]):
     """How one chat request's chunks become OpenAI chat choices."""
-
-    def __init__(
-        self,
-        prepared: PreparedChat,
-        *,
-        response_id: str,
-        created: int,
-        model: str,
-        texts: TokenTexts,
-    ) -> None:
-        self.prepared = prepared
-        self.response_id = response_id
-        self.created = created
-        self.model = model
-        self.texts = texts
 
     def logprobs(self, chunk: Chunk) -> ChatLogProbs | None:
         if self.prepared.logprobs is None:

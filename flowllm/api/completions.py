@@ -14,7 +14,7 @@ from anyio.abc import TaskGroup
 
 from flowllm.api.convert import PreparedCompletion
 from flowllm.api.errors import ApiError
-from flowllm.api.logprobs import TokenTexts, completion_logprobs, prompt_logprobs_entries
+from flowllm.api.logprobs import completion_logprobs, prompt_logprobs_entries
 from flowllm.api.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -23,27 +23,12 @@ from flowllm.api.protocol import (
     ErrorResponse,
     UsageInfo,
 )
-from flowllm.api.serving import Emit, EventSource, Generation
+from flowllm.api.serving import Emit, EventSource, Generation, ResponseFormat
 from flowllm.messages import Chunk, RequestError, TokenLogprobs
 
 
-class CompletionFormat:
+class CompletionFormat(ResponseFormat[PreparedCompletion]):
     """How one completion request's chunks become OpenAI choices."""
-
-    def __init__(
-        self,
-        prepared: PreparedCompletion,
-        *,
-        response_id: str,
-        created: int,
-        model: str,
-        texts: TokenTexts,
-    ) -> None:
-        self.prepared = prepared
-        self.response_id = response_id
-        self.created = created
-        self.model = model
-        self.texts = texts
 
     def choice_index(self, prompt_index: int, chunk: Chunk) -> int:
         return prompt_index * self.prepared.n + chunk.index

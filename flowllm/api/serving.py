@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -25,6 +25,7 @@ from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
 from flowllm.api.errors import ApiError
+from flowllm.api.logprobs import TokenTexts
 from flowllm.engine_client import EngineClient, Overloaded
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import Chunk, GenerateRequest, RequestError
@@ -33,6 +34,29 @@ T = TypeVar("T")
 
 # Writes one SSE event's bytes to the client.
 Emit = Callable[[bytes], Awaitable[None]]
+
+
+Prepared = TypeVar("Prepared")
+
+
+class ResponseFormat(Generic[Prepared]):
+    """What every response body of one request shares: the prepared request, its id, its
+    creation time, the model name and the token texts for logprobs."""
+
+    def __init__(
+        self,
+        prepared: Prepared,
+        *,
+        response_id: str,
+        created: int,
+        model: str,
+        texts: TokenTexts,
+    ) -> None:
+        self.prepared = prepared
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+        self.texts = texts
 
 
 class ClientDisconnected(Exception):
