@@ -7,7 +7,10 @@ start it.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import yaml
@@ -52,3 +55,14 @@ def stage_entry(data: dict[str, Any], name: str) -> dict[str, Any]:
         if stage["name"] == name:
             return stage  # type: ignore[no-any-return]
     raise KeyError(name)
+
+
+def load_example_stage_module(name: str) -> ModuleType:
+    """Import examples/stages/NAME.py as a module of its own (the examples are no package)."""
+    path = EXAMPLES / "stages" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,37 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import openai
 import pytest
-from example_server import EXAMPLES, MODEL_NAME
+from example_server import EXAMPLES, MODEL_NAME, load_example_stage_module
 
 from flowllm.messages import Abort, SamplingParams, TokenizedRequest
 
 AUDIT_YAML = EXAMPLES / "graphs" / "audit.yaml"
 
 
-def load_audit_module() -> ModuleType:
-    path = EXAMPLES / "stages" / "audit.py"
-    spec = importlib.util.spec_from_file_location("example_audit_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
-
-audit = load_audit_module()
+audit = load_example_stage_module("audit")
 
 
 def read_lines(path: Path, count: int, timeout: float = 15.0) -> list[dict[str, Any]]:

@@ -7,19 +7,16 @@ streaming logic must give the same text whatever the chunk boundaries.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anyio
 import msgspec
 import pytest
 import yaml
-from example_server import EXAMPLES, MODEL_NAME, copy_graph, stage_entry
+from example_server import EXAMPLES, MODEL_NAME, copy_graph, load_example_stage_module, stage_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_process import ServerProcess
@@ -30,17 +27,7 @@ from flowllm.messages import Chunk, TextDeltas
 REDACT_YAML = EXAMPLES / "graphs" / "redact.yaml"
 
 
-def load_redact_module() -> ModuleType:
-    path = EXAMPLES / "stages" / "redact.py"
-    spec = importlib.util.spec_from_file_location("example_redact_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-redact = load_redact_module()
+redact = load_example_stage_module("redact")
 
 
 def oracle_mask(text: str, words: list[str], mask: str = "*", ignore_case: bool = True) -> str:
