@@ -1,9 +1,11 @@
 """Torch reference attention over the paged KV cache: the CPU production path and the oracle
 the Triton kernels are tested against.
 
-Decode rows (one query per sequence) of a step run together: their cache blocks are
-gathered into one padded [B, max_len, kv_heads, head_dim] view and attended with one masked
-`scaled_dot_product_attention`. Sequences with several queries (prefill chunks, possibly
+Decode rows (one query per sequence) of a step run together, in chunks of sequences: a
+chunk's cache blocks are gathered into one padded [b, max_len, kv_heads, head_dim] buffer
+(reused across calls through a `Workspace`) and attended at once — by one masked
+`scaled_dot_product_attention` in float32, by two batched products in half precision
+(see `_attend_one_query_half`). Sequences with several queries (prefill chunks, possibly
 after a cached prefix) run one SDPA each over their gathered context with a causal mask
 shifted by the prefix length.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from flowllm.kernels.workspace import Workspace
 
 
 class KernelInputError(ValueError):
@@ -53,16 +57,26 @@ def store_kv(
 
 
 def _gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_blocks: int,
+    workspace: Workspace | None = None,
+    name: str = "",
 ) -> torch.Tensor:
-    """The first `num_blocks` blocks of each row of `block_tables`, as [B, L, kv_heads, D]."""
+    """The first `num_blocks` blocks of each row of `block_tables`, as [B, L, kv_heads, D]
+    (in the workspace buffer `name` when a workspace is given)."""
     if num_blocks > block_tables.shape[1]:
         raise KernelInputError(
             f"a sequence needs {num_blocks} blocks but block_tables has only "
             f"{block_tables.shape[1]} columns"
         )
     blocks = block_tables[:, :num_blocks].to(torch.int64)  # [B, nb]
-    gathered = cache.index_select(0, blocks.reshape(-1))  # [B * nb, bs, kv_heads, D]
+    flat = blocks.reshape(-1)
+    if workspace is None:
+        gathered = cache.index_select(0, flat)  # [B * nb, bs, kv_heads, D]
+    else:
+        into = workspace.get(name, (flat.numel(), *cache.shape[1:]), cache.dtype, cache.device)
+        gathered = torch.index_select(cache, 0, flat, out=into)
     return gathered.view(blocks.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])
 
 
@@ -76,8 +90,12 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's queries over its paged context (GQA aware)."""
+    """Causal attention of each sequence's queries over its paged context (GQA aware).
+
+    `workspace` holds the gathered K/V between calls (see `flowllm.kernels.workspace`);
+    without one, they are allocated per call."""
     # query: [num_tokens, num_heads, head_dim]; returns the same shape.
     _check_cache(k_cache, v_cache)
     if query.dim() != 3 or query.shape[2] != k_cache.shape[3]:
@@ -105,7 +123,10 @@ def paged_attention(
     q_lens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
     decode = [i for i in range(num_seqs) if q_lens[i] == 1]
     if decode:
-        _decode(query, k_cache, v_cache, block_tables, qsl, lens, decode, scale, gqa, out)
+        _decode(
+            query, k_cache, v_cache, block_tables, qsl, lens, decode, scale, out,
+            workspace if workspace is not None else Workspace(),
+        )  # fmt: skip
     for i in range(num_seqs):
         q_len = q_lens[i]
         if q_len <= 1:
@@ -137,6 +158,9 @@ def paged_attention(
     return out
 
 
+_DECODE_CHUNK_BYTES = 64 << 20  # gathered K (and as much V) per chunk of decode sequences
+
+
 def _decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -146,40 +170,89 @@ def _decode(
     lens: list[int],
     decode: list[int],
     scale: float,
-    gqa: bool,
     out: torch.Tensor,
+    workspace: Workspace,
 ) -> None:
-    """All single-query sequences at once over a padded gather of their blocks."""
+    """The single-query sequences, in chunks whose gathered K/V stay under a bound.
+
+    Each chunk's blocks are gathered into workspace buffers (padded to the chunk's longest
+    context, the padding masked out) and attended at once. Bounding the chunk bounds the
+    workspace (256 sequences of 2,048 tokens would otherwise gather GBs per layer).
+    """
     device = query.device
     block_size = k_cache.shape[1]
-    max_len = max(lens[i] for i in decode)
-    nb = -(-max_len // block_size)
+    token_bytes = k_cache[0, 0].numel() * k_cache.element_size()
     all_decode = len(decode) == len(lens)
-    rows = (
-        torch.tensor([qsl[i] for i in decode], dtype=torch.int64, device=device)
-        if not all_decode
-        else None
-    )
-    tables = block_tables if all_decode else block_tables[rows.new_tensor(decode)]
-    k = _gather_context(k_cache, tables, nb)  # [B, L, kvh, D], L = nb * block_size
-    v = _gather_context(v_cache, tables, nb)
-    q = query if rows is None else query.index_select(0, rows)  # [B, H, D]
-    dec_lens = torch.tensor([lens[i] for i in decode], dtype=torch.int64, device=device)
-    # Keys past a sequence's length (padding, stale slots) are masked out: [B, 1, 1, L].
-    mask = torch.arange(k.shape[1], device=device)[None, :] < dec_lens[:, None]
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kvh, L, D]
-    if k.dtype != torch.float32:
-        # CPU SDPA is ~2x slower on strided bf16/fp16 K/V than the copy costs (fp32: no gain).
-        k, v = k.contiguous(), v.contiguous()
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :],  # [B, H, 1, D]
-        k,
-        v,
-        attn_mask=mask[:, None, None, :],
+    start = 0
+    while start < len(decode):
+        stop, longest = start + 1, lens[decode[start]]
+        while stop < len(decode):
+            longer = max(longest, lens[decode[stop]])
+            if longer * (stop + 1 - start) * token_bytes > _DECODE_CHUNK_BYTES:
+                break
+            longest, stop = longer, stop + 1
+        seqs = decode[start:stop]
+        nb = -(-longest // block_size)
+        if all_decode:
+            q, tables = query[start:stop], block_tables[start:stop]
+        else:
+            rows = torch.tensor([qsl[i] for i in seqs], dtype=torch.int64, device=device)
+            q = query.index_select(0, rows)
+            tables = block_tables.index_select(0, rows.new_tensor(seqs))
+        k = _gather_context(k_cache, tables, nb, workspace, "decode_k")
+        v = _gather_context(v_cache, tables, nb, workspace, "decode_v")
+        seq_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int64, device=device)
+        # Keys past a sequence's length (padding, stale slots) are masked out: [b, L]
+        valid = torch.arange(k.shape[1], device=device)[None, :] < seq_lens[:, None]
+        attend = _attend_one_query if k.dtype == torch.float32 else _attend_one_query_half
+        o = attend(q, k, v, valid, scale)  # [b, H, D]
+        if all_decode:
+            out[start:stop] = o
+        else:
+            out.index_copy_(0, rows, o)
+        start = stop
+
+
+def _attend_one_query(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """float32: one masked SDPA over the padded batch (its CPU kernel reads K/V strided)."""
+    # q: [b, H, D]; k, v: [b, L, kvh, D]; valid: [b, L] -> [b, H, D]
+    return F.scaled_dot_product_attention(
+        q[:, :, None, :],
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
         scale=scale,
-        enable_gqa=gqa,
-    )[:, :, 0, :]  # [B, H, D]
-    if rows is None:
-        out.copy_(o)
-    else:
-        out.index_copy_(0, rows, o)
+        enable_gqa=q.shape[1] != k.shape[2],
+    )[:, :, 0, :]
+
+
+def _attend_one_query_half(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """bfloat16/float16: two batched products per sequence over all heads at once.
+
+    CPU SDPA with one query per sequence is slow in half precision (batch 32 × 192 tokens,
+    SmolLM2's 9/3 heads: 7 ms against 0.5 ms this way). The query matrix is block-diagonal
+    — head h's query sits in the rows of its kv head, zeros elsewhere — so one product
+    with the [L, kv_heads * D] keys scores every head; it costs kv_heads times the FLOPs,
+    cheap beside reading K/V. Scores are rounded to q's dtype by the product, softmax runs
+    in float32 and the probabilities are cast back, as transformers' eager attention does.
+    """
+    # q: [b, H, D]; k, v: [b, L, kvh, D]; valid: [b, L] -> [b, H, D]
+    b, num_heads, head_dim = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // kv_heads
+    heads = torch.arange(kv_heads, device=q.device)
+    q_diag = q.new_zeros(b, kv_heads, head_dim, kv_heads, group)
+    q_diag[:, heads, :, heads, :] = q.view(b, kv_heads, group, head_dim).permute(1, 0, 3, 2)
+    scores = torch.bmm(
+        k.reshape(b, length, kv_heads * head_dim), q_diag.view(b, kv_heads * head_dim, num_heads)
+    ).float()  # [b, L, H]
+    scores.mul_(scale).masked_fill_(~valid[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1).to(q.dtype)
+    mixed = torch.bmm(probs.transpose(1, 2), v.reshape(b, length, kv_heads * head_dim))
+    # mixed: [b, H, kvh * D]; head h keeps the D columns of its own kv head
+    mixed = mixed.view(b, kv_heads, group, kv_heads, head_dim)
+    return mixed[:, heads, :, heads, :].permute(1, 0, 2, 3).reshape(b, num_heads, head_dim)

@@ -10,6 +10,7 @@ import torch
 from flowllm import kernels
 from flowllm.kernels import reference
 from flowllm.kernels.reference import KernelInputError
+from flowllm.kernels.workspace import Workspace
 
 
 def naive_attention(
@@ -130,3 +131,59 @@ def test_bad_shapes_raise_typed_errors() -> None:
         reference.paged_attention(query, k_cache, v_cache, tables[:, :0], qsl, seq_lens, 1.0, 1, 3)
     with pytest.raises(KernelInputError, match="slot_mapping"):
         reference.store_kv(query, query, k_cache, v_cache, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (3, 1)])
+def test_half_precision_decode_close_to_exact(dtype, heads, kv_heads) -> None:
+    """The half-precision decode path (block-diagonal products) against the float64 loop."""
+    case32 = make_case([1, 1, 1, 1, 6], [5, 33, 16, 2, 6], heads, kv_heads, block_size=8, seed=3)
+    case = tuple(t.to(dtype) if t.is_floating_point() else t for t in case32)
+    got = reference.paged_attention(*case, 0.25, 6, 33)
+    assert got.dtype == dtype
+    # inputs rounded to `dtype` first, so only the kernel's own rounding is measured
+    exact = expected(*(t.double() if t.is_floating_point() else t for t in case), 0.25)
+    torch.testing.assert_close(got.double(), exact, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_in_chunks_equals_one_pass(dtype, monkeypatch) -> None:
+    """A chunk bound small enough to split the batch (ragged lengths) changes nothing."""
+    case = make_case([1] * 7, [3, 40, 17, 1, 64, 8, 25], 4, 2, block_size=4, seed=5)
+    case = tuple(t.to(dtype) if t.is_floating_point() else t for t in case)
+    whole = reference.paged_attention(*case, 0.3, 1, 64)
+    token_bytes = 2 * 16 * case[1].element_size()  # kv_heads * head_dim * bytes
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES", 2 * 40 * token_bytes)
+    chunked = reference.paged_attention(*case, 0.3, 1, 64)
+    # padding to a chunk's own longest context may reorder float32 sums in SDPA's kernel
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
+
+
+def test_workspace_reused_across_calls_and_shapes() -> None:
+    """One workspace serves calls of different sizes and dtypes; outputs never alias it."""
+    ws = Workspace()
+    big = make_case([1] * 5, [30, 12, 47, 8, 19], 4, 2, seed=7)
+    small = make_case([2, 1], [9, 4], 4, 4, seed=8)
+    half = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in big)
+    first = reference.paged_attention(*big, 0.25, 1, 47, workspace=ws)
+    kept = first.clone()
+    held = ws.nbytes()
+    for case, q_len, max_len in ((small, 2, 9), (half, 1, 47), (big, 1, 47)):
+        got = reference.paged_attention(*case, 0.25, q_len, max_len, workspace=ws)
+        fresh = reference.paged_attention(*case, 0.25, q_len, max_len)
+        torch.testing.assert_close(got, fresh, atol=0, rtol=0)
+    assert torch.equal(first, kept)
+    assert ws.nbytes() >= held > 0
+
+
+def test_workspace_grows_and_keeps_its_buffer() -> None:
+    ws = Workspace()
+    a = ws.get("x", (4, 8), torch.float32, torch.device("cpu"))
+    b = ws.get("x", (2, 8), torch.float32, torch.device("cpu"))
+    assert b.data_ptr() == a.data_ptr()  # a smaller request reuses the buffer
+    c = ws.get("x", (64, 8), torch.float32, torch.device("cpu"))
+    assert c.shape == (64, 8) and ws.get("x", (64, 8), torch.float32, c.device).data_ptr() == (
+        c.data_ptr()
+    )
+    d = ws.get("x", (64, 8), torch.bfloat16, torch.device("cpu"))
+    assert d.dtype == torch.bfloat16
