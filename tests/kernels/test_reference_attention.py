@@ -187,3 +187,12 @@ def test_workspace_grows_and_keeps_its_buffer() -> None:
     )
     d = ws.get("x", (64, 8), torch.bfloat16, torch.device("cpu"))
     assert d.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("prefix", [0, 11])
+def test_prefill_queries_in_chunks(prefix, monkeypatch) -> None:
+    """A prefill split into query chunks (bound set to 5 rows here) is still exact."""
+    case = make_case([37, 1], [prefix + 37, 9], 6, 2, seed=9)
+    monkeypatch.setattr(reference, "_SCORES_CHUNK_BYTES", 4 * 6 * (prefix + 37) * 5)
+    got = reference.paged_attention(*case, 0.2, 37, prefix + 37)
+    torch.testing.assert_close(got, expected(*case, 0.2), atol=1e-5, rtol=1e-5)
