@@ -7,6 +7,8 @@ reference (`flowllm.kernels.reference`). Both implement the same two functions:
 - `store_kv(key, value, k_cache, v_cache, slot_mapping)`
 - `paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
   scale, max_query_len, max_seq_len) -> Tensor`
+
+The reference also takes the caller's `Workspace` for its scratch buffers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from types import ModuleType
 import torch
 
 from flowllm.kernels import reference
+from flowllm.kernels.workspace import Workspace
 
 __all__ = ["implementation_for", "paged_attention", "store_kv"]
 
@@ -49,9 +52,24 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Causal paged attention with a cached-prefix offset (see `reference.paged_attention`)."""
-    return implementation_for(query.device).paged_attention(
+    impl = implementation_for(query.device)
+    if impl is reference:
+        return reference.paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            max_query_len,
+            max_seq_len,
+            workspace,
+        )
+    return impl.paged_attention(
         query,
         k_cache,
         v_cache,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flowllm.kernels.workspace import Workspace
+
 
 @dataclass(frozen=True)
 class AttentionContext:
@@ -30,6 +32,7 @@ class AttentionContext:
     logits_indices: torch.Tensor  # [num_logits] int64, rows of the batch to return logits for
     max_query_len: int  # max over sequences of this step's token count
     max_seq_len: int  # max of seq_lens
+    workspace: Workspace | None = None  # the runner's scratch buffers, reused across steps
 
     @property
     def num_seqs(self) -> int:

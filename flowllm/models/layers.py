@@ -296,6 +296,7 @@ def paged_attention(
         scale,
         ctx.max_query_len,
         ctx.max_seq_len,
+        ctx.workspace,
     )
     return out.reshape(q.shape[0], -1)
 
