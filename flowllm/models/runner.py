@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from flowllm.kernels.workspace import Workspace
 from flowllm.messages import ScheduledSeq
 from flowllm.models.context import AttentionContext
 from flowllm.models.errors import ModelError
@@ -143,6 +144,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
+        self.workspace = Workspace()  # the attention's scratch buffers, kept across steps
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
 
@@ -162,6 +164,7 @@ class ModelRunner:
             logits_indices=self._tensor(inp.logits_indices),
             max_query_len=inp.max_query_len,
             max_seq_len=inp.max_seq_len,
+            workspace=self.workspace,
         )
         return inp, self._tensor(inp.input_ids), self._tensor(inp.positions), ctx
 
