@@ -18,7 +18,9 @@ Per step, for a batch of rows (one per sequence), in this order (vLLM's):
    inverse CDF with a uniform number per row.
 
 Every step is skipped when no row of the batch uses it, so an all-greedy or all-plain batch
-costs little more than one pass (argmax) or a softmax plus one summing pass.
+costs little more than one pass (argmax) or a softmax plus one summing pass. The logits
+given are only read: steps 2-4 and the temperature work on copies in scratch buffers reused
+across steps, so the model's output reaches the sampler without a copy of its own.
 
 Randomness: unseeded rows draw their uniforms from one generator seeded at construction.
 A seeded sequence owns a generator seeded from `sibling_seed(seed, index)` and draws exactly
@@ -181,8 +183,11 @@ class Sampler:
     ) -> list[SampledToken]:
         """Sample one token per row, record it, and say whether it ends its sequence.
 
-        logits: [B, V] float32, row i for seq_ids[i]; it is the step's scratch and is
-        modified in place. num_output_tokens[i]: outputs of seq_ids[i] before this token.
+        logits: [B, V] float32, row i for seq_ids[i]; read only (it may be the model's
+        output itself, even an inference tensor): rows that need editing are edited in a
+        scratch buffer reused across steps, so an all-greedy batch without logits processors
+        costs one argmax and no copy. num_output_tokens[i]: outputs of seq_ids[i] before
+        this token.
         """
         if logits.dim() != 2 or logits.shape[0] != len(seq_ids):
             raise SamplerError(
@@ -203,8 +208,13 @@ class Sampler:
             raw_logprobs = self._buffer("logprobs", len(lp_rows), vocab)  # [len(lp_rows), V]
             torch.log_softmax(rows, dim=-1, out=raw_logprobs)
 
-        # 2-4. logits processors, in place
-        self._process(logits, states, num_output_tokens)
+        # 2-4. logits processors, on a copy in a reused buffer
+        editable = False
+        if self._needs_processing(states, num_output_tokens):
+            work = self._buffer("logits", batch, vocab)  # [B, V]
+            work.copy_(logits)
+            logits, editable = work, True
+            self._process(logits, states, num_output_tokens)
 
         # 5. choose
         tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -216,7 +226,9 @@ class Sampler:
             g = torch.tensor(greedy_rows, device=logits.device)
             tokens[g] = logits.index_select(0, g).argmax(dim=-1)
         if random_rows:
-            chosen = self._sample_random(logits, random_rows, [states[i] for i in random_rows])
+            chosen = self._sample_random(
+                logits, random_rows, [states[i] for i in random_rows], editable
+            )
             if len(random_rows) == batch:
                 tokens = chosen
             else:
@@ -305,6 +317,18 @@ class Sampler:
         if state is None:
             raise SamplerError(f"unknown seq_id {seq_id}: not started or already released")
         return state
+
+    @staticmethod
+    def _needs_processing(states: list[_SeqState], num_output_tokens: Sequence[int]) -> bool:
+        """Does any row need min_tokens masking, a logit bias or a penalty this step?"""
+        for i, s in enumerate(states):
+            if (
+                s.bias_ids is not None
+                or (s.history is not None and s.history.n)
+                or (num_output_tokens[i] < s.params.min_tokens and s.min_tokens_ids.numel())
+            ):
+                return True
+        return False
 
     def _process(
         self, logits: torch.Tensor, states: list[_SeqState], num_output_tokens: Sequence[int]
@@ -399,9 +423,11 @@ class Sampler:
         logits[r, c] = vals
 
     def _sample_random(
-        self, logits: torch.Tensor, rows: list[int], states: list[_SeqState]
+        self, logits: torch.Tensor, rows: list[int], states: list[_SeqState], editable: bool
     ) -> torch.Tensor:
-        """Temperature, min_p, top_k, top_p and the draw for the non-greedy rows: [R] int64."""
+        """Temperature, min_p, top_k, top_p and the draw for the non-greedy rows: [R] int64.
+
+        `editable`: logits is the sampler's own scratch (else it is only read)."""
         vocab = logits.shape[1]
         dev = logits.device
         n = len(rows)
@@ -410,7 +436,11 @@ class Sampler:
 
         temps = [p.temperature for p in params]
         if any(t != 1.0 for t in temps):
-            lg.div_(torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1))
+            t = torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
+            if lg is logits and not editable:
+                lg = torch.div(lg, t, out=self._buffer("gather", n, vocab))
+            else:
+                lg.div_(t)
         probs = self._buffer("probs", n, vocab)  # [R, V]; rows sum to 1 until masked below
         torch.softmax(lg, dim=-1, out=probs)
 

@@ -26,7 +26,11 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 class StepModel(Protocol):
-    """What the runner needs of a model (GPT2Model and LlamaModel both are)."""
+    """What the runner needs of a model (GPT2Model and LlamaModel both are).
+
+    A call returns a fresh [len(ctx.logits_indices), vocab] tensor: the runner hands its rows
+    on without copying, and callers may edit them.
+    """
 
     vocab_size: int
 
@@ -173,18 +177,20 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One model step: (logits [num sampling seqs, vocab] float32 in batch order,
         {seq_id: float32 logits of every token computed this step} for `prompt_logits_for`).
-        Row k of a prompt-logits tensor predicts the token after that step's k-th token."""
+        Row k of a prompt-logits tensor predicts the token after that step's k-th token.
+
+        The tensors are row ranges of the model's output (copied only to convert to
+        float32): no row belongs to two of them, and they are ordinary tensors (the model
+        runs under no_grad, not inference mode), so callers may edit them in place. A copy
+        of [256, 50257] float32 logits is 51 MB per step, which the sampler needs only when
+        a logits processor edits them (it then uses a buffer of its own)."""
         if not seqs:
             empty = torch.empty(0, self.model.vocab_size, dtype=torch.float32, device=self.device)
             return empty, {}
         inp, input_ids, positions, ctx = self.build_context(seqs, prompt_logits_for)
-        with torch.inference_mode():
+        with torch.no_grad():
             out = self.model(input_ids, positions, self.kv_caches, ctx)  # [rows, vocab]
-        # Copies made outside inference mode, so callers may edit them in place.
-        at = inp.sample_at
+        at = inp.sample_at  # contiguous: the sampling rows come last
         logits = out[at[0] : at[-1] + 1] if at else out[:0]
-        logits = logits.to(torch.float32, copy=True)
-        prompt = {
-            sid: out[a:b].to(torch.float32, copy=True) for sid, (a, b) in inp.prompt_rows.items()
-        }
-        return logits, prompt
+        prompt = {sid: out[a:b].float() for sid, (a, b) in inp.prompt_rows.items()}
+        return logits.float(), prompt

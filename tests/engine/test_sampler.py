@@ -586,3 +586,37 @@ def test_bfloat16_logits_are_accepted() -> None:
     assert got.token_id == 1
     assert got.logprobs is not None and got.logprobs.rank == 1
     assert got.logprobs.logprob == pytest.approx(float(torch.log_softmax(logits.float(), -1)[0, 1]))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [SamplingParams(temperature=0.0)] * 3,  # argmax only
+        [SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=1.3)],  # no edits
+        [
+            SamplingParams(temperature=0.0, repetition_penalty=1.5),
+            SamplingParams(temperature=0.6, seed=6, logit_bias={3: 2.0}, logprobs=2),
+            SamplingParams(temperature=0.8, min_tokens=2, top_k=5),
+            SamplingParams(temperature=1.0, presence_penalty=0.5, top_p=0.9),
+        ],
+    ],
+)
+def test_sample_only_reads_its_logits(params: list[SamplingParams]) -> None:
+    """The model's output (an inference tensor, handed on without a copy) is never edited,
+    and the tokens and logprobs are those of a sampler given an editable copy."""
+    vocab = 600
+    gen = torch.Generator().manual_seed(13)
+    steps = [torch.randn(len(params), vocab, generator=gen) * 2 for _ in range(3)]
+    samplers = [Sampler(seed=4), Sampler(seed=4)]
+    for sampler in samplers:
+        for i, p in enumerate(params):
+            start(sampler, i, p, prompt=(1, 3, 5, EOS))
+    seq_ids = list(range(len(params)))
+    for step, raw in enumerate(steps):
+        with torch.inference_mode():
+            frozen = raw.clone()  # an inference tensor: in-place edits outside would raise
+        got = samplers[0].sample(seq_ids, frozen, [step] * len(params))
+        want = samplers[1].sample(seq_ids, raw.clone(), [step] * len(params))
+        assert torch.equal(frozen, raw)
+        assert got == want
+
