@@ -45,6 +45,7 @@ LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-LIMIT, LIMIT]
 _CDF_BLOCK = 256  # inverse CDF: block size of the two-level search
 _RADIX_CHUNK = 1 << 21  # top_p: values per thresholding chunk (keeps temporaries small)
 _SORT_VOCAB = 4096  # top_p: up to this vocabulary size a full sort is the cheaper way
+_BLOCK_ARGMAX_VOCAB = 4096  # greedy: from this vocabulary size on, argmax by blocks
 
 
 class SamplerError(RuntimeError):
@@ -221,10 +222,10 @@ class Sampler:
         greedy_rows = [i for i, s in enumerate(states) if s.greedy]
         random_rows = [i for i, s in enumerate(states) if not s.greedy]
         if len(greedy_rows) == batch:
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax_rows(logits)
         elif greedy_rows:
             g = torch.tensor(greedy_rows, device=logits.device)
-            tokens[g] = logits.index_select(0, g).argmax(dim=-1)
+            tokens[g] = _argmax_rows(logits.index_select(0, g))
         if random_rows:
             chosen = self._sample_random(
                 logits, random_rows, [states[i] for i in random_rows], editable
@@ -590,6 +591,30 @@ def _top_p_threshold(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     m = torch.searchsorted(cum, target.unsqueeze(1).contiguous())  # first k reaching target
     m = torch.minimum(m, (counts - 1).unsqueeze(1))
     return cand.gather(1, m).squeeze(1)
+
+
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=1)` for [R, V] float32: the first maximal index of each row, NaN first.
+
+    On CPU, torch's argmax along rows is a scalar loop (~57 µs per 50257-wide row, 15 ms
+    for 256 rows) while amax is vectorized (~8x faster). So for large vocabularies: the max
+    of each 256-token block (amax), the first block holding the row's max (argmax over
+    V / 256 values), then the first maximal index inside that block. amax propagates NaN
+    as argmax ranks it (above everything), so the index is exactly argmax's.
+    """
+    rows, vocab = x.shape
+    if vocab < _BLOCK_ARGMAX_VOCAB or rows == 0:
+        return x.argmax(dim=1)
+    nb = vocab // _CDF_BLOCK
+    block_max = x[:, : nb * _CDF_BLOCK].reshape(rows, nb, _CDF_BLOCK).amax(dim=-1)  # [R, NB]
+    if vocab % _CDF_BLOCK:
+        tail = x[:, nb * _CDF_BLOCK :].amax(dim=-1, keepdim=True)  # [R, 1]
+        block_max = torch.cat([block_max, tail], dim=1)
+    b = block_max.argmax(dim=1, keepdim=True)  # [R, 1] first block holding the max
+    # Columns past the end repeat the last one; they follow it, so never come first.
+    cols = (b * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=x.device)).clamp_(max=vocab - 1)
+    inside = x.gather(1, cols)  # [R, BLOCK]
+    return (b * _CDF_BLOCK).squeeze(1) + inside.argmax(dim=1)
 
 
 def _block_sums(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from flowllm.engine.sampler import (
     Sampler,
     SamplerError,
+    _argmax_rows,
     _inverse_cdf,
     _keep_top_k,
     _keep_top_p,
@@ -620,3 +621,20 @@ def test_sample_only_reads_its_logits(params: list[SamplingParams]) -> None:
         assert torch.equal(frozen, raw)
         assert got == want
 
+
+@pytest.mark.parametrize("vocab", [4096, 4096 + 81, 50257])
+def test_block_argmax_equals_torch_argmax(vocab: int) -> None:
+    """First maximal index, NaN ranked above everything, ties and the ragged tail block."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randint(0, 4, (16, vocab), generator=gen).float()  # many ties
+    x[1] = float("-inf")
+    x[2, [700, 3000]] = float("nan")
+    x[3, -1] = float("nan")
+    x[4, -1] = 9.0
+    x[5, [255, 256]] = 9.0
+    x[6, vocab - 2 :] = 9.0
+    x[7, 5] = float("inf")
+    x[8] = 0.0
+    x[9:] = torch.randn(7, vocab, generator=gen)
+    assert torch.equal(_argmax_rows(x), x.argmax(dim=1))
+    assert torch.equal(_argmax_rows(x[:0]), x[:0].argmax(dim=1))
