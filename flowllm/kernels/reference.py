@@ -265,14 +265,14 @@ def _attend_one_query_half(
     length, kv_heads = k.shape[1], k.shape[2]
     group = num_heads // kv_heads
     heads = torch.arange(kv_heads, device=q.device)
-    q_diag = q.new_zeros(b, kv_heads, head_dim, kv_heads, group)
-    q_diag[:, heads, :, heads, :] = q.view(b, kv_heads, group, head_dim).permute(1, 0, 3, 2)
-    scores = torch.bmm(
-        k.reshape(b, length, kv_heads * head_dim), q_diag.view(b, kv_heads * head_dim, num_heads)
-    ).float()  # [b, L, H]
-    scores.mul_(scale).masked_fill_(~valid[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1).to(q.dtype)
-    mixed = torch.bmm(probs.transpose(1, 2), v.reshape(b, length, kv_heads * head_dim))
+    q_diag = q.new_zeros(b, kv_heads, group, kv_heads, head_dim)
+    q_diag[:, heads, :, heads, :] = q.view(b, kv_heads, group, head_dim).transpose(0, 1)
+    keys = k.reshape(b, length, kv_heads * head_dim)
+    scores = torch.bmm(q_diag.view(b, num_heads, kv_heads * head_dim), keys.transpose(1, 2))
+    scores = scores.float()  # [b, H, L]
+    scores.mul_(scale).masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    mixed = torch.bmm(probs, v.reshape(b, length, kv_heads * head_dim))
     # mixed: [b, H, kvh * D]; head h keeps the D columns of its own kv head
     mixed = mixed.view(b, kv_heads, group, kv_heads, head_dim)
     return mixed[:, heads, :, heads, :].permute(1, 0, 2, 3).reshape(b, num_heads, head_dim)
