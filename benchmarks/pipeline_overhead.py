@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,27 +34,30 @@ from flowllm.stages.services import EngineServices
 class InstantModel:
     """Returns the same logits row for every sampled position, at once.
 
-    The rows are a view of one persistent tensor, not a fresh output as a real model's:
-    fine for the greedy sampler here, which only reads them.
+    By default the rows are a view of one persistent tensor (the greedy sampler only reads
+    them). `fresh`: a new tensor each call, written once, as a real model's LM head
+    allocates its output (in execute's worker thread).
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, fresh: bool = False) -> None:
         self.vocab_size = vocab_size
+        self.fresh = fresh
         generator = torch.Generator().manual_seed(0)
         self._row = torch.randn(vocab_size, generator=generator)
         self._logits = self._row.expand(1024, vocab_size).contiguous()
 
     def __call__(self, input_ids: Any, positions: Any, kv_caches: Any, ctx: Any) -> torch.Tensor:
-        return self._logits[: len(ctx.logits_indices)]
+        rows = self._logits[: len(ctx.logits_indices)]  # [rows, vocab]
+        return rows.clone() if self.fresh else rows
 
 
-def services(vocab_size: int, tokenizer: Any) -> EngineServices:
+def services(vocab_size: int, tokenizer: Any, fresh_logits: bool = False) -> EngineServices:
     config = engine_config(
         "instant", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192
     )
     return EngineServices(
         config=config,
-        model=InstantModel(vocab_size),
+        model=InstantModel(vocab_size, fresh_logits),
         tokenizer=tokenizer,
         kv_caches=[],
         num_blocks=256 * 64,
@@ -67,21 +70,31 @@ def services(vocab_size: int, tokenizer: Any) -> EngineServices:
 STAGES = ("schedule", "execute", "sample", "detokenize", "format")
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process (every thread) so far."""
+def cpu_and_faults() -> tuple[float, int]:
+    """User + system CPU seconds and minor page faults of this process (every thread)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
 
 
-def run(llm: LLM, num_seqs: int, steps: int) -> tuple[float, float, int, dict[str, float]]:
-    """(seconds, CPU seconds, model steps, busy seconds per stage) of one generate."""
+class Run(NamedTuple):
+    """One generate over `num_seqs` prompts."""
+
+    seconds: float
+    cpu_seconds: float
+    minor_faults: int
+    steps: int
+    busy: dict[str, float]  # busy seconds per stage
+
+
+def run(llm: LLM, num_seqs: int, steps: int) -> Run:
+    """Time one generate of `steps` greedy tokens for each of `num_seqs` prompts."""
     prompts = [[(i * 7 + k) % 50000 for k in range(16)] for i in range(num_seqs)]
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-    cpu_started = cpu_seconds()
+    cpu_started, faults_started = cpu_and_faults()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - started
-    cpu = cpu_seconds() - cpu_started
+    cpu, faults = cpu_and_faults()
     assert all(len(o.outputs[0].token_ids) == steps for o in outputs)
     assert llm.last_run is not None
     registry = llm.last_run.registry
@@ -92,7 +105,7 @@ def run(llm: LLM, num_seqs: int, steps: int) -> tuple[float, float, int, dict[st
         )
         for stage in STAGES
     }
-    return elapsed, cpu, int(count or 0), busy
+    return Run(elapsed, cpu - cpu_started, faults - faults_started, int(count or 0), busy)
 
 
 def main() -> None:
@@ -100,34 +113,41 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--fresh-logits",
+        action="store_true",
+        help="the model returns a newly allocated logits tensor each step, as a real one does",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         write_gpt2_tokenizer_files(Path(tmp))
         tokenizer = load_tokenizer(tmp)
-    llm = LLM(services=services(args.vocab, tokenizer))
+    llm = LLM(services=services(args.vocab, tokenizer, args.fresh_logits))
     run(llm, 4, 4)  # warm up
-    print(f"vocab {args.vocab}, {args.steps} decode steps per run, greedy, instant model")
+    fresh = ", fresh logits each step" if args.fresh_logits else ""
+    print(f"vocab {args.vocab}, {args.steps} decode steps per run, greedy, instant model{fresh}")
     print("best of --repeats runs. A round: every running sequence gains one token (the")
     print("scheduler may split a round into several steps while requests trickle in); stage")
     print("columns: busy µs per round (execute and sample include waiting for the GIL in")
     print("their worker thread). The prompts' prefill step is spread over the rounds.")
     print("cpu µs/round: the process's CPU time (all threads), steadier than wall time on a")
-    print("shared machine.")
+    print("shared machine; faults/round: its minor page faults (both the least of the runs).")
     head = "".join(f"{s:>11}" for s in STAGES)
     print(
         f"{'running seqs':>12} {'steps':>6} {'µs/step':>9} {'rounds/s':>9} {'µs/round':>9} "
-        f"{'cpu µs/round':>13} {'µs/seq-token':>13}{head}"
+        f"{'cpu µs/round':>13} {'faults/round':>13} {'µs/seq-token':>13}{head}"
     )
     for num_seqs in (1, 64, 256):
         runs = [run(llm, num_seqs, args.steps) for _ in range(args.repeats)]
-        elapsed, _, steps, busy = min(runs, key=lambda r: r[0])
-        cpu = min(r[1] for r in runs)
-        per_round = elapsed / args.steps
-        stages = "".join(f"{busy[s] / args.steps * 1e6:>11.0f}" for s in STAGES)
+        best = min(runs, key=lambda r: r.seconds)
+        cpu = min(r.cpu_seconds for r in runs)
+        faults = min(r.minor_faults for r in runs)
+        per_round = best.seconds / args.steps
+        stages = "".join(f"{best.busy[s] / args.steps * 1e6:>11.0f}" for s in STAGES)
         print(
-            f"{num_seqs:>12} {steps:>6} {elapsed / steps * 1e6:>9.0f} {1 / per_round:>9.0f} "
-            f"{per_round * 1e6:>9.0f} {cpu / args.steps * 1e6:>13.0f} "
-            f"{per_round * 1e6 / num_seqs:>13.1f}{stages}"
+            f"{num_seqs:>12} {best.steps:>6} {best.seconds / best.steps * 1e6:>9.0f} "
+            f"{1 / per_round:>9.0f} {per_round * 1e6:>9.0f} {cpu / args.steps * 1e6:>13.0f} "
+            f"{faults / args.steps:>13.0f} {per_round * 1e6 / num_seqs:>13.1f}{stages}"
         )
 
 
