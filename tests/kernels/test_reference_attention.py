@@ -153,7 +153,8 @@ def test_decode_in_chunks_equals_one_pass(dtype, monkeypatch) -> None:
     case = tuple(t.to(dtype) if t.is_floating_point() else t for t in case)
     whole = reference.paged_attention(*case, 0.3, 1, 64)
     token_bytes = 2 * 16 * case[1].element_size()  # kv_heads * head_dim * bytes
-    monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES", 2 * 40 * token_bytes)
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES_FP32", 2 * 40 * token_bytes)
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES_HALF", 2 * 40 * token_bytes)
     chunked = reference.paged_attention(*case, 0.3, 1, 64)
     # padding to a chunk's own longest context may reorder float32 sums in SDPA's kernel
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
