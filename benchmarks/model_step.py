@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from flowllm.messages import ScheduledSeq
 from flowllm.models.kv_cache import KVCacheSpec
-from flowllm.models.layers import Linear
+from flowllm.models.layers import Embedding, Linear, pack_linears
 from flowllm.models.registry import model_class_for
 from flowllm.models.runner import ModelRunner
 
@@ -79,11 +79,12 @@ def copy_rate(repeats: int, clock: str) -> float:
 
 def matmul_rate(dtype: torch.dtype, repeats: int, clock: str) -> float:
     """FLOP/s of a 1024 x 1024 x 1024 product in `dtype`: the faster of `F.linear` and the
-    models' own linear layer (oneDNN for fp32, where MKL is slow on some CPUs)."""
+    models' own linear layer (oneDNN with a packed weight, where MKL is slow on some CPUs)."""
     n = 1024
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     layer = Linear(n, n, False, dtype, torch.device("cpu"))
     layer.load_weight("w", b)
+    layer.pack()
     t = min(
         best_time(lambda: F.linear(a, b), repeats, clock),
         best_time(lambda: layer(a), repeats, clock),
@@ -92,6 +93,7 @@ def matmul_rate(dtype: torch.dtype, repeats: int, clock: str) -> float:
 
 
 def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The model with random weights, packed as loading a checkpoint leaves it."""
     config = MODELS[name]
     model = model_class_for(config)(config, dtype, "cpu")
     g = torch.Generator().manual_seed(0)
@@ -101,19 +103,23 @@ def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    pack_linears(model)
     return model
 
 
 def weight_stats(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes read per step, parameters in matmuls): every parameter except the rows of
-    untied embedding tables (only the step's rows are gathered)."""
+    """(bytes read per step, parameters in matmuls): every linear weight and every other
+    parameter except embedding tables and GPT-2's position table (only the step's rows of
+    those are gathered)."""
     read, matmul = 0, 0
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, Embedding)}
     for pname, p in model.named_parameters():
-        if pname in ("wpe", "embed_tokens.weight"):
-            continue
-        read += p.numel() * p.element_size()
-        if p.dim() == 2:
-            matmul += p.numel()
+        if pname != "wpe" and id(p) not in skip:
+            read += p.numel() * p.element_size()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            read += m.weight_bytes
+            matmul += m.in_features * m.out_features
     return read, matmul
 
 

@@ -2,7 +2,8 @@
 token batches and a paged KV cache.
 
 Learned absolute positions, pre-LayerNorm blocks, fused QKV, a GELU MLP, and an LM head
-tied to the token embedding (one stored tensor serves both) unless the config unties it.
+tied to the token embedding unless the config unties it (one checkpoint tensor loads both;
+see `flowllm.models.layers` for when each keeps its own copy).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from flowllm.models.layers import (
     WeightMap,
     check_shape,
     config_get,
+    pack_linears,
     paged_attention,
 )
 
@@ -128,7 +130,8 @@ class GPT2Model(nn.Module):
         return self.lm_head(self.ln_f(h))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF GPT-2 tensors (prefixed `transformer.` or not; Conv1D weights [in, out])."""
+        """Load HF GPT-2 tensors (prefixed `transformer.` or not; Conv1D weights [in, out]),
+        then pack the linear weights (see `flowllm.models.layers`)."""
         tied = self.tie_word_embeddings
         m = WeightMap(
             prefixes=("transformer.",),
@@ -158,6 +161,7 @@ class GPT2Model(nn.Module):
                 m.add(p + hf_name + ".weight", _conv1d_loader(p + hf_name + ".weight", lin))
                 m.add(p + hf_name + ".bias", _bias_loader(p + hf_name + ".bias", lin))
         m.load_all(weights)
+        pack_linears(self)
 
 
 def _copy(name: str, param: torch.Tensor, t: torch.Tensor) -> None:

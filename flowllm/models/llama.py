@@ -23,13 +23,16 @@ from flowllm.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     WeightMap,
+    apply_rotary,
     check_shape,
     config_get,
+    pack_linears,
     paged_attention,
     rope_inv_freq,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the step's positions: [n, 1, rot / 2]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -43,9 +46,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class LlamaBlock(nn.Module):
     """RMSNorm -> GQA attention with RoPE -> residual; RMSNorm -> SwiGLU MLP -> residual."""
 
-    def __init__(
-        self, config: Any, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         d = int(config_get(config, "hidden_size"))
         self.num_heads = int(config_get(config, "num_attention_heads"))
@@ -64,7 +65,6 @@ class LlamaBlock(nn.Module):
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.rotary = [rotary]  # shared by all blocks; a list keeps it out of submodules
         self.input_layernorm = RMSNorm(d, eps, dtype, device)
         # qkv rows: [q (H * Dh) | k (kvh * Dh) | v (kvh * Dh)]
         self.qkv_proj = Linear(d, self.q_size + 2 * self.kv_size, attn_bias, dtype, device)
@@ -75,20 +75,16 @@ class LlamaBlock(nn.Module):
         self.down_proj = Linear(self.intermediate, d, mlp_bias, dtype, device)
 
     def forward(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        ctx: AttentionContext,
+        self, h: torch.Tensor, rope: Rope, kv_cache: KVCache, ctx: AttentionContext
     ) -> torch.Tensor:
-        # h: [n, d]; positions: [n]
+        # h: [n, d]
         n = h.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(h))
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0](positions, q, k)
+        qkv = self.qkv_proj(self.input_layernorm(h))  # [n, q_size + 2 * kv_size]
+        qk_size = self.q_size + self.kv_size
+        # q and k heads rotated together: [n, H + kvh, Dh]
+        qk = apply_rotary(qkv[:, :qk_size].view(n, -1, self.head_dim), *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
         h = h + self.o_proj(paged_attention(q, k, v, kv_cache, ctx, self.scale))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.down_proj(self.act(gate) * up)
@@ -125,7 +121,7 @@ class LlamaModel(nn.Module):
             tied_to=self.lm_head if self.tie_word_embeddings else None,
         )
         self.layers = nn.ModuleList(
-            LlamaBlock(hf_config, self.rotary, dtype, device) for _ in range(self.num_layers)
+            LlamaBlock(hf_config, dtype, device) for _ in range(self.num_layers)
         )
         self.norm = RMSNorm(d, eps, dtype, device)
 
@@ -138,13 +134,15 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
         h = self.embed_tokens(input_ids)  # [n, d]
+        rope = self.rotary.lookup(positions, ctx.max_seq_len)  # positions < max_seq_len
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, positions, kv_cache, ctx)
+            h = layer(h, rope, kv_cache, ctx)
         h = h.index_select(0, ctx.logits_indices)
         return self.lm_head(self.norm(h))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF Llama tensors (prefixed `model.` or not), fusing q/k/v and gate/up."""
+        """Load HF Llama tensors (prefixed `model.` or not), fusing q/k/v and gate/up, then
+        pack the linear weights (see `flowllm.models.layers`)."""
         tied = self.tie_word_embeddings
         m = WeightMap(
             prefixes=("model.",),
@@ -181,6 +179,7 @@ class LlamaModel(nn.Module):
                         f"{p}{hf_name}.bias", _bias_loader(f"{p}{hf_name}.bias", lin, start, rows)
                     )
         m.load_all(weights)
+        pack_linears(self)
 
 
 def _param_loader(name: str, param: torch.Tensor) -> Callable[[torch.Tensor], None]:

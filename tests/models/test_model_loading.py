@@ -14,7 +14,7 @@ from flowllm.models import dtype as dtype_mod
 from flowllm.models.errors import KVCacheError
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
-from flowllm.models.layers import rope_inv_freq
+from flowllm.models.layers import Linear, apply_rotary, rope_inv_freq
 from flowllm.models.llama import LlamaModel
 from flowllm.models.registry import UnsupportedModelError, WeightLoadError, model_class_for
 
@@ -59,6 +59,12 @@ def test_gpt2_loads_prefixed_and_unprefixed_names_alike() -> None:
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert na == nb
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+    # Packed linear weights are not in the state dict: compare them as [out, in].
+    for (na, la), (nb, lb) in zip(_linears(a), _linears(b), strict=True):
+        assert na == nb
+        torch.testing.assert_close(la.dense_weight(), lb.dense_weight(), rtol=0, atol=0)
+    c_fc = ref.transformer.h[0].mlp.c_fc.weight  # Conv1D: [in, out]
+    torch.testing.assert_close(a.h[0].c_fc.dense_weight(), c_fc.t(), rtol=0, atol=0)
     # The tied head holds the embedding: the Conv1D transpose and tying are both exact.
     ids = torch.tensor([3, 7, 99])
     torch.testing.assert_close(a.wte(ids), ref.transformer.wte.weight[ids], rtol=0, atol=0)
@@ -98,17 +104,77 @@ def test_llama_untied_needs_lm_head_tied_does_not() -> None:
     torch.testing.assert_close(model.lm_head(h), tied.lm_head(h))
 
 
-@pytest.mark.parametrize("in_out", [True, False])
-def test_weight_layouts_agree(in_out: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both storage layouts load the same checkpoint into the same function."""
-    monkeypatch.setattr("flowllm.models.layers.prefer_in_out", lambda dtype, device: in_out)
-    ref = tiny_llama()
+def _linears(model: torch.nn.Module) -> list[tuple[str, Linear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_and_plain_weights_agree(
+    packed: bool, tied: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both weight layouts load the same checkpoint into the same function; packing is a
+    pure reorder, and a tied embedding still reads the checkpoint's rows exactly."""
+    if packed and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr("flowllm.models.layers.packs_weights", lambda dtype, device: packed)
+    ref = tiny_llama(tied=tied)
+    sd = ref.state_dict()
     model = LlamaModel(ref.config, torch.float32, "cpu")
-    model.load_weights(ref.state_dict().items())
-    assert model.lm_head.in_out is in_out
-    assert model.lm_head.weight.shape == ((32, 100) if in_out else (100, 32))
+    model.load_weights(sd.items())
+    for name, lin in _linears(model):
+        assert (lin.packed_weight is not None) is packed and (lin.weight is None) is packed
+        prefix, _, proj = name.rpartition(".")
+        shards = {
+            "lm_head": ["lm_head"],
+            "qkv_proj": [f"model.{prefix}.self_attn.{p}_proj" for p in "qkv"],
+            "o_proj": [f"model.{prefix}.self_attn.o_proj"],
+            "gate_up_proj": [f"model.{prefix}.mlp.{p}_proj" for p in ("gate", "up")],
+            "down_proj": [f"model.{prefix}.mlp.down_proj"],
+        }[proj]
+        want = torch.cat([sd[f"{shard}.weight"] for shard in shards])
+        torch.testing.assert_close(lin.dense_weight(), want, rtol=0, atol=0)
     h = torch.randn(3, 32)
     torch.testing.assert_close(model.lm_head(h), ref.lm_head(h))
+    ids = torch.tensor([0, 5, 99])
+    emb = ref.model.embed_tokens.weight[ids]
+    torch.testing.assert_close(model.embed_tokens(ids), emb, rtol=0, atol=0)
+
+
+def test_packed_model_reloads() -> None:
+    """Loading into a packed model unpacks, loads and packs again: the new weights win,
+    tied embedding and head alike."""
+    first, second = tiny_llama(tied=True), tiny_llama(tied=True)
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(0.5)
+    model = LlamaModel(first.config, torch.float32, "cpu")
+    model.load_weights(first.state_dict().items())
+    model.load_weights(second.state_dict().items())
+    h = torch.randn(2, 32)
+    torch.testing.assert_close(model.lm_head(h), second.lm_head(h))
+    ids = torch.tensor([1, 42])
+    emb = second.model.embed_tokens.weight[ids]
+    torch.testing.assert_close(model.embed_tokens(ids), emb, rtol=0, atol=0)
+    x = torch.randn(2, 32)
+    layer, want = model.layers[0], second.model.layers[0]
+    torch.testing.assert_close(layer.o_proj(x), want.self_attn.o_proj(x))
+
+
+def test_partial_rotary_matches_rotate_half() -> None:
+    """apply_rotary against transformers' formula q * cos + rotate_half(q) * sin on the
+    rotated dims, the rest passed through; strided input (a slice of a fused projection)."""
+    n, heads, dim, rot = 5, 3, 16, 8
+    fused = torch.randn(n, 2 * heads * dim)
+    x = fused[:, : heads * dim].view(n, heads, dim)  # row stride 2 * heads * dim
+    freqs = torch.randn(n, rot // 2)
+    got = apply_rotary(x, freqs.cos()[:, None, :], freqs.sin()[:, None, :])
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, rot]
+    r = x[..., :rot]
+    rotate_half = torch.cat((-r[..., rot // 2 :], r[..., : rot // 2]), dim=-1)
+    want = torch.cat((r * emb.cos() + rotate_half * emb.sin(), x[..., rot:]), dim=-1)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want)
 
 
 def test_llama3_rope_frequencies_match_transformers() -> None:
