@@ -70,7 +70,7 @@ def _gather_context(
             f"a sequence needs {num_blocks} blocks but block_tables has only "
             f"{block_tables.shape[1]} columns"
         )
-    blocks = block_tables[:, :num_blocks].to(torch.int64)  # [B, nb]
+    blocks = block_tables[:, :num_blocks]  # [B, nb], int32 or int64
     flat = blocks.reshape(-1)
     if workspace is None:
         gathered = cache.index_select(0, flat)  # [B * nb, bs, kv_heads, D]
@@ -228,9 +228,13 @@ def _decode(
             tables = block_tables.index_select(0, rows.new_tensor(seqs))
         k = _gather_context(k_cache, tables, nb, workspace, "decode_k")
         v = _gather_context(v_cache, tables, nb, workspace, "decode_v")
-        seq_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int64, device=device)
-        # Keys past a sequence's length (padding, stale slots) are masked out: [b, L]
-        valid = torch.arange(k.shape[1], device=device)[None, :] < seq_lens[:, None]
+        valid: torch.Tensor | None = None
+        if len(seqs) == 1:  # one sequence attends over exactly its context
+            k, v = k[:, :longest], v[:, :longest]
+        else:
+            seq_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int64, device=device)
+            # Keys past a sequence's length (padding, stale slots) are masked out: [b, L]
+            valid = torch.arange(k.shape[1], device=device)[None, :] < seq_lens[:, None]
         attend = _attend_one_query if fp32 else _attend_one_query_half
         o = attend(q, k, v, valid, scale)  # [b, H, D]
         if all_decode:
@@ -241,22 +245,22 @@ def _decode(
 
 
 def _attend_one_query(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """float32: one masked SDPA over the padded batch (its CPU kernel reads K/V strided)."""
-    # q: [b, H, D]; k, v: [b, L, kvh, D]; valid: [b, L] -> [b, H, D]
+    # q: [b, H, D]; k, v: [b, L, kvh, D]; valid: [b, L] or None (all keys) -> [b, H, D]
     return F.scaled_dot_product_attention(
         q[:, :, None, :],
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
+        attn_mask=None if valid is None else valid[:, None, None, :],
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[2],
     )[:, :, 0, :]
 
 
 def _attend_one_query_half(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """bfloat16/float16: two batched products per sequence over all heads at once.
 
@@ -267,7 +271,7 @@ def _attend_one_query_half(
     cheap beside reading K/V. Scores are rounded to q's dtype by the product, softmax runs
     in float32 and the probabilities are cast back, as transformers' eager attention does.
     """
-    # q: [b, H, D]; k, v: [b, L, kvh, D]; valid: [b, L] -> [b, H, D]
+    # q: [b, H, D]; k, v: [b, L, kvh, D]; valid: [b, L] or None (all keys) -> [b, H, D]
     b, num_heads, head_dim = q.shape
     length, kv_heads = k.shape[1], k.shape[2]
     group = num_heads // kv_heads
@@ -277,7 +281,9 @@ def _attend_one_query_half(
     keys = k.reshape(b, length, kv_heads * head_dim)
     scores = torch.bmm(q_diag.view(b, num_heads, kv_heads * head_dim), keys.transpose(1, 2))
     scores = scores.float()  # [b, H, L]
-    scores.mul_(scale).masked_fill_(~valid[:, None, :], float("-inf"))
+    scores.mul_(scale)
+    if valid is not None:
+        scores.masked_fill_(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     mixed = torch.bmm(probs, v.reshape(b, length, kv_heads * head_dim))
     # mixed: [b, H, kvh * D]; head h keeps the D columns of its own kv head
