@@ -13,12 +13,13 @@ from typing import Any
 
 import msgspec
 
-from flowllm.engine.detokenizer import IncrementalDetokenizer
+from flowllm.engine.detokenizer import Decode, IncrementalDetokenizer, make_decode
 from flowllm.messages import (
     Chunk,
     Finish,
     FinishReason,
     SampledToken,
+    SamplingParams,
     SeqStart,
     StepTokens,
     TextDeltas,
@@ -47,7 +48,18 @@ class Detokenize(PerMessageStage):
     def __init__(self, params: Any, services: EngineServices) -> None:
         super().__init__(params, services)
         self._tokenizer = services.tokenizer
+        self._byte_vocab = services.byte_vocab()
+        self._decoders: dict[tuple[bool, bool], Decode] = {}  # by the two decode flags
         self._choices: dict[int, _Choice] = {}
+
+    def _decode_for(self, params: SamplingParams) -> Decode:
+        """One decode function per flag pair, shared by every sequence using it."""
+        key = (params.skip_special_tokens, params.spaces_between_special_tokens)
+        decode = self._decoders.get(key)
+        if decode is None:
+            decode = make_decode(self._tokenizer, *key, self._byte_vocab)
+            self._decoders[key] = decode
+        return decode
 
     async def handle(self, step: StepTokens, ctx: StageContext) -> None:
         choices = self._choices
@@ -56,7 +68,12 @@ class Detokenize(PerMessageStage):
         for start in step.started:
             choices[start.seq_id] = _Choice(
                 start,
-                IncrementalDetokenizer(self._tokenizer, start.prompt_token_ids, start.params),
+                IncrementalDetokenizer(
+                    self._tokenizer,
+                    start.prompt_token_ids,
+                    start.params,
+                    decode=self._decode_for(start.params),
+                ),
             )
         for seq_id, logprobs in step.prompt_logprobs.items():
             choice = choices.get(seq_id)

@@ -9,7 +9,12 @@ from typing import Any
 
 import pytest
 
-from flowllm.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from flowllm.engine.detokenizer import (
+    ByteVocab,
+    DetokenizerStep,
+    IncrementalDetokenizer,
+    make_decode,
+)
 from flowllm.messages import SamplingParams
 
 EOT = 50256  # <|endoftext|>
@@ -262,3 +267,50 @@ def test_spaces_between_special_tokens_for_a_decoder_that_joins_with_spaces() ->
         params = SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
         detok = IncrementalDetokenizer(tok, [], params)
         assert joined([detok.step([t]) for t in ids], detok.finish()) == want
+
+
+@pytest.fixture(scope="module")
+def byte_vocab(gpt2_tokenizer: Any) -> ByteVocab:
+    vocab = ByteVocab.of(gpt2_tokenizer)
+    assert vocab is not None  # GPT-2's decoder is ByteLevel
+    return vocab
+
+
+def test_byte_table_decode_equals_tokenizer_decode(
+    gpt2_tokenizer: Any, pools: dict[str, list[int]], byte_vocab: ByteVocab
+) -> None:
+    """Every id alone, then random windows (split characters, invalid UTF-8, specials)."""
+    assert byte_vocab.added == {EOT}
+    fast = make_decode(gpt2_tokenizer, True, True, byte_vocab)
+    for i in range(len(gpt2_tokenizer)):
+        assert fast([i]) == gpt2_tokenizer.decode([i], skip_special_tokens=True), i
+    rng = random.Random(5)
+    for skip in (True, False):
+        fast = make_decode(gpt2_tokenizer, skip, True, byte_vocab)
+        for _ in range(800):
+            ids = random_sequence(rng, gpt2_tokenizer, pools)[:12]
+            assert fast(ids) == gpt2_tokenizer.decode(ids, skip_special_tokens=skip), ids
+    assert fast([len(gpt2_tokenizer) + 5]) == ""  # past the table: the backend's answer
+
+
+def test_the_byte_table_changes_no_delta(
+    gpt2_tokenizer: Any, pools: dict[str, list[int]], byte_vocab: ByteVocab
+) -> None:
+    rng = random.Random(6)
+    for case in range(150):
+        params = SamplingParams(
+            skip_special_tokens=case % 2 == 0, stop=("ab", "の") if case % 3 == 0 else ()
+        )
+        fast = make_decode(gpt2_tokenizer, params.skip_special_tokens, True, byte_vocab)
+        ids = random_sequence(rng, gpt2_tokenizer, pools)
+        prompt = gpt2_tokenizer.encode(rng.choice(TEXTS)) if case % 2 else []
+        chunks_seed = rng.random()
+        plain = IncrementalDetokenizer(gpt2_tokenizer, prompt, params)
+        table = IncrementalDetokenizer(gpt2_tokenizer, prompt, params, decode=fast)
+        assert stream(plain, ids, random.Random(chunks_seed)) == stream(
+            table, ids, random.Random(chunks_seed)
+        )
+
+
+def test_only_byte_level_tokenizers_get_a_byte_table() -> None:
+    assert ByteVocab.of(object()) is None
