@@ -303,7 +303,7 @@ def rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE from one cos|sin table indexed by position (grown on demand).
+    """Rotate-half RoPE from cos and signed-sin tables indexed by position (grown on demand).
 
     The model looks the step's positions up once (`lookup`) and every layer rotates its
     queries and keys with `apply_rotary`."""
@@ -319,35 +319,34 @@ class RotaryEmbedding(nn.Module):
     def _build(self, n: int) -> None:
         t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)  # [n, rot_dim / 2]
-        # [n, rot_dim]: cos then sin, each rounded to the model's dtype as transformers does
-        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(self.dtype)
+        cos, sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        # [n, 2, rot_dim]: (cos | cos) and (-sin | sin), rounded to the model's dtype as
+        # transformers rounds them, so x * cos + roll(x) * sin is rotate-half RoPE.
+        self.table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), 1)
 
     def lookup(
         self, positions: torch.Tensor, max_position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [n, 1, rot_dim / 2], of `positions` [n], all below `max_position`
-        (a host-side bound, so growing the table never waits on the device)."""
-        if max_position > self.cos_sin.shape[0]:
+        """(cos, signed sin), each [n, 1, rot_dim], of `positions` [n], all below
+        `max_position` (a host-side bound, so growing the table never waits on the device)."""
+        if max_position > self.table.shape[0]:
             self._build(max_position)
-        half = self.cos_sin.shape[1] // 2
-        cs = self.cos_sin.index_select(0, positions)[:, None, :]  # [n, 1, rot_dim]
-        return cs[..., :half], cs[..., half:]
+        rows = self.table.index_select(0, positions)  # [n, 2, rot_dim]
+        return rows[:, :1], rows[:, 1:]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of the first rot_dim dims of x's heads, into a new contiguous tensor:
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the rest copied."""
-    # x: [n, heads, D] (any strides); cos, sin: [n, 1, rot_dim / 2] -> [n, heads, D]
-    half = cos.shape[-1]
-    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the rest copied. Rolling x by half the
+    rotated width swaps x1 and x2, so the whole rotation is three ops."""
+    # x: [n, heads, D] (any strides); cos, sin: [n, 1, rot_dim] from `lookup` -> [n, heads, D]
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return (x * cos).addcmul_(x.roll(rot // 2, -1), sin)
+    part = x[..., :rot]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    o1, o2 = out[..., :half], out[..., half : 2 * half]
-    torch.mul(x1, cos, out=o1)
-    o1.addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=o2)
-    o2.addcmul_(x1, sin)
-    if 2 * half < x.shape[-1]:
-        out[..., 2 * half :] = x[..., 2 * half :]
+    torch.mul(part, cos, out=out[..., :rot]).addcmul_(part.roll(rot // 2, -1), sin)
+    out[..., rot:] = x[..., rot:]
     return out
 
 

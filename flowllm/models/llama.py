@@ -32,7 +32,7 @@ from flowllm.models.layers import (
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the step's positions: [n, 1, rot / 2]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin of the step's positions: [n, 1, rot]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

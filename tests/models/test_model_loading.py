@@ -168,13 +168,16 @@ def test_partial_rotary_matches_rotate_half() -> None:
     fused = torch.randn(n, 2 * heads * dim)
     x = fused[:, : heads * dim].view(n, heads, dim)  # row stride 2 * heads * dim
     freqs = torch.randn(n, rot // 2)
-    got = apply_rotary(x, freqs.cos()[:, None, :], freqs.sin()[:, None, :])
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, rot]
+    signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]
+    got = apply_rotary(x, emb.cos(), signed_sin)
     r = x[..., :rot]
     rotate_half = torch.cat((-r[..., rot // 2 :], r[..., : rot // 2]), dim=-1)
     want = torch.cat((r * emb.cos() + rotate_half * emb.sin(), x[..., rot:]), dim=-1)
     assert got.is_contiguous()
     torch.testing.assert_close(got, want)
+    full = apply_rotary(x[..., :rot], emb.cos(), signed_sin)  # every dim rotated
+    torch.testing.assert_close(full, want[..., :rot])
 
 
 def test_llama3_rope_frequencies_match_transformers() -> None:
