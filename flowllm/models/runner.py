@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections.abc import Collection, Sequence
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Protocol
 
 import numpy as np
@@ -83,6 +85,10 @@ def keep_freed_memory_mapped() -> bool:
     )
 
 
+_num_computed_tokens = attrgetter("num_computed_tokens")
+_samples = attrgetter("sample")
+
+
 class StepInputError(ModelError):
     """A scheduled sequence is inconsistent (no tokens, or a block table too short)."""
 
@@ -97,28 +103,39 @@ class StepInputs:
         prompt_logits_for: Collection[int],
     ) -> None:
         n_seqs = len(seqs)
-        q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n_seqs)
-        computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, count=n_seqs)
+        token_ids = [s.token_ids for s in seqs]
+        block_tables = [s.block_table for s in seqs]
+        q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n_seqs)
+        computed = np.fromiter(map(_num_computed_tokens, seqs), dtype=np.int64, count=n_seqs)
         if n_seqs and int(q_lens.min()) < 1:
             bad = seqs[int(q_lens.argmin())].seq_id
             raise StepInputError(f"sequence {bad} is scheduled with no tokens")
         qsl = np.zeros(n_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         seq_lens = computed + q_lens
-        max_blocks = max((len(s.block_table) for s in seqs), default=1) or 1
-        tables = np.zeros((n_seqs, max_blocks), dtype=np.int64)  # padded with block 0
-        for i, s in enumerate(seqs):
-            needed = -(-int(seq_lens[i]) // block_size)
-            if len(s.block_table) < needed:
-                raise StepInputError(
-                    f"sequence {s.seq_id} reaches {int(seq_lens[i])} tokens, which need "
-                    f"{needed} blocks of {block_size}, but its block table has "
-                    f"{len(s.block_table)}"
-                )
-            tables[i, : len(s.block_table)] = s.block_table
+        # Block tables, padded with block 0: [n_seqs, max_blocks], filled in one scatter.
+        t_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n_seqs)
+        short = np.flatnonzero(t_lens < -(-seq_lens // block_size))
+        if short.size:
+            i = int(short[0])
+            raise StepInputError(
+                f"sequence {seqs[i].seq_id} reaches {int(seq_lens[i])} tokens, which need "
+                f"{-(-int(seq_lens[i]) // block_size)} blocks of {block_size}, but its block "
+                f"table has {int(t_lens[i])}"
+            )
+        max_blocks = int(t_lens.max()) if n_seqs else 0
+        tables = np.zeros((n_seqs, max(max_blocks, 1)), dtype=np.int64)
+        num_entries = int(t_lens.sum())
+        if num_entries:
+            row_of_entry = np.repeat(np.arange(n_seqs), t_lens)  # [num_entries]
+            t_starts = np.cumsum(t_lens) - t_lens
+            col_of_entry = np.arange(num_entries) - t_starts[row_of_entry]
+            tables[row_of_entry, col_of_entry] = np.fromiter(
+                chain.from_iterable(block_tables), dtype=np.int64, count=num_entries
+            )
         num_tokens = int(qsl[-1])
         self.input_ids = np.fromiter(
-            (t for s in seqs for t in s.token_ids), dtype=np.int64, count=num_tokens
+            chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens
         )
         # Per-token sequence index and position: [num_tokens]
         seq_of_token = np.repeat(np.arange(n_seqs), q_lens)
@@ -134,15 +151,18 @@ class StepInputs:
         # Logit rows: each prompt-logits sequence's rows (in order), then the sampling rows.
         rows: list[int] = []
         self.prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> range in `rows`
-        for i, s in enumerate(seqs):
-            if s.seq_id in prompt_logits_for:
-                start = len(rows)
-                rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
-                self.prompt_rows[s.seq_id] = (start, len(rows))
-        sample_rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(seqs) if s.sample]
+        if prompt_logits_for:
+            for i, s in enumerate(seqs):
+                if s.seq_id in prompt_logits_for:
+                    start = len(rows)
+                    rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
+                    self.prompt_rows[s.seq_id] = (start, len(rows))
+        samples = np.fromiter(map(_samples, seqs), dtype=bool, count=n_seqs)
+        sample_rows = qsl[1:][samples] - 1  # each sampling sequence's last row
         self.sample_at = list(range(len(rows), len(rows) + len(sample_rows)))
-        rows.extend(sample_rows)
-        self.logits_indices = np.asarray(rows, dtype=np.int64)
+        self.logits_indices = np.concatenate(
+            [np.asarray(rows, dtype=np.int64), sample_rows.astype(np.int64)]
+        )
 
 
 class ModelRunner:
