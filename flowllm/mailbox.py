@@ -40,16 +40,19 @@ class Mailbox:
         """Every choice finished or the request failed: nothing more will be put."""
         return not self._unfinished or self._error is not None
 
-    def put(self, chunk: Chunk) -> None:
-        if self.done:
+    def put(self, chunk: Chunk, now: float | None = None) -> None:
+        """Add a chunk (merged with the choice's unread one); `now`: time.monotonic()."""
+        if not self._unfinished or self._error is not None:  # done
             return
         if self.first_chunk_time is None:
-            self.first_chunk_time = time.monotonic()
+            self.first_chunk_time = time.monotonic() if now is None else now
         pending = self._pending.get(chunk.index)
         self._pending[chunk.index] = chunk if pending is None else pending.merge(chunk)
         if chunk.finish_reason is not None:
             self._unfinished.discard(chunk.index)
-        self._wakeup.set()
+        wakeup = self._wakeup
+        if not wakeup.is_set():
+            wakeup.set()
 
     def fail(self, error: RequestError) -> None:
         if self.done:
@@ -105,13 +108,17 @@ class Mailboxes:
     def deliver(self, chunk: Chunk) -> Mailbox | None:
         """Put a chunk in its request's mailbox; returns the mailbox (None if it is gone)."""
         box = self._boxes.get(chunk.request_id)
-        if box is None:
-            return None
-        self._pending.discard(chunk.request_id)
-        box.put(chunk)
-        if box.done:
-            del self._boxes[chunk.request_id]
+        if box is not None:
+            self.deliver_to(box, chunk)
         return box
+
+    def deliver_to(self, box: Mailbox, chunk: Chunk, now: float | None = None) -> None:
+        """`deliver` for a caller that already looked the mailbox up (`get`)."""
+        if box.first_chunk_time is None:
+            self._pending.discard(chunk.request_id)
+        box.put(chunk, now)
+        if box.done:
+            self._boxes.pop(chunk.request_id, None)
 
     def fail(self, error: RequestError) -> Mailbox | None:
         box = self.close(error.request_id)

@@ -29,17 +29,20 @@ class Format(PerMessageStage):
         if isinstance(message, RequestError):
             self._mailboxes.fail(message)
             return
+        mailboxes = self._mailboxes
+        now = time.monotonic()  # one clock read per step: the chunks arrived together
         for chunk in message.chunks:
-            box = self._mailboxes.get(chunk.request_id)
+            box = mailboxes.get(chunk.request_id)
             if box is None:
                 continue  # aborted: nobody reads it any more
             first = box.first_chunk_time is None
-            self._mailboxes.deliver(chunk)
-            self._observe(box, chunk, first)
+            mailboxes.deliver_to(box, chunk, now)
+            if first or chunk.finish_reason is not None:
+                self._observe(box, chunk, first, now)
 
-    def _observe(self, box: Mailbox, chunk: Chunk, first: bool) -> None:
+    def _observe(self, box: Mailbox, chunk: Chunk, first: bool, now: float) -> None:
+        """Latency metrics at a choice's first and last chunk."""
         metrics = self._metrics
-        now = time.monotonic()
         if first:
             metrics.time_to_first_token.observe(now - box.arrival_time)
             metrics.prompt_tokens.inc(chunk.num_prompt_tokens)

@@ -466,11 +466,9 @@ class _RecordingMailboxes(Mailboxes):
         for request_id, n in choices.items():
             self.open(request_id, n, 0.0)
 
-    def deliver(self, chunk: Chunk) -> Mailbox | None:
-        box = super().deliver(chunk)
-        if box is not None:
-            self.log.append(chunk)
-        return box
+    def deliver_to(self, box: Mailbox, chunk: Chunk, now: float | None = None) -> None:
+        super().deliver_to(box, chunk, now)  # `deliver` comes here too
+        self.log.append(chunk)
 
     def fail(self, error: RequestError) -> Mailbox | None:
         box = super().fail(error)
