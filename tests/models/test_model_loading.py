@@ -14,7 +14,7 @@ from flowllm.models import dtype as dtype_mod
 from flowllm.models.errors import KVCacheError
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
-from flowllm.models.layers import Linear, apply_rotary, rope_inv_freq
+from flowllm.models.layers import Linear, rope_inv_freq
 from flowllm.models.llama import LlamaModel
 from flowllm.models.registry import UnsupportedModelError, WeightLoadError, model_class_for
 
@@ -159,25 +159,6 @@ def test_packed_model_reloads() -> None:
     x = torch.randn(2, 32)
     layer, want = model.layers[0], second.model.layers[0]
     torch.testing.assert_close(layer.o_proj(x), want.self_attn.o_proj(x))
-
-
-def test_partial_rotary_matches_rotate_half() -> None:
-    """apply_rotary against transformers' formula q * cos + rotate_half(q) * sin on the
-    rotated dims, the rest passed through; strided input (a slice of a fused projection)."""
-    n, heads, dim, rot = 5, 3, 16, 8
-    fused = torch.randn(n, 2 * heads * dim)
-    x = fused[:, : heads * dim].view(n, heads, dim)  # row stride 2 * heads * dim
-    freqs = torch.randn(n, rot // 2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, rot]
-    signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]
-    got = apply_rotary(x, emb.cos(), signed_sin)
-    r = x[..., :rot]
-    rotate_half = torch.cat((-r[..., rot // 2 :], r[..., : rot // 2]), dim=-1)
-    want = torch.cat((r * emb.cos() + rotate_half * emb.sin(), x[..., rot:]), dim=-1)
-    assert got.is_contiguous()
-    torch.testing.assert_close(got, want)
-    full = apply_rotary(x[..., :rot], emb.cos(), signed_sin)  # every dim rotated
-    torch.testing.assert_close(full, want[..., :rot])
 
 
 def test_llama3_rope_frequencies_match_transformers() -> None:

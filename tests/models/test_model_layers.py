@@ -1,0 +1,85 @@
+"""The model layers against independent references: RMSNorm against transformers' own
+(bit for bit, fp32 and bf16), RoPE against the rotate-half formula, and packed linear
+layers against `F.linear` in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from flowllm.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, packs_weights
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_transformers(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    weight = 1 + 0.3 * torch.randn(96)
+    ours = RMSNorm(96, 1e-5, dtype, CPU)
+    ref = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        ref.weight.copy_(weight)
+    x = (3 * torch.randn(7, 96)).to(dtype)
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+
+
+def test_rotary_matches_rotate_half() -> None:
+    """Table lookup + apply_rotary against q * cos + rotate_half(q) * sin, on a strided
+    input (a slice of a fused projection); past the table's end it grows."""
+    n, heads, dim = 5, 3, 16
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2).float() / dim))
+    rotary = RotaryEmbedding(inv_freq, 8, torch.float32, CPU)
+    positions = torch.tensor([0, 3, 7, 12, 30])  # 12 and 30 lie past the initial table
+    fused = torch.randn(n, 2 * heads * dim)
+    x = fused[:, : heads * dim].view(n, heads, dim)  # row stride 2 * heads * dim
+    got = apply_rotary(x, *rotary.lookup(positions, 31))
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, dim]
+    rotate_half = torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), dim=-1)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, x * emb.cos() + rotate_half * emb.sin())
+
+
+def test_partial_rotary_passes_the_rest_through() -> None:
+    n, heads, dim, rot = 4, 2, 16, 8
+    x = torch.randn(n, heads, dim)
+    freqs = torch.randn(n, rot // 2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, rot]
+    signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]
+    got = apply_rotary(x, emb.cos(), signed_sin)
+    r = x[..., :rot]
+    rotate_half = torch.cat((-r[..., rot // 2 :], r[..., : rot // 2]), dim=-1)
+    torch.testing.assert_close(got[..., :rot], r * emb.cos() + rotate_half * emb.sin())
+    torch.testing.assert_close(got[..., rot:], x[..., rot:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_packed_linear_matches_float64(dtype: torch.dtype, rows: int) -> None:
+    """A packed layer computes x W^T + b for any number of rows (one packing serves all);
+    unpacking gives W back exactly."""
+    if not packs_weights(dtype, CPU):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
+    torch.manual_seed(rows)
+    w, b = torch.randn(72, 40).to(dtype), torch.randn(72).to(dtype)
+    layer = Linear(40, 72, True, dtype, CPU)
+    layer.load_weight("w", w)
+    layer.load_bias("b", b)
+    layer.pack()
+    assert layer.weight is None and layer.packed_weight is not None
+    x = torch.randn(rows, 40).to(dtype)
+    with torch.inference_mode():
+        got = layer(x)
+    want = F.linear(x.double(), w.double(), b.double())
+    tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: the output's rounding
+    assert got.dtype == dtype and got.shape == (rows, 72)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(layer.dense_weight(), w, rtol=0, atol=0)
+    layer.unpack()
+    assert layer.packed_weight is None
+    torch.testing.assert_close(layer.weight, w, rtol=0, atol=0)
