@@ -18,7 +18,8 @@ The rules, in order:
 
 from __future__ import annotations
 
-from collections.abc import Container
+import math
+from collections.abc import Container, Iterable
 
 from flowllm.messages import FinishReason, SamplingParams
 
@@ -48,3 +49,41 @@ def check_stop(
     if length_hit:
         return "length", None
     return None, None
+
+
+class StopChecker:
+    """`check_stop` for one sequence, its fixed arguments folded in once.
+
+    The sampler calls it for every sampled token of every sequence, so the per-token work
+    is two integer comparisons and one set lookup. For every token and output count it
+    returns exactly what `check_stop(params, token_id, eos_token_ids, n, num_prompt_tokens
+    + n, max_model_len)` returns.
+    """
+
+    __slots__ = ("eos", "length_limit", "min_tokens", "stopping_ids")
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        eos_token_ids: Iterable[int],
+        num_prompt_tokens: int,
+        max_model_len: int | None,
+    ) -> None:
+        self.eos = frozenset(()) if params.ignore_eos else frozenset(eos_token_ids)
+        self.stopping_ids = self.eos | frozenset(params.stop_token_ids)  # EOS and stop ids
+        self.min_tokens = params.min_tokens
+        # output count from which a length limit holds: prompt + n >= max_model_len
+        limit = math.inf if params.max_tokens is None else params.max_tokens
+        if max_model_len is not None:
+            limit = min(limit, max_model_len - num_prompt_tokens)
+        self.length_limit = limit
+
+    def __call__(
+        self, token_id: int, num_output_tokens: int
+    ) -> tuple[FinishReason | None, int | None]:
+        """(finish_reason, stop_reason) for a token that makes `num_output_tokens` outputs."""
+        if num_output_tokens >= self.min_tokens and token_id in self.stopping_ids:
+            return ("stop", None) if token_id in self.eos else ("stop", token_id)
+        if num_output_tokens >= self.length_limit:
+            return "length", None
+        return None, None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowllm.engine.stopping import check_stop
+from flowllm.engine.stopping import StopChecker, check_stop
 from flowllm.messages import SamplingParams
 
 EOS = (50256,)
@@ -70,3 +70,28 @@ def test_several_eos_ids() -> None:
     assert check_stop(SamplingParams(), 32000, eos, 1, 5, None) == ("stop", None)
     assert check_stop(SamplingParams(), 2, eos, 1, 5, None) == ("stop", None)
     assert check_stop(SamplingParams(), 3, eos, 1, 5, None) == (None, None)
+
+
+def test_stop_checker_equals_check_stop_everywhere() -> None:
+    """The sampler's per-sequence form against the rule itself, over a grid of cases."""
+    eos = (50256, 2)
+    tokens = (11, 13, 198, 2, 50256)
+    for max_tokens in (None, 1, 4):
+        for min_tokens in (0, 2, 5):
+            for ignore_eos in (False, True):
+                for stop_ids in ((), (13,), (198, 50256)):
+                    params = SamplingParams(
+                        max_tokens=max_tokens,
+                        min_tokens=min_tokens,
+                        ignore_eos=ignore_eos,
+                        stop_token_ids=stop_ids,
+                    )
+                    for max_len in (None, 8, 12):
+                        for prompt_len in (1, 6):
+                            checker = StopChecker(params, eos, prompt_len, max_len)
+                            for n_out in range(1, 9):
+                                for token in tokens:
+                                    want = check_stop(
+                                        params, token, eos, n_out, prompt_len + n_out, max_len
+                                    )
+                                    assert checker(token, n_out) == want
