@@ -2,17 +2,40 @@
 
 `put` never blocks and never grows without bound per choice: while the reader is slow,
 a choice's pending chunks merge into one, so a slow client costs memory proportional to
-its unread text, never a stalled graph.
+its unread text, never a stalled graph. The merge is done in batches (at the reader's next
+read, or every `MERGE_BATCH` unread chunks), so each chunk is copied a bounded number of
+times however long the reader lags: merging on every put copied the growing text and
+token tuple each step, quadratic in a lagging request's output.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from itertools import chain
 
 import anyio
+import msgspec
 
 from flowllm.messages import Chunk, RequestError
+
+MERGE_BATCH = 64  # unread chunks of one choice kept apart before they merge into one
+
+
+def merge_chunks(chunks: list[Chunk]) -> Chunk:
+    """The chunks of one choice, in order, as one: `Chunk.merge` folded over them."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    return msgspec.structs.replace(
+        chunks[0],
+        text="".join([c.text for c in chunks]),
+        token_ids=tuple(chain.from_iterable([c.token_ids for c in chunks])),
+        logprobs=tuple(chain.from_iterable([c.logprobs for c in chunks])),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_output_tokens=last.num_output_tokens,
+    )
 
 
 class RequestFailed(Exception):
@@ -29,7 +52,7 @@ class Mailbox:
     def __init__(self, request_id: str, num_choices: int) -> None:
         self.request_id = request_id
         self._unfinished = set(range(num_choices))
-        self._pending: dict[int, Chunk] = {}  # choice index -> merged unread chunk
+        self._pending: dict[int, list[Chunk]] = {}  # choice index -> its unread chunks
         self._error: RequestError | None = None
         self._wakeup = anyio.Event()
         self.arrival_time = 0.0  # set by the registry; read for latency metrics
@@ -47,7 +70,12 @@ class Mailbox:
         if self.first_chunk_time is None:
             self.first_chunk_time = time.monotonic() if now is None else now
         pending = self._pending.get(chunk.index)
-        self._pending[chunk.index] = chunk if pending is None else pending.merge(chunk)
+        if pending is None:
+            self._pending[chunk.index] = [chunk]
+        else:
+            pending.append(chunk)
+            if len(pending) >= MERGE_BATCH:
+                pending[:] = [merge_chunks(pending)]
         if chunk.finish_reason is not None:
             self._unfinished.discard(chunk.index)
         wakeup = self._wakeup
@@ -72,7 +100,7 @@ class Mailbox:
             await self._wakeup.wait()
             self._wakeup = anyio.Event()
         index = next(iter(self._pending))
-        return self._pending.pop(index)
+        return merge_chunks(self._pending.pop(index))
 
 
 class Mailboxes:

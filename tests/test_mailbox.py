@@ -3,7 +3,7 @@
 import anyio
 import pytest
 
-from flowllm.mailbox import Mailbox, RequestFailed
+from flowllm.mailbox import MERGE_BATCH, Mailbox, RequestFailed, merge_chunks
 from flowllm.messages import Chunk, RequestError, TokenLogprobs
 
 
@@ -63,8 +63,9 @@ async def test_reader_waits_for_chunks_and_ends_when_all_choices_finish() -> Non
 async def test_error_is_raised_after_pending_text_and_later_puts_are_ignored() -> None:
     box = Mailbox("r", num_choices=1)
     box.put(chunk(0, "partial", (1,)))
-    box.fail(RequestError(request_id="r", message="boom", type="InternalServerError",
-                          status_code=500))
+    box.fail(
+        RequestError(request_id="r", message="boom", type="InternalServerError", status_code=500)
+    )
     box.put(chunk(0, "ignored", (2,)))
     it = box.__aiter__()
     assert (await it.__anext__()).text == "partial"
@@ -76,3 +77,26 @@ async def test_error_is_raised_after_pending_text_and_later_puts_are_ignored() -
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def test_merge_chunks_is_chunk_merge_folded() -> None:
+    parts = [chunk(0, t, (i,)) for i, t in enumerate(("a", "bc", "", "d"))]
+    parts.append(chunk(0, "e", (9,), finish="length"))
+    want = parts[0]
+    for later in parts[1:]:
+        want = want.merge(later)
+    assert merge_chunks(parts) == want
+    assert merge_chunks(parts[:1]) is parts[0]
+
+
+@pytest.mark.anyio
+async def test_a_long_unread_output_merges_in_batches_to_the_same_chunk() -> None:
+    box = Mailbox("r", num_choices=1)
+    n = 3 * MERGE_BATCH + 5
+    for i in range(n):
+        box.put(chunk(0, f"<{i}>", (i,), finish="stop" if i == n - 1 else None))
+    (got,) = await read_all(box)
+    assert got.text == "".join(f"<{i}>" for i in range(n))
+    assert got.token_ids == tuple(range(n))
+    assert [lp.token_id for lp in got.logprobs] == list(range(n))
+    assert got.finish_reason == "stop" and got.num_output_tokens == 1
