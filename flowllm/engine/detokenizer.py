@@ -104,6 +104,9 @@ class ByteVocab:
         return cls(table, added)
 
 
+_NO_TEXT = DetokenizerStep("")
+
+
 def make_decode(
     tokenizer: Any,
     skip_special_tokens: bool,
@@ -251,6 +254,16 @@ class IncrementalDetokenizer:
         if not ids:
             return DetokenizerStep("")
         self._ids.extend(ids)
+        return self._emit(self._read(final=False), final=False)
+
+    def step_token(self, token_id: int, *, stop_terminated: bool = False) -> DetokenizerStep:
+        """`step([token_id])`: the one-token-per-step case, without the list handling."""
+        if self._done:
+            return _NO_TEXT
+        self._num_output_tokens += 1
+        if stop_terminated and not self._include_stop:
+            return _NO_TEXT
+        self._ids.append(token_id)
         return self._emit(self._read(final=False), final=False)
 
     def finish(self) -> DetokenizerStep:

@@ -35,6 +35,7 @@ class _Choice:
 
     start: SeqStart
     detokenizer: IncrementalDetokenizer
+    num_prompt_tokens: int
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_output_tokens: int = 0
     sent_first: bool = False
@@ -74,6 +75,7 @@ class Detokenize(PerMessageStage):
                     start.params,
                     decode=self._decode_for(start.params),
                 ),
+                len(start.prompt_token_ids),
             )
         for seq_id, logprobs in step.prompt_logprobs.items():
             choice = choices.get(seq_id)
@@ -88,7 +90,7 @@ class Detokenize(PerMessageStage):
             finish, stop_reason = token.finish_reason, token.stop_reason
             detokenizer = choice.detokenizer
             # EOS / a stop token id: its text is left out (as vLLM, unless asked to keep it)
-            out = detokenizer.step([token.token_id], stop_terminated=finish == "stop")
+            out = detokenizer.step_token(token.token_id, stop_terminated=finish == "stop")
             text = out.text_delta
             if out.stop_string is not None:
                 finish, stop_reason = "stop", out.stop_string
@@ -97,6 +99,20 @@ class Detokenize(PerMessageStage):
                 text += detokenizer.finish().text_delta
             if finish is not None:
                 choice.done = True
+            elif choice.sent_first and token.logprobs is None and stop_reason is None:
+                # the common case: a middle chunk, only the fields without defaults
+                start = choice.start
+                chunks.append(
+                    Chunk(
+                        request_id=start.request_id,
+                        index=start.index,
+                        text=text,
+                        token_ids=(token.token_id,),
+                        num_prompt_tokens=choice.num_prompt_tokens,
+                        num_output_tokens=choice.num_output_tokens,
+                    )
+                )
+                continue
             chunks.append(self._chunk(choice, text, token, finish, stop_reason))
         if chunks:
             await ctx.emit("out", TextDeltas(step_id=step.step_id, chunks=tuple(chunks)))
@@ -118,7 +134,7 @@ class Detokenize(PerMessageStage):
             logprobs=(token.logprobs,) if token.logprobs is not None else (),
             finish_reason=finish,
             stop_reason=stop_reason,
-            num_prompt_tokens=len(start.prompt_token_ids),
+            num_prompt_tokens=choice.num_prompt_tokens,
             num_output_tokens=choice.num_output_tokens,
         )
         if choice.sent_first:

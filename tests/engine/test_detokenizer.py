@@ -314,3 +314,19 @@ def test_the_byte_table_changes_no_delta(
 
 def test_only_byte_level_tokenizers_get_a_byte_table() -> None:
     assert ByteVocab.of(object()) is None
+
+
+def test_step_token_is_step_of_one(gpt2_tokenizer: Any, pools: dict[str, list[int]]) -> None:
+    rng = random.Random(8)
+    for case in range(60):
+        params = SamplingParams(
+            stop=("ab", "の") if case % 3 == 0 else (), include_stop_str_in_output=case % 4 == 0
+        )
+        ids = random_sequence(rng, gpt2_tokenizer, pools)
+        lists = IncrementalDetokenizer(gpt2_tokenizer, [], params)
+        ones = IncrementalDetokenizer(gpt2_tokenizer, [], params)
+        for k, t in enumerate(ids):
+            last = k == len(ids) - 1 and case % 2 == 0
+            assert lists.step([t], stop_terminated=last) == ones.step_token(t, stop_terminated=last)
+        assert lists.finish() == ones.finish()
+        assert lists.num_output_tokens == ones.num_output_tokens
