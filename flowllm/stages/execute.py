@@ -34,5 +34,6 @@ class Execute(PerMessageStage):
         want.difference_update(batch.released)
         asked = {s.seq_id for s in batch.seqs if s.seq_id in want} if want else set()
         logits, prompt_logits = await anyio.to_thread.run_sync(self.runner.run, batch.seqs, asked)
-        want.difference_update(s.seq_id for s in batch.seqs if s.sample and s.seq_id in asked)
+        if asked:
+            want.difference_update(s.seq_id for s in batch.seqs if s.sample and s.seq_id in asked)
         await ctx.emit("out", StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits))

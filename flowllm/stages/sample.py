@@ -40,14 +40,13 @@ class Sample(PerMessageStage):
             sampler.release(seq_id)
         for start in batch.started:
             sampler.start(start)
-        rows = [s for s in batch.seqs if s.sample]
-        tokens = (
-            sampler.sample(
-                [s.seq_id for s in rows], step.logits, [s.num_output_tokens for s in rows]
-            )
-            if rows
-            else []
-        )
+        seq_ids: list[int] = []
+        num_output_tokens: list[int] = []
+        for s in batch.seqs:
+            if s.sample:
+                seq_ids.append(s.seq_id)
+                num_output_tokens.append(s.num_output_tokens)
+        tokens = sampler.sample(seq_ids, step.logits, num_output_tokens) if seq_ids else []
         prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         if step.prompt_logits:
             computed = {s.seq_id: s.num_computed_tokens for s in batch.seqs}
