@@ -1,30 +1,33 @@
 """Pieces shared by the model files: linear layers with prepacked weights, norms, rotary
 embeddings, paged attention, and the bookkeeping that maps checkpoint names to them.
 
-Weight layout: a linear layer loads its weight as [out, in] (torch's convention). Once a
-model has loaded its checkpoint it calls `pack_linears`, which, on CPU builds with oneDNN,
-reorders every weight into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
-the op torch's CPU compiler packs bf16 weights with) and runs products with
-`torch.ops.mkldnn._linear_pointwise`. Measured on the development machine (AMD Zen 4/5,
-one thread, weights streamed from memory; whole decode steps of GPT-2 124M / SmolLM2-135M
-timed side by side), the packed weights beat every other path at every batch tried
-(1, 8, 32, 64 decode rows and a 512-token prefill), in both dtypes:
-  - fp32 batch 1: 21 ms against 26-27 ms for oneDNN reading an unpacked [in, out] weight
-    (the previous layout), 24 ms for MKL's GEMV on [in, out] and 28 ms for `F.linear`;
-    batch 8-32: 10-25% faster than unpacked oneDNN, 1.5x faster than MKL's GEMM.
-  - bf16 batch 1: 14 ms against 24 ms for `F.linear`; batch 8-32: 10-35% faster.
-oneDNN packed for one row (`batch_size=1`) picks a plain layout that is no faster than
-unpacked, so weights are packed with oneDNN's default hint (a blocked layout), which served
-every batch size equally well. MKL's own packed GEMM (`torch.ops.mkl._mkl_linear`) was the
-slowest path for every batch but 1.
+Linear weights: a layer loads its weight as [out, in] (torch's convention). Once a model
+has loaded its checkpoint it calls `pack_linears`, which, on CPU builds with oneDNN (fp32,
+and bf16/fp16 where oneDNN supports them), reorders every weight into oneDNN's blocked
+layout with `torch.ops.mkldnn._reorder_linear_weight` (the op torch's CPU compiler packs
+weights with: fp32 AB16b64a, bf16 AB16b64a2b) and runs products with
+`torch.ops.mkldnn._linear_pointwise`. One packing serves every batch size. Measured on the
+development machine (AMD Zen, one thread, process CPU time, whole decode steps of GPT-2
+124M and SmolLM2-135M at context 128 with the variants alternated in one run), packed
+weights were the fastest path at every batch tried (1, 8, 32, 64 rows and a 512-token
+prefill), in both dtypes:
+  - fp32, GPT-2, batch 1: 21 ms against 26-27 ms for oneDNN reading an unpacked [in, out]
+    weight (this module's previous layout), 24 ms for MKL's GEMV on [in, out], 28 ms for
+    `F.linear`; batches 8-32: 10-25% faster than unpacked oneDNN, ~1.5x faster than MKL.
+  - bf16, GPT-2, batch 1: 14 ms against 24 ms for `F.linear`; batches 8-32: 10-35% faster.
+  - Packing fp32 for one row (`batch_size=1`) keeps the plain [out, in] layout, no faster
+    than unpacked, so the batch hint is left to oneDNN; MKL's packed GEMM
+    (`torch.ops.mkl._mkl_linear`) was slower than oneDNN packed at every batch.
+A oneDNN call costs ~12-17 us before it reads a byte, which is why SmolLM2's small
+matrices (4 products per layer, 30 layers) stream slower than GPT-2's.
 
-A packed weight is opaque: it cannot be indexed, so a tied embedding keeps the plain
-[vocab, dim] table for itself (`Embedding.untie`) and the LM head packs its own copy; a
-tied fp32 GPT-2 holds its 154 MB table twice. Packing frees each plain weight, so
-`Linear.weight` is None afterwards (`dense_weight()` rebuilds it); loading a checkpoint
-tensor into a packed layer unpacks it first, and the model packs again after loading.
-Elsewhere (CUDA, float16 on CPUs without oneDNN fp16 support, torch builds without oneDNN)
-weights stay [out, in] and products run `F.linear`.
+A packed weight is opaque: rows cannot be gathered from it, so a tied embedding keeps the
+plain [vocab, dim] table for itself (`Embedding.untie`) and the LM head packs its own
+copy (a tied fp32 GPT-2 holds its 154 MB table twice). Packing frees each plain weight:
+`Linear.weight` is None afterwards and `dense_weight()` rebuilds it; loading a checkpoint
+tensor into a packed layer unpacks it first, and `load_weights` packs again at its end.
+Elsewhere (CUDA, half precision oneDNN lacks, builds without oneDNN) weights stay
+[out, in] and products run `F.linear`.
 """
 
 from __future__ import annotations
