@@ -50,7 +50,11 @@ class Tokenize(PerMessageStage):
             return
         request = message.request
         try:
-            prompt_ids = await anyio.to_thread.run_sync(self.prompt_token_ids, request)
+            if request.prompt_token_ids is not None:
+                # ids only need a range check (C-speed min/max): no worker-thread hop
+                prompt_ids = self.prompt_token_ids(request)
+            else:
+                prompt_ids = await anyio.to_thread.run_sync(self.prompt_token_ids, request)
         except PromptError as e:
             await ctx.emit("errors", _bad_request(request.request_id, str(e), e.param))
             return
@@ -84,8 +88,8 @@ class Tokenize(PerMessageStage):
         tokenizer = self._tokenizer
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
-            bad = [i for i in ids if not 0 <= i < self._vocab_size]
-            if bad:
+            if ids and (min(ids) < 0 or max(ids) >= self._vocab_size):
+                bad = [i for i in ids if not 0 <= i < self._vocab_size]
                 raise PromptError(
                     f"Token id {bad[0]} is out of vocabulary (vocab size {self._vocab_size}).",
                     "prompt",
