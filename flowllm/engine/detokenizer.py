@@ -23,7 +23,8 @@ calls), skipping transformers' per-call overhead. For byte-level BPE tokenizers 
 ordinary vocabulary ids is decoded in Python from a table of each id's bytes (`ByteVocab`),
 which gives the backend's text (its ByteLevel decoder maps each token's characters back to
 bytes and decodes them as UTF-8 with U+FFFD for invalid sequences) ~2.5x faster than a call
-into the backend; a window holding an added token goes to the backend.
+into the backend; a window holding an added token goes to the backend. A detokenizer keeps
+its window's bytes as tokens arrive (`ByteDecode`), so a step decodes them directly.
 `spaces_between_special_tokens=False` decodes the runs between added tokens separately and
 joins them without the separator some decoders put around added tokens; byte-level
 decoders put none, so for them both settings give the same text, as `tokenizer.decode`
@@ -121,21 +122,49 @@ def make_decode(
     `IncrementalDetokenizer` (`decode=`) to skip the per-sequence lookups.
     """
     decode = _backend_decode(tokenizer, skip_special_tokens, spaces_between)
-    if byte_vocab is None:
-        return decode
-    table, added = byte_vocab.table, byte_vocab.added
-    lookup = table.__getitem__
+    return decode if byte_vocab is None else ByteDecode(byte_vocab, decode)
 
-    def byte_decode(ids: list[int]) -> str:
-        # ids are >= 0 (validate rejects negative prompt ids; the sampler emits none)
-        if added.isdisjoint(ids):
-            try:
-                return b"".join(map(lookup, ids)).decode("utf-8", "replace")
-            except (IndexError, TypeError):  # an id past the table, or one it lacks
-                pass
-        return decode(ids)
 
-    return byte_decode
+class ByteDecode:
+    """The decode of a byte-level tokenizer: ids -> text from a `ByteVocab`'s table.
+
+    Windows holding an added token (or an id the table lacks) go to `fallback`, the
+    backend's decode. ids are >= 0 (validate rejects negative prompt ids; the sampler
+    emits none). `window_bytes` and `token_bytes` let an `IncrementalDetokenizer` keep its
+    window's bytes as it grows instead of joining them again for every token.
+    """
+
+    __slots__ = ("_added", "_lookup", "fallback")
+
+    def __init__(self, vocab: ByteVocab, fallback: Decode) -> None:
+        self._added = vocab.added
+        self._lookup = vocab.table.__getitem__
+        self.fallback = fallback
+
+    def __call__(self, ids: list[int]) -> str:
+        window = self.window_bytes(ids)
+        if window is None:
+            return self.fallback(ids)
+        return window.decode("utf-8", "replace")
+
+    def window_bytes(self, ids: list[int]) -> bytes | None:
+        """The ids' bytes joined, or None when the backend must decode them."""
+        if not self._added.isdisjoint(ids):
+            return None
+        try:
+            return b"".join(map(self._lookup, ids))
+        except (IndexError, TypeError):  # an id past the table, or one it lacks
+            return None
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """One id's bytes, or None when the backend must decode windows holding it."""
+        if token_id in self._added:
+            return None
+        try:
+            token: bytes | None = self._lookup(token_id)
+        except IndexError:
+            return None
+        return token
 
 
 def _backend_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between: bool) -> Decode:
@@ -211,6 +240,10 @@ class IncrementalDetokenizer:
             context, context_text = [], ""
         self._ids: list[int] = context  # context tokens, then every output token
         self._start = 0  # the decode window is _ids[_start:]
+        # With a byte-level decode: the window's bytes, kept as it grows (None while the
+        # window holds an id only the backend decodes), so a step decodes them directly.
+        self._bytes = self._decode if isinstance(self._decode, ByteDecode) else None
+        self._wbytes = None if self._bytes is None else self._bytes.window_bytes(context)
         self._decoded = context_text  # text of the window already read
         self._held = ""  # read text held back because a stop string may begin there
         self._pieces: list[str] = []  # emitted deltas
@@ -254,6 +287,8 @@ class IncrementalDetokenizer:
         if not ids:
             return DetokenizerStep("")
         self._ids.extend(ids)
+        for token_id in ids:
+            self._push_bytes(token_id)
         return self._emit(self._read(final=False), final=False)
 
     def step_token(self, token_id: int, *, stop_terminated: bool = False) -> DetokenizerStep:
@@ -264,6 +299,7 @@ class IncrementalDetokenizer:
         if stop_terminated and not self._include_stop:
             return _NO_TEXT
         self._ids.append(token_id)
+        self._push_bytes(token_id)
         return self._emit(self._read(final=False), final=False)
 
     def finish(self) -> DetokenizerStep:
@@ -276,9 +312,23 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ internals
 
+    def _push_bytes(self, token_id: int) -> None:
+        """Keep `_wbytes` the bytes of the window once `token_id` joined it."""
+        window = self._wbytes
+        if window is not None and self._bytes is not None:
+            token = self._bytes.token_bytes(token_id)
+            self._wbytes = None if token is None else window + token
+
+    def _window_text(self) -> str:
+        """`_decode(_ids[_start:])`, from the kept bytes when there are any."""
+        window = self._wbytes
+        if window is not None:
+            return window.decode("utf-8", "replace")
+        return self._decode(self._ids[self._start :])
+
     def _read(self, *, final: bool) -> str:
         """Decode the window and return its text not read before."""
-        text = self._decode(self._ids[self._start :])
+        text = self._window_text()
         if not final and text.endswith(REPLACEMENT_CHAR):
             text = text[:-1]  # maybe an incomplete character: wait for more bytes
         new = ""
@@ -289,7 +339,9 @@ class IncrementalDetokenizer:
             # Slide, keeping a few tokens of context: the bytes of an incomplete trailing
             # character lie in the last 3 tokens, so they stay inside the window.
             self._start = len(self._ids) - _CONTEXT_TOKENS
-            window = self._decode(self._ids[self._start :])
+            if self._bytes is not None:
+                self._wbytes = self._bytes.window_bytes(self._ids[self._start :])
+            window = self._window_text()
             if not final and window.endswith(REPLACEMENT_CHAR):
                 window = window[:-1]
             self._decoded = window
