@@ -45,7 +45,7 @@ LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-LIMIT, LIMIT]
 _CDF_BLOCK = 256  # inverse CDF: block size of the two-level search
 _RADIX_CHUNK = 1 << 21  # top_p: values per thresholding chunk (keeps temporaries small)
 _SORT_VOCAB = 4096  # top_p: up to this vocabulary size a full sort is the cheaper way
-_BLOCK_ARGMAX_VOCAB = 1024  # greedy: from this vocabulary size on, argmax by blocks
+_BLOCK_ARGMAX_NUMEL = 1 << 15  # greedy: from this many logits on, argmax by blocks
 _ARGMAX_BLOCK = 64  # greedy: block length of the blocked argmax
 
 
@@ -626,14 +626,14 @@ def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=1)` for [R, V] float32: the first maximal index of each row, NaN first.
 
     On CPU, torch's argmax along rows is a scalar loop (~57 us per 50257-wide row, 8-15 ms
-    for 256 rows) while amax is vectorized. So from `_BLOCK_ARGMAX_VOCAB` on: the max of
+    for 256 rows) while amax is vectorized. So from `_BLOCK_ARGMAX_NUMEL` logits on: the max of
     each 64-token block (amax), the first block holding the row's max (argmax over V / 64
     values), then the first maximal index inside that block. amax propagates NaN as argmax
     ranks it (above everything), so the index is exactly argmax's. [256, V] on one thread:
     V = 1024 184 -> 87 us, V = 32000 5.1 -> 1.6 ms, V = 50257 8.1 -> 2.3 ms.
     """
     rows, vocab = x.shape
-    if vocab < _BLOCK_ARGMAX_VOCAB or rows == 0:
+    if rows * vocab < _BLOCK_ARGMAX_NUMEL or vocab < 2 * _ARGMAX_BLOCK:  # ~25 us fixed cost
         return x.argmax(dim=1)
     blk = _ARGMAX_BLOCK
     nb = vocab // blk
