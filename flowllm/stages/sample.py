@@ -51,9 +51,7 @@ class Sample(PerMessageStage):
         if step.prompt_logits:
             computed = {s.seq_id: s.num_computed_tokens for s in batch.seqs}
             for seq_id, logits in step.prompt_logits.items():
-                prompt_logprobs[seq_id] = sampler.prompt_logprobs(
-                    seq_id, computed[seq_id], logits
-                )
+                prompt_logprobs[seq_id] = sampler.prompt_logprobs(seq_id, computed[seq_id], logits)
         return StepTokens(
             step_id=batch.step_id,
             tokens=tuple(tokens),

@@ -67,9 +67,7 @@ class Tokenize(PerMessageStage):
         prompt_text = None
         if request.echo:
             prompt_text = (
-                request.prompt
-                if request.prompt is not None
-                else self._tokenizer.decode(prompt_ids)
+                request.prompt if request.prompt is not None else self._tokenizer.decode(prompt_ids)
             )
         await ctx.emit(
             "out",
@@ -119,6 +117,9 @@ class Tokenize(PerMessageStage):
 
 def _bad_request(request_id: str, message: str, param: str) -> RequestError:
     return RequestError(
-        request_id=request_id, message=message, type="BadRequestError", param=param,
+        request_id=request_id,
+        message=message,
+        type="BadRequestError",
+        param=param,
         status_code=400,
     )

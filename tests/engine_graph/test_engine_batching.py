@@ -64,8 +64,9 @@ def test_seeded_sampling_batched_equals_alone(llm: LLM) -> None:
     rng = random.Random(1)
     prompts = random_prompts(rng, 16, 5, 120)
     params = [
-        SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=i, max_tokens=12,
-                       ignore_eos=True)
+        SamplingParams(
+            temperature=0.9, top_p=0.95, top_k=50, seed=i, max_tokens=12, ignore_eos=True
+        )
         for i in range(len(prompts))
     ]
     batched = token_ids(llm.generate(prompts, params))
