@@ -121,8 +121,11 @@ class Linear(nn.Module):
         return F.linear(x, self._plain(), self.bias)
 
     def _plain(self) -> torch.Tensor:
-        if self.weight is None:  # only if packed_weight was cleared by hand
-            raise WeightLoadError("linear layer has neither a plain nor a packed weight")
+        """The plain [out, in] weight; raises once packing has freed it (see `unpack`)."""
+        if self.weight is None:
+            raise WeightLoadError(
+                "this linear layer's plain weight was freed by packing; unpack() it first"
+            )
         return self.weight
 
     def pack(self) -> None:
