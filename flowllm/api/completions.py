@@ -119,8 +119,21 @@ def _aligned(
     return (*entries[:length], *([None] * (length - len(entries))))
 
 
+# Characters JSON may carry raw but that common line splitters (str.splitlines, httpx's
+# aiter_lines) treat as line ends: escaped, so an event never breaks mid-line in a client.
+_LINE_BREAKS_IN_JSON = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
 def sse(encoder: msgspec.json.Encoder, payload: object) -> bytes:
-    return b"data: " + encoder.encode(payload) + b"\n\n"
+    """One server-sent event: `data: <json>` and a blank line."""
+    data = encoder.encode(payload)
+    for raw, escaped in _LINE_BREAKS_IN_JSON:
+        data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"

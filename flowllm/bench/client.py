@@ -8,8 +8,9 @@ connection, HTTP error, an error event mid-stream, bad JSON, a timeout) becomes 
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import anyio
@@ -156,7 +157,7 @@ async def _read_response(response: httpx.Response, endpoint: Endpoint, timing: _
             raise ServerError("malformed response: not a JSON object")
         timing.on_event(data, endpoint, time.perf_counter())
         return
-    async for line in response.aiter_lines():
+    async for line in sse_lines(response.aiter_text()):
         now = time.perf_counter()
         if not line.startswith("data:"):
             continue  # blank separators, comments, `event:` and `id:` fields
@@ -172,6 +173,24 @@ async def _read_response(response: httpx.Response, endpoint: Endpoint, timing: _
         if not isinstance(data, dict):
             raise ServerError("malformed SSE data: not a JSON object")
         timing.on_event(data, endpoint, now)
+
+
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(texts: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Lines as server-sent events define them: ended by CRLF, LF or CR only.
+
+    httpx's `aiter_lines` also ends lines at U+0085, U+2028 and the like, which a server
+    may send raw inside a JSON string; splitting there would cut an event in two.
+    """
+    pending = ""
+    async for text in texts:
+        *lines, pending = _SSE_LINE_END.split(pending + text)
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
 
 
 async def send_request(

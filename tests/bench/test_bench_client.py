@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import anyio
 import httpx
 import pytest
@@ -13,6 +15,7 @@ from flowllm.bench.client import (
     error_message,
     event_text,
     send_request,
+    sse_lines,
 )
 from flowllm.bench.prompts import Prompt
 
@@ -102,3 +105,22 @@ def test_without_usage_output_tokens_are_the_text_events() -> None:
     record = _record(httpx.MockTransport(lambda _: response))
     assert record.success and record.output_tokens == 4 and len(record.itl_s) == 3
     assert (record.prompt_tokens, record.prompt_tokens_from_server) == (2, False)
+
+
+def test_sse_lines_split_only_where_sse_ends_lines() -> None:
+    """CRLF, LF and CR end lines (also across chunk boundaries); U+2028 and NEL do not."""
+
+    async def chunks() -> AsyncIterator[str]:
+        for piece in ('data: {"t": "a\u2028b\x85c"}\r', "\ndata: 2\n\nda", "ta: 3\rdata: 4"):
+            yield piece
+
+    async def read() -> list[str]:
+        return [line async for line in sse_lines(chunks())]
+
+    lines = anyio.run(read)
+    assert [line for line in lines if line] == [
+        'data: {"t": "a\u2028b\x85c"}',
+        "data: 2",
+        "data: 3",
+        "data: 4",
+    ]
