@@ -26,7 +26,8 @@ bytes and decodes them as UTF-8 with U+FFFD for invalid sequences) ~2.5x faster 
 into the backend; a window holding an added token goes to the backend. A detokenizer keeps
 its window's bytes as tokens arrive (`ByteDecode`), so a step decodes them directly.
 `spaces_between_special_tokens=False` decodes the runs between added tokens separately and
-joins them without the separator some decoders put around added tokens; byte-level
+joins them without the separator some decoders put around added tokens (skipped special
+tokens are dropped first and separate nothing, as vLLM does it); byte-level
 decoders put none, so for them both settings give the same text, as `tokenizer.decode`
 does. Clean-up of tokenization spaces is not applied (transformers skips it for BPE models;
 it cannot be done incrementally).
@@ -187,9 +188,15 @@ def _backend_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between: b
 
     if spaces_between:
         return fast_decode
-    added = frozenset(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    added_decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    added = frozenset(added_decoder)
     if not added:
         return fast_decode
+    # Skipped special tokens vanish before the runs are cut, as in vLLM: they separate
+    # nothing (a character whose bytes straddle one still decodes whole).
+    skipped = frozenset(
+        i for i, token in added_decoder.items() if skip_special_tokens and token.special
+    )
 
     def segmented_decode(ids: list[int]) -> str:
         if added.isdisjoint(ids):
@@ -197,6 +204,8 @@ def _backend_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between: b
         pieces: list[str] = []
         run: list[int] = []
         for t in ids:
+            if t in skipped:
+                continue
             if t in added:
                 if run:
                     pieces.append(fast_decode(run))
