@@ -299,9 +299,16 @@ def test_the_byte_table_changes_no_delta(
     rng = random.Random(6)
     for case in range(150):
         params = SamplingParams(
-            skip_special_tokens=case % 2 == 0, stop=("ab", "の") if case % 3 == 0 else ()
+            skip_special_tokens=case % 2 == 0,
+            spaces_between_special_tokens=case % 4 < 2,
+            stop=("ab", "の") if case % 3 == 0 else (),
         )
-        fast = make_decode(gpt2_tokenizer, params.skip_special_tokens, True, byte_vocab)
+        fast = make_decode(
+            gpt2_tokenizer,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+            byte_vocab,
+        )
         ids = random_sequence(rng, gpt2_tokenizer, pools)
         if case % 5 == 0:  # an id past the tokenizer's table (a model with a padded vocab)
             ids.insert(rng.randrange(len(ids) + 1), len(gpt2_tokenizer) + 3)
