@@ -56,19 +56,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention with a cached-prefix offset (see `reference.paged_attention`)."""
     impl = implementation_for(query.device)
-    if impl is reference:
-        return reference.paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            query_start_loc,
-            seq_lens,
-            scale,
-            max_query_len,
-            max_seq_len,
-            workspace,
-        )
+    # only the reference keeps scratch buffers; the Triton kernels allocate on the device
+    extra = {"workspace": workspace} if impl is reference else {}
     return impl.paged_attention(
         query,
         k_cache,
@@ -79,4 +68,5 @@ def paged_attention(
         scale,
         max_query_len,
         max_seq_len,
+        **extra,
     )
