@@ -56,11 +56,7 @@ class ChatFormat(ResponseFormat[PreparedChat]):
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=UsageInfo.of(prompt_tokens, completion_tokens),
         )
 
 
@@ -108,12 +104,7 @@ class ChatStream(EventSource):
             await emit(self._event([choice]))
         else:
             if fmt.prepared.include_usage:
-                completion = sum(output_tokens.values())
-                usage = UsageInfo(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion,
-                    total_tokens=prompt_tokens + completion,
-                )
+                usage = UsageInfo.of(prompt_tokens, sum(output_tokens.values()))
                 await emit(self._event([], usage))
         await emit(DONE)
 

@@ -102,11 +102,7 @@ class CompletionFormat(ResponseFormat[PreparedCompletion]):
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=UsageInfo.of(prompt_tokens, completion_tokens),
         )
 
 
@@ -186,8 +182,7 @@ class CompletionStream(EventSource):
             await emit(sse(self.encoder, event))
         else:
             if include_usage:
-                p, c = sum(prompt_tokens.values()), sum(output_tokens.values())
-                usage = UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+                usage = UsageInfo.of(sum(prompt_tokens.values()), sum(output_tokens.values()))
                 final = CompletionStreamResponse(
                     id=fmt.response_id,
                     created=fmt.created,

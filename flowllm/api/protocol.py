@@ -117,6 +117,15 @@ class UsageInfo(msgspec.Struct, kw_only=True):
     completion_tokens: int
     total_tokens: int
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        """The usage block of a response, its total computed."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
 
 class PromptLogprob(msgspec.Struct, kw_only=True):
     """vLLM's `prompt_logprobs` entry: one candidate for one prompt position."""
