@@ -169,14 +169,8 @@ class ChannelSender(Generic[T]):
         try:
             await self._stream.send((message, now))
         except anyio.BrokenResourceError:
-            raise BrokenChannelError(
-                f"channel {self.channel.name!r}: every consumer has finished"
-            ) from None
-        for tap in self._taps:
-            tap(message, now)
-        if self._waiters:
-            for event in tuple(self._waiters):
-                event.set()
+            raise self._broken() from None
+        self._sent(message, now)
 
     def send_nowait(self, message: T) -> None:
         """Send if there is room now; raises `anyio.WouldBlock` when the channel is full."""
@@ -185,9 +179,14 @@ class ChannelSender(Generic[T]):
         try:
             self._stream.send_nowait((message, now))
         except anyio.BrokenResourceError:
-            raise BrokenChannelError(
-                f"channel {self.channel.name!r}: every consumer has finished"
-            ) from None
+            raise self._broken() from None
+        self._sent(message, now)
+
+    def _broken(self) -> BrokenChannelError:
+        return BrokenChannelError(f"channel {self.channel.name!r}: every consumer has finished")
+
+    def _sent(self, message: T, now: float) -> None:
+        """After a send: taps see the message, waiters for it wake."""
         for tap in self._taps:
             tap(message, now)
         if self._waiters:

@@ -356,4 +356,3 @@ class Graph:
                     self.log.warning("fail_inflight raised", stage=task.name, exc_info=exc)
         if scope.cancelled_caught:
             self.log.warning("fail_inflight timed out", timeout_s=self._fail_inflight_timeout)
-

@@ -175,9 +175,7 @@ class GraphSpec:
             context_mark = getattr(exc, "context_mark", None)
             if context and context_mark is not None:
                 what = f"{context} (from line {context_mark.line + 1}): {what}"
-            raise GraphValidationError(
-                [Problem(f"malformed YAML: {what}", line, source)]
-            ) from None
+            raise GraphValidationError([Problem(f"malformed YAML: {what}", line, source)]) from None
         finally:
             loader.dispose()
         return _Reader(source, base).read(data, node)
