@@ -13,9 +13,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import anyio.to_thread
 
 from flowllm.config import EngineConfig
+from flowllm.engine_client import Overloaded
 from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spec import ValidGraph
@@ -26,6 +28,7 @@ from flowllm.stages.services import EngineServices, build_services
 
 if TYPE_CHECKING:
     from flowllm.traces.recorder import TraceRecorder
+
 
 class AsyncEngine:
     """A started graph seen from outside (implements flowllm.engine_client.EngineClient)."""
@@ -92,6 +95,14 @@ class AsyncEngine:
 
     def submit(self, request: GenerateRequest) -> Mailbox:
         return self._ingest.submit(request)
+
+    async def submit_when_admitted(self, request: GenerateRequest) -> Mailbox:
+        """Submit, waiting while admission is full (offline callers queue, never fail)."""
+        while True:
+            try:
+                return self.submit(request)
+            except Overloaded:
+                await anyio.sleep(0.005)
 
     def abort(self, request_id: str) -> None:
         self._ingest.abort(request_id)

@@ -18,7 +18,6 @@ import msgspec
 
 from flowllm.async_engine import AsyncEngine
 from flowllm.config import EngineConfig, engine_config
-from flowllm.engine_client import Overloaded
 from flowllm.graph.spec import ValidGraph
 from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest, SamplingParams, TokenLogprobs
@@ -146,21 +145,12 @@ class LLM:
         async with AsyncEngine.start(
             graph=self.graph, services=services, recorder=recorder
         ) as engine:
-            boxes = [await _submit(engine, request) for request in requests]
+            boxes = [await engine.submit_when_admitted(request) for request in requests]
             # One reader, mailbox after mailbox: the mailboxes not being read merge their
             # chunks without waking anyone, so a step costs one wakeup here, not one per
             # running request (the graph never waits for a reader).
             pairs = zip(boxes, requests, strict=True)
             return [await _collect(box, request) for box, request in pairs]
-
-
-async def _submit(engine: AsyncEngine, request: GenerateRequest) -> Mailbox:
-    """Submit, waiting while admission is full (offline callers queue, never fail)."""
-    while True:
-        try:
-            return engine.submit(request)
-        except Overloaded:
-            await anyio.sleep(0.005)
 
 
 async def _collect(box: Mailbox, request: GenerateRequest) -> RequestOutput:

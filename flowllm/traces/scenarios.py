@@ -22,7 +22,6 @@ import msgspec
 
 from flowllm.async_engine import AsyncEngine
 from flowllm.config import BUNDLED_MODEL, engine_config
-from flowllm.engine_client import Overloaded
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams
 from flowllm.traces.manifest import ModelSource, weights_sha256
@@ -198,14 +197,6 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-async def _submit(engine: AsyncEngine, request: GenerateRequest) -> Mailbox:
-    while True:
-        try:
-            return engine.submit(request)
-        except Overloaded:
-            await anyio.sleep(0.005)
-
-
 async def _read(engine: AsyncEngine, box: Mailbox, request_id: str, abort: bool) -> None:
     try:
         async for _chunk in box:
@@ -220,7 +211,7 @@ async def _drive(engine: AsyncEngine, scenario: Scenario) -> None:
     requests = scenario.requests()
     async with anyio.create_task_group() as tg:
         for request in requests:
-            box = await _submit(engine, request)
+            box = await engine.submit_when_admitted(request)
             abort = request.request_id in scenario.abort_after_first_chunk
             tg.start_soon(_read, engine, box, request.request_id, abort)
             if scenario.stream:
