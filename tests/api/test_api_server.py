@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -14,6 +14,7 @@ import openai
 import pytest
 import uvicorn
 from api_fake_engine import MODEL, FakeEngine, expected_tokens, make_app
+from server_process import wait_until
 
 API_KEY = "test-key"
 
@@ -49,15 +50,6 @@ class Server:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,7 @@ starting a server, SSE reading, error-body checks, the e2e settings."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,6 @@ def sse_events(response: httpx.Response) -> list[Any]:
         data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def assert_error(response: httpx.Response, status: int, *, code: str | None = None) -> dict:

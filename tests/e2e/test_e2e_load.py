@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import FLOOD_MAX_PENDING, assert_error, wait_until
-from server_process import ServerProcess
+from e2e_helpers import FLOOD_MAX_PENDING, assert_error
+from server_process import ServerProcess, wait_until
 
 RUNNING = "flowllm:num_requests_running"
 KV_USAGE = "flowllm:kv_cache_usage_perc"
