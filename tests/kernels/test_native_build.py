@@ -1,0 +1,73 @@
+"""The native CPU kernel library: built once into the flowllm cache, reused, switchable off,
+and sharing torch's OpenMP thread pool."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowllm.kernels import native
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason="no AVX-512 CPU or C compiler here"
+)
+
+
+def _run(code: str, cache: Path, **env: str) -> str:
+    """Run `code` in a fresh interpreter with its own flowllm cache; its stdout (where
+    structlog's default configuration also prints)."""
+    full_env = {**os.environ, "FLOWLLM_CACHE": str(cache), **env}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env=full_env, check=True,
+    )  # fmt: skip
+    return result.stdout.strip()
+
+
+PRINT_PATH = """
+    from flowllm.kernels import native
+    lib = native.library()
+    print(lib.path if lib else None)
+"""
+
+
+@needs_native
+def test_built_once_into_the_cache_and_reused(tmp_path: Path) -> None:
+    first = Path(_run(PRINT_PATH, tmp_path))
+    assert first.is_file() and first.is_relative_to(tmp_path / "kernels")
+    mtime = first.stat().st_mtime_ns
+    assert Path(_run(PRINT_PATH, tmp_path)) == first
+    assert first.stat().st_mtime_ns == mtime  # not rebuilt
+    leftovers = [p for p in first.parent.iterdir() if p != first]
+    assert leftovers == []  # no temporary files left behind
+
+
+def test_switched_off_by_the_environment(tmp_path: Path) -> None:
+    assert _run(PRINT_PATH, tmp_path, FLOWLLM_NATIVE_KERNELS="0") == "None"
+    assert not (tmp_path / "kernels").exists()
+
+
+@needs_native
+def test_a_failed_build_falls_back_to_none(tmp_path: Path) -> None:
+    out = _run(PRINT_PATH, tmp_path, CC="/bin/false")
+    assert "native_kernels_unavailable" in out  # the reason is logged
+    assert out.splitlines()[-1] == "None"
+
+
+@needs_native
+def test_kernels_share_torchs_thread_pool() -> None:
+    lib = native.library()
+    assert lib is not None
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, before):
+            torch.set_num_threads(n)
+            assert lib.omp_max_threads() == n
+    finally:
+        torch.set_num_threads(before)
