@@ -12,16 +12,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flowllm.models.context import AttentionContext
-from flowllm.models.errors import UnsupportedModelError
 from flowllm.models.layers import (
     Embedding,
     LayerNorm,
     Linear,
     WeightMap,
+    activation,
     check_shape,
     config_get,
     pack_linears,
@@ -29,16 +28,6 @@ from flowllm.models.layers import (
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
 
 
 class GPT2Block(nn.Module):
@@ -54,11 +43,7 @@ class GPT2Block(nn.Module):
         inner = int(config_get(config, "n_inner", 4 * d))
         eps = float(config_get(config, "layer_norm_epsilon", 1e-5))
         act = str(config_get(config, "activation_function", "gelu_new"))
-        if act not in _ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"GPT-2 activation {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
-            )
-        self.act = _ACTIVATIONS[act]
+        self.act = activation(act, "GPT-2")
         scale = self.head_dim**-0.5 if config_get(config, "scale_attn_weights", True) else 1.0
         if config_get(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)

@@ -41,8 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowllm import kernels
+from flowllm.kernels import fused
 from flowllm.models.context import AttentionContext
-from flowllm.models.errors import WeightLoadError
+from flowllm.models.errors import UnsupportedModelError, WeightLoadError
 
 Loader = Callable[[torch.Tensor], None]
 
@@ -254,7 +255,10 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as Llama defines it."""
+    """RMSNorm computed in float32 and cast back before the weight, as Llama defines it.
+
+    Where the native kernels serve the tensor (`flowllm.kernels.fused`) one C call does it
+    all, residual add included; elsewhere, torch ops as below."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -262,13 +266,30 @@ class RMSNorm(nn.Module):
         self.weight = _frozen(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [n, dim]. fp32: torch's op (the same numbers, fewer ops). Half precision: the
-        # transformers formula, in place on the float32 copy.
+        # x: [n, dim]
+        if fused.serves(x) and x.is_contiguous():
+            return fused.rms_norm(x, self.weight, self.eps)
+        return self.torch_forward(x)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32: torch's op (the same numbers, fewer ops). Half precision: the transformers
+        formula, in place on the float32 copy."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
         h.mul_(h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_())
         return self.weight * h.to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add before a layer's norm, fused
+        with it where the native kernels serve (which write the sum into `residual`)."""
+        # x, residual: [n, dim]
+        if fused.serves(x) and x.is_contiguous() and residual.is_contiguous():
+            return fused.rms_norm(x, self.weight, self.eps, residual), residual
+        h = residual + x
+        return self.forward(h), h
 
 
 def rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
@@ -342,6 +363,37 @@ class RotaryEmbedding(nn.Module):
         rows = self.table.index_select(0, positions)  # [n, 2, rot_dim]
         return rows[:, :1], rows[:, 1:]
 
+    def for_step(self, positions: torch.Tensor, max_position: int) -> StepRotary:
+        """The rotation of one step's `positions` [n], all below `max_position`."""
+        if max_position > self.table.shape[0]:
+            self._build(max_position)
+        return StepRotary(self, positions, max_position)
+
+
+class StepRotary:
+    """One step's rotary positions, applied by every layer to its fused q/k/v rows: by the
+    native kernel in place where it serves, else by `apply_rotary` on table rows looked up
+    once for the step."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, max_position: int):
+        self.rotary = rotary
+        self.positions = positions
+        self.max_position = max_position
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rotate(self, x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        """The first `heads` heads of each row of x, rotated: [n, heads, head_dim] (a view
+        of x, rotated in place, where the native kernel serves; else a new tensor)."""
+        # x: [n, row >= heads * head_dim] with unit column stride (a fused projection)
+        n, width = x.shape[0], heads * head_dim
+        table = self.rotary.table
+        if fused.serves(x) and x.stride(1) == 1 and self.positions.dtype == torch.int64:
+            fused.rope_(x, heads, head_dim, table, self.positions)
+            return x[:, :width].view(n, heads, head_dim)
+        if self._rows is None:
+            self._rows = self.rotary.lookup(self.positions, self.max_position)
+        return apply_rotary(x[:, :width].view(n, heads, head_dim), *self._rows)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of the first rot_dim dims of x's heads, into a new contiguous tensor:
@@ -356,6 +408,43 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     torch.mul(part, cos, out=out[..., :rot]).addcmul_(part.roll(rot // 2, -1), sin)
     out[..., rot:] = x[..., rot:]
     return out
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str, model: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation a config names; UnsupportedModelError naming the model otherwise."""
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{model} activation {name!r} is not supported; supported: {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
+
+
+class GatedActivation(nn.Module):
+    """act(gate) * up of a fused [gate | up] projection (SwiGLU and its kin); SiLU runs as
+    one native call where the kernels serve."""
+
+    def __init__(self, act: str, model: str) -> None:
+        super().__init__()
+        self.act = activation(act, model)
+        self.is_silu = self.act is F.silu
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # gate_up: [n, 2 * inter] -> [n, inter]
+        if self.is_silu and fused.serves(gate_up) and gate_up.is_contiguous():
+            return fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
 
 
 def paged_attention(

@@ -12,18 +12,17 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flowllm.models.context import AttentionContext
-from flowllm.models.errors import UnsupportedModelError
 from flowllm.models.layers import (
     Embedding,
+    GatedActivation,
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    StepRotary,
     WeightMap,
-    apply_rotary,
     check_shape,
     config_get,
     pack_linears,
@@ -32,15 +31,6 @@ from flowllm.models.layers import (
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin of the step's positions: [n, 1, rot]
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 class LlamaBlock(nn.Module):
@@ -57,11 +47,7 @@ class LlamaBlock(nn.Module):
         attn_bias = bool(config_get(config, "attention_bias", False))
         mlp_bias = bool(config_get(config, "mlp_bias", False))
         act = str(config_get(config, "hidden_act", "silu"))
-        if act not in _ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"Llama activation {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
-            )
-        self.act = _ACTIVATIONS[act]
+        self.act_and_mul = GatedActivation(act, "Llama")
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -75,19 +61,29 @@ class LlamaBlock(nn.Module):
         self.down_proj = Linear(self.intermediate, d, mlp_bias, dtype, device)
 
     def forward(
-        self, h: torch.Tensor, rope: Rope, kv_cache: KVCache, ctx: AttentionContext
-    ) -> torch.Tensor:
-        # h: [n, d]
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: StepRotary,
+        kv_cache: KVCache,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the residual add waits
+        for the next norm, which fuses it (vLLM's layout); `residual` is None at layer 0."""
+        # h, residual: [n, d]
         n = h.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(h))  # [n, q_size + 2 * kv_size]
-        qk_size = self.q_size + self.kv_size
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
         # q and k heads rotated together: [n, H + kvh, Dh]
-        qk = apply_rotary(qkv[:, :qk_size].view(n, -1, self.head_dim), *rope)
+        qk = rope.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
-        h = h + self.o_proj(paged_attention(q, k, v, kv_cache, ctx, self.scale))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(self.act(gate) * up)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        attn = self.o_proj(paged_attention(q, k, v, kv_cache, ctx, self.scale))
+        x, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x))), residual
 
 
 class LlamaModel(nn.Module):
@@ -134,11 +130,15 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
         h = self.embed_tokens(input_ids)  # [n, d]
-        rope = self.rotary.lookup(positions, ctx.max_seq_len)  # positions < max_seq_len
+        rope = self.rotary.for_step(positions, ctx.max_seq_len)  # positions < max_seq_len
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, rope, kv_cache, ctx)
+            h, residual = layer(h, residual, rope, kv_cache, ctx)
         h = h.index_select(0, ctx.logits_indices)
-        return self.lm_head(self.norm(h))
+        if residual is None:  # no layers
+            return self.lm_head(self.norm(h))
+        h, _ = self.norm.add_and_norm(h, residual.index_select(0, ctx.logits_indices))
+        return self.lm_head(h)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF Llama tensors (prefixed `model.` or not), fusing q/k/v and gate/up, then

@@ -14,8 +14,7 @@ from flowllm.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_equals_transformers(dtype: torch.dtype) -> None:
+def _rms_norms(dtype: torch.dtype) -> tuple[RMSNorm, LlamaRMSNorm, torch.Tensor]:
     torch.manual_seed(0)
     weight = 1 + 0.3 * torch.randn(96)
     ours = RMSNorm(96, 1e-5, dtype, CPU)
@@ -23,9 +22,36 @@ def test_rms_norm_equals_transformers(dtype: torch.dtype) -> None:
     with torch.no_grad():
         ours.weight.copy_(weight)
         ref.weight.copy_(weight)
-    x = (3 * torch.randn(7, 96)).to(dtype)
+    return ours, ref, (3 * torch.randn(7, 96)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_torch_path_equals_transformers(dtype: torch.dtype) -> None:
+    ours, ref, x = _rms_norms(dtype)
     with torch.inference_mode():
-        torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+        torch.testing.assert_close(ours.torch_forward(x), ref(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_transformers(dtype: torch.dtype) -> None:
+    """Whichever path runs (the native kernel where it serves): bf16 bit for bit, fp32 up to
+    the order of the float32 sum."""
+    ours, ref, x = _rms_norms(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 0.0
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(x), ref(x), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_and_norm_is_the_sum_then_the_norm(dtype: torch.dtype) -> None:
+    ours, ref, x = _rms_norms(dtype)
+    residual = torch.randn(7, 96).to(dtype)
+    total = residual + x  # rounded to dtype, as the layer's residual stream is
+    tol = 1e-6 if dtype == torch.float32 else 0.0
+    with torch.inference_mode():
+        out, new_residual = ours.add_and_norm(x, residual.clone())
+        torch.testing.assert_close(new_residual, total, rtol=0, atol=0)
+        torch.testing.assert_close(out, ref(total), rtol=tol, atol=tol)
 
 
 def test_rotary_matches_rotate_half() -> None:

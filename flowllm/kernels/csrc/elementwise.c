@@ -1,0 +1,186 @@
+/* Fused elementwise ops of a Llama layer: RMSNorm (with the residual add before it), rotary
+ * embeddings in place, SiLU(gate) * up. Each replaces 3-6 torch calls of 3-8 us apiece,
+ * which at batch 1 cost as much as the layer's attention.
+ *
+ * Rounding follows the torch ops they replace, so bf16 results differ from them only
+ * where float32 sums are added in another order: every intermediate torch rounds to the
+ * model dtype is rounded here too (round to nearest even). Math is float32. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "flowllm.h"
+
+/* ---- RMSNorm ------------------------------------------------------------------------ */
+
+/* h = x (+ residual, rounded to the dtype and written back to residual);
+ * out = w * (h * rsqrt(mean(h^2) + eps)), as F.rms_norm (fp32) or transformers' formula
+ * (bf16: the normalized row is rounded to bf16 before the weight multiplies it). */
+static void rms_norm_row_f32(const float *xi, float *ri, const float *w, float *oi, int64_t d,
+                             float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= d; j += 16) {
+    __m512 h = _mm512_loadu_ps(xi + j);
+    if (ri) {
+      h = _mm512_add_ps(h, _mm512_loadu_ps(ri + j));
+      _mm512_storeu_ps(ri + j, h);
+    }
+    acc = _mm512_fmadd_ps(h, h, acc);
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; j < d; j++) {
+    float h = xi[j];
+    if (ri) ri[j] = h = h + ri[j];
+    sum += h * h;
+  }
+  const float *h = ri ? ri : xi;
+  float inv = 1.0f / sqrtf(sum / (float)d + eps);
+  __m512 vinv = _mm512_set1_ps(inv);
+  for (j = 0; j + 16 <= d; j += 16)
+    _mm512_storeu_ps(oi + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(h + j), vinv),
+                                           _mm512_loadu_ps(w + j)));
+  for (; j < d; j++) oi[j] = h[j] * inv * w[j];
+}
+
+static void rms_norm_row_bf16(const uint16_t *xi, uint16_t *ri, const uint16_t *w,
+                              uint16_t *oi, int64_t d, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= d; j += 16) {
+    __m512 h = bf16x16_load(xi + j);
+    if (ri) {
+      h = bf16x16_round(_mm512_add_ps(h, bf16x16_load(ri + j)));
+      bf16x16_store(ri + j, h);
+    }
+    acc = _mm512_fmadd_ps(h, h, acc);
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; j < d; j++) {
+    float h = bf16_to_f32(xi[j]);
+    if (ri) {
+      ri[j] = f32_to_bf16(h + bf16_to_f32(ri[j]));
+      h = bf16_to_f32(ri[j]);
+    }
+    sum += h * h;
+  }
+  const uint16_t *h = ri ? ri : xi;
+  float inv = 1.0f / sqrtf(sum / (float)d + eps);
+  __m512 vinv = _mm512_set1_ps(inv);
+  for (j = 0; j + 16 <= d; j += 16) {
+    __m512 normed = bf16x16_round(_mm512_mul_ps(bf16x16_load(h + j), vinv));
+    bf16x16_store(oi + j, _mm512_mul_ps(normed, bf16x16_load(w + j)));
+  }
+  for (; j < d; j++) {
+    float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(h[j]) * inv));
+    oi[j] = f32_to_bf16(normed * bf16_to_f32(w[j]));
+  }
+}
+
+/* ---- Rotary embeddings ---------------------------------------------------------------- */
+
+/* In place on the first `rot` dims of each head of x (row i, head h at
+ * x + i * row_stride + h * head_dim): x <- x * cos + roll(x, rot / 2) * sin, with the
+ * [max_pos, 2, rot] table of (cos | cos) and (-sin | sin) rows indexed by position. bf16
+ * rounds as torch's `(x * cos).addcmul_(roll, sin)`: x * cos, then the sum. */
+#define ROPE_MAX_ROT 1024
+
+static void rope_row_f32(float *row, const float *cs, int64_t heads, int64_t head_dim,
+                         int64_t rot) {
+  const int64_t half = rot / 2;
+  const float *sn = cs + rot;
+  for (int64_t h = 0; h < heads; h++) {
+    float *v = row + h * head_dim;
+    float tmp[ROPE_MAX_ROT];
+    for (int64_t j = 0; j < rot; j++) tmp[j] = v[j];
+    for (int64_t j = 0; j < rot; j++)
+      v[j] = tmp[j] * cs[j] + tmp[j < half ? j + half : j - half] * sn[j];
+  }
+}
+
+static void rope_row_bf16(uint16_t *row, const uint16_t *cs, int64_t heads, int64_t head_dim,
+                          int64_t rot) {
+  const int64_t half = rot / 2;
+  const uint16_t *sn = cs + rot;
+  for (int64_t h = 0; h < heads; h++) {
+    uint16_t *v = row + h * head_dim;
+    float tmp[ROPE_MAX_ROT];
+    for (int64_t j = 0; j < rot; j++) tmp[j] = bf16_to_f32(v[j]);
+    for (int64_t j = 0; j < rot; j++) {
+      float xc = bf16_to_f32(f32_to_bf16(tmp[j] * bf16_to_f32(cs[j])));
+      float rolled = tmp[j < half ? j + half : j - half];
+      v[j] = f32_to_bf16(xc + rolled * bf16_to_f32(sn[j]));
+    }
+  }
+}
+
+/* ---- SiLU(gate) * up ---------------------------------------------------------------- */
+
+/* out[i] = silu(gate_up[i, :inter]) * gate_up[i, inter:]; bf16 rounds silu's result first,
+ * as `F.silu(gate) * up` does. */
+static void silu_mul_row_f32(const float *g, float *o, int64_t inter) {
+  const float *u = g + inter;
+  int64_t j = 0;
+  for (; j + 16 <= inter; j += 16)
+    _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)),
+                                          _mm512_loadu_ps(u + j)));
+  for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+
+static void silu_mul_row_bf16(const uint16_t *g, uint16_t *o, int64_t inter) {
+  const uint16_t *u = g + inter;
+  int64_t j = 0;
+  for (; j + 16 <= inter; j += 16) {
+    __m512 act = bf16x16_round(silu16(bf16x16_load(g + j)));
+    bf16x16_store(o + j, _mm512_mul_ps(act, bf16x16_load(u + j)));
+  }
+  for (; j < inter; j++) {
+    float gj = bf16_to_f32(g[j]);
+    float act = bf16_to_f32(f32_to_bf16(gj / (1.0f + expf(-gj))));
+    o[j] = f32_to_bf16(act * bf16_to_f32(u[j]));
+  }
+}
+
+/* ---- Entry points: `void k(const int64_t *a)`, arguments as module.c packs them --------- */
+
+#define PARALLEL_ROWS 16 /* fewer rows run on the calling thread */
+
+/* a: x, residual (0: none), weight, out, n, d, eps */
+#define RMS_NORM_ENTRY(suffix, T)                                                          \
+  void flowllm_rms_norm_##suffix(const int64_t *a) {                                       \
+    const T *x = (const T *)a[0], *w = (const T *)a[2];                                    \
+    T *residual = (T *)a[1], *out = (T *)a[3];                                             \
+    const int64_t n = a[4], d = a[5];                                                      \
+    const float eps = (float)arg_f64(a[6]);                                                \
+    FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
+             rms_norm_row_##suffix(x + i * d, residual ? residual + i * d : 0, w,          \
+                                   out + i * d, d, eps));                                  \
+  }
+RMS_NORM_ENTRY(f32, float)
+RMS_NORM_ENTRY(bf16, uint16_t)
+
+/* a: x, table, positions, n, heads, head_dim, row_stride, rot */
+#define ROPE_ENTRY(suffix, T)                                                              \
+  void flowllm_rope_##suffix(const int64_t *a) {                                           \
+    T *x = (T *)a[0];                                                                      \
+    const T *table = (const T *)a[1];                                                      \
+    const int64_t *positions = (const int64_t *)a[2];                                      \
+    const int64_t n = a[3], heads = a[4], head_dim = a[5], stride = a[6], rot = a[7];      \
+    FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
+             rope_row_##suffix(x + i * stride, table + positions[i] * 2 * rot, heads,      \
+                               head_dim, rot));                                            \
+  }
+ROPE_ENTRY(f32, float)
+ROPE_ENTRY(bf16, uint16_t)
+
+/* a: gate_up, out, n, inter */
+#define SILU_MUL_ENTRY(suffix, T)                                                          \
+  void flowllm_silu_mul_##suffix(const int64_t *a) {                                       \
+    const T *gate_up = (const T *)a[0];                                                    \
+    T *out = (T *)a[1];                                                                    \
+    const int64_t n = a[2], inter = a[3];                                                  \
+    FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
+             silu_mul_row_##suffix(gate_up + i * 2 * inter, out + i * inter, inter));      \
+  }
+SILU_MUL_ENTRY(f32, float)
+SILU_MUL_ENTRY(bf16, uint16_t)
