@@ -95,12 +95,16 @@ def rope_(
         )
     if rot > head_dim or rot % 2 or rot > 1024:
         raise KernelInputError(f"rotary width {rot} must be even and <= head_dim {head_dim}")
-    _check("table", table, x.dtype, tuple(table.shape))
+    _check("table", table, x.dtype, (table.shape[0], 2, rot))
     _check("positions", positions, torch.int64, (n,))
-    k.call(
-        k.rope[x.dtype], x.data_ptr(), table.data_ptr(), positions.data_ptr(),
+    outside = k.call(
+        k.rope[x.dtype], x.data_ptr(), table.data_ptr(), table.shape[0], positions.data_ptr(),
         n, heads, head_dim, x.stride(0), rot,
     )  # fmt: skip
+    if outside:
+        raise KernelInputError(
+            f"{outside} of {n} positions fall outside the rotary table's {table.shape[0]} rows"
+        )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

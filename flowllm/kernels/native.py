@@ -15,10 +15,12 @@ target attribute and called only where the CPU has it (`has_bf16`). Elsewhere �
 architecture, no compiler, `FLOWLLM_NATIVE_KERNELS=0` — `library()` returns None and the
 callers keep their torch paths; a failed build is logged once with the compiler's output.
 
-Calling convention: every kernel is `void name(const int64_t *args)`; Python runs it with
-`NativeLibrary.call(address, *args)` (csrc/module.c), which packs ints, tensor addresses
-and floats (as double bits) and releases the GIL for the call (~0.2 µs; ctypes took ~2 µs
-to convert 8 arguments). `NativeLibrary.address(name)` looks a kernel up once.
+Calling convention: every kernel is `int64_t name(const int64_t *args)`, returning 0 or
+what it found wrong in its inputs before writing anything (an index out of range); Python
+runs it with `NativeLibrary.call(address, *args) -> status` (csrc/module.c), which packs
+ints, tensor addresses and floats (as double bits) and releases the GIL for the call
+(~0.2 µs; ctypes took ~2 µs to convert 8 arguments). `NativeLibrary.address(name)` looks
+a kernel up once.
 
 Parallel loops use OpenMP. torch is imported first and has loaded its own `libgomp.so.1`,
 which the library's `libgomp.so.1` dependency resolves to, so the kernels share torch's
@@ -67,7 +69,7 @@ class NativeLibrary:
             raise OSError(f"cannot load {path} as a Python extension")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        self.call: Callable[..., None] = module.call
+        self.call: Callable[..., int] = module.call
         self._symbols = ctypes.CDLL(str(path))  # the same loaded file, for kernel addresses
         self.path = path
         self.has_bf16 = has_bf16

@@ -106,6 +106,7 @@ def test_silu_mul(dtype: torch.dtype, inter: int) -> None:
 
 def test_inputs_are_checked() -> None:
     x = torch.randn(2, 8)
+    x_before = x.clone()
     with pytest.raises(KernelInputError, match="weight"):
         fused.rms_norm(x, torch.ones(7), 1e-5)
     with pytest.raises(KernelInputError, match="not contiguous"):
@@ -117,6 +118,9 @@ def test_inputs_are_checked() -> None:
     table = torch.zeros(4, 2, 8)
     with pytest.raises(KernelInputError, match="positions"):
         fused.rope_(x, 1, 8, table, torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(KernelInputError, match="2 of 2 positions fall outside"):
+        fused.rope_(x, 1, 8, table, torch.tensor([4, -1]))
+    assert torch.equal(x, x_before)  # nothing written
     with pytest.raises(KernelInputError, match="unit column stride"):
         fused.rope_(x.t(), 1, 8, table, torch.zeros(8, dtype=torch.int64))
     assert not fused.serves(x.half())

@@ -141,13 +141,13 @@ static void silu_mul_row_bf16(const uint16_t *g, uint16_t *o, int64_t inter) {
   }
 }
 
-/* ---- Entry points: `void k(const int64_t *a)`, arguments as module.c packs them --------- */
+/* ---- Entry points: `int64_t k(const int64_t *a)`, arguments as module.c packs them ------ */
 
 #define PARALLEL_ROWS 16 /* fewer rows run on the calling thread */
 
 /* a: x, residual (0: none), weight, out, n, d, eps */
 #define RMS_NORM_ENTRY(suffix, T)                                                          \
-  void flowllm_rms_norm_##suffix(const int64_t *a) {                                       \
+  int64_t flowllm_rms_norm_##suffix(const int64_t *a) {                                       \
     const T *x = (const T *)a[0], *w = (const T *)a[2];                                    \
     T *residual = (T *)a[1], *out = (T *)a[3];                                             \
     const int64_t n = a[4], d = a[5];                                                      \
@@ -155,32 +155,39 @@ static void silu_mul_row_bf16(const uint16_t *g, uint16_t *o, int64_t inter) {
     FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
              rms_norm_row_##suffix(x + i * d, residual ? residual + i * d : 0, w,          \
                                    out + i * d, d, eps));                                  \
+    return 0;                                                                              \
   }
 RMS_NORM_ENTRY(f32, float)
 RMS_NORM_ENTRY(bf16, uint16_t)
 
-/* a: x, table, positions, n, heads, head_dim, row_stride, rot */
+/* a: x, table, table_rows, positions, n, heads, head_dim, row_stride, rot.
+ * Returns how many positions fall outside the table (then nothing is written). */
 #define ROPE_ENTRY(suffix, T)                                                              \
-  void flowllm_rope_##suffix(const int64_t *a) {                                           \
+  int64_t flowllm_rope_##suffix(const int64_t *a) {                                        \
     T *x = (T *)a[0];                                                                      \
     const T *table = (const T *)a[1];                                                      \
-    const int64_t *positions = (const int64_t *)a[2];                                      \
-    const int64_t n = a[3], heads = a[4], head_dim = a[5], stride = a[6], rot = a[7];      \
+    const int64_t rows = a[2], *positions = (const int64_t *)a[3];                         \
+    const int64_t n = a[4], heads = a[5], head_dim = a[6], stride = a[7], rot = a[8];      \
+    int64_t outside = 0;                                                                   \
+    for (int64_t i = 0; i < n; i++) outside += positions[i] < 0 || positions[i] >= rows;   \
+    if (outside) return outside;                                                           \
     FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
              rope_row_##suffix(x + i * stride, table + positions[i] * 2 * rot, heads,      \
                                head_dim, rot));                                            \
+    return 0;                                                                              \
   }
 ROPE_ENTRY(f32, float)
 ROPE_ENTRY(bf16, uint16_t)
 
 /* a: gate_up, out, n, inter */
 #define SILU_MUL_ENTRY(suffix, T)                                                          \
-  void flowllm_silu_mul_##suffix(const int64_t *a) {                                       \
+  int64_t flowllm_silu_mul_##suffix(const int64_t *a) {                                       \
     const T *gate_up = (const T *)a[0];                                                    \
     T *out = (T *)a[1];                                                                    \
     const int64_t n = a[2], inter = a[3];                                                  \
     FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
              silu_mul_row_##suffix(gate_up + i * 2 * inter, out + i * inter, inter));      \
+    return 0;                                                                              \
   }
 SILU_MUL_ENTRY(f32, float)
 SILU_MUL_ENTRY(bf16, uint16_t)
