@@ -42,6 +42,23 @@ ALWAYS_INLINE __m512 sum_chains(const __m512* acc) {
     return s;
 }
 
+/* Block b of every row of x, ROWS rows at a time: ROWS_FN(x rows, w, bias, y rows, b, n, k,
+   M) with M a constant, so each group size compiles to its own unrolled loop. */
+#define ROW_GROUPS(ROWS_FN, x, w, bias, y, b, m, n, k)                                  \
+    for (int r0 = 0; r0 < (m); r0 += ROWS) {                                            \
+        const size_t xo = (size_t)r0 * (k), yo = (size_t)r0 * (n);                       \
+        switch ((m) - r0 < ROWS ? (m) - r0 : ROWS) {                                    \
+            case 1: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 1); break;                \
+            case 2: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 2); break;                \
+            case 3: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 3); break;                \
+            case 4: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 4); break;                \
+            case 5: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 5); break;                \
+            case 6: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 6); break;                \
+            case 7: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 7); break;                \
+            default: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, ROWS); break;            \
+        }                                                                               \
+    }
+
 /* ---- fp32 ---- */
 
 /* out[r] = block wb [k][16] times x row r, for M rows (M a constant after inlining). */
@@ -93,22 +110,7 @@ void flowllm_linear_f32(const float* x, const float* w, const float* bias, float
                         int n, int k) {
     const int blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
-    for (int b = 0; b < blocks; b++) {
-        for (int r0 = 0; r0 < m; r0 += ROWS) {
-            const float* xr = x + (size_t)r0 * k;
-            float* yr = y + (size_t)r0 * n;
-            switch (m - r0 < ROWS ? m - r0 : ROWS) {
-                case 1: rows_f32(xr, w, bias, yr, b, n, k, 1); break;
-                case 2: rows_f32(xr, w, bias, yr, b, n, k, 2); break;
-                case 3: rows_f32(xr, w, bias, yr, b, n, k, 3); break;
-                case 4: rows_f32(xr, w, bias, yr, b, n, k, 4); break;
-                case 5: rows_f32(xr, w, bias, yr, b, n, k, 5); break;
-                case 6: rows_f32(xr, w, bias, yr, b, n, k, 6); break;
-                case 7: rows_f32(xr, w, bias, yr, b, n, k, 7); break;
-                default: rows_f32(xr, w, bias, yr, b, n, k, ROWS); break;
-            }
-        }
-    }
+    for (int b = 0; b < blocks; b++) ROW_GROUPS(rows_f32, x, w, bias, y, b, m, n, k);
 }
 
 /* ---- bf16 ---- */
@@ -191,20 +193,5 @@ BF16 void flowllm_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16
                               uint16_t* y, int m, int n, int k) {
     const int blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
-    for (int b = 0; b < blocks; b++) {
-        for (int r0 = 0; r0 < m; r0 += ROWS) {
-            const uint16_t* xr = x + (size_t)r0 * k;
-            uint16_t* yr = y + (size_t)r0 * n;
-            switch (m - r0 < ROWS ? m - r0 : ROWS) {
-                case 1: rows_bf16(xr, w, bias, yr, b, n, k, 1); break;
-                case 2: rows_bf16(xr, w, bias, yr, b, n, k, 2); break;
-                case 3: rows_bf16(xr, w, bias, yr, b, n, k, 3); break;
-                case 4: rows_bf16(xr, w, bias, yr, b, n, k, 4); break;
-                case 5: rows_bf16(xr, w, bias, yr, b, n, k, 5); break;
-                case 6: rows_bf16(xr, w, bias, yr, b, n, k, 6); break;
-                case 7: rows_bf16(xr, w, bias, yr, b, n, k, 7); break;
-                default: rows_bf16(xr, w, bias, yr, b, n, k, ROWS); break;
-            }
-        }
-    }
+    for (int b = 0; b < blocks; b++) ROW_GROUPS(rows_bf16, x, w, bias, y, b, m, n, k);
 }
