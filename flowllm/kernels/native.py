@@ -24,7 +24,9 @@ a kernel up once.
 
 Parallel loops use OpenMP. torch is imported first and has loaded its own `libgomp.so.1`,
 which the library's `libgomp.so.1` dependency resolves to, so the kernels share torch's
-thread pool and follow `torch.set_num_threads` (`omp_max_threads` checks it).
+thread pool. OpenMP keeps the pool size per thread and torch sets it in a thread only at
+that thread's first parallel op, so whoever runs kernels on a worker thread calls
+`follow_torch_threads()` there first (the model runner does, every step).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import structlog
-import torch  # noqa: F401  (loads torch's libgomp before the library; see module)
+import torch  # loaded before the library: its libgomp is the one the kernels use
 
 from flowllm.cache import flowllm_cache_dir
 
@@ -76,11 +78,16 @@ class NativeLibrary:
         self._omp_max_threads = ctypes.CFUNCTYPE(ctypes.c_int)(
             self.address("flowllm_omp_max_threads")
         )
+        self._set_threads = self.address("flowllm_omp_set_threads")
 
     def address(self, name: str) -> int:
         """A kernel's address, for `call`."""
         fn = getattr(self._symbols, name)
         return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+    def follow_torch_threads(self) -> None:
+        """Size the calling thread's OpenMP pool as torch's (`torch.get_num_threads()`)."""
+        self.call(self._set_threads, torch.get_num_threads())
 
     def omp_max_threads(self) -> int:
         """The OpenMP pool size the kernels see (torch's, when they share its runtime)."""

@@ -2,31 +2,41 @@
 embeddings, paged attention, and the bookkeeping that maps checkpoint names to them.
 
 Linear weights: a layer loads its weight as [out, in] (torch's convention). Once a model
-has loaded its checkpoint it calls `pack_linears`, which, on CPU builds with oneDNN (fp32,
-and bf16/fp16 where oneDNN supports them), reorders every weight into oneDNN's blocked
-layout with `torch.ops.mkldnn._reorder_linear_weight` (the op torch's CPU compiler packs
-weights with: fp32 AB16b64a, bf16 AB16b64a2b) and runs products with
-`torch.ops.mkldnn._linear_pointwise`. One packing serves every batch size. Measured on the
-development machine (AMD Zen, one thread, process CPU time, whole decode steps of GPT-2
-124M and SmolLM2-135M at context 128 with the variants alternated in one run), packed
-weights were the fastest path at every batch tried (1, 8, 32, 64 rows and a 512-token
-prefill), in both dtypes:
-  - fp32, GPT-2, batch 1: 21 ms against 26-27 ms for oneDNN reading an unpacked [in, out]
-    weight (this module's previous layout), 24 ms for MKL's GEMV on [in, out], 28 ms for
-    `F.linear`; batches 8-32: 10-25% faster than unpacked oneDNN, ~1.5x faster than MKL.
-  - bf16, GPT-2, batch 1: 14 ms against 24 ms for `F.linear`; batches 8-32: 10-35% faster.
-  - Packing fp32 for one row (`batch_size=1`) keeps the plain [out, in] layout, no faster
-    than unpacked, so the batch hint is left to oneDNN; MKL's packed GEMM
-    (`torch.ops.mkl._mkl_linear`) was slower than oneDNN packed at every batch.
-A oneDNN call costs ~12-17 us before it reads a byte, which is why SmolLM2's small
-matrices (4 products per layer, 30 layers) stream slower than GPT-2's.
+has loaded its checkpoint it calls `pack_linears`, which packs every weight into one of two
+layouts (`weight_layout`); one packing serves every row count:
+  - native: fp32, and bf16 where the CPU has AVX512-BF16, wherever the C kernels build
+    (`flowllm.kernels.native`). W is cut into 16-output blocks stored column by column and
+    products run `flowllm.kernels.cpu_linear`, which streams each block as one run.
+  - oneDNN: fp16 where oneDNN supports it, and fp32/bf16 where the native kernel cannot
+    run. `torch.ops.mkldnn._reorder_linear_weight` (the op torch's CPU compiler packs
+    weights with: fp32 AB16b64a, bf16 AB16b64a2b), products by
+    `torch.ops.mkldnn._linear_pointwise`. It beat unpacked oneDNN, MKL's GEMV and packed
+    GEMM, and `F.linear` at every batch (fp32 GPT-2 decode step, batch 1: 21 ms against
+    24-28 ms).
+Native against oneDNN packed, measured on the development machine (AMD Zen 4, one thread,
+process CPU time, every linear product of one step in turn so weights stream from memory:
+`benchmarks/linear_step.py --threads 1 --cpu-time`), GPT-2 124M and SmolLM2-135M shapes:
+  - 1-8 rows: native takes 15-50% less time in both dtypes (1 row, fp32: GPT-2 23.9 ms
+    against 36.6, SmolLM2 24.3 against 40.4; bf16: 11.2 against 16.9, 12.1 against 20.7),
+    reading weights at 19-23 GB/s where oneDNN reads 12-18.
+  - 16-64 rows: native 1-9% faster. A 512-row prefill: level (0.99-1.02x). Both run near
+    the core's FMA rate there.
+  - Two threads (wall time, `--threads 2`, on the shared machine): native 0.62-0.77x of
+    oneDNN's time at 1-4 rows, 0.81-0.96x at 16-64 rows, 0.92-1.00x at 512 (33-34 GB/s at
+    one row), except where other work disturbed the run.
+So native replaced oneDNN outright for the dtypes it serves: no crossover and one copy of
+each weight, as before. It pads out to a multiple of 16 and (bf16) in to even: +15 rows on
+GPT-2's 50257-row LM head, nothing on the other shapes. A oneDNN call costs ~15 µs before
+it reads a byte, a native call a few µs (checks, output allocation); SmolLM2 makes
+121 products a step.
 
-A packed weight is opaque: rows cannot be gathered from it, so a tied embedding keeps the
+A packed weight does not keep W's rows whole (oneDNN's is opaque; the native layout
+interleaves 16 rows), so rows cannot be gathered from it: a tied embedding keeps the
 plain [vocab, dim] table for itself (`Embedding.untie`) and the LM head packs its own
 copy (a tied fp32 GPT-2 holds its 154 MB table twice). Packing frees each plain weight:
 `Linear.weight` is None afterwards and `dense_weight()` rebuilds it; loading a checkpoint
 tensor into a packed layer unpacks it first, and `load_weights` packs again at its end.
-Elsewhere (CUDA, half precision oneDNN lacks, builds without oneDNN) weights stay
+Elsewhere (CUDA, half precision neither serves, CPUs and builds with neither) weights stay
 [out, in] and products run `F.linear`.
 """
 
@@ -34,18 +44,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flowllm import kernels
-from flowllm.kernels import fused
+from flowllm.kernels import cpu_linear, fused
 from flowllm.models.context import AttentionContext
 from flowllm.models.errors import UnsupportedModelError, WeightLoadError
 
 Loader = Callable[[torch.Tensor], None]
+WeightLayout = Literal["native", "onednn", "plain"]
 
 
 def config_get(config: Any, name: str, default: Any = None) -> Any:
@@ -57,8 +68,8 @@ def config_get(config: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether linear weights of `dtype` on `device` get oneDNN's packed layout."""
+def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN can pack linear weights of `dtype` on `device`."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
@@ -71,6 +82,16 @@ def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
     if dtype == torch.float16:
         return bool(ops._is_mkldnn_fp16_supported())
     return False
+
+
+def weight_layout(dtype: torch.dtype, device: torch.device) -> WeightLayout:
+    """Where linear weights of `dtype` on `device` go once loaded (see the module docstring):
+    the native kernel's layout, oneDNN's, or they stay plain [out, in]."""
+    if device.type == "cpu" and cpu_linear.serves(dtype):
+        return "native"
+    if onednn_packs(dtype, device):
+        return "onednn"
+    return "plain"
 
 
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -87,8 +108,9 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W loaded as [out, in] and packed for oneDNN after loading (see the
-    module docstring); fused layers load their checkpoint shards into row ranges of W."""
+    """y = x W^T + b with W loaded as [out, in] and packed after loading, for the native
+    kernel or oneDNN (see the module docstring); fused layers load their checkpoint shards
+    into row ranges of W."""
 
     packed_weight: torch.Tensor | None
 
@@ -104,22 +126,31 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.dtype = dtype
-        self.packs = packs_weights(dtype, device)
+        self.layout = weight_layout(dtype, device)
         # The plain weight [out, in] while loading; None once packed.
         self.weight: nn.Parameter | None = _frozen(
             torch.empty(out_features, in_features, dtype=dtype, device=device)
         )
         self.bias = _frozen(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-        # oneDNN's opaque blocked copy of W; not in the state dict (it is derived).
+        # Once packed, one of: W in the native kernel's layout, or oneDNN's opaque blocked
+        # copy (a buffer, not in the state dict: it is derived).
+        self.native_weight: cpu_linear.PackedLinear | None = None
         self.register_buffer("packed_weight", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out]
+        if self.native_weight is not None:
+            return self.native_weight(x.contiguous(), self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
             )
         return F.linear(x, self._plain(), self.bias)
+
+    @property
+    def packs(self) -> bool:
+        """Whether `pack` replaces the plain weight (and frees it)."""
+        return self.layout != "plain"
 
     def _plain(self) -> torch.Tensor:
         """The plain [out, in] weight; raises once packing has freed it (see `unpack`)."""
@@ -130,22 +161,29 @@ class Linear(nn.Module):
         return self.weight
 
     def pack(self) -> None:
-        """Reorder W into oneDNN's blocked layout and free the plain copy (where it packs)."""
-        if not self.packs or self.packed_weight is not None:
+        """Pack W for this layer's layout and free the plain copy (where it packs)."""
+        if not self.packs or self.weight is None:
             return
         with torch.no_grad():
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self._plain().detach())
+            w = self._plain().detach()
+            if self.layout == "native":
+                self.native_weight = cpu_linear.PackedLinear(w)
+            else:
+                self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w)
         self.weight = None
 
     def unpack(self) -> None:
         """Back to a plain [out, in] weight (to load into it)."""
-        if self.packed_weight is None:
+        if self.weight is not None:
             return
-        self.weight = _frozen(self.packed_weight.to_dense())
+        self.weight = _frozen(self.dense_weight())
+        self.native_weight = None
         self.packed_weight = None
 
     def dense_weight(self) -> torch.Tensor:
         """W as [out, in]: the plain weight, or a plain copy of the packed one."""
+        if self.native_weight is not None:
+            return self.native_weight.unpack()
         if self.packed_weight is not None:
             return self.packed_weight.to_dense()
         return self._plain()

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from flowllm.kernels import native
 from flowllm.kernels.workspace import Workspace
 from flowllm.messages import ScheduledSeq
 from flowllm.models.context import AttentionContext
@@ -180,6 +181,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.workspace = Workspace()  # the attention's scratch buffers, kept across steps
+        # the CPU kernels, whose thread pool must be sized in each thread that runs a step
+        self.native = native.library() if self.device.type == "cpu" else None
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
 
@@ -219,6 +222,8 @@ class ModelRunner:
             empty = torch.empty(0, self.model.vocab_size, dtype=torch.float32, device=self.device)
             return empty, {}
         inp, input_ids, positions, ctx = self.build_context(seqs, prompt_logits_for)
+        if self.native is not None:
+            self.native.follow_torch_threads()
         with torch.no_grad():
             out = self.model(input_ids, positions, self.kv_caches, ctx)  # [rows, vocab]
         at = inp.sample_at  # contiguous: the sampling rows come last

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,29 @@ def test_a_failed_build_falls_back_to_none(tmp_path: Path) -> None:
     out = _run(PRINT_PATH, tmp_path, CC="/bin/false")
     assert "native_kernels_unavailable" in out  # the reason is logged
     assert out.splitlines()[-1] == "None"
+
+
+@needs_native
+def test_a_worker_thread_follows_torchs_thread_count() -> None:
+    """OpenMP sizes its pool per thread; a new thread sees OpenMP's default until it calls
+    `follow_torch_threads` (as the model runner does every step)."""
+    lib = native.library()
+    assert lib is not None
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    def worker() -> None:
+        lib.follow_torch_threads()
+        seen.append(lib.omp_max_threads())
+
+    try:
+        torch.set_num_threads(1)
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        assert seen == [1]
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_native

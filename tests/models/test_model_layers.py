@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from flowllm.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, packs_weights
+from flowllm.kernels import cpu_linear
+from flowllm.models import layers
+from flowllm.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 CPU = torch.device("cpu")
 
@@ -84,20 +86,32 @@ def test_partial_rotary_passes_the_rest_through() -> None:
     torch.testing.assert_close(got[..., rot:], x[..., rot:], rtol=0, atol=0)
 
 
+AVAILABLE = {
+    "native": lambda dtype: cpu_linear.serves(dtype),
+    "onednn": lambda dtype: layers.onednn_packs(dtype, CPU),
+}
+
+
+@pytest.mark.parametrize("layout", ["native", "onednn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_packed_linear_matches_float64(dtype: torch.dtype, rows: int) -> None:
-    """A packed layer computes x W^T + b for any number of rows (one packing serves all);
-    unpacking gives W back exactly."""
-    if not packs_weights(dtype, CPU):
-        pytest.skip(f"oneDNN does not pack {dtype} here")
+def test_packed_linear_matches_float64(
+    layout: str, dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A packed layer computes x W^T + b for any number of rows (one packing serves all),
+    in either packed layout; unpacking gives W back exactly."""
+    if not AVAILABLE[layout](dtype):
+        pytest.skip(f"no {layout} packing for {dtype} here")
+    monkeypatch.setattr(layers, "weight_layout", lambda dtype, device: layout)
     torch.manual_seed(rows)
     w, b = torch.randn(72, 40).to(dtype), torch.randn(72).to(dtype)
     layer = Linear(40, 72, True, dtype, CPU)
     layer.load_weight("w", w)
     layer.load_bias("b", b)
     layer.pack()
-    assert layer.weight is None and layer.packed_weight is not None
+    assert layer.weight is None
+    assert (layer.native_weight is not None) is (layout == "native")
+    assert (layer.packed_weight is not None) is (layout == "onednn")
     x = torch.randn(rows, 40).to(dtype)
     with torch.inference_mode():
         got = layer(x)
@@ -107,5 +121,15 @@ def test_packed_linear_matches_float64(dtype: torch.dtype, rows: int) -> None:
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(layer.dense_weight(), w, rtol=0, atol=0)
     layer.unpack()
-    assert layer.packed_weight is None
+    assert layer.packed_weight is None and layer.native_weight is None
     torch.testing.assert_close(layer.weight, w, rtol=0, atol=0)
+
+
+def test_linear_layout_follows_the_machine() -> None:
+    """fp32, and bf16 where the CPU has AVX512-BF16, go to the native kernel wherever it
+    builds; fp16 keeps oneDNN (or plain weights)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        want = "native" if cpu_linear.serves(dtype) else None
+        want = want or ("onednn" if layers.onednn_packs(dtype, CPU) else "plain")
+        assert Linear(8, 8, False, dtype, CPU).layout == want
+    assert not cpu_linear.serves(torch.float16)

@@ -10,7 +10,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from flowllm.config import ConfigError
+from flowllm.kernels import cpu_linear
 from flowllm.models import dtype as dtype_mod
+from flowllm.models import layers
 from flowllm.models.errors import KVCacheError
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -108,22 +110,25 @@ def _linears(model: torch.nn.Module) -> list[tuple[str, Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
 
 
-@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("layout", ["native", "onednn", "plain"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_and_plain_weights_agree(
-    packed: bool, tied: bool, monkeypatch: pytest.MonkeyPatch
+    layout: str, tied: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both weight layouts load the same checkpoint into the same function; packing is a
+    """Every weight layout loads the same checkpoint into the same function; packing is a
     pure reorder, and a tied embedding still reads the checkpoint's rows exactly."""
-    if packed and not torch.backends.mkldnn.is_available():
+    if layout == "onednn" and not layers.onednn_packs(torch.float32, torch.device("cpu")):
         pytest.skip("torch built without oneDNN")
-    monkeypatch.setattr("flowllm.models.layers.packs_weights", lambda dtype, device: packed)
+    if layout == "native" and not cpu_linear.serves(torch.float32):
+        pytest.skip("no native kernels here")
+    monkeypatch.setattr(layers, "weight_layout", lambda dtype, device: layout)
+    packed = layout != "plain"
     ref = tiny_llama(tied=tied)
     sd = ref.state_dict()
     model = LlamaModel(ref.config, torch.float32, "cpu")
     model.load_weights(sd.items())
     for name, lin in _linears(model):
-        assert (lin.packed_weight is not None) is packed and (lin.weight is None) is packed
+        assert lin.layout == layout and (lin.weight is None) is packed
         prefix, _, proj = name.rpartition(".")
         shards = {
             "lm_head": ["lm_head"],

@@ -1,0 +1,120 @@
+"""y = x W^T + b on CPU with the native kernel of `csrc/linear.c`.
+
+The kernel reads W in 16-output blocks stored column by column (see `csrc/linear.c`), so
+a product streams one run of memory: from one thread, at one row, 19-23 GB/s over a decode
+step's products and 24-26 GB/s over GPT-2's LM head, where oneDNN's packed products read
+12-18 (`benchmarks/linear_step.py`; `flowllm.models.layers` has the comparison).
+`PackedLinear` packs W [out, in] into that layout once, checks each call's arguments
+(shape, dtype, contiguity, device) and runs the kernel through the library's `call`
+(~0.2 µs): a few µs per product with the checks and the output's allocation (~1 µs),
+against ~15 µs for oneDNN's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from flowllm.kernels import native
+
+BLOCK = 16  # outputs per block (csrc/linear.c BLOCK)
+
+_KERNELS = {torch.float32: "flowllm_linear_f32", torch.bfloat16: "flowllm_linear_bf16"}
+
+
+class NativeLinearError(ValueError):
+    """The arguments do not fit the kernel (shape, dtype, layout), or it cannot run here."""
+
+
+def serves(dtype: torch.dtype) -> bool:
+    """Whether the native kernel runs products in `dtype` on this machine."""
+    lib = native.library()
+    if lib is None or dtype not in _KERNELS:
+        return False
+    return dtype != torch.bfloat16 or lib.has_bf16
+
+
+@functools.cache
+def _kernel(dtype: torch.dtype) -> tuple[Callable[..., int], int]:
+    """The library's `call` and the kernel's address for `dtype`."""
+    lib = native.library()
+    if lib is None or not serves(dtype):
+        raise NativeLinearError(f"the native linear kernel cannot run {dtype} on this machine")
+    return lib.call, lib.address(_KERNELS[dtype])
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """W [n, k] in the kernel's layout, zero-padded: fp32 [n'/16, k, 16], bf16
+    [n'/16, k'/2, 16, 2], with n' = n rounded up to 16 and k' = k rounded up to even."""
+    n, k = w.shape
+    blocks = -(-n // BLOCK)
+    if w.dtype == torch.bfloat16:
+        padded = w.new_zeros(blocks * BLOCK, k + k % 2)  # [n', k']
+        padded[:n, :k] = w
+        # [n'/16, 16, k'/2, 2] -> [n'/16, k'/2, 16, 2]
+        return padded.view(blocks, BLOCK, -1, 2).permute(0, 2, 1, 3).contiguous()
+    padded = w.new_zeros(blocks * BLOCK, k)  # [n', k]
+    padded[:n] = w
+    # [n'/16, 16, k] -> [n'/16, k, 16]
+    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """W [n, k] back from `pack`'s layout."""
+    if packed.dtype == torch.bfloat16:
+        w = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * BLOCK, -1)
+    else:
+        w = packed.transpose(1, 2).reshape(packed.shape[0] * BLOCK, -1)
+    return w[:n, :k].contiguous()
+
+
+class PackedLinear:
+    """A weight W [out, in] (fp32, or bf16 where the CPU has AVX512-BF16) packed for the
+    kernel; calling it computes x W^T + b."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        if w.dim() != 2 or not w.is_cpu:
+            raise NativeLinearError(f"the weight must be a 2-D CPU tensor, got {_describe(w)}")
+        self.out_features, self.in_features = w.shape
+        self.dtype = w.dtype
+        self._call, self._kernel = _kernel(w.dtype)
+        self.packed = pack(w.detach())
+
+    def unpack(self) -> torch.Tensor:
+        """W [out, in] as a new tensor."""
+        return unpack(self.packed, self.out_features, self.in_features)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, in] (contiguous, W's dtype) and bias [out] -> [m, out] in W's dtype; sums in
+        fp32, bf16 outputs rounded to nearest even after the bias."""
+        # x: [m, in] -> [m, out]
+        n, k = self.out_features, self.in_features
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != k:
+            raise NativeLinearError(f"x must be [m, {k}] {self.dtype}, got {_describe(x)}")
+        if not (x.is_contiguous() and x.is_cpu):
+            raise NativeLinearError(f"x must be contiguous on the CPU, got {_describe(x)}")
+        bias_ptr = 0
+        if bias is not None:
+            if (
+                bias.dtype != self.dtype
+                or bias.shape != (n,)
+                or not bias.is_contiguous()
+                or not bias.is_cpu
+            ):
+                raise NativeLinearError(
+                    f"bias must be contiguous [{n}] {self.dtype}, got {_describe(bias)}"
+                )
+            bias_ptr = bias.data_ptr()
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=self.dtype)
+        if m:
+            self._call(
+                self._kernel, x.data_ptr(), self.packed.data_ptr(), bias_ptr, y.data_ptr(), m, n, k
+            )
+        return y
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"

@@ -1,0 +1,100 @@
+"""The native linear kernel (`flowllm.kernels.cpu_linear`) against a float64 product, on
+shapes that exercise its edges: a partial last block of outputs, odd inner sizes, every row
+count up to a full row group and past it; and the wrapper's argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowllm.kernels import cpu_linear
+from flowllm.kernels.cpu_linear import NativeLinearError, PackedLinear
+
+DTYPES = [
+    pytest.param(dt, marks=pytest.mark.skipif(not cpu_linear.serves(dt), reason=f"no {dt} here"))
+    for dt in (torch.float32, torch.bfloat16)
+]
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b in float64, rounded to x's dtype as the kernel rounds its output."""
+    y = x.double() @ w.double().T
+    if b is not None:
+        y += b.double()
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("n", "k"), [(37, 19), (16, 64), (100, 258), (5, 1)])
+def test_matches_float64(dtype: torch.dtype, bias: bool, n: int, k: int) -> None:
+    torch.manual_seed(n * k)
+    w = torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    layer = PackedLinear(w)
+    torch.testing.assert_close(layer.unpack(), w, rtol=0, atol=0)
+    for m in [*range(1, 10), 17]:
+        x = torch.randn(m, k).to(dtype)
+        got = layer(x, b)
+        assert got.dtype == dtype and got.shape == (m, n)
+        want = _product(x, w, b)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        else:
+            # fp32 sums rounded once to bf16: within one bf16 rounding (2^-8 relative) of
+            # the exact product, plus the fp32 sums' own error
+            tol = want.abs() * 2**-8 + 1e-4 * k
+            assert ((got.double() - want).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bf16_odd_k_ignores_the_next_row(dtype: torch.dtype) -> None:
+    """With an odd k the last pair of a row is padded: the next row's first value (here
+    inf) never enters the product."""
+    w = torch.randn(20, 7).to(dtype)
+    x = torch.randn(2, 7).to(dtype)
+    x[1, 0] = float("inf")
+    got = PackedLinear(w)(x)
+    assert torch.isfinite(got[0]).all()
+    torch.testing.assert_close(got[0].double(), _product(x[:1], w, None)[0], rtol=0.02, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_rows(dtype: torch.dtype) -> None:
+    layer = PackedLinear(torch.randn(20, 8).to(dtype))
+    assert layer(torch.empty(0, 8, dtype=dtype)).shape == (0, 20)
+
+
+needs_fp32 = pytest.mark.skipif(not cpu_linear.serves(torch.float32), reason="no native kernels")
+
+
+@needs_fp32
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(2, 8, dtype=torch.float64),  # wrong dtype
+        torch.randn(2, 9),  # wrong k
+        torch.randn(2, 1, 8),  # not 2-D
+        torch.randn(8, 2).T,  # not contiguous
+    ],
+)
+def test_rejects_an_input_that_does_not_fit(x: torch.Tensor) -> None:
+    with pytest.raises(NativeLinearError, match="x must be"):
+        PackedLinear(torch.randn(20, 8))(x)
+
+
+@needs_fp32
+@pytest.mark.parametrize(
+    "bias", [torch.randn(19), torch.randn(20, dtype=torch.float64), torch.randn(40)[::2]]
+)
+def test_rejects_a_bias_that_does_not_fit(bias: torch.Tensor) -> None:
+    with pytest.raises(NativeLinearError, match="bias must be"):
+        PackedLinear(torch.randn(20, 8))(torch.randn(2, 8), bias)
+
+
+@needs_fp32
+def test_rejects_weights_it_cannot_pack() -> None:
+    with pytest.raises(NativeLinearError, match="2-D CPU"):
+        PackedLinear(torch.randn(20))
+    with pytest.raises(NativeLinearError, match=r"cannot run torch\.float16"):
+        PackedLinear(torch.randn(20, 8, dtype=torch.float16))
