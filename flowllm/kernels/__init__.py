@@ -7,9 +7,9 @@
   16: decode rows (one query per sequence) run the C kernel straight from the cache
   (`flowllm.kernels.cpu_attention`) and K/V are stored by it too; rows with several queries
   (prefill chunks, cached prefixes) run the torch reference's causal products. Per layer,
-  one thread, the kernel took 3-7x less time than the reference (which gathers each
-  sequence's blocks first and, in bf16, scores every kv head), and its store 2x less at
-  batch 1 than two `index_copy_` calls (see benchmarks/README.md, "Decode attention").
+  one thread, the kernel took 2-8x less time than the reference (which gathers each
+  sequence's blocks first and, in bf16, scores every kv head), and its store ~2x less at
+  batch 1 than two `index_copy_` calls (benchmarks/README.md, "Where the time goes").
 - Otherwise: the torch reference (`flowllm.kernels.reference`), also the oracle of both.
 
 Two functions:
