@@ -143,13 +143,13 @@ INLINE void score(const float *qf, int64_t group, int64_t D, Cursor keys, int64_
         for (int j = 0; j < m; j++) k[j] = stream_next(&rows);
         for (int j = m; j < LANES; j++) k[j] = k[0]; /* any valid row: the lane is dropped */
         for (int64_t h = 0; h < group; h++) {
+            /* 16 independent sums (one per token) over the head's chunks of 16 */
             __m512 part[LANES];
-            for (int j = 0; j < LANES; j++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t c = 0; c < D; c += LANES)
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + c),
-                                          load16(k[j], c, bf16), acc);
-                part[j] = acc;
+            for (int j = 0; j < LANES; j++) part[j] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < D; c += LANES) {
+                const __m512 qc = _mm512_loadu_ps(qf + h * D + c);
+                for (int j = 0; j < LANES; j++)
+                    part[j] = _mm512_fmadd_ps(qc, load16(k[j], c, bf16), part[j]);
             }
             _mm512_mask_storeu_ps(scores + h * stride + t0, (__mmask16)((1u << m) - 1),
                                   sum16(part));
