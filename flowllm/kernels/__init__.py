@@ -3,10 +3,11 @@
 - CUDA: the Triton kernels (`flowllm.kernels.triton_attention`, imported on first use so
   CPU-only installs never load Triton).
 - CPU with the native library (`flowllm.kernels.native`: x86-64 with AVX-512, a C
-  compiler, `FLOWLLM_NATIVE_KERNELS` not 0), float32 or bfloat16, head_dim a multiple of
-  16: decode rows (one query per sequence) run the C kernel straight from the cache
-  (`flowllm.kernels.cpu_attention`) and K/V are stored by it too; rows with several queries
-  (prefill chunks, cached prefixes) run the torch reference's causal products. Per layer,
+  compiler, `FLOWLLM_NATIVE_KERNELS` not 0), float32 or bfloat16, head_dim a multiple
+  of 16 or 32 respectively: decode rows (one query per sequence) run the C kernel
+  straight from the cache (`flowllm.kernels.cpu_attention`) and K/V are stored by it too;
+  rows with several queries (prefill chunks, cached prefixes) run the torch reference's
+  causal products (the kernel would score one query at a time). Per layer,
   one thread, the kernel took 2-8x less time than the reference (which gathers each
   sequence's blocks first and, in bf16, scores every kv head), and its store ~2x less at
   batch 1 than two `index_copy_` calls (benchmarks/README.md, "Where the time goes").

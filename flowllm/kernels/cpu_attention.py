@@ -4,8 +4,8 @@ C side relies on.
 Why: the torch reference gathers each decode sequence's blocks into a workspace before
 attending, and in half precision scores every query head against every kv head (its
 block-diagonal product); the kernel reads each K/V row once, where it lies, for the query
-heads that share it. float32 and bfloat16 (widened by a shift: any AVX-512 CPU); the
-math is float32, bf16 outputs rounded to nearest even.
+heads that share it. float32 and bfloat16 (widened by a shift or a mask: any AVX-512
+CPU); the math is float32, bf16 outputs rounded to nearest even.
 
 Index contents (sequence and row indices, lengths, block ids, slots) are checked in C
 before anything is read; shapes, dtypes and strides here. Both raise `KernelInputError`.
@@ -24,7 +24,8 @@ from flowllm.kernels.reference import KernelInputError
 __all__ = ["decode_attention", "serves", "store_kv"]
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # -> the kernel's `bf16` flag
-_LANES = 16  # head_dim must be a multiple of one AVX-512 register of float32
+# head_dim in whole 512-bit registers of the cache's dtype (16 float32, 32 bfloat16)
+HEAD_DIM_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
 _BAD_SEQ_LEN, _BAD_BLOCK, _BAD_INDEX, _NO_MEMORY = 1, 2, 3, 4
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -48,13 +49,14 @@ def _functions() -> ctypes.CDLL | None:
 
 
 def serves(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the native kernels run this attention: a CPU with the library, one dtype
-    they handle for the query and the cache, and a head_dim in whole AVX-512 registers."""
+    """Whether the native kernels run this attention and K/V store: a CPU with the
+    library, one dtype they handle for the query and the cache, and a head_dim in whole
+    AVX-512 registers of it."""
     return (
         query.device.type == "cpu"
         and query.dtype in DTYPES
         and k_cache.dtype == query.dtype
-        and k_cache.shape[-1] % _LANES == 0
+        and k_cache.shape[-1] % HEAD_DIM_MULTIPLE[query.dtype] == 0
         and _functions() is not None
     )
 
@@ -117,8 +119,9 @@ def decode_attention(
             f"query, caches and out must share one dtype of {list(DTYPES)}, got "
             f"{query.dtype}, {k_cache.dtype}, {out.dtype}"
         )
-    if head_dim % _LANES != 0:
-        raise KernelInputError(f"head_dim {head_dim} is not a multiple of {_LANES}")
+    multiple = HEAD_DIM_MULTIPLE[query.dtype]
+    if head_dim % multiple != 0:
+        raise KernelInputError(f"head_dim {head_dim} is not a multiple of {multiple}")
     num_tokens, num_heads = query.shape[0], query.shape[1]
     if num_heads % kv_heads != 0 or out.shape != query.shape:
         raise KernelInputError(

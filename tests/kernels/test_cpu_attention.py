@@ -39,16 +39,22 @@ def close(got: torch.Tensor, case: tuple[torch.Tensor, ...]) -> None:
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(9, 3, 64), (12, 12, 64), (8, 2, 64), (12, 2, 80), (2, 1, 16)],
+    [(9, 3, 64), (12, 12, 64), (8, 2, 64), (12, 2, 96), (2, 1, 32), (4, 2, 80), (2, 1, 16)],
 )
 def test_decode_matches_oracle_and_reference(dtype, block_size, heads, kv_heads, head_dim):
-    """Odd lengths (1, a block's end, past it, several blocks), block ids permuted."""
+    """Odd lengths (1, a block's end, past it, several blocks), block ids permuted; head
+    sizes in 1-6 registers, and bf16 ones not in whole registers left to the reference."""
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 5, 77]
     case = as_dtype(
         make_case([1] * 5, seq_lens, heads, kv_heads, head_dim, block_size, seed=block_size),
         dtype,
     )
     query, k_cache, v_cache, tables, _, lens = case
+    if head_dim % cpu_attention.HEAD_DIM_MULTIPLE[dtype]:
+        assert not cpu_attention.serves(query, k_cache)
+        got = kernels.paged_attention(*case, SCALE, 1, max(seq_lens))
+        assert torch.equal(got, reference.paged_attention(*case, SCALE, 1, max(seq_lens)))
+        return
     out = torch.empty_like(query)
     cpu_attention.decode_attention(query, k_cache, v_cache, tables, lens, SCALE, out)
     close(out, case)
@@ -151,9 +157,11 @@ def test_wrapper_rejects_bad_inputs():
     for changes, message in cases:
         with pytest.raises(KernelInputError, match=message):
             attend(**changes)
-    q8, k8, v8, t8, _, lens8 = make_case([1], [5], 2, 2, 8, 4)
-    with pytest.raises(KernelInputError, match="multiple of 16"):
-        cpu_attention.decode_attention(q8, k8, v8, t8, lens8, SCALE, torch.empty_like(q8))
+    for head_dim, dtype, multiple in ((8, torch.float32, 16), (16, torch.bfloat16, 32)):
+        small = as_dtype(make_case([1], [5], 2, 2, head_dim, 4), dtype)
+        q, k, v, t, _, n = small
+        with pytest.raises(KernelInputError, match=f"multiple of {multiple}"):
+            cpu_attention.decode_attention(q, k, v, t, n, SCALE, torch.empty_like(q))
     key = torch.randn(2, 2, 16)
     with pytest.raises(KernelInputError, match="outside the cache"):
         cpu_attention.store_kv(key, key, k_cache, v_cache, torch.tensor([0, k_cache.shape[0] * 4]))

@@ -3,8 +3,9 @@
 Layouts (elements, row-major): query and out [num_tokens, H, D] with any token stride;
 k_cache, v_cache [num_blocks, block_size, kv_heads, D]; block_tables [num_seqs,
 table_stride] int32; seq_lens [num_seqs] int32. Caches, query and out share one dtype,
-float32 or bfloat16; the math is float32 (bf16 widened by a shift, AVX-512F only, so the
-library serves bf16 on any AVX-512 CPU; the output is rounded to nearest even).
+float32 or bfloat16; the math is float32 (bf16 widened by a shift or a mask, AVX-512F/BW
+only, so the library serves bf16 on any AVX-512 CPU; the output is rounded to nearest
+even). D must be a multiple of 16 (float32) or 32 (bfloat16).
 
 One work item is one (decode sequence, kv head): its `group` query heads are scored
 against the sequence's keys 16 tokens at a time (16 dot products, then one transposing
@@ -21,28 +22,35 @@ a second walk over the blocks sums the values weighted by the probabilities.
 enum { LANES = 16, HEADS_PER_PASS = 4, VECS_PER_PASS = 4, PREFETCH_ROWS = 32 };
 enum { OK = 0, BAD_SEQ_LEN = 1, BAD_BLOCK = 2, BAD_INDEX = 3, NO_MEMORY = 4 };
 
-/* 16 elements at `base[i]` as float32 (bf16: its bits are the high half of a float). */
-INLINE __m512 load16(const void *base, int64_t i, const int bf16) {
-    if (bf16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)base + i);
+/* The 16 float32 lanes of a row's elements [p + 16 half, p + 16 half + 16), p a multiple
+   of 32. bf16 rows go in 32-element pairs, one 512-bit load widened by a shift (half 0:
+   the even elements) or a mask (half 1: the odd ones): lane k is element p + 16 half + k
+   for float32 but p + 2k + half for bf16. Queries, keys, values and outputs all use this
+   order, so dot products and sums see each element once and store16 undoes it. */
+INLINE __m512 load16(const void *base, int64_t p, const int half, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)base + p + 16 * half);
+    const __m512i pair = _mm512_loadu_si512((const uint16_t *)base + p);
+    return _mm512_castsi512_ps(half ? _mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF0000))
+                                    : _mm512_slli_epi32(pair, 16));
 }
 
-/* Store 16 float32 at `base[i]`, bf16 rounded to nearest even (NaN stays a quiet NaN). */
-INLINE void store16(void *base, int64_t i, __m512 x, const int bf16) {
+/* Store lanes in load16's order, bf16 rounded to nearest even (NaN stays a quiet NaN)
+   into every other 16-bit slot of the pair. */
+INLINE void store16(void *base, int64_t p, const int half, __m512 x, const int bf16) {
     if (!bf16) {
-        _mm512_storeu_ps((float *)base + i, x);
+        _mm512_storeu_ps((float *)base + p + 16 * half, x);
         return;
     }
     __m512i bits = _mm512_castps_si512(x);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    __m512i half = _mm512_srli_epi32(rounded, 16);
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    half = _mm512_mask_mov_epi32(half, nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(half));
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+    uint16_t *pair = (uint16_t *)base + p;
+    if (half) /* the odd elements: the high halves */
+        _mm512_mask_storeu_epi16(pair, 0xAAAAAAAA, rounded);
+    else
+        _mm512_mask_storeu_epi16(pair, 0x55555555, _mm512_srli_epi32(rounded, 16));
 }
 
 /* exp(x) for x <= 0: 2^n * p(r), n = round(x / ln 2), |r| <= ln 2 / 2, p of degree 6
@@ -146,10 +154,19 @@ INLINE void score(const float *qf, int64_t group, int64_t D, Cursor keys, int64_
             /* 16 independent sums (one per token) over the head's chunks of 16 */
             __m512 part[LANES];
             for (int j = 0; j < LANES; j++) part[j] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < D; c += LANES) {
-                const __m512 qc = _mm512_loadu_ps(qf + h * D + c);
+            int64_t c = 0;
+            for (; c + 2 * LANES <= D; c += 2 * LANES) {
+                const __m512 q0 = _mm512_loadu_ps(qf + h * D + c);
+                const __m512 q1 = _mm512_loadu_ps(qf + h * D + c + LANES);
+                for (int j = 0; j < LANES; j++) {
+                    part[j] = _mm512_fmadd_ps(q0, load16(k[j], c, 0, bf16), part[j]);
+                    part[j] = _mm512_fmadd_ps(q1, load16(k[j], c, 1, bf16), part[j]);
+                }
+            }
+            if (c < D) { /* float32 rows of 16 (mod 32) elements */
+                const __m512 q0 = _mm512_loadu_ps(qf + h * D + c);
                 for (int j = 0; j < LANES; j++)
-                    part[j] = _mm512_fmadd_ps(qc, load16(k[j], c, bf16), part[j]);
+                    part[j] = _mm512_fmadd_ps(q0, load16(k[j], c, 0, bf16), part[j]);
             }
             _mm512_mask_storeu_ps(scores + h * stride + t0, (__mmask16)((1u << m) - 1),
                                   sum16(part));
@@ -190,14 +207,14 @@ INLINE void weigh_values(const float *p, int64_t stride, const float *inv, Curso
     for (int64_t t = 0; t < n; t++) {
         const char *row = stream_next(&rows);
         for (int c = 0; c < CN; c++) {
-            const __m512 v = load16(row, c * LANES, bf16);
+            const __m512 v = load16(row, c / 2 * 2 * LANES, c % 2, bf16);
             for (int h = 0; h < HN; h++)
                 acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * stride + t]), v, acc[h][c]);
         }
     }
     for (int h = 0; h < HN; h++)
         for (int c = 0; c < CN; c++)
-            store16(out, h * D + c0 + c * LANES,
+            store16(out, h * D + c0 + c / 2 * 2 * LANES, c % 2,
                     _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])), bf16);
 }
 
@@ -226,8 +243,10 @@ INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t
     float *qf = scratch;         /* [group, D] */
     float *inv = qf + group * D; /* [group] */
     float *scores = inv + group; /* [group, stride] */
-    for (int64_t i = 0; i < group * D; i += LANES)
-        _mm512_storeu_ps(qf + i, _mm512_mul_ps(load16(q, i, bf16), _mm512_set1_ps(scale)));
+    for (int64_t i = 0; i < group * D; i += LANES) {
+        const __m512 x = i & LANES ? load16(q, i - LANES, 1, bf16) : load16(q, i, 0, bf16);
+        _mm512_storeu_ps(qf + i, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
+    }
     score(qf, group, D, keys, n, scores, stride, bf16);
     for (int64_t h = 0; h < group; h++)
         inv[h] = 1.0f / softmax_numerators(scores + h * stride, n);
@@ -246,7 +265,7 @@ INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t
 
    seqs[i] is the i-th sequence attended (of num_seqs) and rows[i] its query's row in
    query/out (of num_tokens); NULL: i and seqs[i]. Strides count elements. D must be a
-   multiple of 16 and the heads of a token contiguous. Every index is checked before
+   multiple of 16 (32 for bf16) and the heads of a token contiguous. Every index is checked before
    anything is read: returns OK, or BAD_INDEX / BAD_SEQ_LEN / BAD_BLOCK with *bad set to
    the offending entry i, or NO_MEMORY. */
 int flowllm_decode_attention(int bf16, const void *query, int64_t q_stride, const void *k_cache,
