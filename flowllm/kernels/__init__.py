@@ -8,7 +8,7 @@
   straight from the cache (`flowllm.kernels.cpu_attention`) and K/V are stored by it too;
   rows with several queries (prefill chunks, cached prefixes) run the torch reference's
   causal products (the kernel would score one query at a time). Per layer,
-  one thread, the kernel took 2-8x less time than the reference (which gathers each
+  one thread, the kernel took 3-10x less time than the reference (which gathers each
   sequence's blocks first and, in bf16, scores every kv head), and its store ~2x less at
   batch 1 than two `index_copy_` calls (benchmarks/README.md, "Where the time goes").
 - Otherwise: the torch reference (`flowllm.kernels.reference`), also the oracle of both.

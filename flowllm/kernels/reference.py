@@ -3,7 +3,7 @@ kernels are tested against, and the CPU path wherever the native library does no
 
 On CPU with the native library (float32 or bfloat16, head_dim in whole 512-bit
 registers: a multiple of 16 or 32), decode rows go to `flowllm.kernels.cpu_attention`,
-2-8x faster per layer than `_decode` here (it reads each K/V row once, in place, where
+3-10x faster per layer than `_decode` here (it reads each K/V row once, in place, where
 `_decode` gathers first and, in half precision, scores every kv head); the multi-query
 rows still run `attend_prefills` here.
 Without the library (`FLOWLLM_NATIVE_KERNELS=0`, no AVX-512, float16, other head sizes)
