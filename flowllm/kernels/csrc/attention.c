@@ -10,7 +10,8 @@ even). D must be a multiple of 16 (float32) or 32 (bfloat16).
 One work item is one (decode sequence, kv head): its `group` query heads are scored
 against the sequence's keys 16 tokens at a time (16 dot products, then one transposing
 reduction), the scores go to a per-thread scratch, a softmax runs over them in place, and
-a second walk over the blocks sums the values weighted by the probabilities.
+a second walk over the blocks sums the values weighted by the probabilities. (An online
+softmax in one walk measured 5-40% slower: benchmarks/README.md.)
 */
 #include <immintrin.h>
 #include <stdint.h>
