@@ -1,14 +1,25 @@
 """Attention kernels over the paged KV cache, dispatched by device.
 
-CUDA tensors go to the Triton kernels (`flowllm.kernels.triton_attention`, imported on
-first use so CPU-only installs never load Triton); everything else runs the torch
-reference (`flowllm.kernels.reference`). Both implement the same two functions:
+- CUDA: the Triton kernels (`flowllm.kernels.triton_attention`, imported on first use so
+  CPU-only installs never load Triton).
+- CPU with the native library (`flowllm.kernels.native`: x86-64 with AVX-512, a C
+  compiler, `FLOWLLM_NATIVE_KERNELS` not 0), float32 or bfloat16, head_dim a multiple
+  of 16 or 32 respectively: decode rows (one query per sequence) run the C kernel
+  straight from the cache (`flowllm.kernels.cpu_attention`) and K/V are stored by it too;
+  rows with several queries (prefill chunks, cached prefixes) run the torch reference's
+  causal products (the kernel would score one query at a time). Per layer,
+  one thread, the kernel took 3-10x less time than the reference (which gathers each
+  sequence's blocks first and, in bf16, scores every kv head), and its store ~2x less at
+  batch 1 than two `index_copy_` calls (benchmarks/README.md, "Where the time goes").
+- Otherwise: the torch reference (`flowllm.kernels.reference`), also the oracle of both.
+
+Two functions:
 
 - `store_kv(key, value, k_cache, v_cache, slot_mapping)`
 - `paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-  scale, max_query_len, max_seq_len) -> Tensor`
+  scale, max_query_len, max_seq_len, workspace) -> Tensor`
 
-The reference also takes the caller's `Workspace` for its scratch buffers.
+`workspace` holds the reference's scratch buffers; the other paths ignore it.
 """
 
 from __future__ import annotations
@@ -18,14 +29,15 @@ from types import ModuleType
 
 import torch
 
-from flowllm.kernels import reference
+from flowllm.kernels import cpu_attention, reference
 from flowllm.kernels.workspace import Workspace
 
 __all__ = ["implementation_for", "paged_attention", "store_kv"]
 
 
 def implementation_for(device: torch.device) -> ModuleType:
-    """The kernel module serving tensors on `device`."""
+    """The kernel module serving tensors on `device`: Triton on CUDA, else the reference
+    (whose work the native kernels take where they serve it)."""
     if device.type == "cuda":
         return importlib.import_module("flowllm.kernels.triton_attention")
     return reference
@@ -39,7 +51,10 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write K/V rows into their paged-cache slots (see `reference.store_kv`)."""
-    implementation_for(key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
+    impl = implementation_for(key.device)
+    if impl is reference and cpu_attention.serves(key, k_cache):
+        impl = cpu_attention
+    impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -55,18 +70,43 @@ def paged_attention(
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Causal paged attention with a cached-prefix offset (see `reference.paged_attention`)."""
+    args = (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     impl = implementation_for(query.device)
-    # only the reference keeps scratch buffers; the Triton kernels allocate on the device
-    extra = {"workspace": workspace} if impl is reference else {}
-    return impl.paged_attention(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        scale,
-        max_query_len,
-        max_seq_len,
-        **extra,
+    if impl is not reference:
+        return impl.paged_attention(*args, max_query_len, max_seq_len)
+    if cpu_attention.serves(query, k_cache):
+        return _native_cpu(*args, max_query_len)
+    return reference.paged_attention(*args, max_query_len, max_seq_len, workspace)
+
+
+def _native_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Decode rows by the C kernel, the other rows by the reference's causal products."""
+    # query: [num_tokens, H, D] -> [num_tokens, H, D], contiguous
+    reference.check_attention_inputs(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     )
+    out = torch.empty(query.shape, dtype=query.dtype)
+    num_seqs = seq_lens.shape[0]
+    if max_query_len == 1 and query.shape[0] == num_seqs:  # every sequence one query: row i
+        cpu_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        return out
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decode = [i for i in range(num_seqs) if qsl[i + 1] - qsl[i] == 1]
+    if decode:
+        seqs = torch.tensor(decode, dtype=torch.int64)
+        rows = torch.tensor([qsl[i] for i in decode], dtype=torch.int64)
+        cpu_attention.decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, out, seqs, rows
+        )
+    reference.attend_prefills(query, k_cache, v_cache, block_tables, qsl, lens, scale, out)
+    return out
