@@ -13,7 +13,6 @@ before anything is read; shapes, dtypes and strides here. Both raise `KernelInpu
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -28,24 +27,21 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # -> the kernel's `bf16` flag
 HEAD_DIM_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
 _BAD_SEQ_LEN, _BAD_BLOCK, _BAD_INDEX, _NO_MEMORY = 1, 2, 3, 4
 
-_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+class _Kernels:
+    """The library's `call` and the two kernels' addresses."""
+
+    def __init__(self, lib: native.NativeLibrary) -> None:
+        self.call = lib.call
+        self.decode_attention = lib.address("flowllm_decode_attention")
+        self.store_kv = lib.address("flowllm_store_kv")
 
 
 @functools.cache
-def _functions() -> ctypes.CDLL | None:
-    """The library with the attention functions' signatures set; None without it."""
+def _functions() -> _Kernels | None:
+    """The kernels; None without the library."""
     lib = native.library()
-    if lib is None:
-        return None
-    c = lib.lib
-    c.flowllm_decode_attention.restype = _i32
-    c.flowllm_decode_attention.argtypes = [
-        _i32, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _i64, _p, _p,
-        _i64, _i64, ctypes.c_float, _p, _i64, _p,
-    ]  # fmt: skip
-    c.flowllm_store_kv.restype = _i32
-    c.flowllm_store_kv.argtypes = [_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64, _i64, _p]
-    return c
+    return None if lib is None else _Kernels(lib)
 
 
 def serves(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -138,23 +134,23 @@ def decode_attention(
     if (seqs is None) != (rows is None):
         raise KernelInputError("seqs and rows go together")
     if seqs is None or rows is None:
-        n, seqs_ptr, rows_ptr = num_seqs, None, None
+        n, seqs_ptr, rows_ptr = num_seqs, 0, 0
     else:
         _check_index("seqs", seqs, torch.int64, 1)
         _check_index("rows", rows, torch.int64, 1)
         if rows.shape != seqs.shape:
             raise KernelInputError(f"seqs {tuple(seqs.shape)} and rows {tuple(rows.shape)}")
         n, seqs_ptr, rows_ptr = seqs.shape[0], seqs.data_ptr(), rows.data_ptr()
-    bad = ctypes.c_int64(0)
-    status = fns.flowllm_decode_attention(
-        DTYPES[query.dtype], query.data_ptr(), query.stride(0),
+    status = fns.call(
+        fns.decode_attention, DTYPES[query.dtype], query.data_ptr(), query.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size, kv_heads,
         num_heads // kv_heads, head_dim, block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), num_seqs, seqs_ptr, rows_ptr, n, num_tokens, scale,
-        out.data_ptr(), out.stride(0), ctypes.byref(bad),
+        out.data_ptr(), out.stride(0),
     )  # fmt: skip
     if status:
-        _raise(status, bad.value, seqs, rows, seq_lens, block_size, block_tables.shape[1])
+        code, entry = status % 256, status // 256
+        _raise(code, entry, seqs, rows, seq_lens, block_size, block_tables.shape[1])
 
 
 def _raise(
@@ -214,13 +210,13 @@ def store_kv(
         raise KernelInputError(
             f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
         )
-    bad = ctypes.c_int64(0)
-    status = fns.flowllm_store_kv(
-        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+    status = fns.call(
+        fns.store_kv, key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
         slot_mapping.data_ptr(), key.shape[0], key.shape[1] * key.shape[2],
-        k_cache.element_size(), ctypes.byref(bad),
+        k_cache.element_size(),
     )  # fmt: skip
     if status:
-        slot = int(slot_mapping[bad.value])
-        raise KernelInputError(f"token {bad.value}'s slot {slot} is outside the cache")
+        token = status // 256
+        slot = int(slot_mapping[token])
+        raise KernelInputError(f"token {token}'s slot {slot} is outside the cache")

@@ -4,6 +4,8 @@ and sharing torch's OpenMP thread pool."""
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -29,6 +31,19 @@ def _run(code: str, cache: Path, **env: str) -> str:
         capture_output=True, text=True, env=full_env, check=True,
     )  # fmt: skip
     return result.stdout.strip()
+
+
+def test_builds_wherever_it_can_run() -> None:
+    """On an x86-64 CPU with the features and a C compiler, the library must build: a broken
+    build would otherwise only skip every native test."""
+    if not (
+        platform.machine().lower() in {"x86_64", "amd64"}
+        and native.cpu_flags() >= native.REQUIRED_CPU_FLAGS
+        and (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+        and native.enabled()
+    ):
+        pytest.skip("this machine cannot run the native kernels")
+    assert native.library() is not None
 
 
 PRINT_PATH = """

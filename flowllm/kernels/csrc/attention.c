@@ -18,6 +18,8 @@ softmax in one walk measured 5-40% slower: benchmarks/README.md.)
 #include <stdlib.h>
 #include <string.h>
 
+#include "flowllm.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 enum { LANES = 16, HEADS_PER_PASS = 4, VECS_PER_PASS = 4, PREFETCH_ROWS = 32 };
@@ -52,23 +54,6 @@ INLINE void store16(void *base, int64_t p, const int half, __m512 x, const int b
         _mm512_mask_storeu_epi16(pair, 0xAAAAAAAA, rounded);
     else
         _mm512_mask_storeu_epi16(pair, 0x55555555, _mm512_srli_epi32(rounded, 16));
-}
-
-/* exp(x) for x <= 0: 2^n * p(r), n = round(x / ln 2), |r| <= ln 2 / 2, p of degree 6
-   (relative error ~1e-7); underflows to 0. */
-INLINE __m512 exp16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Lane t of the result is the sum of v[t]'s lanes. */
@@ -269,7 +254,7 @@ INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t
    multiple of 16 (32 for bf16) and the heads of a token contiguous. Every index is checked before
    anything is read: returns OK, or BAD_INDEX / BAD_SEQ_LEN / BAD_BLOCK with *bad set to
    the offending entry i, or NO_MEMORY. */
-int flowllm_decode_attention(int bf16, const void *query, int64_t q_stride, const void *k_cache,
+static int decode_attention(int bf16, const void *query, int64_t q_stride, const void *k_cache,
                              const void *v_cache, int64_t num_blocks, int64_t block_size,
                              int64_t kv_heads, int64_t group, int64_t D,
                              const int32_t *block_tables, int64_t table_stride,
@@ -323,7 +308,7 @@ int flowllm_decode_attention(int bf16, const void *query, int64_t q_stride, cons
 /* cache rows slots[i] <- key/value rows i (kv_heads * D contiguous elements of `esz` bytes
    each, token strides in elements). Returns OK, or BAD_BLOCK with *bad set to the first
    token whose slot is outside the cache (nothing written then). */
-int flowllm_store_kv(const void *key, int64_t key_stride, const void *value,
+static int store_kv(const void *key, int64_t key_stride, const void *value,
                      int64_t value_stride, void *k_cache, void *v_cache, int64_t num_slots,
                      const int64_t *slots, int64_t n, int64_t row, int64_t esz, int64_t *bad) {
     for (int64_t i = 0; i < n; i++) {
@@ -339,4 +324,29 @@ int flowllm_store_kv(const void *key, int64_t key_stride, const void *value,
                bytes);
     }
     return OK;
+}
+
+/* ---- Entry points (module.c's convention). A failed check returns its code + 256 times
+   the offending entry's index. ---- */
+
+/* a: bf16, query, q_stride, k_cache, v_cache, num_blocks, block_size, kv_heads, group, D,
+      block_tables, table_stride, seq_lens, num_seqs, seqs (0: none), rows (0: none), n,
+      num_tokens, scale, out, out_stride */
+int64_t flowllm_decode_attention(const int64_t *a) {
+    int64_t bad = 0;
+    const int status = decode_attention(
+        (int)a[0], (const void *)a[1], a[2], (const void *)a[3], (const void *)a[4], a[5], a[6],
+        a[7], a[8], a[9], (const int32_t *)a[10], a[11], (const int32_t *)a[12], a[13],
+        (const int64_t *)a[14], (const int64_t *)a[15], a[16], a[17], (float)arg_f64(a[18]),
+        (void *)a[19], a[20], &bad);
+    return status == OK ? 0 : status + 256 * bad;
+}
+
+/* a: key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, n, row, esz */
+int64_t flowllm_store_kv(const int64_t *a) {
+    int64_t bad = 0;
+    const int status = store_kv((const void *)a[0], a[1], (const void *)a[2], a[3], (void *)a[4],
+                                (void *)a[5], a[6], (const int64_t *)a[7], a[8], a[9], a[10],
+                                &bad);
+    return status == OK ? 0 : status + 256 * bad;
 }
