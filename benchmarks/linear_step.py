@@ -17,8 +17,8 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+from model_step import best_times  # benchmarks/ is on sys.path when run as a script
 
-from benchmarks.model_step import best_times
 from flowllm.kernels import cpu_linear
 
 # (out, in) of each layer's products, layers, whether they have biases, the LM head's
@@ -43,11 +43,11 @@ def step_products(name: str, dtype: torch.dtype) -> tuple[list[Product], list[Pr
         w = (torch.randn(out, inp) * 0.02).to(dtype)
         b = torch.randn(out).to(dtype) if has_bias else None
         dnn = torch.ops.mkldnn._reorder_linear_weight(w)
-        packed = cpu_linear.PackedLinear(w)
+        packed = cpu_linear.PackedLinear(w, b)
         onednn.append(
             lambda x, w=dnn, b=b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         )
-        ours.append(partial(packed, bias=b))
+        ours.append(packed)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return onednn, ours, sum(o * i for o, i, _ in shapes) * itemsize
 

@@ -72,46 +72,46 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 class PackedLinear:
     """A weight W [out, in] (fp32, or bf16 where the CPU has AVX512-BF16) packed for the
-    kernel; calling it computes x W^T + b."""
+    kernel, with its bias b [out] (kept by reference: loading into it in place is seen);
+    calling it computes x W^T + b."""
 
-    def __init__(self, w: torch.Tensor) -> None:
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if w.dim() != 2 or not w.is_cpu:
             raise NativeLinearError(f"the weight must be a 2-D CPU tensor, got {_describe(w)}")
-        self.out_features, self.in_features = w.shape
+        self.out_features, self.in_features = n, _ = w.shape
         self.dtype = w.dtype
         self._call, self._kernel = _kernel(w.dtype)
+        if bias is not None and (
+            bias.dtype != w.dtype
+            or bias.shape != (n,)
+            or not bias.is_contiguous()
+            or not bias.is_cpu
+        ):
+            raise NativeLinearError(
+                f"bias must be contiguous [{n}] {w.dtype}, got {_describe(bias)}"
+            )
+        self.bias = bias
         self.packed = pack(w.detach())
 
     def unpack(self) -> torch.Tensor:
         """W [out, in] as a new tensor."""
         return unpack(self.packed, self.out_features, self.in_features)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [m, in] (contiguous, W's dtype) and bias [out] -> [m, out] in W's dtype; sums in
-        fp32, bf16 outputs rounded to nearest even after the bias."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, in] (contiguous, W's dtype) -> [m, out] in W's dtype; sums in fp32, bf16
+        outputs rounded to nearest even after the bias."""
         # x: [m, in] -> [m, out]
         n, k = self.out_features, self.in_features
-        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != k:
+        if x.dtype is not self.dtype or x.dim() != 2 or x.shape[1] != k:
             raise NativeLinearError(f"x must be [m, {k}] {self.dtype}, got {_describe(x)}")
         if not (x.is_contiguous() and x.is_cpu):
             raise NativeLinearError(f"x must be contiguous on the CPU, got {_describe(x)}")
-        bias_ptr = 0
-        if bias is not None:
-            if (
-                bias.dtype != self.dtype
-                or bias.shape != (n,)
-                or not bias.is_contiguous()
-                or not bias.is_cpu
-            ):
-                raise NativeLinearError(
-                    f"bias must be contiguous [{n}] {self.dtype}, got {_describe(bias)}"
-                )
-            bias_ptr = bias.data_ptr()
         m = x.shape[0]
         y = torch.empty(m, n, dtype=self.dtype)
         if m:
+            bias = 0 if self.bias is None else self.bias.data_ptr()
             self._call(
-                self._kernel, x.data_ptr(), self.packed.data_ptr(), bias_ptr, y.data_ptr(), m, n, k
+                self._kernel, x.data_ptr(), self.packed.data_ptr(), bias, y.data_ptr(), m, n, k
             )
         return y
 

@@ -140,7 +140,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out]
         if self.native_weight is not None:
-            return self.native_weight(x.contiguous(), self.bias)
+            return self.native_weight(x.contiguous())
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
@@ -167,7 +167,7 @@ class Linear(nn.Module):
         with torch.no_grad():
             w = self._plain().detach()
             if self.layout == "native":
-                self.native_weight = cpu_linear.PackedLinear(w)
+                self.native_weight = cpu_linear.PackedLinear(w, self.bias)
             else:
                 self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w)
         self.weight = None

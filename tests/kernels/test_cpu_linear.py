@@ -31,11 +31,11 @@ def test_matches_float64(dtype: torch.dtype, bias: bool, n: int, k: int) -> None
     torch.manual_seed(n * k)
     w = torch.randn(n, k).to(dtype)
     b = torch.randn(n).to(dtype) if bias else None
-    layer = PackedLinear(w)
+    layer = PackedLinear(w, b)
     torch.testing.assert_close(layer.unpack(), w, rtol=0, atol=0)
     for m in [*range(1, 10), 17]:
         x = torch.randn(m, k).to(dtype)
-        got = layer(x, b)
+        got = layer(x)
         assert got.dtype == dtype and got.shape == (m, n)
         want = _product(x, w, b)
         if dtype == torch.float32:
@@ -89,7 +89,7 @@ def test_rejects_an_input_that_does_not_fit(x: torch.Tensor) -> None:
 )
 def test_rejects_a_bias_that_does_not_fit(bias: torch.Tensor) -> None:
     with pytest.raises(NativeLinearError, match="bias must be"):
-        PackedLinear(torch.randn(20, 8))(torch.randn(2, 8), bias)
+        PackedLinear(torch.randn(20, 8), bias)
 
 
 @needs_fp32
