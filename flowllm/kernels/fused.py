@@ -1,11 +1,13 @@
-"""Fused elementwise ops of a Llama layer in C (`csrc/elementwise.c`): RMSNorm after the
-residual add, rotary embeddings in place, SiLU(gate) * up.
+"""Fused elementwise ops in C (`csrc/elementwise.c`): a Llama layer's RMSNorm after the
+residual add, rotary embeddings in place and SiLU(gate) * up; GPT-2's tanh GELU.
 
 At batch 1 a SmolLM2 layer ran ~25 small torch calls (3-8 µs each, ~2-4 ms per step over
 30 layers) around its four products; these kernels replace most of them with one C call
 each. They serve float32 and bfloat16 CPU tensors, contiguous (the rotary kernel takes a
 row stride); `serves` tells the layers when to call them, and the layers keep their torch
-formulas for everything else (other dtypes and devices, no native library).
+formulas for everything else (other dtypes and devices, no native library). GPT-2's tanh
+GELU over a [256, 3072] bf16 batch took torch 0.75 ms per layer (two threads), ~8% of a
+batch-256 decode step.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class _Kernels:
         self.rms_norm = by_dtype("rms_norm")
         self.rope = by_dtype("rope")
         self.silu_mul = by_dtype("silu_mul")
+        self.gelu_tanh = by_dtype("gelu_tanh")
 
 
 @functools.cache
@@ -117,4 +120,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise KernelInputError(f"gate_up's width {width} is not even")
     out = gate_up.new_empty(n, width // 2)
     k.call(k.silu_mul[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), n, width // 2)
+    return out
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (GPT-2's `gelu_new`), elementwise."""
+    k = _kernels()
+    _check("x", x, x.dtype, tuple(x.shape))
+    out = torch.empty_like(x)
+    k.call(k.gelu_tanh[x.dtype], x.data_ptr(), out.data_ptr(), x.numel())
     return out

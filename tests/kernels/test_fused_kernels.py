@@ -15,6 +15,7 @@ from flowllm.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    gelu_tanh,
     rope_inv_freq,
 )
 
@@ -124,3 +125,18 @@ def test_inputs_are_checked() -> None:
     with pytest.raises(KernelInputError, match="unit column stride"):
         fused.rope_(x.t(), 1, 8, table, torch.zeros(8, dtype=torch.int64))
     assert not fused.serves(x.half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(256, 3072), (3, 37), (1, 5000)])
+def test_gelu_tanh(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    torch.manual_seed(shape[1])
+    x = (4 * torch.randn(shape)).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -3.0])  # tanh's saturated ends
+    got = fused.gelu_tanh(x)
+    h = x.double()
+    want = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the result
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=1e-5)
+    torch.testing.assert_close(got, F.gelu(x, approximate="tanh"), rtol=tol, atol=1e-5)
+    torch.testing.assert_close(gelu_tanh(x), got, rtol=0, atol=0)  # the layers' entry

@@ -141,6 +141,44 @@ static void silu_mul_row_bf16(const uint16_t *g, uint16_t *o, int64_t inter) {
   }
 }
 
+/* ---- GELU, tanh approximation ----------------------------------------------------------- */
+
+/* 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), with tanh(u) = 1 - 2 / (exp(2u) + 1)
+ * (exp16 saturates to 0 and inf, so tanh reaches -1 and 1); float32 math, bf16 rounded
+ * once, as torch's `F.gelu(x, approximate="tanh")` does. */
+static inline __m512 gelu_tanh16(__m512 x) {
+  const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608f),
+                                 _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+  const __m512 e = exp16(_mm512_add_ps(u, u));
+  const __m512 tanh_u = _mm512_sub_ps(
+      _mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x),
+                       _mm512_add_ps(_mm512_set1_ps(1.0f), tanh_u));
+}
+
+#define GELU_CHUNK 4096 /* elements per parallel work item */
+
+static void gelu_tanh_chunk_f32(const float *x, float *y, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(y + j, gelu_tanh16(_mm512_loadu_ps(x + j)));
+  if (j < n) {
+    const __mmask16 m = (__mmask16)((1u << (n - j)) - 1);
+    _mm512_mask_storeu_ps(y + j, m, gelu_tanh16(_mm512_maskz_loadu_ps(m, x + j)));
+  }
+}
+
+static void gelu_tanh_chunk_bf16(const uint16_t *x, uint16_t *y, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) bf16x16_store(y + j, gelu_tanh16(bf16x16_load(x + j)));
+  for (; j < n; j++) {
+    uint16_t in[16] = {0}, out[16];
+    in[0] = x[j];
+    bf16x16_store(out, gelu_tanh16(bf16x16_load(in)));
+    y[j] = out[0];
+  }
+}
+
 /* ---- Entry points: `int64_t k(const int64_t *a)`, arguments as module.c packs them ------ */
 
 #define PARALLEL_ROWS 16 /* fewer rows run on the calling thread */
@@ -191,3 +229,18 @@ ROPE_ENTRY(bf16, uint16_t)
   }
 SILU_MUL_ENTRY(f32, float)
 SILU_MUL_ENTRY(bf16, uint16_t)
+
+/* a: x, y, numel */
+#define GELU_ENTRY(suffix, T)                                                              \
+  int64_t flowllm_gelu_tanh_##suffix(const int64_t *a) {                                   \
+    const T *x = (const T *)a[0];                                                          \
+    T *y = (T *)a[1];                                                                      \
+    const int64_t numel = a[2], chunks = (numel + GELU_CHUNK - 1) / GELU_CHUNK;            \
+    FOR_ROWS(c, chunks, 4,                                                                 \
+             gelu_tanh_chunk_##suffix(                                                     \
+                 x + c * GELU_CHUNK, y + c * GELU_CHUNK,                                   \
+                 numel - c * GELU_CHUNK < GELU_CHUNK ? numel - c * GELU_CHUNK : GELU_CHUNK)); \
+    return 0;                                                                              \
+  }
+GELU_ENTRY(f32, float)
+GELU_ENTRY(bf16, uint16_t)
