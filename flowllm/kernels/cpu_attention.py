@@ -49,7 +49,7 @@ def serves(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     library, one dtype they handle for the query and the cache, and a head_dim in whole
     AVX-512 registers of it."""
     return (
-        query.device.type == "cpu"
+        query.is_cpu
         and query.dtype in DTYPES
         and k_cache.dtype == query.dtype
         and k_cache.shape[-1] % HEAD_DIM_MULTIPLE[query.dtype] == 0

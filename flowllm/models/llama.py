@@ -79,7 +79,7 @@ class LlamaBlock(nn.Module):
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
         # q and k heads rotated together: [n, H + kvh, Dh]
         qk = rope.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         attn = self.o_proj(paged_attention(q, k, v, kv_cache, ctx, self.scale))
         x, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
