@@ -75,7 +75,12 @@ class PackedLinear:
     kernel, with its bias b [out] (kept by reference: loading into it in place is seen);
     calling it computes x W^T + b."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        w: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
         if w.dim() != 2 or not w.is_cpu:
             raise NativeLinearError(f"the weight must be a 2-D CPU tensor, got {_describe(w)}")
         self.out_features, self.in_features = n, _ = w.shape
@@ -90,6 +95,13 @@ class PackedLinear:
             raise NativeLinearError(
                 f"bias must be contiguous [{n}] {w.dtype}, got {_describe(bias)}"
             )
+        # bf16 products may hand their fp32 sums out unrounded (an LM head's logits)
+        self.out_dtype = w.dtype if out_dtype is None else out_dtype
+        if self.out_dtype not in (w.dtype, torch.float32):
+            raise NativeLinearError(
+                f"{w.dtype} products give {w.dtype} or float32, not {out_dtype}"
+            )
+        self._f32_out = int(self.out_dtype != w.dtype)
         self.bias = bias
         self.packed = pack(w.detach())
 
@@ -98,7 +110,7 @@ class PackedLinear:
         return unpack(self.packed, self.out_features, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, in] (contiguous, W's dtype) -> [m, out] in W's dtype; sums in fp32, bf16
+        """x [m, in] (contiguous, W's dtype) -> [m, out] in `out_dtype`; sums in fp32, bf16
         outputs rounded to nearest even after the bias."""
         # x: [m, in] -> [m, out]
         n, k = self.out_features, self.in_features
@@ -107,12 +119,11 @@ class PackedLinear:
         if not (x.is_contiguous() and x.is_cpu):
             raise NativeLinearError(f"x must be contiguous on the CPU, got {_describe(x)}")
         m = x.shape[0]
-        y = torch.empty(m, n, dtype=self.dtype)
+        y = torch.empty(m, n, dtype=self.out_dtype)
         if m:
             bias = 0 if self.bias is None else self.bias.data_ptr()
-            self._call(
-                self._kernel, x.data_ptr(), self.packed.data_ptr(), bias, y.data_ptr(), m, n, k
-            )
+            w = self.packed.data_ptr()
+            self._call(self._kernel, x.data_ptr(), w, bias, y.data_ptr(), m, n, k, self._f32_out)
         return y
 
 

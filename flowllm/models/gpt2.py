@@ -83,7 +83,8 @@ class GPT2Model(nn.Module):
         self.hidden_size = d
         eps = float(config_get(hf_config, "layer_norm_epsilon", 1e-5))
         self.tie_word_embeddings = bool(config_get(hf_config, "tie_word_embeddings", True))
-        self.lm_head = Linear(d, self.vocab_size, False, dtype, device)
+        # float32 logits straight from the product (see Linear.out_dtype)
+        self.lm_head = Linear(d, self.vocab_size, False, dtype, device, out_dtype=torch.float32)
         self.wte = Embedding(
             self.vocab_size,
             d,

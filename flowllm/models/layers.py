@@ -121,11 +121,15 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.dtype = dtype
+        # The output's dtype: the weight's, or float32 for an LM head, whose logits the
+        # native kernel hands out unrounded (bf16 logits merge near-ties: ulp 0.125 at 25).
+        self.out_dtype = dtype if out_dtype is None else out_dtype
         self.layout = weight_layout(dtype, device)
         # The plain weight [out, in] while loading; None once packed.
         self.weight: nn.Parameter | None = _frozen(
@@ -142,10 +146,10 @@ class Linear(nn.Module):
         if self.native_weight is not None:
             return self.native_weight(x.contiguous())
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight, self.bias, "none", [], ""
-            )
-        return F.linear(x, self._plain(), self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self._plain(), self.bias)
+        return y.to(self.out_dtype)
 
     @property
     def packs(self) -> bool:
@@ -167,7 +171,7 @@ class Linear(nn.Module):
         with torch.no_grad():
             w = self._plain().detach()
             if self.layout == "native":
-                self.native_weight = cpu_linear.PackedLinear(w, self.bias)
+                self.native_weight = cpu_linear.PackedLinear(w, self.bias, self.out_dtype)
             else:
                 self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w)
         self.weight = None

@@ -108,7 +108,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             rope_inv_freq(hf_config, self.head_dim), self.max_position_embeddings, dtype, device
         )
-        self.lm_head = Linear(d, self.vocab_size, False, dtype, device)
+        # float32 logits straight from the product (see Linear.out_dtype)
+        self.lm_head = Linear(d, self.vocab_size, False, dtype, device, out_dtype=torch.float32)
         self.embed_tokens = Embedding(
             self.vocab_size,
             d,

@@ -9,6 +9,7 @@ import torch
 
 from flowllm.kernels import cpu_linear
 from flowllm.kernels.cpu_linear import NativeLinearError, PackedLinear
+from flowllm.models.layers import Linear, pack_linears
 
 DTYPES = [
     pytest.param(dt, marks=pytest.mark.skipif(not cpu_linear.serves(dt), reason=f"no {dt} here"))
@@ -98,3 +99,32 @@ def test_rejects_weights_it_cannot_pack() -> None:
         PackedLinear(torch.randn(20))
     with pytest.raises(NativeLinearError, match=r"cannot run torch\.float16"):
         PackedLinear(torch.randn(20, 8, dtype=torch.float16))
+
+
+needs_bf16 = pytest.mark.skipif(not cpu_linear.serves(torch.bfloat16), reason="no bf16 kernel")
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_products_can_hand_out_float32_sums(bias: bool) -> None:
+    """An LM head's logits: the fp32 sums unrounded, which round to the bf16 outputs."""
+    torch.manual_seed(3)
+    w = torch.randn(100, 64).to(torch.bfloat16)
+    b = torch.randn(100).to(torch.bfloat16) if bias else None
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    got = PackedLinear(w, b, out_dtype=torch.float32)(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _product(x, w, b), rtol=1e-5, atol=1e-4)
+    rounded = PackedLinear(w, b)(x)
+    torch.testing.assert_close(got.to(torch.bfloat16), rounded, rtol=0, atol=0)
+    with pytest.raises(NativeLinearError, match=r"float32, not torch\.float16"):
+        PackedLinear(w, out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_layers_hand_out_their_out_dtype(dtype: torch.dtype) -> None:
+    """Whichever path runs, a layer built with out_dtype=float32 returns float32."""
+    layer = Linear(8, 20, True, dtype, torch.device("cpu"), out_dtype=torch.float32)
+    layer.load_weight("w", torch.randn(20, 8).to(dtype))
+    pack_linears(layer)
+    assert layer(torch.randn(3, 8).to(dtype)).dtype == torch.float32

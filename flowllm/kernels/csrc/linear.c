@@ -174,29 +174,61 @@ BF16 ALWAYS_INLINE __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-BF16 ALWAYS_INLINE void rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
-                                  uint16_t* y, int b, int n, int k, int M) {
-    __m512 out[ROWS];
+/* Rows [0, M) of x against block b with the bias added, as fp32 sums in out[]. */
+BF16 ALWAYS_INLINE __mmask16 sums_bf16(const uint16_t* x, const uint16_t* w,
+                                       const uint16_t* bias, int b, int n, int k, int M,
+                                       __m512* out) {
     const size_t line = 2 * BLOCK;
     block_bf16(x, w + (size_t)b * line * ((k + 1) / 2), k, M, out);
     const __mmask16 mask = block_mask(b, n);
     const __m512 bv = bias ? load_bf16(bias + b * BLOCK, mask) : _mm512_setzero_ps();
 #pragma GCC unroll 8
+    for (int r = 0; r < M; r++) out[r] = _mm512_add_ps(out[r], bv);
+    return mask;
+}
+
+/* ... stored into y as bf16 (rounded to nearest even) ... */
+BF16 ALWAYS_INLINE void rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                                  uint16_t* y, int b, int n, int k, int M) {
+    __m512 out[ROWS];
+    const __mmask16 mask = sums_bf16(x, w, bias, b, n, k, M, out);
+#pragma GCC unroll 8
     for (int r = 0; r < M; r++) {
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(out[r], bv));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(out[r]);
         _mm256_mask_storeu_epi16(y + (size_t)r * n + b * BLOCK, mask, h);
     }
 }
 
-/* x [m, k], w packed from [n, k], bias [n] or NULL -> y [m, n], all bf16. */
-BF16 static void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
-                             uint16_t* y, int m, int n, int k) {
-    const int blocks = (n + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int b = 0; b < blocks; b++) ROW_GROUPS(rows_bf16, x, w, bias, y, b, m, n, k);
+/* ... or as the fp32 sums themselves (an LM head's logits: rounding them to bf16 would
+   merge near-ties, ulp 0.125 at 25). */
+BF16 ALWAYS_INLINE void rows_bf16_f32(const uint16_t* x, const uint16_t* w,
+                                      const uint16_t* bias, float* y, int b, int n, int k,
+                                      int M) {
+    __m512 out[ROWS];
+    const __mmask16 mask = sums_bf16(x, w, bias, b, n, k, M, out);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++) _mm512_mask_storeu_ps(y + (size_t)r * n + b * BLOCK, mask, out[r]);
 }
 
-/* ---- Entry points (module.c's convention). a: x, packed w, bias (0: none), y, m, n, k ---- */
+/* x [m, k], w packed from [n, k], bias [n] or NULL, all bf16 -> y [m, n], bf16 or (f32_out)
+   fp32. */
+BF16 static void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                             void* y, int m, int n, int k, int f32_out) {
+    const int blocks = (n + BLOCK - 1) / BLOCK;
+    uint16_t* y16 = (uint16_t*)y;
+    float* y32 = (float*)y;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        if (f32_out) {
+            ROW_GROUPS(rows_bf16_f32, x, w, bias, y32, b, m, n, k);
+        } else {
+            ROW_GROUPS(rows_bf16, x, w, bias, y16, b, m, n, k);
+        }
+    }
+}
+
+/* ---- Entry points (module.c's convention). a: x, packed w, bias (0: none), y, m, n, k
+   (and for bf16, f32_out: y is fp32) ---- */
 
 int64_t flowllm_linear_f32(const int64_t* a) {
     linear_f32((const float*)a[0], (const float*)a[1], (const float*)a[2], (float*)a[3],
@@ -206,6 +238,6 @@ int64_t flowllm_linear_f32(const int64_t* a) {
 
 BF16 int64_t flowllm_linear_bf16(const int64_t* a) {
     linear_bf16((const uint16_t*)a[0], (const uint16_t*)a[1], (const uint16_t*)a[2],
-                (uint16_t*)a[3], (int)a[4], (int)a[5], (int)a[6]);
+                (void*)a[3], (int)a[4], (int)a[5], (int)a[6], (int)a[7]);
     return 0;
 }
