@@ -11,7 +11,9 @@ port by port: exactly, except
 - request ids map one-to-one in order of appearance, and `*_time` fields are ignored;
 - tensors (execute's logits) are equal within `atol + rtol * |recorded|` (default 1e-4
   each); a logits digest (compact traces) is checked on its top-k and row moments, and
-  the stage downstream of it (sample) is fed the replayed tensors instead.
+  the stage downstream of it (sample) is fed the replayed tensors instead;
+- floats (logprobs) are equal within the same bounds: they come from those logits, which
+  this machine's kernels may sum in another order than the recording's.
 
 State is rebuilt by replay itself: execute's KV cache from all its StepBatches in order,
 sample's unseeded generator from the engine config's seed.
@@ -276,8 +278,10 @@ class _Comparer:
                 if found is not None:
                     return found
             return None
-        if isinstance(rec, float) and isinstance(rep, float) and math.isnan(rec):
-            return None if math.isnan(rep) else path
+        if isinstance(rec, float) and isinstance(rep, float) and rec != rep:
+            if math.isnan(rec) or math.isnan(rep) or math.isinf(rec) or math.isinf(rep):
+                return None if math.isnan(rec) and math.isnan(rep) else path
+            return None if abs(rep - rec) <= self.atol + self.rtol * abs(rec) else path
         return None if rec == rep else path
 
     def _tensor(self, rec: Any, rep: Any, path: str) -> str | None:

@@ -245,3 +245,19 @@ def test_the_manifest_names_how_to_rebuild_the_model() -> None:
     assert manifest.dtype == "float32"
     assert manifest.digest_k > 0
     assert manifest.model.weights_sha256 is not None
+
+
+def test_floats_compare_within_the_tensor_tolerance() -> None:
+    """Logprobs come from logits this machine's kernels may sum in another order: they
+    match within atol + rtol * |recorded|, infinities and NaNs only themselves."""
+    from flowllm.traces.replay import _Comparer
+
+    diff = _Comparer(atol=1e-4, rtol=1e-4).diff
+    assert diff(-2.5, -2.5 + 2e-4) is None
+    assert diff(-2.5, -2.5 + 1e-3) == ""
+    assert diff(float("-inf"), float("-inf")) is None
+    assert diff(float("-inf"), -1e30) == ""
+    assert diff(float("nan"), float("nan")) is None
+    assert diff(float("nan"), 0.0) == ""
+    assert diff((1, 2.0), (1, 2.0 + 1e-6), "x") is None
+    assert diff((1, 2.0), (2, 2.0), "x") == "x[0]"  # ints stay exact
