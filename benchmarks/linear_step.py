@@ -17,7 +17,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from model_step import best_times  # benchmarks/ is on sys.path when run as a script
+from model_step import add_timing_options, best_times, timing_clock  # benchmarks/ is on sys.path
 
 from flowllm.kernels import cpu_linear
 
@@ -62,13 +62,9 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,512")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--cpu-time", action="store_true", help="time CPU, not wall, seconds")
+    add_timing_options(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = "cpu" if args.cpu_time else "wall"
+    clock = timing_clock(args)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock} time")
     header = f"{'model':<13} {'dtype':<8} {'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} "
     header += f"{'native ms':>10} {'GB/s':>6} {'native/oneDNN':>14}"

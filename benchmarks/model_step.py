@@ -56,6 +56,20 @@ MODELS: dict[str, dict[str, Any]] = {
 CLOCK: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+def add_timing_options(ap: argparse.ArgumentParser) -> None:
+    """--repeats, --threads and --cpu-time, as the step benchmarks take them."""
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cpu-time", action="store_true", help="time CPU, not wall, seconds")
+
+
+def timing_clock(args: argparse.Namespace) -> str:
+    """Apply --threads; the clock --cpu-time asks for."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return "cpu" if args.cpu_time else "wall"
+
+
 def best_time(
     fn: Callable[[], object], repeats: int, clock: str = "wall", warmup: int = 2
 ) -> float:
@@ -181,13 +195,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--contexts", default="128,512")
     ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--cpu-time", action="store_true", help="time CPU, not wall, seconds")
+    add_timing_options(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = "cpu" if args.cpu_time else "wall"
+    clock = timing_clock(args)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
