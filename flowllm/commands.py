@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -88,6 +89,10 @@ def serve_command(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=int(args.shutdown_timeout),
         )
     )
+    # uvicorn drains on SIGINT/SIGTERM, then raises the signal again to the handler it found
+    # (a KeyboardInterrupt traceback, or death by SIGTERM): these let `serve` return 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 0 if server.started else 1
 

@@ -134,10 +134,11 @@ class ServerProcess:
                 values[match.group(1)] = float(match.group(2))
         return values
 
-    def stop(self) -> int | None:
-        """SIGTERM (a graceful drain), then SIGKILL if it lingers; returns the exit code."""
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int | None:
+        """`sig` (SIGTERM or SIGINT: a graceful drain), then SIGKILL if it lingers; returns
+        the exit code."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(sig)
             try:
                 self.process.wait(timeout=15)
             except subprocess.TimeoutExpired:
