@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import threading
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+from model_step import best_time  # benchmarks/ is on sys.path when run as a script
 
 from flowllm.kernels import cpu_attention, reference
+from flowllm.kernels.native import library as native_library
 from flowllm.kernels.workspace import Workspace
 from flowllm.models.runner import keep_freed_memory_mapped
 
@@ -72,16 +72,6 @@ def plain(
     )[:, :, 0]  # fmt: skip
 
 
-def best_cpu_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best * 1e3
-
-
 def native(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -98,6 +88,9 @@ def native(
 
 def run(repeats: int) -> None:
     workspace = Workspace()
+    lib = native_library()
+    if lib is not None:  # this worker thread's OpenMP pool, sized as torch's (one thread)
+        lib.follow_torch_threads()
     print("| batch | ctx | heads (q/kv) | dtype | plain ms | reference ms | native ms "
           "| native vs reference | max abs diff (native, reference vs plain) |")  # fmt: skip
     print("|---:|---:|---|---|---:|---:|---:|---:|---|")
@@ -110,7 +103,7 @@ def run(repeats: int) -> None:
             base, native_fn = partial(plain, *inputs), partial(native, *inputs)
             expected = base().float()
             diffs = [(fn().float() - expected).abs().max().item() for fn in (ref, native_fn)]
-            ms = [best_cpu_ms(fn, repeats) for fn in (base, ref, native_fn)]
+            ms = [1e3 * best_time(fn, repeats, "cpu", warmup=1) for fn in (base, ref, native_fn)]
             name = "fp32" if dtype == torch.float32 else "bf16"
             print(f"| {batch} | {ctx} | {heads}/{kv_heads} | {name} | {ms[0]:.3f} | {ms[1]:.3f} "
                   f"| {ms[2]:.3f} | {ms[1] / ms[2]:.1f}× | {diffs[1]:.1e}, {diffs[0]:.1e} |",
