@@ -58,7 +58,13 @@ class InstantModel:
         self._row = torch.randn(vocab_size, generator=generator)
         self._logits = self._row.expand(1024, vocab_size).contiguous()
 
-    def __call__(self, input_ids: Any, positions: Any, kv_caches: Any, ctx: Any) -> torch.Tensor:
+    def embed(self, input_ids: Any, positions: Any) -> torch.Tensor:
+        return input_ids
+
+    def forward_layers(self, h: Any, positions: Any, kv_caches: Any, ctx: Any) -> tuple[()]:
+        return ()
+
+    def compute_logits(self, hidden: Any, ctx: Any) -> torch.Tensor:
         rows = self._logits[: len(ctx.logits_indices)]  # [rows, vocab]
         return rows.clone() if self.fresh else rows
 

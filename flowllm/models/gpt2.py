@@ -109,11 +109,30 @@ class GPT2Model(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
-        h = self.wte(input_ids) + self.wpe.index_select(0, positions)  # [n, d]
+        h = self.embed(input_ids, positions)
+        return self.compute_logits(self.forward_layers(h, positions, kv_caches, ctx), ctx)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token plus learned position embeddings [n, d]."""
+        return self.wte(input_ids) + self.wpe.index_select(0, positions)
+
+    def forward_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, ...]:
+        """Every block over all n rows: (h,). Their K/V go to the cache."""
         for block, kv_cache in zip(self.h, kv_caches, strict=True):
             h = block(h, kv_cache, ctx)
-        h = h.index_select(0, ctx.logits_indices)
-        return self.lm_head(self.ln_f(h))
+        return (h,)
+
+    def compute_logits(
+        self, hidden: tuple[torch.Tensor, ...], ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Logits [len(ctx.logits_indices), vocab]: the final norm on those rows only."""
+        return self.lm_head(self.ln_f(hidden[0].index_select(0, ctx.logits_indices)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF GPT-2 tensors (prefixed `transformer.` or not; Conv1D weights [in, out]),

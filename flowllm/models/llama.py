@@ -130,15 +130,37 @@ class LlamaModel(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
-        h = self.embed_tokens(input_ids)  # [n, d]
+        h = self.embed(input_ids, positions)
+        return self.compute_logits(self.forward_layers(h, positions, kv_caches, ctx), ctx)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [n, d] (positions enter through RoPE, in the layers)."""
+        return self.embed_tokens(input_ids)
+
+    def forward_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, ...]:
+        """Every layer over all n rows: (last MLP output, residual stream before it), or
+        (h,) without layers. Their K/V go to the cache."""
         rope = self.rotary.for_step(positions, ctx.max_seq_len)  # positions < max_seq_len
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, rope, kv_cache, ctx)
-        h = h.index_select(0, ctx.logits_indices)
-        if residual is None:  # no layers
+        return (h,) if residual is None else (h, residual)
+
+    def compute_logits(
+        self, hidden: tuple[torch.Tensor, ...], ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Logits [len(ctx.logits_indices), vocab] of `forward_layers`' rows: the last
+        residual add and norm run on those rows only."""
+        h = hidden[0].index_select(0, ctx.logits_indices)
+        if len(hidden) == 1:  # no layers
             return self.lm_head(self.norm(h))
-        h, _ = self.norm.add_and_norm(h, residual.index_select(0, ctx.logits_indices))
+        h, _ = self.norm.add_and_norm(h, hidden[1].index_select(0, ctx.logits_indices))
         return self.lm_head(h)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
