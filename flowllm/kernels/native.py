@@ -20,7 +20,8 @@ what it found wrong in its inputs before writing anything (an index out of range
 runs it with `NativeLibrary.call(address, *args) -> status` (csrc/module.c), which packs
 ints, tensor addresses and floats (as double bits) and releases the GIL for the call
 (~0.2 µs; ctypes took ~2 µs to convert 8 arguments). `NativeLibrary.address(name)` looks
-a kernel up once.
+a kernel up once. A thread's calls can also be recorded into a call list and replayed
+in one call (`flowllm.kernels.call_plan`).
 
 Parallel loops use OpenMP. torch is imported first and has loaded its own `libgomp.so.1`,
 which the library's `libgomp.so.1` dependency resolves to, so the kernels share torch's
@@ -72,6 +73,9 @@ class NativeLibrary:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         self.call: Callable[..., int] = module.call
+        # this thread's calls also go to a call list, between these two (see call_plan)
+        self.record_start: Callable[[], None] = module.record_start
+        self.record_stop: Callable[[], bytes] = module.record_stop
         self._symbols = ctypes.CDLL(str(path))  # the same loaded file, for kernel addresses
         self.path = path
         self.has_bf16 = has_bf16
@@ -79,6 +83,7 @@ class NativeLibrary:
             self.address("flowllm_omp_max_threads")
         )
         self._set_threads = self.address("flowllm_omp_set_threads")
+        self.run_calls = self.address("flowllm_run_calls")  # a: call list, its length
 
     def address(self, name: str) -> int:
         """A kernel's address, for `call`."""
