@@ -33,6 +33,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None = None  # None: the model's own context length
     chat_template: str | None = None  # path to a Jinja template overriding the model's
     seed: int = 0
+    enforce_eager: bool = False  # never replay decode steps' recorded kernel calls
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -49,6 +49,11 @@ def add_engine_arguments(
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never replay recorded decode steps; run every step op by op",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--chat-template", help="a Jinja chat template file")
@@ -83,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "kv_cache_memory": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "enforce_eager": args.enforce_eager,
         "seed": args.seed,
         "max_logprobs": args.max_logprobs,
         "chat_template": args.chat_template,

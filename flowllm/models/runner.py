@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Protocol
@@ -24,25 +25,34 @@ from flowllm.kernels.workspace import Workspace
 from flowllm.messages import ScheduledSeq
 from flowllm.models.context import AttentionContext
 from flowllm.models.errors import ModelError
+from flowllm.models.step_plans import StepPlans
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 class StepModel(Protocol):
-    """What the runner needs of a model (GPT2Model and LlamaModel both are).
+    """What the runner needs of a model (GPT2Model and LlamaModel both are): a step is
+    `compute_logits(forward_layers(embed(...), ...), ctx)`, split so that the layers of a
+    decode step can be replayed (`flowllm.models.step_plans`).
 
-    A call returns a fresh [len(ctx.logits_indices), vocab] tensor: the runner hands its rows
-    on without copying, and callers may edit them.
+    `compute_logits` returns a fresh [len(ctx.logits_indices), vocab] tensor: the runner
+    hands its rows on without copying, and callers may edit them.
     """
 
     vocab_size: int
 
-    def __call__(
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_layers(
         self,
-        input_ids: torch.Tensor,
+        h: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: KVCaches,
         ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, ...]: ...
+
+    def compute_logits(
+        self, hidden: tuple[torch.Tensor, ...], ctx: AttentionContext
     ) -> torch.Tensor: ...
 
 
@@ -114,7 +124,8 @@ class StepInputs:
         qsl = np.zeros(n_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         seq_lens = computed + q_lens
-        # Block tables, padded with block 0: [n_seqs, max_blocks], filled in one scatter.
+        # Block tables, padded with block 0 to a power-of-two width (so decode steps share a
+        # few shapes, see step_plans): [n_seqs, width], filled in one scatter.
         t_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n_seqs)
         short = np.flatnonzero(t_lens < -(-seq_lens // block_size))
         if short.size:
@@ -125,7 +136,8 @@ class StepInputs:
                 f"table has {int(t_lens[i])}"
             )
         max_blocks = int(t_lens.max()) if n_seqs else 0
-        tables = np.zeros((n_seqs, max(max_blocks, 1)), dtype=np.int64)
+        width = 1 << max(max_blocks - 1, 0).bit_length()
+        tables = np.zeros((n_seqs, width), dtype=np.int64)
         num_entries = int(t_lens.sum())
         if num_entries:
             row_of_entry = np.repeat(np.arange(n_seqs), t_lens)  # [num_entries]
@@ -175,6 +187,7 @@ class ModelRunner:
         kv_caches: KVCaches,
         block_size: int,
         device: torch.device | str,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -183,6 +196,8 @@ class ModelRunner:
         self.workspace = Workspace()  # the attention's scratch buffers, kept across steps
         # the CPU kernels, whose thread pool must be sized in each thread that runs a step
         self.native = native.library() if self.device.type == "cpu" else None
+        # decode steps' layers, replayed from their recorded kernel calls
+        self.plans = None if self.native is None or enforce_eager else StepPlans(self.native)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
 
@@ -225,8 +240,30 @@ class ModelRunner:
         if self.native is not None:
             self.native.follow_torch_threads()
         with torch.no_grad():
-            out = self.model(input_ids, positions, self.kv_caches, ctx)  # [rows, vocab]
+            h = self.model.embed(input_ids, positions)
+            if self.plans is not None and ctx.max_query_len == 1:
+                hidden = self._planned_layers(h, positions, ctx)
+            else:
+                hidden = self.model.forward_layers(h, positions, self.kv_caches, ctx)
+            out = self.model.compute_logits(hidden, ctx)  # [rows, vocab]
         at = inp.sample_at  # contiguous: the sampling rows come last
         logits = out[at[0] : at[-1] + 1] if at else out[:0]
         prompt = {sid: out[a:b].float() for sid, (a, b) in inp.prompt_rows.items()}
         return logits.float(), prompt
+
+    def _planned_layers(
+        self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> tuple[torch.Tensor, ...]:
+        """A decode step's layers through `self.plans`, keyed by the shapes of its inputs
+        (every Python decision in the layers of such a step depends on those alone)."""
+        assert self.plans is not None
+        inputs = (h, positions, ctx.slot_mapping, ctx.block_tables, ctx.query_start_loc,
+                  ctx.seq_lens)  # fmt: skip
+
+        def layers(*t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            static = replace(ctx, slot_mapping=t[2], block_tables=t[3], query_start_loc=t[4],
+                             seq_lens=t[5])  # fmt: skip
+            return self.model.forward_layers(t[0], t[1], self.kv_caches, static)
+
+        key = (h.shape, h.dtype, ctx.block_tables.shape)
+        return self.plans.run(key, layers, inputs)

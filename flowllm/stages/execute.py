@@ -23,8 +23,13 @@ class Execute(PerMessageStage):
 
     def __init__(self, params: Any, services: EngineServices) -> None:
         super().__init__(params, services)
+        config = services.config
         self.runner = ModelRunner(
-            services.model, services.kv_caches, services.config.cache.block_size, services.device
+            services.model,
+            services.kv_caches,
+            config.cache.block_size,
+            services.device,
+            enforce_eager=config.model.enforce_eager,
         )
         self._want_prompt_logits: set[int] = set()
 
