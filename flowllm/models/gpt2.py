@@ -1,7 +1,8 @@
 """GPT-2 (`GPT2LMHeadModel` configs: gpt2 and its larger siblings, distilgpt2) on flattened
 token batches and a paged KV cache.
 
-Learned absolute positions, pre-LayerNorm blocks, fused QKV, a GELU MLP, and an LM head
+Learned absolute positions, pre-LayerNorm blocks (each residual add fused into the next
+norm, as in Llama), fused QKV, a GELU MLP, and an LM head
 tied to the token embedding unless the config unties it (one checkpoint tensor loads both;
 see `flowllm.models.layers` for when each keeps its own copy).
 """
@@ -55,13 +56,26 @@ class GPT2Block(nn.Module):
         self.c_fc = Linear(d, inner, True, dtype, device)
         self.mlp_proj = Linear(inner, d, True, dtype, device)
 
-    def forward(self, h: torch.Tensor, kv_cache: KVCache, ctx: AttentionContext) -> torch.Tensor:
-        # h: [n, d]
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block's MLP output, the residual stream before it): the residual add waits
+        for the next norm, which fuses it (as in Llama); `residual` is None at block 0."""
+        # h, residual: [n, d]
         n = h.shape[0]
-        qkv = self.c_attn(self.ln_1(h)).view(n, 3, self.num_heads, self.head_dim)
+        if residual is None:
+            x, residual = self.ln_1(h), h
+        else:
+            x, residual = self.ln_1.add_and_norm(h, residual)
+        qkv = self.c_attn(x).view(n, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)  # each [n, H, Dh]
-        h = h + self.attn_proj(paged_attention(q, k, v, kv_cache, ctx, self.scale))
-        return h + self.mlp_proj(self.act(self.c_fc(self.ln_2(h))))
+        attn = self.attn_proj(paged_attention(q, k, v, kv_cache, ctx, self.scale))
+        x, residual = self.ln_2.add_and_norm(attn, residual)
+        return self.mlp_proj(self.act(self.c_fc(x))), residual
 
 
 class GPT2Model(nn.Module):
@@ -123,16 +137,23 @@ class GPT2Model(nn.Module):
         kv_caches: Sequence[KVCache],
         ctx: AttentionContext,
     ) -> tuple[torch.Tensor, ...]:
-        """Every block over all n rows: (h,). Their K/V go to the cache."""
+        """Every block over all n rows: (last MLP output, residual stream before it), or
+        (h,) without blocks. Their K/V go to the cache."""
+        residual: torch.Tensor | None = None
         for block, kv_cache in zip(self.h, kv_caches, strict=True):
-            h = block(h, kv_cache, ctx)
-        return (h,)
+            h, residual = block(h, residual, kv_cache, ctx)
+        return (h,) if residual is None else (h, residual)
 
     def compute_logits(
         self, hidden: tuple[torch.Tensor, ...], ctx: AttentionContext
     ) -> torch.Tensor:
-        """Logits [len(ctx.logits_indices), vocab]: the final norm on those rows only."""
-        return self.lm_head(self.ln_f(hidden[0].index_select(0, ctx.logits_indices)))
+        """Logits [len(ctx.logits_indices), vocab] of `forward_layers`' rows: the last
+        residual add and norm run on those rows only."""
+        h = hidden[0].index_select(0, ctx.logits_indices)
+        if len(hidden) == 1:  # no blocks
+            return self.lm_head(self.ln_f(h))
+        h, _ = self.ln_f.add_and_norm(h, hidden[1].index_select(0, ctx.logits_indices))
+        return self.lm_head(h)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF GPT-2 tensors (prefixed `transformer.` or not; Conv1D weights [in, out]),

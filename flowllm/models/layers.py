@@ -42,6 +42,7 @@ Elsewhere (CUDA, half precision neither serves, CPUs and builds with neither) we
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
@@ -283,7 +284,39 @@ def pack_linears(model: nn.Module) -> None:
             module.pack()
 
 
-class LayerNorm(nn.Module):
+class _ResidualNorm(nn.Module, abc.ABC):
+    """A norm that can take the residual add before it (vLLM's layout: each layer hands its
+    output and the residual stream to the next norm, which adds them). Where the native
+    kernels serve the tensor (`flowllm.kernels.fused`) one C call does both; elsewhere,
+    `torch_forward` after a torch add."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, dim]
+        if fused.serves(x) and x.is_contiguous():
+            return self.fused(x, None)
+        return self.torch_forward(x)
+
+    @abc.abstractmethod
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The native kernel's norm of x (+ residual, written back)."""
+
+    @abc.abstractmethod
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of x by torch ops."""
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), fused where the native kernels serve (which
+        write the sum into `residual`)."""
+        # x, residual: [n, dim]
+        if fused.serves(x) and x.is_contiguous() and residual.is_contiguous():
+            return self.fused(x, residual), residual
+        h = residual + x
+        return self.forward(h), h
+
+
+class LayerNorm(_ResidualNorm):
     """LayerNorm with weight and bias, as in GPT-2."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
@@ -292,26 +325,23 @@ class LayerNorm(nn.Module):
         self.weight = _frozen(torch.ones(dim, dtype=dtype, device=device))
         self.bias = _frozen(torch.zeros(dim, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return fused.layer_norm(x, self.weight, self.bias, self.eps, residual)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as Llama defines it.
-
-    Where the native kernels serve the tensor (`flowllm.kernels.fused`) one C call does it
-    all, residual add included; elsewhere, torch ops as below."""
+class RMSNorm(_ResidualNorm):
+    """RMSNorm computed in float32 and cast back before the weight, as Llama defines it."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _frozen(torch.ones(dim, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [n, dim]
-        if fused.serves(x) and x.is_contiguous():
-            return fused.rms_norm(x, self.weight, self.eps)
-        return self.torch_forward(x)
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return fused.rms_norm(x, self.weight, self.eps, residual)
 
     def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """fp32: torch's op (the same numbers, fewer ops). Half precision: the transformers
@@ -321,17 +351,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h.mul_(h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_())
         return self.weight * h.to(x.dtype)
-
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): the residual add before a layer's norm, fused
-        with it where the native kernels serve (which write the sum into `residual`)."""
-        # x, residual: [n, dim]
-        if fused.serves(x) and x.is_contiguous() and residual.is_contiguous():
-            return fused.rms_norm(x, self.weight, self.eps, residual), residual
-        h = residual + x
-        return self.forward(h), h
 
 
 def rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:

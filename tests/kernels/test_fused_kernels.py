@@ -12,6 +12,7 @@ from flowllm.kernels import fused
 from flowllm.kernels.reference import KernelInputError
 from flowllm.models.layers import (
     GatedActivation,
+    LayerNorm,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
@@ -49,6 +50,34 @@ def test_rms_norm(dtype: torch.dtype, n: int, d: int) -> None:
         norm.weight.data.copy_(weight)
         torch.testing.assert_close(got, norm.torch_forward(total), rtol=0, atol=0)
     torch.testing.assert_close(fused.rms_norm(total, weight, 1e-5), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "d"), [(1, 768), (3, 50), (17, 64)])
+def test_layer_norm(dtype: torch.dtype, n: int, d: int) -> None:
+    torch.manual_seed(n * d)
+    x, residual = (3 + torch.randn(n, d)).to(dtype), torch.randn(n, d).to(dtype)
+    weight, bias = (0.5 + torch.rand(d)).to(dtype), torch.randn(d).to(dtype)
+    total = residual + x
+    stream = residual.clone()
+    got = fused.layer_norm(x, weight, bias, 1e-5, stream)
+    assert torch.equal(stream, total)  # the sum, rounded as torch rounds it
+    h = total.double()
+    centered = h - h.mean(-1, keepdim=True)
+    want = centered * (centered.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt()
+    want = want * weight.double() + bias.double()
+    torch_ln = F.layer_norm(total, (d,), weight, bias, 1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    else:  # float32 math rounded once, as torch's: at most one bf16 step from it
+        assert (got.float() - torch_ln.float()).abs().max() <= 2 * want.abs().max() * 2**-8
+        assert (got == torch_ln).float().mean() > 0.95
+    torch.testing.assert_close(fused.layer_norm(total, weight, bias, 1e-5), got, rtol=0, atol=0)
+    norm = LayerNorm(d, 1e-5, dtype, CPU)
+    norm.weight.data.copy_(weight)
+    norm.bias.data.copy_(bias)
+    torch.testing.assert_close(norm(total), got, rtol=0, atol=0)
+    torch.testing.assert_close(norm.torch_forward(total), torch_ln, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

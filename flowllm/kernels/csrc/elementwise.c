@@ -1,5 +1,6 @@
 /* Fused elementwise ops of a Llama layer: RMSNorm (with the residual add before it), rotary
- * embeddings in place, SiLU(gate) * up. Each replaces 3-6 torch calls of 3-8 us apiece,
+ * embeddings in place, SiLU(gate) * up; GPT-2's LayerNorm (with its residual add) and tanh
+ * GELU. Each replaces 3-6 torch calls of 3-8 us apiece,
  * which at batch 1 cost as much as the layer's attention.
  *
  * Rounding follows the torch ops they replace, so bf16 results differ from them only
@@ -76,6 +77,49 @@ static void rms_norm_row_bf16(const uint16_t *xi, uint16_t *ri, const uint16_t *
     oi[j] = f32_to_bf16(normed * bf16_to_f32(w[j]));
   }
 }
+
+/* ---- LayerNorm ------------------------------------------------------------------------ */
+
+/* h = x (+ residual, rounded to the dtype and written back to residual);
+ * out = (h - mean(h)) * rsqrt(var(h) + eps) * w + b, float32 math rounded once, as
+ * F.layer_norm. Two passes over h for the moments (the row is in L1). One body for both
+ * dtypes: LOAD(m, p) and STORE(p, m, v) move the lanes of mask m, ROUND rounds as the
+ * dtype stores. */
+#define F32_LOAD(m, p) _mm512_maskz_loadu_ps(m, p)
+#define F32_STORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+#define F32_ROUND(v) (v)
+#define BF16_ROUND(v) bf16x16_round(v)
+#define LAYER_NORM_ROW(suffix, T, LOAD, STORE, ROUND)                                      \
+  static void layer_norm_row_##suffix(const T *x, T *r, const T *w, const T *b, T *o,      \
+                                      int64_t d, float eps) {                             \
+    __m512 acc = _mm512_setzero_ps();                                                      \
+    for (int64_t j = 0; j < d; j += 16) {                                                  \
+      const __mmask16 m = lanes16(d - j);                                                  \
+      __m512 h = LOAD(m, x + j);                                                           \
+      if (r) {                                                                             \
+        h = ROUND(_mm512_add_ps(h, LOAD(m, r + j)));                                       \
+        STORE(r + j, m, h);                                                                \
+      }                                                                                    \
+      acc = _mm512_add_ps(acc, h);                                                         \
+    }                                                                                      \
+    const T *h = r ? r : x;                                                                \
+    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(acc) / (float)d);              \
+    acc = _mm512_setzero_ps();                                                             \
+    for (int64_t j = 0; j < d; j += 16) {                                                  \
+      const __mmask16 m = lanes16(d - j);                                                  \
+      const __m512 c = _mm512_maskz_sub_ps(m, LOAD(m, h + j), mean);                       \
+      acc = _mm512_fmadd_ps(c, c, acc);                                                    \
+    }                                                                                      \
+    const __m512 rstd =                                                                    \
+        _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps));         \
+    for (int64_t j = 0; j < d; j += 16) {                                                  \
+      const __mmask16 m = lanes16(d - j);                                                  \
+      const __m512 c = _mm512_mul_ps(_mm512_sub_ps(LOAD(m, h + j), mean), rstd);           \
+      STORE(o + j, m, _mm512_fmadd_ps(c, LOAD(m, w + j), LOAD(m, b + j)));                 \
+    }                                                                                      \
+  }
+LAYER_NORM_ROW(f32, float, F32_LOAD, F32_STORE, F32_ROUND)
+LAYER_NORM_ROW(bf16, uint16_t, bf16x16_maskz_load, bf16x16_mask_store, BF16_ROUND)
 
 /* ---- Rotary embeddings ---------------------------------------------------------------- */
 
@@ -197,6 +241,21 @@ static void gelu_tanh_chunk_bf16(const uint16_t *x, uint16_t *y, int64_t n) {
   }
 RMS_NORM_ENTRY(f32, float)
 RMS_NORM_ENTRY(bf16, uint16_t)
+
+/* a: x, residual (0: none), weight, bias, out, n, d, eps */
+#define LAYER_NORM_ENTRY(suffix, T)                                                        \
+  int64_t flowllm_layer_norm_##suffix(const int64_t *a) {                                  \
+    const T *x = (const T *)a[0], *w = (const T *)a[2], *b = (const T *)a[3];              \
+    T *residual = (T *)a[1], *out = (T *)a[4];                                             \
+    const int64_t n = a[5], d = a[6];                                                      \
+    const float eps = (float)arg_f64(a[7]);                                                \
+    FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
+             layer_norm_row_##suffix(x + i * d, residual ? residual + i * d : 0, w, b,     \
+                                     out + i * d, d, eps));                                \
+    return 0;                                                                              \
+  }
+LAYER_NORM_ENTRY(f32, float)
+LAYER_NORM_ENTRY(bf16, uint16_t)
 
 /* a: x, table, table_rows, positions, n, heads, head_dim, row_stride, rot.
  * Returns how many positions fall outside the table (then nothing is written). */

@@ -45,6 +45,23 @@ static inline void bf16x16_store(uint16_t *p, __m512 v) {
   _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(hi));
 }
 
+/* The mask of the first min(left, 16) lanes. */
+static inline __mmask16 lanes16(int64_t left) {
+  return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* The first lanes of m, as bf16x16_load (the others 0). */
+static inline __m512 bf16x16_maskz_load(__mmask16 m, const uint16_t *p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* Round and store the lanes of m, as bf16x16_store. */
+static inline void bf16x16_mask_store(uint16_t *p, __mmask16 m, __m512 v) {
+  __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(bf16x16_round(v)), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(hi));
+}
+
 /* exp(x) to ~1 ulp (Cephes' polynomial on x - n ln2, scaled by 2^n); 0 and inf past the
  * ends of float32's range, as expf (the clamp only keeps infinities out of the reduction). */
 static inline __m512 exp16(__m512 x) {
