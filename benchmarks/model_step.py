@@ -195,6 +195,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--contexts", default="128,512")
     ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument(
+        "--enforce-eager", action="store_true", help="never replay recorded decode steps"
+    )
     add_timing_options(ap)
     args = ap.parse_args()
     clock = timing_clock(args)
@@ -226,7 +229,7 @@ def main() -> None:
             for k, v in kv:  # realistic (non-zero) cache contents
                 k.normal_()
                 v.normal_()
-            runner = ModelRunner(model, kv, BLOCK, "cpu")
+            runner = ModelRunner(model, kv, BLOCK, "cpu", enforce_eager=args.enforce_eager)
             for label, batch, q_len, ctx in cases:
                 seqs = step_seqs(batch, q_len, ctx)
                 step = lambda s=seqs, r=runner: r.run(s)  # noqa: E731
