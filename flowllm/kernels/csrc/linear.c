@@ -8,8 +8,11 @@ so a block's product streams one run of memory, one 64-byte line per step:
 (k rounded up to even for bf16, the pad column zero). Each step's weight line is loaded
 once and multiplied into every row of x (up to ROWS at a time, CHAINS accumulators per
 row), so m rows cost one pass over W per ROWS rows; the rows of a block after the first
-ROWS read it again from cache. Blocks are split across OpenMP threads; a thread's blocks
-are contiguous, so each thread streams one run, prefetched PREFETCH lines ahead.
+ROWS read it again from cache. From PAIRED_FROM rows on, two blocks share a pass, so each
+broadcast value of x feeds two weight lines (at many rows the broadcasts, not the weights,
+bound the product: 355-384 GFLOP/s -> 421-455 bf16 at 2,048 rows, two threads, where
+oneDNN reads 406-433). Blocks are split across OpenMP threads; a thread's blocks are
+contiguous, so each thread streams one run, prefetched PREFETCH lines ahead.
 
 Accumulation is fp32 in both; bf16 outputs are rounded to nearest even after the bias. */
 #include <immintrin.h>
@@ -21,6 +24,9 @@ Accumulation is fp32 in both; bf16 outputs are rounded to nearest even after the
 #define ROWS 8     /* rows of x sharing one pass over a block */
 #define UNROLL 4   /* weight lines per inner iteration */
 #define PREFETCH 32 /* lines ahead (2 KiB); measured: as fast at one row, ~10% faster at four */
+#define MAX_NB 2   /* blocks per pass, at most */
+#define PAIRED_FROM 16 /* rows from which blocks go two per pass */
+#define PAIRED_ROWS 6  /* rows per pass then: 6 x 2 blocks x CHAINS accumulators */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -42,75 +48,113 @@ ALWAYS_INLINE __m512 sum_chains(const __m512* acc) {
     return s;
 }
 
-/* Block b of every row of x, ROWS rows at a time: ROWS_FN(x rows, w, bias, y rows, b, n, k,
-   M) with M a constant, so each group size compiles to its own unrolled loop. */
-#define ROW_GROUPS(ROWS_FN, x, w, bias, y, b, m, n, k)                                  \
-    for (int r0 = 0; r0 < (m); r0 += ROWS) {                                            \
+/* Blocks b .. b + NB - 1 of every row of x, G rows at a time: ROWS_FN(x rows, w, bias,
+   y rows, b, n, k, M, NB) with M and NB constants, so each group size compiles to its own
+   unrolled loop (G <= ROWS). */
+#define ROW_GROUPS(ROWS_FN, G, NB, x, w, bias, y, b, m, n, k)                           \
+    for (int r0 = 0; r0 < (m); r0 += (G)) {                                             \
         const size_t xo = (size_t)r0 * (k), yo = (size_t)r0 * (n);                       \
-        switch ((m) - r0 < ROWS ? (m) - r0 : ROWS) {                                    \
-            case 1: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 1); break;                \
-            case 2: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 2); break;                \
-            case 3: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 3); break;                \
-            case 4: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 4); break;                \
-            case 5: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 5); break;                \
-            case 6: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 6); break;                \
-            case 7: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 7); break;                \
-            default: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, ROWS); break;            \
+        switch ((m) - r0 < (G) ? (m) - r0 : (G)) {                                      \
+            case 1: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 1, NB); break;            \
+            case 2: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 2, NB); break;            \
+            case 3: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 3, NB); break;            \
+            case 4: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 4, NB); break;            \
+            case 5: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 5, NB); break;            \
+            case 6: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 6, NB); break;            \
+            case 7: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 7, NB); break;            \
+            default: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, G, NB); break;           \
         }                                                                               \
     }
 
+/* Blocks of every row: one per pass below PAIRED_FROM rows, else two (PAIRED_ROWS rows at
+   a time, so the accumulators fit the 32 registers); the odd last block goes alone. */
+#define FOR_BLOCKS(ROWS_FN, x, w, bias, y, m, n, k)                                      \
+    do {                                                                                \
+        const int blocks = ((n) + BLOCK - 1) / BLOCK, nb = (m) >= PAIRED_FROM ? 2 : 1;  \
+        _Pragma("omp parallel for schedule(static)")                                    \
+        for (int t = 0; t < (blocks + nb - 1) / nb; t++) {                              \
+            const int b = t * nb;                                                       \
+            if (nb == 2 && b + 1 < blocks) {                                            \
+                ROW_GROUPS(ROWS_FN, PAIRED_ROWS, 2, x, w, bias, y, b, m, n, k);         \
+            } else {                                                                    \
+                ROW_GROUPS(ROWS_FN, ROWS, 1, x, w, bias, y, b, m, n, k);                \
+            }                                                                           \
+        }                                                                               \
+    } while (0)
+
 /* ---- fp32 ---- */
 
-/* out[r] = block wb [k][16] times x row r, for M rows (M a constant after inlining). */
-ALWAYS_INLINE void block_f32(const float* x, const float* wb, int k, int M, __m512* out) {
-    __m512 acc[ROWS][CHAINS];
+/* out[r][j] = block j of NB (at wb + j * bstride, each [k][16]) times x row r, for M rows
+   (M and NB constants after inlining; see blocks_bf16 for why two blocks per pass). */
+ALWAYS_INLINE void blocks_f32(const float* x, const float* wb, size_t bstride, int k, int M,
+                              int NB, __m512 out[][MAX_NB]) {
+    __m512 acc[ROWS][MAX_NB][CHAINS];
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j++)
 #pragma GCC unroll 4
-        for (int j = 0; j < CHAINS; j++) acc[r][j] = _mm512_setzero_ps();
+            for (int c = 0; c < CHAINS; c++) acc[r][j][c] = _mm512_setzero_ps();
     int c = 0;
     for (; c + UNROLL <= k; c += UNROLL) {
-        _mm_prefetch((const char*)(wb + (size_t)(c + PREFETCH) * BLOCK), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + (size_t)(c + PREFETCH + 1) * BLOCK), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + (size_t)(c + PREFETCH + 2) * BLOCK), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + (size_t)(c + PREFETCH + 3) * BLOCK), _MM_HINT_T0);
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j++) {
+            const float* ahead = wb + j * bstride + (size_t)(c + PREFETCH) * BLOCK;
+            _mm_prefetch((const char*)ahead, _MM_HINT_T0);
+            _mm_prefetch((const char*)(ahead + BLOCK), _MM_HINT_T0);
+            _mm_prefetch((const char*)(ahead + 2 * BLOCK), _MM_HINT_T0);
+            _mm_prefetch((const char*)(ahead + 3 * BLOCK), _MM_HINT_T0);
+        }
 #pragma GCC unroll 4
         for (int u = 0; u < UNROLL; u++) {
-            const __m512 w = _mm512_loadu_ps(wb + (size_t)(c + u) * BLOCK);
+            __m512 w[MAX_NB];
+#pragma GCC unroll 2
+            for (int j = 0; j < NB; j++) w[j] = _mm512_loadu_ps(wb + j * bstride + (size_t)(c + u) * BLOCK);
 #pragma GCC unroll 8
-            for (int r = 0; r < M; r++)
-                acc[r][u % CHAINS] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[(size_t)r * k + c + u]),
-                                                acc[r][u % CHAINS]);
+            for (int r = 0; r < M; r++) {
+                const __m512 xv = _mm512_set1_ps(x[(size_t)r * k + c + u]);
+#pragma GCC unroll 2
+                for (int j = 0; j < NB; j++)
+                    acc[r][j][u % CHAINS] = _mm512_fmadd_ps(w[j], xv, acc[r][j][u % CHAINS]);
+            }
         }
     }
     for (; c < k; c++) {
-        const __m512 w = _mm512_loadu_ps(wb + (size_t)c * BLOCK);
 #pragma GCC unroll 8
         for (int r = 0; r < M; r++)
-            acc[r][0] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[(size_t)r * k + c]), acc[r][0]);
+#pragma GCC unroll 2
+            for (int j = 0; j < NB; j++)
+                acc[r][j][0] = _mm512_fmadd_ps(_mm512_loadu_ps(wb + j * bstride + (size_t)c * BLOCK),
+                                               _mm512_set1_ps(x[(size_t)r * k + c]), acc[r][j][0]);
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++) out[r] = sum_chains(acc[r]);
+    for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j++) out[r][j] = sum_chains(acc[r][j]);
 }
 
-/* Rows [0, M) of x against block b, bias added, stored into y. */
+/* Rows [0, M) of x against blocks b .. b + NB - 1, bias added, stored into y. */
 ALWAYS_INLINE void rows_f32(const float* x, const float* w, const float* bias, float* y,
-                            int b, int n, int k, int M) {
-    __m512 out[ROWS];
-    block_f32(x, w + (size_t)b * BLOCK * k, k, M, out);
-    const __mmask16 mask = block_mask(b, n);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + b * BLOCK) : _mm512_setzero_ps();
+                            int b, int n, int k, int M, int NB) {
+    __m512 out[ROWS][MAX_NB];
+    const size_t bstride = (size_t)BLOCK * k;
+    blocks_f32(x, w + (size_t)b * bstride, bstride, k, M, NB, out);
+#pragma GCC unroll 2
+    for (int j = 0; j < NB; j++) {
+        const __mmask16 mask = block_mask(b + j, n);
+        const __m512 bv =
+            bias ? _mm512_maskz_loadu_ps(mask, bias + (b + j) * BLOCK) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++)
-        _mm512_mask_storeu_ps(y + (size_t)r * n + b * BLOCK, mask, _mm512_add_ps(out[r], bv));
+        for (int r = 0; r < M; r++)
+            _mm512_mask_storeu_ps(y + (size_t)r * n + (b + j) * BLOCK, mask,
+                                  _mm512_add_ps(out[r][j], bv));
+    }
 }
 
 /* x [m, k], w packed from [n, k], bias [n] or NULL -> y [m, n]. */
 static void linear_f32(const float* x, const float* w, const float* bias, float* y, int m,
                        int n, int k) {
-    const int blocks = (n + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int b = 0; b < blocks; b++) ROW_GROUPS(rows_f32, x, w, bias, y, b, m, n, k);
+    FOR_BLOCKS(rows_f32, x, w, bias, y, m, n, k);
 }
 
 /* ---- bf16 ---- */
@@ -124,48 +168,72 @@ BF16 ALWAYS_INLINE __m512bh pair_bf16(const uint16_t* x, size_t i) {
     return (__m512bh)_mm512_set1_epi32((int)v);
 }
 
-/* out[r] = block wb [kp][16][2] times x row r (k bf16 values; an odd k's last pair is
-   x[k - 1] and a zero, never the next row's first value). */
-BF16 ALWAYS_INLINE void block_bf16(const uint16_t* x, const uint16_t* wb, int k, int M,
-                                   __m512* out) {
+/* out[r][j] = block j of NB (at wb + j * bstride, each [kp][16][2]) times x row r (k bf16
+   values; an odd k's last pair is x[k - 1] and a zero, never the next row's first value).
+   Two blocks per pass reuse each broadcast x pair for two weight lines: at many rows the
+   product is bound by those broadcasts, not by the weights. Every output's sum runs in
+   the same order whatever NB and M are, so a row's result does not depend on its batch. */
+BF16 ALWAYS_INLINE void blocks_bf16(const uint16_t* x, const uint16_t* wb, size_t bstride,
+                                    int k, int M, int NB, __m512 out[][MAX_NB]) {
     const int pairs = k / 2;
     const size_t line = 2 * BLOCK;  /* bf16 values per step */
-    __m512 acc[ROWS][CHAINS];
+    __m512 acc[ROWS][MAX_NB][CHAINS];
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j++)
 #pragma GCC unroll 4
-        for (int j = 0; j < CHAINS; j++) acc[r][j] = _mm512_setzero_ps();
+            for (int c = 0; c < CHAINS; c++) acc[r][j][c] = _mm512_setzero_ps();
     int p = 0;
     for (; p + UNROLL <= pairs; p += UNROLL) {
-        _mm_prefetch((const char*)(wb + (size_t)(p + PREFETCH) * line), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + (size_t)(p + PREFETCH + 1) * line), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + (size_t)(p + PREFETCH + 2) * line), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + (size_t)(p + PREFETCH + 3) * line), _MM_HINT_T0);
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j++) {
+            const uint16_t* ahead = wb + j * bstride + (size_t)(p + PREFETCH) * line;
+            _mm_prefetch((const char*)ahead, _MM_HINT_T0);
+            _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+            _mm_prefetch((const char*)(ahead + 2 * line), _MM_HINT_T0);
+            _mm_prefetch((const char*)(ahead + 3 * line), _MM_HINT_T0);
+        }
 #pragma GCC unroll 4
         for (int u = 0; u < UNROLL; u++) {
-            const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + (size_t)(p + u) * line);
+            __m512bh w[MAX_NB];
+#pragma GCC unroll 2
+            for (int j = 0; j < NB; j++)
+                w[j] = (__m512bh)_mm512_loadu_si512(wb + j * bstride + (size_t)(p + u) * line);
 #pragma GCC unroll 8
-            for (int r = 0; r < M; r++)
-                acc[r][u % CHAINS] = _mm512_dpbf16_ps(acc[r][u % CHAINS], w,
-                                                 pair_bf16(x, (size_t)r * k + 2 * (p + u)));
+            for (int r = 0; r < M; r++) {
+                const __m512bh xp = pair_bf16(x, (size_t)r * k + 2 * (p + u));
+#pragma GCC unroll 2
+                for (int j = 0; j < NB; j++)
+                    acc[r][j][u % CHAINS] = _mm512_dpbf16_ps(acc[r][j][u % CHAINS], w[j], xp);
+            }
         }
     }
     for (; p < pairs; p++) {
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + (size_t)p * line);
 #pragma GCC unroll 8
         for (int r = 0; r < M; r++)
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, pair_bf16(x, (size_t)r * k + 2 * p));
+#pragma GCC unroll 2
+            for (int j = 0; j < NB; j++)
+                acc[r][j][0] = _mm512_dpbf16_ps(
+                    acc[r][j][0], (__m512bh)_mm512_loadu_si512(wb + j * bstride + (size_t)p * line),
+                    pair_bf16(x, (size_t)r * k + 2 * p));
     }
     if (k & 1) {
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + (size_t)pairs * line);
 #pragma GCC unroll 8
         for (int r = 0; r < M; r++) {
             const __m512i last = _mm512_set1_epi32(x[(size_t)r * k + k - 1]);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, (__m512bh)last);
+#pragma GCC unroll 2
+            for (int j = 0; j < NB; j++)
+                acc[r][j][0] = _mm512_dpbf16_ps(
+                    acc[r][j][0],
+                    (__m512bh)_mm512_loadu_si512(wb + j * bstride + (size_t)pairs * line),
+                    (__m512bh)last);
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++) out[r] = sum_chains(acc[r]);
+    for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j++) out[r][j] = sum_chains(acc[r][j]);
 }
 
 /* bf16 [16] (masked) -> fp32 [16]: the bf16 bits are the fp32's upper half. */
@@ -174,56 +242,61 @@ BF16 ALWAYS_INLINE __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Rows [0, M) of x against block b with the bias added, as fp32 sums in out[]. */
-BF16 ALWAYS_INLINE __mmask16 sums_bf16(const uint16_t* x, const uint16_t* w,
-                                       const uint16_t* bias, int b, int n, int k, int M,
-                                       __m512* out) {
-    const size_t line = 2 * BLOCK;
-    block_bf16(x, w + (size_t)b * line * ((k + 1) / 2), k, M, out);
-    const __mmask16 mask = block_mask(b, n);
-    const __m512 bv = bias ? load_bf16(bias + b * BLOCK, mask) : _mm512_setzero_ps();
+/* Rows [0, M) of x against blocks b .. b + NB - 1 with the bias added, as fp32 sums in
+   out[][]; each block's output mask in masks[]. */
+BF16 ALWAYS_INLINE void sums_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                                  int b, int n, int k, int M, int NB, __m512 out[][MAX_NB],
+                                  __mmask16* masks) {
+    const size_t bstride = 2 * BLOCK * (size_t)((k + 1) / 2);
+    blocks_bf16(x, w + (size_t)b * bstride, bstride, k, M, NB, out);
+#pragma GCC unroll 2
+    for (int j = 0; j < NB; j++) {
+        masks[j] = block_mask(b + j, n);
+        const __m512 bv =
+            bias ? load_bf16(bias + (b + j) * BLOCK, masks[j]) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++) out[r] = _mm512_add_ps(out[r], bv);
-    return mask;
+        for (int r = 0; r < M; r++) out[r][j] = _mm512_add_ps(out[r][j], bv);
+    }
 }
 
 /* ... stored into y as bf16 (rounded to nearest even) ... */
 BF16 ALWAYS_INLINE void rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
-                                  uint16_t* y, int b, int n, int k, int M) {
-    __m512 out[ROWS];
-    const __mmask16 mask = sums_bf16(x, w, bias, b, n, k, M, out);
+                                  uint16_t* y, int b, int n, int k, int M, int NB) {
+    __m512 out[ROWS][MAX_NB];
+    __mmask16 masks[MAX_NB];
+    sums_bf16(x, w, bias, b, n, k, M, NB, out, masks);
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++) {
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(out[r]);
-        _mm256_mask_storeu_epi16(y + (size_t)r * n + b * BLOCK, mask, h);
-    }
+    for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j++) {
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(out[r][j]);
+            _mm256_mask_storeu_epi16(y + (size_t)r * n + (b + j) * BLOCK, masks[j], h);
+        }
 }
 
 /* ... or as the fp32 sums themselves (an LM head's logits: rounding them to bf16 would
    merge near-ties, ulp 0.125 at 25). */
 BF16 ALWAYS_INLINE void rows_bf16_f32(const uint16_t* x, const uint16_t* w,
                                       const uint16_t* bias, float* y, int b, int n, int k,
-                                      int M) {
-    __m512 out[ROWS];
-    const __mmask16 mask = sums_bf16(x, w, bias, b, n, k, M, out);
+                                      int M, int NB) {
+    __m512 out[ROWS][MAX_NB];
+    __mmask16 masks[MAX_NB];
+    sums_bf16(x, w, bias, b, n, k, M, NB, out, masks);
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++) _mm512_mask_storeu_ps(y + (size_t)r * n + b * BLOCK, mask, out[r]);
+    for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j++)
+            _mm512_mask_storeu_ps(y + (size_t)r * n + (b + j) * BLOCK, masks[j], out[r][j]);
 }
 
 /* x [m, k], w packed from [n, k], bias [n] or NULL, all bf16 -> y [m, n], bf16 or (f32_out)
    fp32. */
 BF16 static void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                              void* y, int m, int n, int k, int f32_out) {
-    const int blocks = (n + BLOCK - 1) / BLOCK;
-    uint16_t* y16 = (uint16_t*)y;
-    float* y32 = (float*)y;
-#pragma omp parallel for schedule(static)
-    for (int b = 0; b < blocks; b++) {
-        if (f32_out) {
-            ROW_GROUPS(rows_bf16_f32, x, w, bias, y32, b, m, n, k);
-        } else {
-            ROW_GROUPS(rows_bf16, x, w, bias, y16, b, m, n, k);
-        }
+    if (f32_out) {
+        FOR_BLOCKS(rows_bf16_f32, x, w, bias, (float*)y, m, n, k);
+    } else {
+        FOR_BLOCKS(rows_bf16, x, w, bias, (uint16_t*)y, m, n, k);
     }
 }
 
