@@ -197,15 +197,15 @@ def _attend_causal(
     queries = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
     out = torch.empty_like(q)
     rows = max(1, _SCORES_CHUNK_BYTES // (4 * num_heads * length))
-    key_pos = torch.arange(length, device=q.device)
     for r0 in range(0, q_len, rows):
         r1 = min(q_len, r0 + rows)
         n = r1 - r0
         chunk = queries[:, :, r0:r1].reshape(kv_heads, group * n, head_dim)
         scores = torch.bmm(chunk, keys).view(kv_heads, group, n, length).float()
-        # query r sits at position prefix + r and sees keys at positions <= its own
-        hidden = key_pos[None, :] > (prefix + torch.arange(r0, r1, device=q.device))[:, None]
-        scores.mul_(scale).masked_fill_(hidden, float("-inf"))
+        # query r sits at position prefix + r and sees keys at positions <= its own: -inf
+        # above that diagonal, added (a broadcast masked_fill_ took 13x longer)
+        hidden = torch.full((n, length), float("-inf"), device=q.device).triu_(prefix + r0 + 1)
+        scores.mul_(scale).add_(hidden)
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, group * n, length)
         mixed = torch.bmm(probs, values).view(kv_heads, group, n, head_dim)
         out[r0:r1] = mixed.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
