@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flowllm.models.causal_lm import KVCache, PagedCausalLM
 from flowllm.models.context import AttentionContext
 from flowllm.models.layers import (
     Embedding,
@@ -27,8 +28,6 @@ from flowllm.models.layers import (
     pack_linears,
     paged_attention,
 )
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class GPT2Block(nn.Module):
@@ -78,7 +77,7 @@ class GPT2Block(nn.Module):
         return self.mlp_proj(self.act(self.c_fc(x))), residual
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(PagedCausalLM):
     """GPT-2 with an LM head; `forward` returns logits only for `ctx.logits_indices`."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -115,17 +114,6 @@ class GPT2Model(nn.Module):
         )
         self.ln_f = LayerNorm(d, eps, dtype, device)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[KVCache],
-        ctx: AttentionContext,
-    ) -> torch.Tensor:
-        # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
-        h = self.embed(input_ids, positions)
-        return self.compute_logits(self.forward_layers(h, positions, kv_caches, ctx), ctx)
-
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token plus learned position embeddings [n, d]."""
         return self.wte(input_ids) + self.wpe.index_select(0, positions)
@@ -144,16 +132,9 @@ class GPT2Model(nn.Module):
             h, residual = block(h, residual, kv_cache, ctx)
         return (h,) if residual is None else (h, residual)
 
-    def compute_logits(
-        self, hidden: tuple[torch.Tensor, ...], ctx: AttentionContext
-    ) -> torch.Tensor:
-        """Logits [len(ctx.logits_indices), vocab] of `forward_layers`' rows: the last
-        residual add and norm run on those rows only."""
-        h = hidden[0].index_select(0, ctx.logits_indices)
-        if len(hidden) == 1:  # no blocks
-            return self.lm_head(self.ln_f(h))
-        h, _ = self.ln_f.add_and_norm(h, hidden[1].index_select(0, ctx.logits_indices))
-        return self.lm_head(h)
+    @property
+    def final_norm(self) -> LayerNorm:
+        return self.ln_f
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF GPT-2 tensors (prefixed `transformer.` or not; Conv1D weights [in, out]),

@@ -284,7 +284,7 @@ def pack_linears(model: nn.Module) -> None:
             module.pack()
 
 
-class _ResidualNorm(nn.Module, abc.ABC):
+class ResidualNorm(nn.Module, abc.ABC):
     """A norm that can take the residual add before it (vLLM's layout: each layer hands its
     output and the residual stream to the next norm, which adds them). Where the native
     kernels serve the tensor (`flowllm.kernels.fused`) one C call does both; elsewhere,
@@ -316,7 +316,7 @@ class _ResidualNorm(nn.Module, abc.ABC):
         return self.forward(h), h
 
 
-class LayerNorm(_ResidualNorm):
+class LayerNorm(ResidualNorm):
     """LayerNorm with weight and bias, as in GPT-2."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
@@ -332,7 +332,7 @@ class LayerNorm(_ResidualNorm):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-class RMSNorm(_ResidualNorm):
+class RMSNorm(ResidualNorm):
     """RMSNorm computed in float32 and cast back before the weight, as Llama defines it."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:

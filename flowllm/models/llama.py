@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flowllm.models.causal_lm import KVCache, PagedCausalLM
 from flowllm.models.context import AttentionContext
 from flowllm.models.layers import (
     Embedding,
@@ -29,8 +30,6 @@ from flowllm.models.layers import (
     paged_attention,
     rope_inv_freq,
 )
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaBlock(nn.Module):
@@ -86,7 +85,7 @@ class LlamaBlock(nn.Module):
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x))), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(PagedCausalLM):
     """Llama with an LM head; `forward` returns logits only for `ctx.logits_indices`."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -122,17 +121,6 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(d, eps, dtype, device)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[KVCache],
-        ctx: AttentionContext,
-    ) -> torch.Tensor:
-        # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
-        h = self.embed(input_ids, positions)
-        return self.compute_logits(self.forward_layers(h, positions, kv_caches, ctx), ctx)
-
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The token embeddings [n, d] (positions enter through RoPE, in the layers)."""
         return self.embed_tokens(input_ids)
@@ -152,16 +140,9 @@ class LlamaModel(nn.Module):
             h, residual = layer(h, residual, rope, kv_cache, ctx)
         return (h,) if residual is None else (h, residual)
 
-    def compute_logits(
-        self, hidden: tuple[torch.Tensor, ...], ctx: AttentionContext
-    ) -> torch.Tensor:
-        """Logits [len(ctx.logits_indices), vocab] of `forward_layers`' rows: the last
-        residual add and norm run on those rows only."""
-        h = hidden[0].index_select(0, ctx.logits_indices)
-        if len(hidden) == 1:  # no layers
-            return self.lm_head(self.norm(h))
-        h, _ = self.norm.add_and_norm(h, hidden[1].index_select(0, ctx.logits_indices))
-        return self.lm_head(h)
+    @property
+    def final_norm(self) -> RMSNorm:
+        return self.norm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF Llama tensors (prefixed `model.` or not), fusing q/k/v and gate/up, then

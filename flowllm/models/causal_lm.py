@@ -1,0 +1,70 @@
+"""What GPT-2 and Llama share as step models: a step is `embed`, then `forward_layers` over
+every row, then `compute_logits` on the rows asked for (the runner calls the three apart, so
+that a decode step's layers can be replayed: `flowllm.models.step_plans`).
+
+Both hand each layer's output and the residual stream to the next norm, which adds them
+(vLLM's layout), so the last residual add and the final norm run in `compute_logits`, on
+the logit rows only.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from flowllm.models.context import AttentionContext
+from flowllm.models.layers import Linear, ResidualNorm
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class PagedCausalLM(nn.Module, abc.ABC):
+    """A causal LM on flattened token batches and a paged KV cache; `forward` returns logits
+    only for `ctx.logits_indices`."""
+
+    lm_head: Linear
+
+    @property
+    @abc.abstractmethod
+    def final_norm(self) -> ResidualNorm:
+        """The norm before the LM head."""
+
+    @abc.abstractmethod
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rows' input embeddings [n, d]."""
+
+    @abc.abstractmethod
+    def forward_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, ...]:
+        """Every layer over all n rows: (last layer's output, residual stream before it),
+        or (h,) without layers. Their K/V go to the cache."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
+        h = self.embed(input_ids, positions)
+        return self.compute_logits(self.forward_layers(h, positions, kv_caches, ctx), ctx)
+
+    def compute_logits(
+        self, hidden: tuple[torch.Tensor, ...], ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Logits [len(ctx.logits_indices), vocab] of `forward_layers`' rows: the last
+        residual add and norm run on those rows only."""
+        h = hidden[0].index_select(0, ctx.logits_indices)
+        if len(hidden) == 1:  # no layers
+            return self.lm_head(self.final_norm(h))
+        h, _ = self.final_norm.add_and_norm(h, hidden[1].index_select(0, ctx.logits_indices))
+        return self.lm_head(h)
