@@ -82,6 +82,25 @@ ALWAYS_INLINE __m512 sum_chains(const __m512* acc) {
         }                                                                               \
     } while (0)
 
+/* Both dtypes' passes: zeroed accumulators, and the UNROLL weight lines (64 bytes each)
+   PREFETCH lines ahead of `step` in each of the NB blocks (bstride bytes apart). */
+ALWAYS_INLINE void zero_accumulators(__m512 acc[ROWS][MAX_NB][CHAINS], int M, int NB) {
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j++)
+#pragma GCC unroll 4
+            for (int c = 0; c < CHAINS; c++) acc[r][j][c] = _mm512_setzero_ps();
+}
+
+ALWAYS_INLINE void prefetch_ahead(const char* step, size_t bstride, int NB) {
+#pragma GCC unroll 2
+    for (int j = 0; j < NB; j++)
+#pragma GCC unroll 4
+        for (int u = 0; u < UNROLL; u++)
+            _mm_prefetch(step + j * bstride + (size_t)(PREFETCH + u) * 64, _MM_HINT_T0);
+}
+
 /* ---- fp32 ---- */
 
 /* out[r][j] = block j of NB (at wb + j * bstride, each [k][16]) times x row r, for M rows
@@ -89,22 +108,10 @@ ALWAYS_INLINE __m512 sum_chains(const __m512* acc) {
 ALWAYS_INLINE void blocks_f32(const float* x, const float* wb, size_t bstride, int k, int M,
                               int NB, __m512 out[][MAX_NB]) {
     __m512 acc[ROWS][MAX_NB][CHAINS];
-#pragma GCC unroll 8
-    for (int r = 0; r < M; r++)
-#pragma GCC unroll 2
-        for (int j = 0; j < NB; j++)
-#pragma GCC unroll 4
-            for (int c = 0; c < CHAINS; c++) acc[r][j][c] = _mm512_setzero_ps();
+    zero_accumulators(acc, M, NB);
     int c = 0;
     for (; c + UNROLL <= k; c += UNROLL) {
-#pragma GCC unroll 2
-        for (int j = 0; j < NB; j++) {
-            const float* ahead = wb + j * bstride + (size_t)(c + PREFETCH) * BLOCK;
-            _mm_prefetch((const char*)ahead, _MM_HINT_T0);
-            _mm_prefetch((const char*)(ahead + BLOCK), _MM_HINT_T0);
-            _mm_prefetch((const char*)(ahead + 2 * BLOCK), _MM_HINT_T0);
-            _mm_prefetch((const char*)(ahead + 3 * BLOCK), _MM_HINT_T0);
-        }
+        prefetch_ahead((const char*)(wb + (size_t)c * BLOCK), bstride * sizeof(float), NB);
 #pragma GCC unroll 4
         for (int u = 0; u < UNROLL; u++) {
             __m512 w[MAX_NB];
@@ -178,22 +185,10 @@ BF16 ALWAYS_INLINE void blocks_bf16(const uint16_t* x, const uint16_t* wb, size_
     const int pairs = k / 2;
     const size_t line = 2 * BLOCK;  /* bf16 values per step */
     __m512 acc[ROWS][MAX_NB][CHAINS];
-#pragma GCC unroll 8
-    for (int r = 0; r < M; r++)
-#pragma GCC unroll 2
-        for (int j = 0; j < NB; j++)
-#pragma GCC unroll 4
-            for (int c = 0; c < CHAINS; c++) acc[r][j][c] = _mm512_setzero_ps();
+    zero_accumulators(acc, M, NB);
     int p = 0;
     for (; p + UNROLL <= pairs; p += UNROLL) {
-#pragma GCC unroll 2
-        for (int j = 0; j < NB; j++) {
-            const uint16_t* ahead = wb + j * bstride + (size_t)(p + PREFETCH) * line;
-            _mm_prefetch((const char*)ahead, _MM_HINT_T0);
-            _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
-            _mm_prefetch((const char*)(ahead + 2 * line), _MM_HINT_T0);
-            _mm_prefetch((const char*)(ahead + 3 * line), _MM_HINT_T0);
-        }
+        prefetch_ahead((const char*)(wb + (size_t)p * line), bstride * sizeof(uint16_t), NB);
 #pragma GCC unroll 4
         for (int u = 0; u < UNROLL; u++) {
             __m512bh w[MAX_NB];
