@@ -76,15 +76,17 @@ class ByteVocab:
     """Each vocabulary id's bytes, for a tokenizer whose decoder is byte-level BPE alone.
 
     `table[i]` is id i's bytes (None for an id the model vocabulary lacks); `added` holds
-    the added tokens' ids (special or not), which only the backend decodes. Build it once
-    per tokenizer (`of`), then pass it to `make_decode`.
+    the added tokens' ids (special or not), which only the backend decodes; `texts[i]` is
+    id i's text when its bytes are whole UTF-8 characters by themselves (None otherwise, and
+    for added ids). Build it once per tokenizer (`of`), then pass it to `make_decode`.
     """
 
-    __slots__ = ("added", "table")
+    __slots__ = ("added", "table", "texts")
 
     def __init__(self, table: list[bytes | None], added: frozenset[int]) -> None:
         self.table = table
         self.added = added
+        self.texts = [None if i in added else _whole_text(b) for i, b in enumerate(table)]
 
     @classmethod
     def of(cls, tokenizer: Any) -> ByteVocab | None:
@@ -104,6 +106,16 @@ class ByteVocab:
                 table[i] = token.encode()
         added = frozenset(backend.get_added_tokens_decoder())
         return cls(table, added)
+
+
+def _whole_text(token: bytes | None) -> str | None:
+    """The token's text if its bytes are complete UTF-8 characters, else None."""
+    if token is None:
+        return None
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 _NO_TEXT = DetokenizerStep("")
@@ -135,12 +147,13 @@ class ByteDecode:
     window's bytes as it grows instead of joining them again for every token.
     """
 
-    __slots__ = ("_added", "_lookup", "fallback")
+    __slots__ = ("_added", "_lookup", "fallback", "texts")
 
     def __init__(self, vocab: ByteVocab, fallback: Decode) -> None:
         self._added = vocab.added
         self._lookup = vocab.table.__getitem__
         self.fallback = fallback
+        self.texts = vocab.texts
 
     def __call__(self, ids: list[int]) -> str:
         window = self.window_bytes(ids)
@@ -247,12 +260,17 @@ class IncrementalDetokenizer:
         if context_text.endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a character: decode the output on its own instead.
             context, context_text = [], ""
-        self._ids: list[int] = context  # context tokens, then every output token
+        self._ids: list[int] = context  # context tokens, then output tokens (the window's)
         self._start = 0  # the decode window is _ids[_start:]
         # With a byte-level decode: the window's bytes, kept as it grows (None while the
         # window holds an id only the backend decodes), so a step decodes them directly.
         self._bytes = self._decode if isinstance(self._decode, ByteDecode) else None
         self._wbytes = None if self._bytes is None else self._bytes.window_bytes(context)
+        # Byte-level without stop strings: while the window is settled (every byte of it
+        # read, ending on a character boundary), a token whose bytes are whole characters
+        # adds exactly its own text (`append`).
+        self._texts = self._bytes.texts if self._bytes is not None and not self._stops else None
+        self._settled = False
         self._decoded = context_text  # text of the window already read
         self._held = ""  # read text held back because a stop string may begin there
         self._pieces: list[str] = []  # emitted deltas
@@ -311,6 +329,19 @@ class IncrementalDetokenizer:
         self._push_bytes(token_id)
         return self._emit(self._read(final=False), final=False)
 
+    def append(self, token_id: int) -> str | None:
+        """`step_token(token_id).text_delta` when that is just the token's own text (a
+        byte-level tokenizer, no stop strings, whole characters after whole characters);
+        None, changing nothing, otherwise: call `step_token` then."""
+        texts = self._texts
+        if texts is None or not self._settled or self._done or token_id >= len(texts):
+            return None
+        text = texts[token_id]
+        if text is not None:
+            self._num_output_tokens += 1
+            self._pieces.append(text)
+        return text
+
     def finish(self) -> DetokenizerStep:
         """The sequence ended (length, EOS, stop token, abort): emit everything held back."""
         if self._done:
@@ -337,13 +368,23 @@ class IncrementalDetokenizer:
 
     def _read(self, *, final: bool) -> str:
         """Decode the window and return its text not read before."""
-        text = self._window_text()
+        text = full = self._window_text()
         if not final and text.endswith(REPLACEMENT_CHAR):
             text = text[:-1]  # maybe an incomplete character: wait for more bytes
         new = ""
         if len(text) > len(self._decoded):
             new = text[len(self._decoded) :]
             self._decoded = text
+        if self._wbytes is not None and text is full and len(text) == len(self._decoded):
+            # Byte-level and read to a character boundary: the text that follows does not
+            # depend on this window's bytes, so it restarts empty.
+            self._ids.clear()
+            self._start = 0
+            self._wbytes = b""
+            self._decoded = ""
+            self._settled = True
+            return new
+        self._settled = False
         if len(self._ids) - self._start > _MAX_WINDOW:
             # Slide, keeping a few tokens of context: the bytes of an incomplete trailing
             # character lie in the last 3 tokens, so they stay inside the window.

@@ -89,18 +89,20 @@ class Detokenize(PerMessageStage):
             choice.num_output_tokens += 1
             finish, stop_reason = token.finish_reason, token.stop_reason
             detokenizer = choice.detokenizer
-            # EOS / a stop token id: its text is left out (as vLLM, unless asked to keep it)
-            out = detokenizer.step_token(token.token_id, stop_terminated=finish == "stop")
-            text = out.text_delta
-            if out.stop_string is not None:
-                finish, stop_reason = "stop", out.stop_string
-                await ctx.emit("finishes", Finish(token.seq_id, out.stop_string))
-            elif finish is not None:
-                text += detokenizer.finish().text_delta
-            if finish is not None:
-                choice.done = True
-            elif choice.sent_first and token.logprobs is None and stop_reason is None:
-                # the common case: a middle chunk, only the fields without defaults
+            middle = finish is None and choice.sent_first and token.logprobs is None
+            text = detokenizer.append(token.token_id) if middle else None
+            if text is None:
+                # EOS / a stop token id: its text is left out (as vLLM, unless asked to keep it)
+                out = detokenizer.step_token(token.token_id, stop_terminated=finish == "stop")
+                text = out.text_delta
+                if out.stop_string is not None:
+                    finish, stop_reason, middle = "stop", out.stop_string, False
+                    await ctx.emit("finishes", Finish(token.seq_id, out.stop_string))
+                elif finish is not None:
+                    text += detokenizer.finish().text_delta
+                if finish is not None:
+                    choice.done = True
+            if middle:  # the common case: only the fields without defaults
                 start = choice.start
                 chunks.append(
                     Chunk(

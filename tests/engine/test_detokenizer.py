@@ -341,6 +341,44 @@ def test_step_token_is_step_of_one(gpt2_tokenizer: Any, pools: dict[str, list[in
         assert lists.num_output_tokens == ones.num_output_tokens
 
 
+def test_append_streams_the_full_decode(
+    gpt2_tokenizer: Any, pools: dict[str, list[int]], byte_vocab: ByteVocab
+) -> None:
+    """The one-token fast path, with `step_token` where it does not answer: the text so far
+    is always a prefix of the full decode and ends equal to it, a character is emitted
+    whole, most tokens of real text take the fast path, and with stop strings none does."""
+    rng = random.Random(9)
+    answered = asked = 0
+    for case in range(200):
+        params = SamplingParams(
+            skip_special_tokens=case % 2 == 0, stop=("ab",) if case % 10 == 0 else ()
+        )
+        fast = make_decode(gpt2_tokenizer, params.skip_special_tokens, True, byte_vocab)
+        ids = random_sequence(rng, gpt2_tokenizer, pools)
+        prompt = gpt2_tokenizer.encode(rng.choice(TEXTS)) if case % 2 else []
+        plain = IncrementalDetokenizer(gpt2_tokenizer, prompt, params)
+        table = IncrementalDetokenizer(gpt2_tokenizer, prompt, params, decode=fast)
+        full = gpt2_tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        got = ""
+        for t in ids:
+            text = table.append(t)
+            asked += 1
+            if text is None:
+                text = table.step_token(t).text_delta
+            else:
+                answered += 1
+                assert not params.stop
+            got += text
+            assert full.startswith(got) or params.stop, (case, ids)
+            plain.step_token(t)
+        got += table.finish().text_delta
+        assert got == plain.text + plain.finish().text_delta
+        assert got == full or params.stop
+        assert got.count("\ufffd") == full.count("\ufffd") or params.stop
+        assert table.num_output_tokens == plain.num_output_tokens
+    assert asked // 3 < answered < asked  # both paths were taken
+
+
 def test_skipped_special_token_inside_a_character(gpt2_tokenizer: Any) -> None:
     """A skipped special token between the byte tokens of one character leaves it whole."""
     emoji = gpt2_tokenizer.encode("😀")
