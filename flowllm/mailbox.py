@@ -55,6 +55,7 @@ class Mailbox:
         self._pending: dict[int, list[Chunk]] = {}  # choice index -> its unread chunks
         self._error: RequestError | None = None
         self._wakeup = anyio.Event()
+        self._woken = False  # `_wakeup` is set (a flag: cheaper than asking the event)
         self.arrival_time = 0.0  # set by the registry; read for latency metrics
         self.first_chunk_time: float | None = None
 
@@ -63,10 +64,12 @@ class Mailbox:
         """Every choice finished or the request failed: nothing more will be put."""
         return not self._unfinished or self._error is not None
 
-    def put(self, chunk: Chunk, now: float | None = None) -> None:
-        """Add a chunk (merged with the choice's unread one); `now`: time.monotonic()."""
-        if not self._unfinished or self._error is not None:  # done
-            return
+    def put(self, chunk: Chunk, now: float | None = None) -> bool:
+        """Add a chunk (merged with the choice's unread one); `now`: time.monotonic().
+        Returns `done`: whether nothing more will be put."""
+        unfinished = self._unfinished
+        if not unfinished or self._error is not None:  # done
+            return True
         if self.first_chunk_time is None:
             self.first_chunk_time = time.monotonic() if now is None else now
         pending = self._pending.get(chunk.index)
@@ -76,16 +79,19 @@ class Mailbox:
             pending.append(chunk)
             if len(pending) >= MERGE_BATCH:
                 pending[:] = [merge_chunks(pending)]
+        if not self._woken:
+            self._woken = True
+            self._wakeup.set()
         if chunk.finish_reason is not None:
-            self._unfinished.discard(chunk.index)
-        wakeup = self._wakeup
-        if not wakeup.is_set():
-            wakeup.set()
+            unfinished.discard(chunk.index)
+            return not unfinished
+        return False
 
     def fail(self, error: RequestError) -> None:
         if self.done:
             return
         self._error = error
+        self._woken = True
         self._wakeup.set()
 
     def __aiter__(self) -> Mailbox:
@@ -99,6 +105,7 @@ class Mailbox:
                 raise StopAsyncIteration
             await self._wakeup.wait()
             self._wakeup = anyio.Event()
+            self._woken = False
         index = next(iter(self._pending))
         return merge_chunks(self._pending.pop(index))
 
@@ -113,6 +120,9 @@ class Mailboxes:
     def __init__(self) -> None:
         self._boxes: dict[str, Mailbox] = {}
         self._pending: set[str] = set()
+        # request id -> its mailbox, None once closed (the dict's own lookup: format calls
+        # it for every chunk)
+        self.get: Callable[[str], Mailbox | None] = self._boxes.get
 
     def __len__(self) -> int:
         return len(self._boxes)
@@ -130,9 +140,6 @@ class Mailboxes:
         self._pending.add(request_id)
         return box
 
-    def get(self, request_id: str) -> Mailbox | None:
-        return self._boxes.get(request_id)
-
     def deliver(self, chunk: Chunk) -> Mailbox | None:
         """Put a chunk in its request's mailbox; returns the mailbox (None if it is gone)."""
         box = self._boxes.get(chunk.request_id)
@@ -144,8 +151,7 @@ class Mailboxes:
         """`deliver` for a caller that already looked the mailbox up (`get`)."""
         if box.first_chunk_time is None:
             self._pending.discard(chunk.request_id)
-        box.put(chunk, now)
-        if box.done:
+        if box.put(chunk, now):
             self._boxes.pop(chunk.request_id, None)
 
     def fail(self, error: RequestError) -> Mailbox | None:

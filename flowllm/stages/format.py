@@ -30,13 +30,14 @@ class Format(PerMessageStage):
             self._mailboxes.fail(message)
             return
         mailboxes = self._mailboxes
+        get, deliver_to = mailboxes.get, mailboxes.deliver_to
         now = time.monotonic()  # one clock read per step: the chunks arrived together
         for chunk in message.chunks:
-            box = mailboxes.get(chunk.request_id)
+            box = get(chunk.request_id)
             if box is None:
                 continue  # aborted: nobody reads it any more
             first = box.first_chunk_time is None
-            mailboxes.deliver_to(box, chunk, now)
+            deliver_to(box, chunk, now)
             if first or chunk.finish_reason is not None:
                 self._observe(box, chunk, first, now)
 
