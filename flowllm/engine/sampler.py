@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from flowllm.engine.stopping import StopChecker
+from flowllm.kernels.argmax import argmax_rows
 from flowllm.messages import SampledToken, SamplingParams, SeqStart, TokenLogprobs
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -45,8 +46,6 @@ LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-LIMIT, LIMIT]
 _CDF_BLOCK = 256  # inverse CDF: block size of the two-level search
 _RADIX_CHUNK = 1 << 21  # top_p: values per thresholding chunk (keeps temporaries small)
 _SORT_VOCAB = 4096  # top_p: up to this vocabulary size a full sort is the cheaper way
-_BLOCK_ARGMAX_NUMEL = 1 << 15  # greedy: from this many logits on, argmax by blocks
-_ARGMAX_BLOCK = 64  # greedy: block length of the blocked argmax
 
 
 class SamplerError(RuntimeError):
@@ -245,10 +244,10 @@ class Sampler:
         else:
             greedy_rows, random_rows = list(range(batch)), []
         if len(greedy_rows) == batch:
-            tokens = _argmax_rows(logits)
+            tokens = argmax_rows(logits)
         elif greedy_rows:
             g = torch.tensor(greedy_rows, device=logits.device)
-            tokens[g] = _argmax_rows(logits.index_select(0, g))
+            tokens[g] = argmax_rows(logits.index_select(0, g))
         if random_rows:
             chosen = self._sample_random(
                 logits, random_rows, [states[i] for i in random_rows], editable
@@ -620,31 +619,6 @@ def _top_p_threshold(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     m = torch.searchsorted(cum, target.unsqueeze(1).contiguous())  # first k reaching target
     m = torch.minimum(m, (counts - 1).unsqueeze(1))
     return cand.gather(1, m).squeeze(1)
-
-
-def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=1)` for [R, V] float32: the first maximal index of each row, NaN first.
-
-    On CPU, torch's argmax along rows is a scalar loop (~57 us per 50257-wide row, 8-15 ms
-    for 256 rows) while amax is vectorized. So from `_BLOCK_ARGMAX_NUMEL` logits on: the max of
-    each 64-token block (amax), the first block holding the row's max (argmax over V / 64
-    values), then the first maximal index inside that block. amax propagates NaN as argmax
-    ranks it (above everything), so the index is exactly argmax's. [256, V] on one thread:
-    V = 1024 184 -> 87 us, V = 32000 5.1 -> 1.6 ms, V = 50257 8.1 -> 2.3 ms.
-    """
-    rows, vocab = x.shape
-    if rows * vocab < _BLOCK_ARGMAX_NUMEL or vocab < 2 * _ARGMAX_BLOCK:  # ~25 us fixed cost
-        return x.argmax(dim=1)
-    blk = _ARGMAX_BLOCK
-    nb = vocab // blk
-    block_max = x[:, : nb * blk].reshape(rows, nb, blk).amax(dim=-1)  # [R, NB]
-    if vocab % blk:
-        tail = x[:, nb * blk :].amax(dim=-1, keepdim=True)  # [R, 1]
-        block_max = torch.cat([block_max, tail], dim=1)
-    b = block_max.argmax(dim=1, keepdim=True)  # [R, 1] first block holding the max
-    # Columns past the end repeat the last one; they follow it, so never come first.
-    cols = (b * blk + torch.arange(blk, device=x.device)).clamp_(max=vocab - 1)  # [R, blk]
-    return (b * blk).squeeze(1) + x.gather(1, cols).argmax(dim=1)
 
 
 def _block_sums(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ import torch
 from flowllm.engine.sampler import (
     Sampler,
     SamplerError,
-    _argmax_rows,
     _inverse_cdf,
     _keep_top_k,
     _keep_top_p,
@@ -620,21 +619,3 @@ def test_sample_only_reads_its_logits(params: list[SamplingParams]) -> None:
         want = samplers[1].sample(seq_ids, raw.clone(), [step] * len(params))
         assert torch.equal(frozen, raw)
         assert got == want
-
-
-@pytest.mark.parametrize("vocab", [1024, 1000 + 24 + 63, 4096 + 81, 50257])
-def test_block_argmax_equals_torch_argmax(vocab: int) -> None:
-    """First maximal index, NaN ranked above everything, ties and the ragged tail block."""
-    gen = torch.Generator().manual_seed(14)
-    x = torch.randint(0, 4, (48, vocab), generator=gen).float()  # many ties (48 rows: blocked)
-    x[1] = float("-inf")
-    x[2, [700, vocab - 60]] = float("nan")
-    x[3, -1] = float("nan")
-    x[4, -1] = 9.0
-    x[5, [255, 256]] = 9.0
-    x[6, vocab - 2 :] = 9.0
-    x[7, 5] = float("inf")
-    x[8] = 0.0
-    x[9:] = torch.randn(39, vocab, generator=gen)
-    assert torch.equal(_argmax_rows(x), x.argmax(dim=1))
-    assert torch.equal(_argmax_rows(x[:0]), x[:0].argmax(dim=1))

@@ -1,0 +1,58 @@
+"""Greedy sampling's argmax along logit rows: `torch.argmax(x, dim=1)`, faster on CPU.
+
+torch's CPU argmax along rows is a scalar loop (~57 µs per 50257-wide row, 8-15 ms for
+256 rows). With the native library, `csrc/argmax.c` does one vectorized pass per row
+(rows split across threads from 1M logits on). Without it, from `BLOCKED_FROM` logits on,
+the rows go by blocks through vectorized torch ops: the max of each 64-token block (amax),
+the first block holding the row's max, then the first maximal index inside that block.
+Both give exactly argmax's index: the first maximum, a NaN before anything (amax
+propagates NaN as argmax ranks it). Timings are in benchmarks/README.md "Pipeline overhead".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flowllm.kernels import native
+
+BLOCKED_FROM = 1 << 15  # torch fallback: from this many logits on, argmax by blocks
+_BLOCK = 64  # torch fallback: block length
+
+
+@functools.cache
+def _kernel() -> tuple[native.NativeLibrary, int] | None:
+    lib = native.library()
+    return None if lib is None else (lib, lib.address("flowllm_argmax_rows_f32"))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=1)` of [R, V] float32 logits, as int64 [R]."""
+    kernel = _kernel()
+    if kernel is not None and x.is_cpu and x.dtype is torch.float32 and x.stride(1) == 1:
+        lib, address = kernel
+        rows, vocab = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows and vocab:
+            lib.follow_torch_threads()
+            lib.call(address, x.data_ptr(), rows, vocab, x.stride(0), out.data_ptr())
+            return out
+    return blocked_argmax_rows(x)
+
+
+def blocked_argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=1)` through vectorized torch ops (see the module docstring)."""
+    rows, vocab = x.shape
+    if rows * vocab < BLOCKED_FROM or vocab < 2 * _BLOCK:  # ~25 us fixed cost
+        return x.argmax(dim=1)
+    blk = _BLOCK
+    nb = vocab // blk
+    block_max = x[:, : nb * blk].reshape(rows, nb, blk).amax(dim=-1)  # [R, NB]
+    if vocab % blk:
+        tail = x[:, nb * blk :].amax(dim=-1, keepdim=True)  # [R, 1]
+        block_max = torch.cat([block_max, tail], dim=1)
+    b = block_max.argmax(dim=1, keepdim=True)  # [R, 1] first block holding the max
+    # Columns past the end repeat the last one; they follow it, so never come first.
+    cols = (b * blk + torch.arange(blk, device=x.device)).clamp_(max=vocab - 1)  # [R, blk]
+    return (b * blk).squeeze(1) + x.gather(1, cols).argmax(dim=1)
