@@ -1,4 +1,4 @@
-"""sample: one batched sampling call per step, in a worker thread.
+"""sample: one batched sampling call per step, in its worker thread.
 
 It learns each sequence's parameters from `StepBatch.started`, decides every sampled
 token's finish reason (flowllm.engine.stopping), and sends the same `StepTokens` to
@@ -8,8 +8,6 @@ schedule (which appends them) and detokenize (which turns them into text).
 from __future__ import annotations
 
 from typing import Any
-
-import anyio.to_thread
 
 from flowllm.engine.sampler import Sampler
 from flowllm.messages import StepLogits, StepTokens, TokenLogprobs
@@ -28,9 +26,10 @@ class Sample(PerMessageStage):
             max_model_len=services.max_model_len,
             device=services.device,
         )
+        self._worker = services.worker_thread("sample")
 
     async def handle(self, step: StepLogits, ctx: StageContext) -> None:
-        tokens = await anyio.to_thread.run_sync(self._sample, step)
+        tokens = await self._worker.run(self._sample, step)
         await ctx.emit("out", tokens)
 
     def _sample(self, step: StepLogits) -> StepTokens:

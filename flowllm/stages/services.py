@@ -19,6 +19,7 @@ from flowllm.metrics import EngineMetrics
 from flowllm.models.kv_cache import KVCaches, KVCacheSpec, allocate_kv_cache
 from flowllm.models.loader import LoadedModel, load_model
 from flowllm.models.tokenizer import load_tokenizer
+from flowllm.stages.worker import WorkerThread
 
 
 @dataclass
@@ -39,6 +40,8 @@ class EngineServices:
     # Read-only data derived from the model or tokenizer, built on first use: one dict
     # shared by every `fresh` copy, so whichever copy builds an entry, all reuse it.
     _derived: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The stages' worker threads by name, shared by every `fresh` copy likewise.
+    _workers: dict[str, WorkerThread] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics = EngineMetrics(self.registry)
@@ -50,6 +53,14 @@ class EngineServices:
             self._derived["byte_vocab"] = ByteVocab.of(self.tokenizer)
         vocab: ByteVocab | None = self._derived["byte_vocab"]
         return vocab
+
+    def worker_thread(self, name: str) -> WorkerThread:
+        """The thread the stage called `name` runs its per-step torch work in, kept for
+        these services' lifetime (flowllm/stages/worker.py). Replicas of a stage share it."""
+        worker = self._workers.get(name)
+        if worker is None:
+            worker = self._workers[name] = WorkerThread(f"flowllm-{name}")
+        return worker
 
     @property
     def served_model_name(self) -> str:
@@ -68,6 +79,7 @@ class EngineServices:
             eos_token_ids=self.eos_token_ids,
             device=self.device,
             _derived=self._derived,
+            _workers=self._workers,
         )
 
 
