@@ -108,8 +108,10 @@ class KVCacheManager:
         if num_new_blocks > 0 or cached_blocks:
             pool = self.pool
             # Free cached hits leave the free queue when touched, so they count against it.
-            num_free_hits = sum(1 for b in cached_blocks if pool.ref_cnt(b) == 0)
-            if max(num_new_blocks, 0) + num_free_hits > pool.num_free_blocks:
+            need = max(num_new_blocks, 0)
+            if cached_blocks:
+                need += sum(1 for b in cached_blocks if pool.ref_cnt(b) == 0)
+            if need > pool.num_free_blocks:
                 return None
             if cached_blocks:
                 pool.touch(cached_blocks)
