@@ -5,7 +5,7 @@ tokenizer), the scheduler with its block pool, input building, the sampler (gree
 incremental detokenizer, format and the mailboxes — so the time per step is what the graph
 adds around a model step. Run:
 
-    .venv/bin/python benchmarks/pipeline_overhead.py [--vocab 50257] [--steps 64] [--repeats 3]
+    .venv/bin/python benchmarks/pipeline_overhead.py [--vocab 1024] [--steps 64] [--repeats 3]
 
 `--stage-bench` instead drives the step path's objects (scheduler, execute's runner, the
 sampler, the scheduler's apply, detokenize and format) one after another on one thread,
@@ -102,6 +102,7 @@ class Run(NamedTuple):
     minor_faults: int
     steps: int
     busy: dict[str, float]  # busy seconds per stage
+    step_seconds: float  # mean time per output token: a step with every sequence running
 
 
 def run(llm: LLM, num_seqs: int, steps: int) -> Run:
@@ -123,7 +124,16 @@ def run(llm: LLM, num_seqs: int, steps: int) -> Run:
         )
         for stage in STAGES
     }
-    return Run(elapsed, cpu - cpu_started, faults - faults_started, int(count or 0), busy)
+    tpot_sum = registry.get_sample_value("flowllm:time_per_output_token_seconds_sum") or 0.0
+    tpot_count = registry.get_sample_value("flowllm:time_per_output_token_seconds_count") or 1
+    return Run(
+        elapsed,
+        cpu - cpu_started,
+        faults - faults_started,
+        int(count or 0),
+        busy,
+        tpot_sum / tpot_count,
+    )
 
 
 class _Outbox:
@@ -219,30 +229,31 @@ def main() -> None:
         return
     llm = LLM(services=services(args.vocab, tokenizer, args.fresh_logits))
     run(llm, 4, 4)  # warm up
+    k = args.steps
     fresh = ", fresh logits each step" if args.fresh_logits else ""
-    print(f"vocab {args.vocab}, {args.steps} decode steps per run, greedy, instant model{fresh}")
-    print("best of --repeats runs. A round: every running sequence gains one token (the")
-    print("scheduler may split a round into several steps while requests trickle in); stage")
-    print("columns: busy µs per round (execute and sample include waiting for the GIL in")
-    print("their worker thread). The prompts' prefill step is spread over the rounds.")
-    print("cpu µs/round: the process's CPU time (all threads), steadier than wall time on a")
-    print("shared machine; faults/round: its minor page faults (both the least of the runs).")
+    print(f"vocab {args.vocab}, {k} tokens per sequence, greedy, instant model{fresh}; best of")
+    print(f"{args.repeats} runs. µs/step: the mean time per output token (the engine's own")
+    print("flowllm:time_per_output_token_seconds), i.e. the time of a step with every sequence")
+    print("running, intake and prefill excluded. Round columns: the whole run per round (every")
+    print("sequence gains one token), intake and prefill included; cpu: the process's CPU time")
+    print("(all threads), steadier than wall time on a shared machine; faults: minor page")
+    print("faults; stage columns: busy µs per round from each stage's duration histogram")
+    print("(execute and sample include waiting for the GIL in their worker thread).")
     head = "".join(f"{s:>11}" for s in STAGES)
     print(
-        f"{'running seqs':>12} {'steps':>6} {'µs/step':>9} {'rounds/s':>9} {'µs/round':>9} "
-        f"{'cpu µs/round':>13} {'faults/round':>13} {'µs/seq-token':>13}{head}"
+        f"{'running seqs':>12} {'µs/step':>8} {'steps/s':>8} {'µs/round':>9} "
+        f"{'cpu µs/round':>13} {'faults/round':>13}{head}"
     )
     for num_seqs in (1, 64, 256):
-        runs = [run(llm, num_seqs, args.steps) for _ in range(args.repeats)]
-        best = min(runs, key=lambda r: r.seconds)
+        runs = [run(llm, num_seqs, k) for _ in range(args.repeats)]
+        best = min(runs, key=lambda r: r.step_seconds)
+        step = best.step_seconds
         cpu = min(r.cpu_seconds for r in runs)
         faults = min(r.minor_faults for r in runs)
-        per_round = best.seconds / args.steps
-        stages = "".join(f"{best.busy[s] / args.steps * 1e6:>11.0f}" for s in STAGES)
+        stages = "".join(f"{best.busy[s] / k * 1e6:>11.0f}" for s in STAGES)
         print(
-            f"{num_seqs:>12} {best.steps:>6} {best.seconds / best.steps * 1e6:>9.0f} "
-            f"{1 / per_round:>9.0f} {per_round * 1e6:>9.0f} {cpu / args.steps * 1e6:>13.0f} "
-            f"{faults / args.steps:>13.0f} {per_round * 1e6 / num_seqs:>13.1f}{stages}"
+            f"{num_seqs:>12} {step * 1e6:>8.0f} {1 / step:>8.0f} {best.seconds / k * 1e6:>9.0f} "
+            f"{cpu / k * 1e6:>13.0f} {faults / k:>13.0f}{stages}"
         )
 
 
