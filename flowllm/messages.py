@@ -234,3 +234,14 @@ class TextDeltas(msgspec.Struct, kw_only=True):
 
     step_id: int
     chunks: tuple[Chunk, ...]
+
+
+def request_ids_of(message: Any) -> tuple[str, ...]:
+    """The requests a message belongs to. Per-step messages name sequences, not requests:
+    the stage that knows their requests says (e.g. detokenize's `request_ids`)."""
+    if isinstance(message, ValidRequest):
+        return (message.request.request_id,)
+    if isinstance(message, TextDeltas):
+        return tuple(dict.fromkeys(chunk.request_id for chunk in message.chunks))
+    request_id = getattr(message, "request_id", None)
+    return (request_id,) if isinstance(request_id, str) else ()
