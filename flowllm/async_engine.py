@@ -58,7 +58,11 @@ class AsyncEngine:
         if services is None:
             services = build_services(config or EngineConfig())
         runtime = Graph(
-            graph or DEFAULT_GRAPH, services, registry=services.registry, **graph_options
+            graph or DEFAULT_GRAPH,
+            services,
+            registry=services.registry,
+            fail_request=services.mailboxes.fail,
+            **graph_options,
         )
         if recorder is None:
             async with runtime.serve(stop_timeout) as running:

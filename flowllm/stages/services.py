@@ -45,6 +45,7 @@ class EngineServices:
 
     def __post_init__(self) -> None:
         self.metrics = EngineMetrics(self.registry)
+        self.metrics.live_mailboxes.set_function(lambda: len(self.mailboxes))
 
     def byte_vocab(self) -> ByteVocab | None:
         """The tokenizer's byte table for fast decoding (None: not a byte-level tokenizer).
