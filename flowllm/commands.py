@@ -9,10 +9,16 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
+
 from flowllm.config import ConfigError
 from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.spans import configure_logging
 from flowllm.graph.spec import GraphValidationError, load_graph
+
+# The exit status of a server whose graph escalated a failure (sysexits' EX_SOFTWARE): the
+# process manager should start it again.
+EXIT_ENGINE_FAILED = 70
 
 
 def serving_threads(
@@ -56,6 +62,16 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     url = f"http://{args.host}:{args.port}"
+    escalated = False
+
+    async def exit_when_failed(running: AsyncEngine) -> None:
+        """An escalated failure ends the graph: stop serving, so the process exits."""
+        nonlocal escalated
+        await running.graph.wait_finished()
+        if running.graph.failed:
+            escalated = True
+            print("error: the engine failed; exiting so that it can be restarted", file=sys.stderr)
+            server.should_exit = True
 
     @asynccontextmanager
     async def engine() -> AsyncIterator[AsyncEngine]:
@@ -73,7 +89,10 @@ def serve_command(args: argparse.Namespace) -> int:
             recorder=recorder,
         ) as running:
             print(f"flowllm serving {config.model.name!r} at {url}/v1", file=sys.stderr)
-            yield running
+            async with anyio.create_task_group() as watch:
+                watch.start_soon(exit_when_failed, running)
+                yield running
+                watch.cancel_scope.cancel()
 
     app = create_app(
         engine,
@@ -94,6 +113,8 @@ def serve_command(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
+    if escalated:
+        return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
 
 
