@@ -26,6 +26,7 @@ from flowllm.api.chat import ChatFormat, ChatStream
 from flowllm.api.completions import CompletionFormat, CompletionStream
 from flowllm.api.convert import flatten_messages, prepare_chat, prepare_completion
 from flowllm.api.errors import EXCEPTION_HANDLERS, ApiError
+from flowllm.api.json_depth import maybe_too_deep, nesting_depth
 from flowllm.api.logprobs import TokenTexts
 from flowllm.api.protocol import (
     ChatCompletionRequest,
@@ -39,7 +40,8 @@ from flowllm.api.protocol import (
     VersionResponse,
 )
 from flowllm.api.serving import ClientDisconnected, EventStream, Generation, until_disconnect
-from flowllm.engine.validation import model_not_found
+from flowllm.engine.chat_template import PromptError, render_chat
+from flowllm.engine.validation import model_not_found, show_number
 from flowllm.engine_client import EngineClient
 
 S = TypeVar("S")
@@ -83,8 +85,18 @@ class ApiState:
         self.created = int(time.time())
         self._decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 
-    def decode(self, body: bytes, kind: type[S]) -> S:
-        """A request body as `kind`; bad JSON or a wrong shape is a 400 naming the field."""
+    async def decode(self, body: bytes, kind: type[S]) -> S:
+        """A request body as `kind`; bad JSON or a wrong shape is a 400 naming the field.
+
+        Nesting deeper than `max_json_depth` is refused before the decoder recurses into
+        it: counting brackets settles almost every body at C speed; the precise scan the
+        others need runs in a worker thread, off the event loop.
+        """
+        max_depth = self.engine.limits.max_json_depth
+        if maybe_too_deep(body, max_depth) and (
+            await anyio.to_thread.run_sync(nesting_depth, body) > max_depth
+        ):
+            raise _too_deep(max_depth)
         decoder = self._decoders.get(kind)
         if decoder is None:
             decoder = self._decoders[kind] = msgspec.json.Decoder(kind)
@@ -92,6 +104,8 @@ class ApiState:
             return decoder.decode(body)  # type: ignore[no-any-return]
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ApiError.from_validation(exc) from exc
+        except RecursionError as exc:  # deeper than the interpreter's stack allows
+            raise _too_deep(max_depth) from exc
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -141,6 +155,13 @@ class HttpBoundary(ASGIMiddleware):
         await next_app(scope, receive, send_with_id)
 
 
+def _too_deep(max_depth: int) -> ApiError:
+    return ApiError(
+        f"Invalid JSON body: arrays and objects nest more than {max_depth} levels deep.",
+        code="json_too_deep",
+    )
+
+
 def _state(request: Request[Any, Any, Any]) -> ApiState:
     return request.app.state.api  # type: ignore[no-any-return]
 
@@ -182,7 +203,7 @@ async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
     arrival = time.monotonic()  # the graph's clock for latency metrics
     created = int(time.time())
     api = _state(request)
-    body = api.decode(await request.body(), CompletionRequest)
+    body = await api.decode(await request.body(), CompletionRequest)
     graph_id, response_id = _ids(request, "cmpl")
     prepared, streaming = prepare_completion(
         body, request_id=graph_id, served_model_name=api.served_model_name, arrival_time=arrival
@@ -207,7 +228,7 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
     arrival = time.monotonic()  # the graph's clock for latency metrics
     created = int(time.time())
     api = _state(request)
-    body = api.decode(await request.body(), ChatCompletionRequest)
+    body = await api.decode(await request.body(), ChatCompletionRequest)
     graph_id, response_id = _ids(request, "chatcmpl")
     prepared, streaming = prepare_chat(
         body,
@@ -215,6 +236,7 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
         served_model_name=api.served_model_name,
         arrival_time=arrival,
         chat_template=api.chat_template,
+        max_logprobs=api.engine.limits.max_logprobs,
     )
     fmt = ChatFormat(
         prepared,
@@ -275,14 +297,18 @@ def _tokenize(api: ApiState, req: TokenizeRequest) -> list[int]:
     template = req.chat_template or api.chat_template
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ApiError(NO_CHAT_TEMPLATE, param="chat_template", code="missing_chat_template")
-    text = tokenizer.apply_chat_template(
-        messages,
-        chat_template=template,
-        add_generation_prompt=(
-            True if req.add_generation_prompt is None else req.add_generation_prompt
-        ),
-        tokenize=False,
-    )
+    try:
+        text = render_chat(
+            tokenizer,
+            messages,
+            template=template,
+            add_generation_prompt=(
+                True if req.add_generation_prompt is None else req.add_generation_prompt
+            ),
+            template_given=req.chat_template is not None,
+        )
+    except PromptError as exc:
+        raise ApiError(str(exc), param=exc.param) from exc
     add_special = False if req.add_special_tokens is None else req.add_special_tokens
     return list(tokenizer.encode(text, add_special_tokens=add_special))
 
@@ -290,7 +316,7 @@ def _tokenize(api: ApiState, req: TokenizeRequest) -> list[int]:
 @post("/tokenize", status_code=200)
 async def tokenize(request: Request[Any, Any, Any]) -> TokenizeResponse:
     api = _state(request)
-    req = api.decode(await request.body(), TokenizeRequest)
+    req = await api.decode(await request.body(), TokenizeRequest)
     api.check_model(req.model)
     tokens = await anyio.to_thread.run_sync(_tokenize, api, req)
     return TokenizeResponse(
@@ -301,14 +327,15 @@ async def tokenize(request: Request[Any, Any, Any]) -> TokenizeResponse:
 @post("/detokenize", status_code=200)
 async def detokenize(request: Request[Any, Any, Any]) -> DetokenizeResponse:
     api = _state(request)
-    req = api.decode(await request.body(), DetokenizeRequest)
+    req = await api.decode(await request.body(), DetokenizeRequest)
     api.check_model(req.model)
     tokenizer = api.engine.tokenizer
     vocab_size = len(tokenizer)
     bad = [t for t in req.tokens if not 0 <= t < vocab_size]
     if bad:
         raise ApiError(
-            f"Invalid 'tokens': token id {bad[0]} is out of the vocabulary (size {vocab_size}).",
+            f"Invalid 'tokens': token id {show_number(bad[0])} is out of the vocabulary "
+            f"(size {vocab_size}).",
             param="tokens",
         )
     text = await anyio.to_thread.run_sync(tokenizer.decode, req.tokens)

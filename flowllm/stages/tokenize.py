@@ -2,7 +2,10 @@
 
 Chat requests are rendered with the model's chat template (or the one given with the
 request or the server) by transformers, then encoded without adding special tokens again,
-as the template already holds them. Stateless, and the encoding runs in a worker thread
+as the template already holds them. A template that fails to render (`raise_exception`,
+an undefined attribute, a type error...) is the client's error: a 400 naming
+`chat_template` when the request brought the template, `messages` when the model's own
+template refused the messages. Stateless, and the encoding runs in a worker thread
 (the tokenizer releases the GIL), so `replicas: N` tokenizes N prompts at once.
 """
 
@@ -13,6 +16,7 @@ from typing import Any
 import anyio.to_thread
 import msgspec
 
+from flowllm.engine.chat_template import PromptError, render_chat
 from flowllm.engine.validation import check_context_length
 from flowllm.messages import (
     Abort,
@@ -25,14 +29,6 @@ from flowllm.stages.base import PerMessageStage, StageContext
 from flowllm.stages.services import EngineServices
 
 
-class PromptError(ValueError):
-    """The prompt cannot be tokenized; the message says why (becomes a 400)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 class Tokenize(PerMessageStage):
     inputs = {"in": ValidRequest | Abort}
     outputs = {"out": TokenizedRequest | Abort, "errors": RequestError}
@@ -40,7 +36,7 @@ class Tokenize(PerMessageStage):
     def __init__(self, params: Any, services: EngineServices) -> None:
         super().__init__(params, services)
         self._tokenizer = services.tokenizer
-        self._vocab_size = len(services.tokenizer)
+        self._vocab_size = services.vocab_size
         self._max_model_len = services.max_model_len
         self._eos_token_ids = services.eos_token_ids
 
@@ -101,11 +97,13 @@ class Tokenize(PerMessageStage):
                     "one.",
                     "messages",
                 )
-            text = tokenizer.apply_chat_template(
+            text = render_chat(
+                tokenizer,
                 [{"role": m.role, "content": m.content} for m in request.messages],
-                chat_template=template,
+                template=template,
                 add_generation_prompt=request.add_generation_prompt,
-                tokenize=False,
+                template_given=request.chat_template is not None
+                and request.chat_template != tokenizer.chat_template,
             )
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         else:
