@@ -19,10 +19,10 @@ _LIMIT_HELP = {
     "max_prompts_per_request": "prompts in one completion request (%(default)s, the ingest "
     "channel's capacity: a request is admitted whole, so more could never be admitted)",
     "max_stop_strings": "stop strings per request (%(default)s; OpenAI allows 4, vLLM any "
-    "number, but every one is searched for in each new piece of text of every choice)",
-    "max_stop_string_length": "characters in one stop string (%(default)s; detokenize "
-    "keeps a table of every stop string's prefixes per choice, quadratic in the length: "
-    "at the maximum a request with max_n choices costs ~3 ms once, and < 1 ms a step)",
+    "number; each is searched for in every choice's new text)",
+    "max_stop_string_length": "characters in one stop string (%(default)s; measured at "
+    "16 strings of this length and n=16: ~3 ms once to build detokenize's tables, ~0.04 ms "
+    "a step; a 40,000-character stop string took 3 s before these bounds)",
     "max_stop_token_ids": "entries of `stop_token_ids` (%(default)s; each sequence "
     "keeps them in a set and a tensor)",
     "max_logit_bias": "entries of `logit_bias` (%(default)s, OpenAI's limit)",

@@ -442,7 +442,7 @@ class _Prefixes(NamedTuple):
     entries: list[tuple[int, str]]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _prefixes_by_last_char(stops: tuple[str, ...]) -> dict[str, _Prefixes]:
     """Proper prefixes of the stop strings, grouped by their last character, longest first.
 
