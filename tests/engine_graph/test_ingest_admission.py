@@ -3,6 +3,7 @@ and refuses what could never be admitted with a 400 before allocating anything."
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from flowllm.config import engine_config
 from flowllm.engine_client import Overloaded
 from flowllm.graph.channel import Channel
+from flowllm.llm import LLM
 from flowllm.mailbox import Mailboxes, RequestFailed
 from flowllm.messages import Abort, GenerateRequest, SamplingParams
 from flowllm.stages.base import Outbox, StageContext
@@ -98,3 +100,22 @@ async def test_a_huge_n_is_refused_at_once() -> None:
     stage, _ = make_ingest()
     with anyio.fail_after(0.1):
         refused(stage, prompts(1, n=30_000_000))
+
+
+def test_the_offline_api_applies_the_same_limits(gpt2_tiny_dir: Path) -> None:
+    """LLM(...) takes the limits as keywords; a request beyond one raises RequestFailed
+    with the 400 the server would send, and the engine goes on serving."""
+    llm = LLM(
+        str(gpt2_tiny_dir), dtype="float32", max_model_len=128, kv_cache_memory=2**22, max_n=2
+    )
+    with pytest.raises(RequestFailed) as failed:
+        llm.generate("hi", SamplingParams(n=10**12, max_tokens=1))
+    assert failed.value.error.param == "n"
+    with pytest.raises(RequestFailed) as failed:
+        llm.generate("hi", SamplingParams(stop_token_ids=(2**63,), max_tokens=1))
+    assert failed.value.error.param == "stop_token_ids"
+    with pytest.raises(RequestFailed) as failed:
+        llm.generate([1, 50257], SamplingParams(max_tokens=1))  # GPT-2's vocabulary: 50257
+    assert failed.value.error.param == "prompt"
+    (out,) = llm.generate("hi", SamplingParams(n=2, max_tokens=2, temperature=0))
+    assert [len(o.token_ids) for o in out.outputs] == [2, 2]
