@@ -61,6 +61,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with it share blocks
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -84,7 +85,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
-    chat_template: str | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # same; extra template variables
     # Not supported; rejected with a clear 400 rather than silently ignored.
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -98,7 +100,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
-    chat_template: str | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # same; extra template variables
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

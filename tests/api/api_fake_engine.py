@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from flowllm.api.app import create_app
 from flowllm.config import EngineConfig
+from flowllm.engine.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
 from flowllm.engine.validation import check_context_length, validate_request
 from flowllm.engine_client import Overloaded
 from flowllm.mailbox import Mailbox
@@ -71,6 +72,7 @@ class FakeEngine:
         self.max_pending = max_pending
         self.fail_after = fail_after
         self.is_healthy = True
+        self.template_budget = DEFAULT_BUDGET  # for templates that come with a request
         self.submitted: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.completed: list[str] = []
@@ -148,12 +150,17 @@ class FakeEngine:
         template = request.chat_template
         if template is None and not getattr(tok, "chat_template", None):
             return self._error(request, "The model has no chat template.", param="messages")
-        text = tok.apply_chat_template(
-            messages,
-            chat_template=template,
-            add_generation_prompt=request.add_generation_prompt,
-            tokenize=False,
-        )
+        try:
+            text = render_chat(
+                tok,
+                messages,
+                template=template,
+                add_generation_prompt=request.add_generation_prompt,
+                template_kwargs=request.chat_template_kwargs,
+                budget=self.template_budget if template is not None else None,
+            )
+        except ChatTemplateError as e:
+            return self._error(request, e.message, param=e.param, code=e.code)
         return tuple(tok.encode(text, add_special_tokens=False)), text
 
     async def _run(self, request: GenerateRequest, mailbox: Mailbox, scope: Any) -> None:
