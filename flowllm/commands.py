@@ -72,12 +72,15 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 def json_list(text: str) -> list[str]:
     """A flag's JSON list of strings, as vLLM takes them: '["https://a.example"]'."""
+    bad = argparse.ArgumentTypeError(
+        f"""expected a JSON list of strings such as '["https://a.example"]', got {text!r}"""
+    )
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from e
+        raise bad from e
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        raise bad
     return value
 
 
