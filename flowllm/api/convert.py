@@ -90,6 +90,34 @@ def _common_params(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
     return fields
 
 
+UNTRUSTED_CHAT_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+def check_request_template(
+    chat_template: str | None, chat_template_kwargs: dict[str, Any] | None, trusted: bool
+) -> None:
+    """A request's own template (code) or template variables: a 400 unless trusted."""
+    if trusted:
+        return
+    for param, value in (
+        ("chat_template", chat_template),
+        ("chat_template_kwargs", chat_template_kwargs),
+    ):
+        if value is not None:
+            raise ApiError(UNTRUSTED_CHAT_TEMPLATE, param=param, code="untrusted_chat_template")
+
+
+def _cache_salt(salt: str | None) -> str | None:
+    if salt is not None and not salt:
+        raise ApiError(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
+        )
+    return salt
+
+
 def split_prompts(prompt: str | list[Any]) -> list[str | tuple[int, ...]]:
     """The prompts of a completion request: a string, strings, token ids, or id lists."""
     bad = ApiError(
@@ -152,6 +180,7 @@ def prepare_completion(
     except TypeError as exc:  # a wrong type the schema let through (cannot happen normally)
         raise ApiError(f"Invalid request: {exc}") from exc
     model = req.model or served_model_name
+    salt = _cache_salt(req.cache_salt)
     requests = []
     for i, prompt in enumerate(split_prompts(req.prompt)):
         requests.append(
@@ -163,6 +192,7 @@ def prepare_completion(
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=prompt if isinstance(prompt, tuple) else None,
                 echo=echo,
+                cache_salt=salt,
             )
         )
     prepared = PreparedCompletion(
@@ -223,12 +253,16 @@ def prepare_chat(
     arrival_time: float,
     chat_template: str | None,
     max_logprobs: int | None = None,
+    trust_request_chat_template: bool = False,
 ) -> tuple[PreparedChat, bool]:
     """The graph request for one chat request, and whether it streams.
 
     `top_logprobs` becomes the engine's `logprobs`: its range is checked here (against
     `max_logprobs`), so that a refusal names the field the client sent.
     """
+    check_request_template(
+        req.chat_template, req.chat_template_kwargs, trust_request_chat_template
+    )
     if req.tools:
         raise _unsupported("tools", "tool calling")
     if req.tool_choice not in (None, "none"):
@@ -269,6 +303,8 @@ def prepare_chat(
             True if req.add_generation_prompt is None else req.add_generation_prompt
         ),
         chat_template=req.chat_template if req.chat_template is not None else chat_template,
+        chat_template_kwargs=req.chat_template_kwargs or None,
+        cache_salt=_cache_salt(req.cache_salt),
     )
     prepared = PreparedChat(
         request=request, n=params.n, logprobs=logprobs, include_usage=include_usage

@@ -26,6 +26,7 @@ _TYPES: dict[int, str] = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     503: "ServiceUnavailableError",
 }
 

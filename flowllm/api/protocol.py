@@ -50,7 +50,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "truncate_prompt_tokens": "prompt truncation",
     "prompt_embeds": "prompt embeddings",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids",
-    "chat_template_kwargs": "chat template arguments",
     "continue_final_message": "continue_final_message",
     "documents": "documents",
     "mm_processor_kwargs": "multimodal inputs",
@@ -116,6 +115,7 @@ class _SamplingFields(_Request, kw_only=True):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with it share blocks
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -139,7 +139,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
-    chat_template: str | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # same; extra template variables
     # Metadata that does not change the output: accepted and ignored.
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -162,7 +163,8 @@ class TokenizeRequest(_Request, kw_only=True):
     messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
-    chat_template: str | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # same; extra template variables
 
 
 class DetokenizeRequest(_Request, kw_only=True):

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from flowllm.api.app import create_app
 from flowllm.config import EngineConfig, RequestLimits
-from flowllm.engine.chat_template import PromptError, render_chat
+from flowllm.engine.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
 from flowllm.engine.validation import check_admission, check_context_length, validate_request
 from flowllm.engine_client import Overloaded
 from flowllm.mailbox import Mailbox, RequestFailed
@@ -76,6 +76,7 @@ class FakeEngine:
         self.max_choices = max_choices  # as ingest's max_pending: never admitted beyond it
         self.max_prompts = max_prompts  # as ingest's channel capacity
         self.is_healthy = True
+        self.template_budget = DEFAULT_BUDGET  # for templates that come with a request
         self.submitted: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.completed: list[str] = []
@@ -178,10 +179,11 @@ class FakeEngine:
                 messages,
                 template=template,
                 add_generation_prompt=request.add_generation_prompt,
-                template_given=template is not None and template != CHAT_TEMPLATE,
+                template_kwargs=request.chat_template_kwargs,
+                budget=self.template_budget if template is not None else None,
             )
-        except PromptError as e:
-            return self._error(request, str(e), param=e.param)
+        except ChatTemplateError as e:
+            return self._error(request, e.message, param=e.param, code=e.code)
         return tuple(tok.encode(text, add_special_tokens=False)), text
 
     async def _run(self, request: GenerateRequest, mailbox: Mailbox, scope: Any) -> None:
