@@ -154,6 +154,8 @@ class Scheduler:
                 prompt_text=request.prompt_text,
                 use_prefix_cache=use_cache,
             )
+            if request.cache_salt is not None:
+                self.kv.set_cache_salt(seq.seq_id, request.cache_salt)
             self._next_seq_id += 1
             self._seqs[seq.seq_id] = seq
             self.waiting.append(seq)

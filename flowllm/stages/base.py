@@ -90,6 +90,15 @@ class Outbox:
     def has_room(self) -> bool:
         return all(sender.has_room() for sender in self.senders)
 
+    def room(self) -> int:
+        """How many messages `send_nowait` would take now, in a row."""
+        return min(sender.room() for sender in self.senders)
+
+    @property
+    def capacity(self) -> int:
+        """The most messages this port could ever take at once (its smallest channel's)."""
+        return min(sender.channel.capacity for sender in self.senders)
+
     def send_nowait(self, message: Any) -> None:
         """Send now to every channel or to none; raises `anyio.WouldBlock` when any is full."""
         if not self.has_room():

@@ -64,6 +64,14 @@ class EngineServices:
         return worker
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name are below this: ids both the model's logits and
+        embedding and the tokenizer know (the smaller of the two sizes)."""
+        size = len(self.tokenizer)
+        model_size = getattr(self.model, "vocab_size", None)
+        return size if model_size is None else min(size, int(model_size))
+
+    @property
     def served_model_name(self) -> str:
         return self.config.model.name
 
