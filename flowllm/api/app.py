@@ -135,6 +135,12 @@ class ApiState:
             raise ApiError.from_validation(exc) from exc
         except RecursionError as exc:  # deeper than the interpreter's stack allows
             raise _too_deep(max_depth) from exc
+        except UnicodeDecodeError as exc:  # msgspec checks UTF-8 as it decodes a string
+            raise ApiError(
+                f"Invalid JSON body: a string is not valid UTF-8 ({exc.reason} at byte "
+                f"{exc.start}).",
+                code="invalid_json",
+            ) from exc
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

@@ -379,7 +379,15 @@ async def test_context_length_exceeded(client: AsyncTestClient, tokenizer: Any) 
 
 
 @pytest.mark.parametrize(
-    "content", [b"{not json", b"[1, 2]", b"", b'{"prompt": "x", "max_tokens": 1.5}']
+    "content",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b"",
+        b'{"prompt": "x", "max_tokens": 1.5}',
+        b'{"prompt": "\xc3("}',  # invalid UTF-8 inside a string
+        b'{"prompt": "\xed\xa0\x80"}',  # a UTF-16 surrogate encoded as UTF-8
+    ],
 )
 async def test_malformed_bodies(client: AsyncTestClient, content: bytes) -> None:
     r = await client.post(
