@@ -94,6 +94,10 @@ class AsyncEngine:
         return self.graph.healthy
 
     @property
+    def accepting(self) -> bool:
+        return self.graph.running and not self.graph.failed
+
+    @property
     def metrics_registry(self) -> Any:
         return self.services.registry
 

@@ -31,7 +31,10 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Any: ...  # transformers PreTrainedTokenizerBase
 
     @property
-    def healthy(self) -> bool: ...
+    def healthy(self) -> bool: ...  # /health: false while a part restarts or is stuck
+
+    @property
+    def accepting(self) -> bool: ...  # false once the engine failed for good or stopped
 
     @property
     def limits(self) -> RequestLimits: ...

@@ -76,11 +76,13 @@ class Generation:
     def submit(cls, engine: EngineClient, requests: Sequence[GenerateRequest]) -> Generation:
         """Enter the sub-requests as a whole: admitted together, or a 503 (overloaded now)
         or the 400 of a request that could never be admitted."""
-        if not engine.healthy:
+        if not engine.accepting:
+            # It failed and the process is exiting (or it stops): another start will serve.
             raise ApiError(
-                "The engine has failed and cannot serve requests; see /health.",
-                status_code=500,
-                code="engine_unhealthy",
+                "The engine is not serving requests now; retry later.",
+                status_code=503,
+                code="engine_unavailable",
+                headers={"Retry-After": "1"},
             )
         generation = cls(engine, [])
         try:

@@ -105,6 +105,10 @@ class FakeEngine:
         return self.is_healthy
 
     @property
+    def accepting(self) -> bool:
+        return self.is_healthy
+
+    @property
     def limits(self) -> RequestLimits:
         return self.config.limits
 

@@ -24,6 +24,7 @@ class RecordingEngine:
         self.fail_on = fail_on
         self.refuse: RequestError | None = None
         self.healthy = True
+        self.accepting = True
 
     def submit_all(self, requests: list[GenerateRequest]) -> list[Mailbox]:
         """All or nothing, as ingest admits."""
@@ -102,23 +103,24 @@ def test_a_request_that_can_never_be_admitted_is_its_400() -> None:
     assert engine.mailboxes == []
 
 
-def test_unhealthy_engine_refuses_with_500() -> None:
+def test_an_engine_that_stopped_accepting_refuses_with_503() -> None:
     engine = RecordingEngine()
-    engine.healthy = False
+    engine.accepting = False
     with pytest.raises(ApiError) as refused:
         Generation.submit(engine, requests(1))  # type: ignore[arg-type]
-    assert refused.value.status_code == 500
+    assert refused.value.status_code == 503
+    assert refused.value.headers["Retry-After"] == "1"
     assert engine.mailboxes == []
 
 
 @pytest.mark.anyio
-async def test_unhealthy_engine_through_http(tokenizer: Any) -> None:
+async def test_failed_engine_through_http(tokenizer: Any) -> None:
     engine = FakeEngine(tokenizer)
     async with AsyncTestClient(make_app(engine)) as client:
         engine.is_healthy = False
         r = await client.post("/v1/completions", json={"prompt": "x"})
-        assert r.status_code == 500
-        assert r.json()["error"]["type"] == "InternalServerError"
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "ServiceUnavailableError"
         assert (await client.get("/health")).status_code == 503
 
 
