@@ -455,7 +455,7 @@ class Graph:
         request_ids = self._request_ids(task, group, message)
         if isinstance(error, RequestInputError):
             log.info("request refused by its own input", request_ids=request_ids, error=str(error))
-            await self._answer(task, request_ids, error, 400)
+            await self._answer(task, request_ids, error, 400, message)
             return True
         on_error = group.on_error
         if on_error != "escalate" and not group.intensity.admit():
@@ -477,7 +477,7 @@ class Graph:
         if on_error == "escalate":
             await self._escalate(task, error)
             return False
-        await self._answer(task, request_ids, error, 500)
+        await self._answer(task, request_ids, error, 500, message)
         if on_error == "fail_request":
             return True
         group.restart_cause = error
@@ -487,7 +487,12 @@ class Graph:
         return False
 
     async def _answer(
-        self, task: _Task, request_ids: tuple[str, ...], error: Exception, status: int
+        self,
+        task: _Task,
+        request_ids: tuple[str, ...],
+        error: Exception,
+        status: int,
+        message: Any = None,
     ) -> None:
         """Answer each request with the failure, through the stage (bounded in time)."""
         if not request_ids:
@@ -507,7 +512,7 @@ class Graph:
         ]
         with anyio.move_on_after(self._fail_inflight_timeout, shield=True):
             try:
-                await task.stage.fail_requests(errors)
+                await task.stage.fail_requests(errors, message)
                 return
             except Exception as exc:
                 self.log.warning("fail_requests raised", stage=task.name, exc_info=exc)

@@ -59,26 +59,29 @@ class Detokenize(PerMessageStage):
         return len(self._choices)
 
     def request_ids(self, message: Any) -> tuple[str, ...]:
-        """A step's requests: those of its sequences this stage holds."""
+        """A step's requests: those of its new sequences and of its tokens' sequences."""
         if not isinstance(message, StepTokens):
             return super().request_ids(message)
         choices = self._choices
-        return tuple(
-            dict.fromkeys(
-                choices[t.seq_id].start.request_id for t in message.tokens if t.seq_id in choices
-            )
-        )
+        ids = [start.request_id for start in message.started]
+        ids += [choices[t.seq_id].start.request_id for t in message.tokens if t.seq_id in choices]
+        return tuple(dict.fromkeys(ids))
 
-    async def fail_requests(self, errors: Iterable[RequestError]) -> None:
+    async def fail_requests(self, errors: Iterable[RequestError], message: Any = None) -> None:
         """A request whose text failed: its sequences end here and in schedule (which frees
         their blocks), and the error goes to its mailbox."""
         errors = list(errors)
         failed = {error.request_id for error in errors}
+        ended: list[int] = []
         for seq_id, choice in self._choices.items():
             if choice.start.request_id in failed and not choice.done:
                 choice.done = True
-                await self.context.emit("finishes", Finish(seq_id, None))
-        await super().fail_requests(errors)
+                ended.append(seq_id)
+        if isinstance(message, StepTokens):  # sequences it failed before learning of them
+            ended += [s.seq_id for s in message.started if s.request_id in failed]
+        for seq_id in dict.fromkeys(ended):
+            await self.context.emit("finishes", Finish(seq_id, None))
+        await super().fail_requests(errors, message)
 
     def _decode_for(self, params: SamplingParams) -> Decode:
         """One decode function per flag pair, shared by every sequence using it."""

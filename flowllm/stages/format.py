@@ -57,7 +57,7 @@ class Format(PerMessageStage):
         if box.done:
             metrics.request_success.inc()
 
-    async def fail_requests(self, errors: Iterable[RequestError]) -> None:
+    async def fail_requests(self, errors: Iterable[RequestError], message: Any = None) -> None:
         for error in errors:
             self._mailboxes.fail(error)
 
