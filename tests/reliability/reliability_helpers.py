@@ -1,0 +1,206 @@
+"""What the reliability tests share: the scale they run at, the server's leftover state
+from /metrics, its resident memory, /health latency, and failure messages that name the
+request at fault.
+
+Servers are started with tests/server_process.py and tests/e2e/e2e_helpers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from server_process import DEFAULT_GRAPH
+
+# `make test` runs the suite at "ci" scale; `make reliability` sets "full".
+SCALE = os.environ.get("FLOWLLM_RELIABILITY_SCALE", "ci").strip().lower() or "ci"
+if SCALE not in ("ci", "full"):
+    raise RuntimeError(f"FLOWLLM_RELIABILITY_SCALE must be 'ci' or 'full', not {SCALE!r}")
+FULL = SCALE == "full"
+
+
+def scaled(ci: int, full: int) -> int:
+    """`ci` at CI scale, `full` at full scale; FLOWLLM_RELIABILITY_FACTOR multiplies both
+    (e.g. 0.1 for a quick local run)."""
+    factor = float(os.environ.get("FLOWLLM_RELIABILITY_FACTOR", "1"))
+    return max(1, round((full if FULL else ci) * factor))
+
+
+# Gauges of per-request state: every one is 0 when the server holds no request.
+KV_USAGE = "flowllm:kv_cache_usage_perc"
+RUNNING = "flowllm:num_requests_running"
+WAITING = "flowllm:num_requests_waiting"
+LIVE_MAILBOXES = "flowllm:live_mailboxes"
+LIVE_SEQUENCES = "flowllm:live_sequences"
+SEQUENCE_STAGES = ("schedule", "execute", "sample", "detokenize")
+REQUIRED_GAUGES = (KV_USAGE, RUNNING, WAITING)
+# Gauges the server is gaining; until every build has them a missing one is reported, not
+# failed on (`Leftovers.missing`).
+NEW_GAUGES = (LIVE_MAILBOXES, *(f'{LIVE_SEQUENCES}{{stage="{s}"}}' for s in SEQUENCE_STAGES))
+
+_SAMPLE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*(?:\{[^}]*\})?) (\S+)")
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """Every sample of /metrics by name, labels included (`name{stage="sample"}`)."""
+    text = httpx.get(f"{url}/metrics", timeout=timeout).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.fullmatch(line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+@dataclass
+class Leftovers:
+    """The per-request state gauges at one scrape."""
+
+    values: dict[str, float]
+    missing: list[str] = field(default_factory=list)  # gauges this build does not export
+
+    @property
+    def nonzero(self) -> dict[str, float]:
+        return {name: value for name, value in self.values.items() if value != 0}
+
+    @property
+    def clean(self) -> bool:
+        return not self.nonzero
+
+
+def leftovers(url: str) -> Leftovers:
+    samples = scrape(url)
+    values: dict[str, float] = {}
+    missing: list[str] = []
+    for name in (*REQUIRED_GAUGES, *NEW_GAUGES):
+        if name in samples:
+            values[name] = samples[name]
+        else:
+            missing.append(name)
+    absent = [name for name in REQUIRED_GAUGES if name in missing]
+    if absent:
+        raise AssertionError(f"/metrics lacks {absent}")
+    # Any other stage's live_sequences gauge counts too.
+    for name, value in samples.items():
+        if name.startswith(LIVE_SEQUENCES + "{"):
+            values[name] = value
+    return Leftovers(values, missing)
+
+
+def wait_for_no_leftovers(url: str, timeout: float = 2.0) -> Leftovers:
+    """Scrape until no KV block is used and no request, mailbox or sequence is held,
+    at most `timeout` seconds; returns the last scrape (check `.clean`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = leftovers(url)
+        if state.clean or time.monotonic() >= deadline:
+            return state
+        time.sleep(0.05)
+
+
+def assert_no_leftovers(url: str, timeout: float = 2.0, context: str = "") -> Leftovers:
+    start = time.monotonic()
+    state = wait_for_no_leftovers(url, timeout)
+    assert state.clean, (
+        f"per-request state left {time.monotonic() - start:.2f} s after the last request"
+        f"{' (' + context + ')' if context else ''}: {state.nonzero}"
+    )
+    return state
+
+
+def rss_mb(pid: int) -> float:
+    """VmRSS of a process, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def vm_data_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmData for pid {pid}")
+
+
+def cap_memory(pid: int, headroom_mb: int = 3072) -> int:
+    """Limit a running server's data segment (RLIMIT_DATA) to what it has now plus
+    `headroom_mb`, so that a request that makes it allocate without bound gets a
+    MemoryError instead of taking the shared machine's memory; returns the limit in MiB."""
+    limit_mb = int(vm_data_mb(pid)) + headroom_mb
+    resource.prlimit(pid, resource.RLIMIT_DATA, (limit_mb << 20, limit_mb << 20))
+    return limit_mb
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def small_pending_graph(dest: Path, max_pending: int) -> Path:
+    """A copy of the default graph whose ingest admits only `max_pending` requests."""
+    text = DEFAULT_GRAPH.read_text()
+    limited = text.replace("{max_pending: 1024}", f"{{max_pending: {max_pending}}}")
+    if limited == text:
+        raise RuntimeError("default.yaml no longer sets ingest's max_pending: update the test")
+    dest.write_text(limited)
+    return dest
+
+
+class HealthPoller:
+    """Polls GET /health from a process of its own (so the test's own load does not delay
+    it) every `interval` seconds until `stop()`, which returns every latency and status."""
+
+    def __init__(self, url: str, interval: float = 0.02) -> None:
+        script = Path(__file__).with_name("health_poller.py")
+        self._process = subprocess.Popen(
+            [sys.executable, str(script), url, str(interval)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
+    def stop(self) -> HealthSamples:
+        out, err = self._process.communicate(b"stop\n", timeout=30)
+        if self._process.returncode != 0:
+            raise RuntimeError(f"health poller failed: {err.decode(errors='replace')}")
+        data = json.loads(out)
+        return HealthSamples(latencies=data["latencies"], failures=data["failures"])
+
+
+@dataclass
+class HealthSamples:
+    latencies: list[float]  # seconds, of the 200s
+    failures: list[str]  # anything but a 200: status or exception, with its time
+
+    def summary(self) -> str:
+        if not self.latencies:
+            return f"no /health answered; failures: {self.failures[:5]}"
+        return (
+            f"{len(self.latencies)} polls, p50 {percentile(self.latencies, 50) * 1000:.1f} ms, "
+            f"p99 {percentile(self.latencies, 99) * 1000:.1f} ms, "
+            f"max {max(self.latencies) * 1000:.1f} ms, {len(self.failures)} failures"
+        )
+
+
+def report(name: str, figures: dict[str, Any]) -> None:
+    """Print a test's measured figures (pytest shows them with -s, or `-rA` in the summary);
+    with FLOWLLM_RELIABILITY_REPORT=FILE they are also appended to FILE as JSON lines."""
+    line = json.dumps({"test": name, "scale": SCALE, **figures}, sort_keys=True)
+    print(f"\nreliability figures: {line}")
+    target = os.environ.get("FLOWLLM_RELIABILITY_REPORT")
+    if target:
+        with open(target, "a") as out:
+            out.write(line + "\n")
