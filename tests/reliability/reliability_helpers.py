@@ -35,6 +35,10 @@ def scaled(ci: int, full: int) -> int:
     return max(1, round((full if FULL else ci) * factor))
 
 
+def scale_seconds(ci: float, full: float) -> float:
+    return full if FULL else ci
+
+
 # Gauges of per-request state: every one is 0 when the server holds no request.
 KV_USAGE = "flowllm:kv_cache_usage_perc"
 RUNNING = "flowllm:num_requests_running"
@@ -125,6 +129,12 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def vm_data_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmData:"):
@@ -193,6 +203,58 @@ class HealthSamples:
             f"p99 {percentile(self.latencies, 99) * 1000:.1f} ms, "
             f"max {max(self.latencies) * 1000:.1f} ms, {len(self.failures)} failures"
         )
+
+
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+
+async def raw_post(port: int, path: str, body: bytes, timeout: float = 120.0) -> RawResponse:
+    """One POST over a fresh connection with `Connection: close`, read to the end.
+
+    Lighter than an HTTP client library, so one test process can hold thousands at once."""
+    import asyncio
+
+    async def exchange() -> RawResponse:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+            raw = await reader.read()
+        finally:
+            writer.close()
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if headers.get("transfer-encoding") == "chunked":
+            payload = _dechunk(payload)
+        return RawResponse(status, headers, payload)
+
+    return await asyncio.wait_for(exchange(), timeout)
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = bytearray()
+    while data:
+        size_line, _, rest = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        data = rest[size + 2 :]
+    return bytes(out)
 
 
 def report(name: str, figures: dict[str, Any]) -> None:
