@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_helpers
 
 from e2e_helpers import CHAT_TEMPLATE, start_server
-from reliability_helpers import cap_memory, small_pending_graph
-from server_process import TINY_FLAGS, ServerProcess
+from reliability_helpers import cap_memory
+from server_process import TINY_FLAGS, ServerProcess, small_pending_graph
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from server_process import DEFAULT_GRAPH
 
 # `make test` runs the suite at "ci" scale; `make reliability` sets "full".
 SCALE = os.environ.get("FLOWLLM_RELIABILITY_SCALE", "ci").strip().lower() or "ci"
@@ -157,16 +156,6 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
-
-
-def small_pending_graph(dest: Path, max_pending: int) -> Path:
-    """A copy of the default graph whose ingest admits only `max_pending` requests."""
-    text = DEFAULT_GRAPH.read_text()
-    limited = text.replace("{max_pending: 1024}", f"{{max_pending: {max_pending}}}")
-    if limited == text:
-        raise RuntimeError("default.yaml no longer sets ingest's max_pending: update the test")
-    dest.write_text(limited)
-    return dest
 
 
 class HealthPoller:

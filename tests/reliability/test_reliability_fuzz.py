@@ -5,7 +5,7 @@ After every case the answer must be below 500 (a 4xx from a POST endpoint in Ope
 error shape) and /health must answer 200 within a second; after the last, no KV block, no
 running or waiting sequence, no request mailbox and no per-sequence state may remain.
 The cases (fuzz_cases.py) are drawn from the request structs' JSON schemas and mixed with
-the mutations that break servers. CI scale runs 1,000 derandomized cases (the same ones
+the mutations that break servers. CI scale runs 2,000 derandomized cases (the same ones
 every run); full scale 10,000 from a fresh seed (FLOWLLM_RELIABILITY_SEED fixes it).
 """
 
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from reliability_helpers import FULL, leftovers, report, scaled, wait_for_no_leftovers
 from server_process import ServerProcess
 
-CASES = scaled(1000, 10_000)
+CASES = scaled(2000, 10_000)
 HEALTH_TIMEOUT = 1.0  # seconds /health may take after each case
 REQUEST_TIMEOUT = 60.0  # seconds before a case counts as a hang
 # No shrinking: the request that failed is the one reported, and a server brought down by
