@@ -4,8 +4,8 @@ servers: integers past 64 bits, floats at the edges, long strings and lists, dee
 invalid UTF-8, truncated JSON, duplicate keys, wrong types and content types, huge `n`,
 huge `max_tokens` and many prompts.
 
-Valid-looking bodies are kept cheap to serve (a few tokens, `n` of at most 2), so a
-thousand cases run in a minute or two against the tiny GPT-2.
+Valid-looking bodies are kept cheap to serve (a few tokens, `n` of at most 2), so ten
+thousand cases run in about a minute against the tiny GPT-2.
 """
 
 from __future__ import annotations
