@@ -28,17 +28,21 @@ from server_process import ServerProcess
 CASES = scaled(2000, 10_000)
 HEALTH_TIMEOUT = 1.0  # seconds /health may take after each case
 REQUEST_TIMEOUT = 60.0  # seconds before a case counts as a hang
-# No shrinking: the request that failed is the one reported, and a server brought down by
-# one request would make every later one fail.
-SETTINGS = settings(
-    max_examples=CASES,
-    derandomize=not FULL,
-    database=None,
-    deadline=None,
-    phases=(Phase.explicit, Phase.generate),
-    suppress_health_check=list(HealthCheck),
-    print_blob=True,
-)
+# Hypothesis profiles of their own: no example database, no deadline, no health checks,
+# and no shrinking: the request that failed is the one reported, and a server brought
+# down by one request would make every later one fail. CI draws the same cases every run.
+for _scale, _derandomize in (("ci", True), ("full", False)):
+    settings.register_profile(
+        f"flowllm-reliability-{_scale}",
+        max_examples=CASES,
+        derandomize=_derandomize,
+        database=None,
+        deadline=None,
+        phases=(Phase.explicit, Phase.generate),
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+    )
+SETTINGS = settings.get_profile(f"flowllm-reliability-{'full' if FULL else 'ci'}")
 
 
 class Fuzzer:
