@@ -108,6 +108,7 @@ class Fuzzer:
         self.recent.append(
             f"{case.method} {case.path[:80]} [{case.how[:80]}] -> {response.status_code}"
         )
+        probe = time.monotonic()
         try:
             health = self.health.get(f"{self.server.url}/health")
         except httpx.HTTPError as exc:
@@ -117,6 +118,13 @@ class Fuzzer:
                 case,
             )
             return
+        waited = time.monotonic() - probe
+        if waited > HEALTH_TIMEOUT:
+            self.fail(
+                f"/health took {waited:.2f} s after this request (which got "
+                f"{response.status_code}); the limit is {HEALTH_TIMEOUT} s",
+                case,
+            )
         if health.status_code != 200:
             self.fail(
                 f"/health answered {health.status_code} after this request "
