@@ -8,7 +8,7 @@ cancels. The HTTP lifespan and the offline `LLM` both use it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
-from flowllm.config import EngineConfig
+from flowllm.config import EngineConfig, RequestLimits
 from flowllm.engine_client import Overloaded
 from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.runtime import Graph
@@ -58,7 +58,11 @@ class AsyncEngine:
         if services is None:
             services = build_services(config or EngineConfig())
         runtime = Graph(
-            graph or DEFAULT_GRAPH, services, registry=services.registry, **graph_options
+            graph or DEFAULT_GRAPH,
+            services,
+            registry=services.registry,
+            fail_request=services.mailboxes.fail,
+            **graph_options,
         )
         if recorder is None:
             async with runtime.serve(stop_timeout) as running:
@@ -93,11 +97,19 @@ class AsyncEngine:
     def metrics_registry(self) -> Any:
         return self.services.registry
 
+    @property
+    def limits(self) -> RequestLimits:
+        return self.services.config.limits
+
     def submit(self, request: GenerateRequest) -> Mailbox:
         return self._ingest.submit(request)
 
+    def submit_all(self, requests: Sequence[GenerateRequest]) -> list[Mailbox]:
+        return self._ingest.submit_all(requests)
+
     async def submit_when_admitted(self, request: GenerateRequest) -> Mailbox:
-        """Submit, waiting while admission is full (offline callers queue, never fail)."""
+        """Submit, waiting while admission is full (offline callers queue); a request that
+        could never be admitted raises RequestFailed."""
         while True:
             try:
                 return self.submit(request)

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import json
 import os
 import signal
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
 
 from flowllm.config import ConfigError
 from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.spans import configure_logging
 from flowllm.graph.spec import GraphValidationError, load_graph
+
+# The exit status of a server whose graph escalated a failure (sysexits' EX_SOFTWARE): the
+# process manager should start it again.
+EXIT_ENGINE_FAILED = 70
 
 
 def serving_threads(
@@ -32,6 +42,109 @@ def serving_threads(
     return max(1, (cpu_count or 1) - 1)
 
 
+class ServeError(ValueError):
+    """A serve flag that cannot work; `flowllm serve` prints it as one line and exits 1."""
+
+
+def resolve_api_key(flag: str | None, env: dict[str, str]) -> str | None:
+    """The key from --api-key, else FLOWLLM_API_KEY; None when neither is set. An empty
+    key is an error: it would otherwise mean "no auth" without saying so."""
+    key = flag if flag is not None else env.get("FLOWLLM_API_KEY")
+    if key is not None and not key.strip():
+        source = "--api-key" if flag is not None else "FLOWLLM_API_KEY"
+        raise ServeError(f"{source} is empty: give a key, or leave it unset to serve without one")
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach `host` (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to warn about when the server is reachable from other machines without a key."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (
+        f"serving on {host} without --api-key: anyone who can reach this port can use the "
+        "model (set --api-key or FLOWLLM_API_KEY, or bind 127.0.0.1; see SECURITY.md)"
+    )
+
+
+def json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings, as vLLM takes them: '["https://a.example"]'."""
+    bad = argparse.ArgumentTypeError(
+        f"""expected a JSON list of strings such as '["https://a.example"]', got {text!r}"""
+    )
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad from e
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad
+    return value
+
+
+def cors_config(args: argparse.Namespace) -> Any:
+    """Litestar's CORS settings from vLLM's flags; None (no CORS headers) without
+    --allowed-origins."""
+    from litestar.config.cors import CORSConfig
+
+    origins = getattr(args, "allowed_origins", None)
+    if origins is None:
+        others = [
+            flag
+            for flag, value in (
+                ("--allowed-methods", args.allowed_methods),
+                ("--allowed-headers", args.allowed_headers),
+                ("--allow-credentials", args.allow_credentials or None),
+            )
+            if value is not None
+        ]
+        if others:
+            raise ServeError(f"{', '.join(others)} needs --allowed-origins (CORS is off)")
+        return None
+    return CORSConfig(
+        allow_origins=origins,
+        allow_methods=args.allowed_methods or ["*"],  # type: ignore[arg-type]
+        allow_headers=args.allowed_headers or ["*"],
+        allow_credentials=bool(args.allow_credentials),
+    )
+
+
+def ssl_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS settings from vLLM's flags ({} without --ssl-certfile)."""
+    keyfile, certfile = args.ssl_keyfile, args.ssl_certfile
+    if keyfile is None and certfile is None:
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs != ssl.CERT_NONE:
+            raise ServeError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+        return {}
+    if certfile is None:
+        raise ServeError("--ssl-keyfile needs --ssl-certfile")
+    for flag, path in (
+        ("--ssl-certfile", certfile),
+        ("--ssl-keyfile", keyfile),
+        ("--ssl-ca-certs", args.ssl_ca_certs),
+    ):
+        if path is not None and not os.path.isfile(path):
+            raise ServeError(f"{flag}: no such file: {path}")
+    if args.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+        raise ServeError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
+    if args.ssl_cert_reqs != ssl.CERT_NONE and args.ssl_ca_certs is None:
+        raise ServeError("--ssl-cert-reqs needs --ssl-ca-certs (the CAs of client certificates)")
+    return {
+        "ssl_keyfile": keyfile,
+        "ssl_certfile": certfile,
+        "ssl_ca_certs": args.ssl_ca_certs,
+        "ssl_cert_reqs": args.ssl_cert_reqs,
+    }
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """Load the model, then serve the OpenAI API until SIGINT/SIGTERM; exit 0 after a drain."""
     import uvicorn
@@ -43,6 +156,18 @@ def serve_command(args: argparse.Namespace) -> int:
     from flowllm.stages.services import build_services
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True)
+    try:  # flag errors first: one line, before the model loads
+        api_key = resolve_api_key(args.api_key, dict(os.environ))
+        cors = cors_config(args)
+        tls = ssl_settings(args)
+    except ServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    warning = exposure_warning(args.host, api_key)
+    if warning is not None:
+        import structlog
+
+        structlog.get_logger("flowllm.serve").warning(warning)
     threads = serving_threads(args.cpu_threads, os.cpu_count(), dict(os.environ))
     if threads is not None:
         import torch
@@ -55,7 +180,17 @@ def serve_command(args: argparse.Namespace) -> int:
     except (ConfigError, ModelLoadError, GraphValidationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    url = f"http://{args.host}:{args.port}"
+    url = f"{'https' if tls else 'http'}://{args.host}:{args.port}"
+    escalated = False
+
+    async def exit_when_failed(running: AsyncEngine) -> None:
+        """An escalated failure ends the graph: stop serving, so the process exits."""
+        nonlocal escalated
+        await running.graph.wait_finished()
+        if running.graph.failed:
+            escalated = True
+            print("error: the engine failed; exiting so that it can be restarted", file=sys.stderr)
+            server.should_exit = True
 
     @asynccontextmanager
     async def engine() -> AsyncIterator[AsyncEngine]:
@@ -73,12 +208,17 @@ def serve_command(args: argparse.Namespace) -> int:
             recorder=recorder,
         ) as running:
             print(f"flowllm serving {config.model.name!r} at {url}/v1", file=sys.stderr)
-            yield running
+            async with anyio.create_task_group() as watch:
+                watch.start_soon(exit_when_failed, running)
+                yield running
+                watch.cancel_scope.cancel()
 
     app = create_app(
         engine,
-        api_key=args.api_key or os.environ.get("FLOWLLM_API_KEY") or None,
+        api_key=api_key,
         served_model_name=config.model.name,
+        trust_request_chat_template=args.trust_request_chat_template,
+        cors=cors,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -87,6 +227,7 @@ def serve_command(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level.lower(),
             timeout_graceful_shutdown=int(args.shutdown_timeout),
+            **tls,
         )
     )
     # uvicorn drains on SIGINT/SIGTERM, then raises the signal again to the handler it found
@@ -94,6 +235,8 @@ def serve_command(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
+    if escalated:
+        return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
 
 
@@ -114,7 +257,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "only; 0.0.0.0 serves every interface)",
     )
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", help="require this Bearer key on /v1/* (or FLOWLLM_API_KEY)")
+    parser.add_argument(
+        "--api-key",
+        help="require this Bearer key on every route but /health, /version, /metrics, "
+        "/docs and /openapi.json (or FLOWLLM_API_KEY); an empty key is an error",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept chat_template and chat_template_kwargs in requests (client-supplied "
+        "Jinja, rendered within a time and size budget); refused with a 400 otherwise",
+    )
+    cors = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
+    cors.add_argument(
+        "--allowed-origins", type=json_list, help='JSON list, e.g. \'["https://a.example"]\''
+    )
+    cors.add_argument("--allowed-methods", type=json_list, help='JSON list (default ["*"])')
+    cors.add_argument("--allowed-headers", type=json_list, help='JSON list (default ["*"])')
+    cors.add_argument("--allow-credentials", action="store_true", help="allow credentials")
+    tls = parser.add_argument_group("HTTPS (passed to uvicorn)")
+    tls.add_argument("--ssl-keyfile", help="the server's private key file (PEM)")
+    tls.add_argument("--ssl-certfile", help="the server's certificate chain file (PEM)")
+    tls.add_argument("--ssl-ca-certs", help="CA certificates that sign client certificates")
+    tls.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=int(ssl.CERT_NONE),
+        help="client certificates: 0 not asked (default), 1 optional, 2 required",
+    )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,

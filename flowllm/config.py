@@ -79,24 +79,49 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request may ask for at most; a request beyond any bound is a 400 naming it.
+
+    Each bound is checked before anything proportional to it is built (mailbox, sampler
+    state, stop tables), so no single request can stall or exhaust the server. The CLI
+    flags' help (flowllm/engine_args.py) says why each default was chosen.
+    """
+
+    max_n: int = 16  # choices per prompt
+    max_logprobs: int = 20  # logprobs, top_logprobs and prompt_logprobs (vLLM's default)
+    max_prompts_per_request: int = 256  # prompts in one completion request
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256  # characters
+    max_stop_token_ids: int = 256
+    max_logit_bias: int = 300  # entries of logit_bias
+    max_json_depth: int = 64  # nesting of arrays and objects in a request body
+    max_request_tokens: int = 2**20  # prompts x n x max_tokens (None: the context length)
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            low = 0 if name in _ZERO_ALLOWED else 1
+            _require(value >= low, f"{name} must be >= {low}, got {value}")
+
+
+# Limits that may be 0: the feature is then refused altogether.
+_ZERO_ALLOWED = ("max_logprobs", "max_stop_strings", "max_stop_token_ids", "max_logit_bias")
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the engine stages need, built once from CLI flags or LLM(...) arguments."""
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
-    max_logprobs: int = 20
-    max_n: int = 16
-
-    def __post_init__(self) -> None:
-        _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        _require(self.max_n >= 1, f"max_n must be >= 1, got {self.max_n}")
+    limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
 
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "limits": RequestLimits,
 }
 
 

@@ -6,7 +6,32 @@ import argparse
 import os
 from typing import Any
 
-from flowllm.config import BUNDLED_MODEL, DTYPES, EngineConfig, engine_config
+from flowllm.config import BUNDLED_MODEL, DTYPES, EngineConfig, RequestLimits, engine_config
+
+_LIMITS = RequestLimits()  # the defaults of the request limits, defined in flowllm.config
+
+# Each request limit's flag help: what it bounds, and why the default is what it is.
+_LIMIT_HELP = {
+    "max_n": "choices per prompt, `n` (%(default)s: enough for best-of-N sampling, and "
+    "every choice holds a KV sequence)",
+    "max_logprobs": "at most this many `logprobs`, `top_logprobs` and `prompt_logprobs` "
+    "(%(default)s, as vLLM's default and OpenAI's top_logprobs maximum)",
+    "max_prompts_per_request": "prompts in one completion request (%(default)s, the ingest "
+    "channel's capacity: a request is admitted whole, so more could never be admitted)",
+    "max_stop_strings": "stop strings per request (%(default)s; OpenAI allows 4, vLLM any "
+    "number; each is searched for in every choice's new text)",
+    "max_stop_string_length": "characters in one stop string (%(default)s; measured at "
+    "16 strings of this length and n=16: ~3 ms once to build detokenize's tables, ~0.04 ms "
+    "a step; a 40,000-character stop string took 3 s before these bounds)",
+    "max_stop_token_ids": "entries of `stop_token_ids` (%(default)s; each sequence "
+    "keeps them in a set and a tensor)",
+    "max_logit_bias": "entries of `logit_bias` (%(default)s, OpenAI's limit)",
+    "max_json_depth": "nesting of arrays and objects in a request body (%(default)s; the "
+    "API's deepest field is ~5 levels, and deep nesting costs the JSON decoder's stack)",
+    "max_request_tokens": "prompts x n x max_tokens of one request, max_tokens unset "
+    "counting as the context length (%(default)s: n=16 at a 64k context, or 256 prompts "
+    "of 4096 tokens; bounds the work one request can queue)",
+}
 
 
 def _bytes(text: str) -> int:
@@ -55,7 +80,10 @@ def add_engine_arguments(
         help="never replay recorded decode steps; run every step op by op",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-logprobs", type=int, default=20)
+    for name, text in _LIMIT_HELP.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=getattr(_LIMITS, name), help=text
+        )
     parser.add_argument("--chat-template", help="a Jinja chat template file")
     parser.add_argument("--graph", help="run this graph YAML instead of the default one")
     parser.add_argument(
@@ -90,7 +118,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_prefix_caching": args.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "seed": args.seed,
-        "max_logprobs": args.max_logprobs,
+        **{name: getattr(args, name) for name in _LIMIT_HELP},
         "chat_template": args.chat_template,
     }
     return engine_config(args.model, **settings)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+from flowllm.config import RequestLimits
 from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest
 
@@ -31,8 +33,16 @@ class EngineClient(Protocol):
     @property
     def healthy(self) -> bool: ...
 
+    @property
+    def limits(self) -> RequestLimits: ...
+
     def submit(self, request: GenerateRequest) -> Mailbox:
-        """Enter the graph; raises Overloaded when admission is full."""
+        """Enter the graph; raises Overloaded when admission is full, RequestFailed (a
+        400) when the request could never be admitted."""
+        ...
+
+    def submit_all(self, requests: Sequence[GenerateRequest]) -> list[Mailbox]:
+        """`submit` for the prompts of one API request: all are admitted, or none."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -51,7 +51,11 @@ class Mailbox:
 
     def __init__(self, request_id: str, num_choices: int) -> None:
         self.request_id = request_id
-        self._unfinished = set(range(num_choices))
+        # A count, and the indices that finished: nothing here is proportional to the n a
+        # request asks for, only to the choices that actually ran.
+        self.num_choices = num_choices
+        self._finished: set[int] = set()
+        self._num_unfinished = num_choices
         self._pending: dict[int, list[Chunk]] = {}  # choice index -> its unread chunks
         self._error: RequestError | None = None
         self._wakeup = anyio.Event()
@@ -62,13 +66,12 @@ class Mailbox:
     @property
     def done(self) -> bool:
         """Every choice finished or the request failed: nothing more will be put."""
-        return not self._unfinished or self._error is not None
+        return self._num_unfinished <= 0 or self._error is not None
 
     def put(self, chunk: Chunk, now: float | None = None) -> bool:
         """Add a chunk (merged with the choice's unread one); `now`: time.monotonic().
         Returns `done`: whether nothing more will be put."""
-        unfinished = self._unfinished
-        if not unfinished or self._error is not None:  # done
+        if self._num_unfinished <= 0 or self._error is not None:  # done
             return True
         if self.first_chunk_time is None:
             self.first_chunk_time = time.monotonic() if now is None else now
@@ -82,9 +85,10 @@ class Mailbox:
         if not self._woken:
             self._woken = True
             self._wakeup.set()
-        if chunk.finish_reason is not None:
-            unfinished.discard(chunk.index)
-            return not unfinished
+        if chunk.finish_reason is not None and chunk.index not in self._finished:
+            self._finished.add(chunk.index)
+            self._num_unfinished -= 1
+            return self._num_unfinished <= 0
         return False
 
     def fail(self, error: RequestError) -> None:
@@ -113,13 +117,15 @@ class Mailbox:
 class Mailboxes:
     """Every open request's mailbox, by request id: ingest opens, format delivers.
 
-    A request is *pending* from `open` until its first chunk (or its end): that count is
-    what admission control bounds, the requests waiting to be scheduled.
+    A request is *pending* from `open` until its first chunk (or its end). Admission
+    control bounds the pending *choices* (a request with n = 4 counts 4): the sequences
+    waiting to be scheduled.
     """
 
     def __init__(self) -> None:
         self._boxes: dict[str, Mailbox] = {}
-        self._pending: set[str] = set()
+        self._pending: dict[str, int] = {}  # request id -> its choices, until its first chunk
+        self._pending_choices = 0
         # request id -> its mailbox, None once closed (the dict's own lookup: format calls
         # it for every chunk)
         self.get: Callable[[str], Mailbox | None] = self._boxes.get
@@ -129,7 +135,18 @@ class Mailboxes:
 
     @property
     def num_pending(self) -> int:
+        """Requests admitted that have no output yet."""
         return len(self._pending)
+
+    @property
+    def num_pending_choices(self) -> int:
+        """The choices of the pending requests (what admission bounds)."""
+        return self._pending_choices
+
+    def _unpend(self, request_id: str) -> None:
+        choices = self._pending.pop(request_id, None)
+        if choices is not None:
+            self._pending_choices -= choices
 
     def open(self, request_id: str, num_choices: int, arrival_time: float) -> Mailbox:
         if request_id in self._boxes:
@@ -137,7 +154,8 @@ class Mailboxes:
         box = Mailbox(request_id, num_choices)
         box.arrival_time = arrival_time
         self._boxes[request_id] = box
-        self._pending.add(request_id)
+        self._pending[request_id] = num_choices
+        self._pending_choices += num_choices
         return box
 
     def deliver(self, chunk: Chunk) -> Mailbox | None:
@@ -150,7 +168,7 @@ class Mailboxes:
     def deliver_to(self, box: Mailbox, chunk: Chunk, now: float | None = None) -> None:
         """`deliver` for a caller that already looked the mailbox up (`get`)."""
         if box.first_chunk_time is None:
-            self._pending.discard(chunk.request_id)
+            self._unpend(chunk.request_id)
         if box.put(chunk, now):
             self._boxes.pop(chunk.request_id, None)
 
@@ -162,7 +180,7 @@ class Mailboxes:
 
     def close(self, request_id: str) -> Mailbox | None:
         """Forget a request (aborted, failed); later chunks for it are dropped."""
-        self._pending.discard(request_id)
+        self._unpend(request_id)
         return self._boxes.pop(request_id, None)
 
     def fail_all(self, make_error: Callable[[str], RequestError]) -> None:

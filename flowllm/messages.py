@@ -79,8 +79,14 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
     add_generation_prompt: bool = True
-    chat_template: str | None = None  # a template given with the request
+    # A template given with the request: rendered within the request-template budget
+    # (flowllm/engine/chat_template.py). The API admits it only when the server trusts it.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     echo: bool = False  # the first chunk carries the prompt text (and its logprobs if asked)
+    # Prefix-cache isolation: blocks cached under one salt are never hit by another salt or
+    # by requests without one (see flowllm/engine/block_pool.py, "Block hashes").
+    cache_salt: str | None = None
 
 
 class ValidRequest(msgspec.Struct, frozen=True):
@@ -98,6 +104,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: tuple[int, ...]
     arrival_time: float
     prompt_text: str | None = None  # set when the request asked for echo
+    cache_salt: str | None = None  # GenerateRequest.cache_salt
 
 
 class Abort(msgspec.Struct, frozen=True):
@@ -234,3 +241,14 @@ class TextDeltas(msgspec.Struct, kw_only=True):
 
     step_id: int
     chunks: tuple[Chunk, ...]
+
+
+def request_ids_of(message: Any) -> tuple[str, ...]:
+    """The requests a message belongs to. Per-step messages name sequences, not requests:
+    the stage that knows their requests says (e.g. detokenize's `request_ids`)."""
+    if isinstance(message, ValidRequest):
+        return (message.request.request_id,)
+    if isinstance(message, TextDeltas):
+        return tuple(dict.fromkeys(chunk.request_id for chunk in message.chunks))
+    request_id = getattr(message, "request_id", None)
+    return (request_id,) if isinstance(request_id, str) else ()

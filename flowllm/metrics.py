@@ -35,6 +35,7 @@ class EngineMetrics:
         self.num_requests_running = gauge("num_requests_running", "Sequences in model steps.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to run.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks used.")
+        self.live_mailboxes = gauge("live_mailboxes", "Requests with an open mailbox.")
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )

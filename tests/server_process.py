@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -55,14 +56,20 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
         log_dir: Path | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """`model` None: no model argument, so the server's default (the bundled model).
+
+        `tls`: the server runs HTTPS (its --ssl-* flags are in `flags`); this client
+        context, which trusts its CA (and holds a client certificate if it asks for one),
+        is what `wait_healthy()` connects with.
 
         `log_dir` None: the log is a temporary file, deleted by `stop()`; otherwise it is
         `log_dir/server-PORT.log` and is kept.
         """
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls is not None else 'http'}://127.0.0.1:{self.port}"
         self.graph = graph
         # The name the server lists and answers to: by default the model argument as given.
         default_name = str(model) if model is not None else BUNDLED_MODEL
@@ -105,7 +112,9 @@ class ServerProcess:
                     f"flowllm serve exited with {self.process.returncode}:\n{self.output()}"
                 )
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                verify = self.tls if self.tls is not None else True
+                health = httpx.get(f"{self.url}/health", timeout=2.0, verify=verify)
+                if health.status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -3,7 +3,7 @@
 import anyio
 import pytest
 
-from flowllm.mailbox import MERGE_BATCH, Mailbox, RequestFailed, merge_chunks
+from flowllm.mailbox import MERGE_BATCH, Mailbox, Mailboxes, RequestFailed, merge_chunks
 from flowllm.messages import Chunk, RequestError, TokenLogprobs
 
 
@@ -100,3 +100,29 @@ async def test_a_long_unread_output_merges_in_batches_to_the_same_chunk() -> Non
     assert got.token_ids == tuple(range(n))
     assert [lp.token_id for lp in got.logprobs] == list(range(n))
     assert got.finish_reason == "stop" and got.num_output_tokens == 1
+
+
+def test_a_mailbox_is_not_proportional_to_n() -> None:
+    """A huge n costs a count, not a set of choice indices (validation refuses it later)."""
+    import time
+
+    start = time.perf_counter()
+    box = Mailbox("r", num_choices=10**12)
+    assert time.perf_counter() - start < 0.01
+    assert not box.done
+    box.put(chunk(5, "x", (1,), finish="stop"))
+    box.put(chunk(5, "x", (1,), finish="stop"))  # a repeated finish counts once
+    assert box._num_unfinished == 10**12 - 1
+
+
+def test_pending_counts_choices_until_the_first_chunk() -> None:
+    boxes = Mailboxes()
+    boxes.open("a", 4, 0.0)
+    boxes.open("b", 2, 0.0)
+    assert (boxes.num_pending, boxes.num_pending_choices) == (2, 6)
+    boxes.deliver(Chunk(request_id="a", index=0, text="x", token_ids=(1,)))
+    assert (boxes.num_pending, boxes.num_pending_choices) == (1, 2)
+    boxes.close("b")
+    assert (boxes.num_pending, boxes.num_pending_choices) == (0, 0)
+    boxes.close("b")  # twice: still 0
+    assert boxes.num_pending_choices == 0

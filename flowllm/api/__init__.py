@@ -6,7 +6,8 @@
 - completions.py, chat.py: chunks -> OpenAI choices, whole or streamed
 - logprobs.py: token strings and the two logprobs shapes
 - errors.py: every failure as `{"error": {"message", "type", "param", "code"}}`
-- app.py: `create_app`, the routes and the HTTP boundary (request ids, API key)
+- openapi.py: the OpenAPI document, from the routes and the protocol Structs
+- app.py: `create_app`, the routes and the HTTP boundary (request ids, API key, JSON only)
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 The lifespan enters the engine's async context manager (in production it starts the stage
 graph) and hangs the engine on `app.state.engine`; routes reach it through the app state.
+
+The HTTP boundary (`HttpBoundary`) gives every request an id, asks for the API key on
+every route but `PUBLIC_PATHS` (as vLLM does), and takes only JSON bodies. CORS, when
+configured, is Litestar's middleware in front of everything (preflights need no key).
 """
 
 from __future__ import annotations
@@ -16,20 +20,33 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 from litestar import Litestar, Request, Response, get, post
+from litestar.config.cors import CORSConfig
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
+from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 import flowllm
 from flowllm.api.chat import ChatFormat, ChatStream
 from flowllm.api.completions import CompletionFormat, CompletionStream
-from flowllm.api.convert import flatten_messages, prepare_chat, prepare_completion
+from flowllm.api.convert import (
+    check_request_template,
+    flatten_messages,
+    prepare_chat,
+    prepare_completion,
+)
 from flowllm.api.errors import EXCEPTION_HANDLERS, ApiError
+from flowllm.api.json_depth import maybe_too_deep, nesting_depth
 from flowllm.api.logprobs import TokenTexts
+from flowllm.api.openapi import OPENAPI_OPT, OpenApi, openapi_document
 from flowllm.api.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
     CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -39,7 +56,13 @@ from flowllm.api.protocol import (
     VersionResponse,
 )
 from flowllm.api.serving import ClientDisconnected, EventStream, Generation, until_disconnect
-from flowllm.engine.validation import model_not_found
+from flowllm.engine.chat_template import (
+    DEFAULT_BUDGET,
+    ChatTemplateError,
+    TemplateBudget,
+    render_chat,
+)
+from flowllm.engine.validation import model_not_found, show_number
 from flowllm.engine_client import EngineClient
 
 S = TypeVar("S")
@@ -48,6 +71,10 @@ EngineFactory = Callable[[], AbstractAsyncContextManager[EngineClient]]
 RegistryGetter = Callable[[EngineClient], "CollectorRegistry | None"]
 
 REQUEST_ID_HEADER = "x-request-id"
+# Routes that answer without the API key: probes, scrapes and the API's description.
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs"})
+PUBLIC_PREFIXES = ("/docs/",)  # the docs UI's own assets, should it serve any
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SCOPE_REQUEST_ID = "flowllm.request_id"  # the id echoed in X-Request-Id
 _SCOPE_REQUEST_ID_GIVEN = "flowllm.request_id_given"  # did the client send it?
 # Status logged for a request whose client left before the answer (nginx's convention).
@@ -73,18 +100,32 @@ class ApiState:
         served_model_name: str,
         chat_template: str | None,
         metrics_registry: RegistryGetter,
+        trust_request_chat_template: bool = False,
+        template_budget: TemplateBudget = DEFAULT_BUDGET,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.chat_template = chat_template
         self.metrics_registry = metrics_registry
+        self.trust_request_chat_template = trust_request_chat_template
+        self.template_budget = template_budget
         self.texts = TokenTexts(engine.tokenizer)
         self.encoder = msgspec.json.Encoder()
         self.created = int(time.time())
         self._decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 
-    def decode(self, body: bytes, kind: type[S]) -> S:
-        """A request body as `kind`; bad JSON or a wrong shape is a 400 naming the field."""
+    async def decode(self, body: bytes, kind: type[S]) -> S:
+        """A request body as `kind`; bad JSON or a wrong shape is a 400 naming the field.
+
+        Nesting deeper than `max_json_depth` is refused before the decoder recurses into
+        it: counting brackets settles almost every body at C speed; the precise scan the
+        others need runs in a worker thread, off the event loop.
+        """
+        max_depth = self.engine.limits.max_json_depth
+        if maybe_too_deep(body, max_depth) and (
+            await anyio.to_thread.run_sync(nesting_depth, body) > max_depth
+        ):
+            raise _too_deep(max_depth)
         decoder = self._decoders.get(kind)
         if decoder is None:
             decoder = self._decoders[kind] = msgspec.json.Decoder(kind)
@@ -92,6 +133,8 @@ class ApiState:
             return decoder.decode(body)  # type: ignore[no-any-return]
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ApiError.from_validation(exc) from exc
+        except RecursionError as exc:  # deeper than the interpreter's stack allows
+            raise _too_deep(max_depth) from exc
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -99,8 +142,29 @@ class ApiState:
             raise ApiError.from_request_error(error)
 
 
+def is_public(path: str) -> bool:
+    """Does this path answer without the API key?"""
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+
+
+def is_json(content_type: bytes) -> bool:
+    """`application/json`, with at most a UTF-8 charset parameter (any case, any spaces)."""
+    media_type, *params = content_type.decode("latin-1").split(";")
+    if media_type.strip().lower() != "application/json":
+        return False
+    for param in params:
+        name, _, value = param.partition("=")
+        name = name.strip().lower()
+        if name and name != "charset":
+            return False
+        if name == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return False
+    return True
+
+
 class HttpBoundary(ASGIMiddleware):
-    """Request ids (honour and echo X-Request-Id) and the Bearer API key on /v1/*."""
+    """Request ids (honour and echo X-Request-Id), the Bearer API key on every route but
+    `PUBLIC_PATHS` (and CORS preflights), and JSON-only bodies (415 otherwise)."""
 
     scopes = (ScopeType.HTTP,)
 
@@ -110,11 +174,14 @@ class HttpBoundary(ASGIMiddleware):
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         given = None
         authorization = b""
+        content_type = b""
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 given = value.decode("latin-1")
             elif name == b"authorization":
                 authorization = value
+            elif name == b"content-type":
+                content_type = value
         request_id = given or uuid.uuid4().hex
         scope[_SCOPE_REQUEST_ID] = request_id  # type: ignore[literal-required]
         scope[_SCOPE_REQUEST_ID_GIVEN] = given is not None  # type: ignore[literal-required]
@@ -126,7 +193,8 @@ class HttpBoundary(ASGIMiddleware):
                 message = {**message, "headers": headers}  # type: ignore[typeddict-item]
             await send(message)
 
-        if self._api_key is not None and scope["path"].startswith("/v1/"):
+        method = scope["method"]
+        if self._api_key is not None and method != "OPTIONS" and not is_public(scope["path"]):
             scheme, _, token = authorization.partition(b" ")
             valid = scheme.lower() == b"bearer" and hmac.compare_digest(
                 token.strip(), self._api_key
@@ -138,7 +206,23 @@ class HttpBoundary(ASGIMiddleware):
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer", "X-Request-Id": request_id},
                 )
+        if method in _BODY_METHODS and not is_json(content_type):
+            shown = content_type.decode("latin-1") or "none"
+            raise ApiError(
+                f"Unsupported Media Type: request bodies must be application/json, "
+                f"got {shown!r}.",
+                status_code=415,
+                code="unsupported_media_type",
+                headers={"X-Request-Id": request_id},
+            )
         await next_app(scope, receive, send_with_id)
+
+
+def _too_deep(max_depth: int) -> ApiError:
+    return ApiError(
+        f"Invalid JSON body: arrays and objects nest more than {max_depth} levels deep.",
+        code="json_too_deep",
+    )
 
 
 def _state(request: Request[Any, Any, Any]) -> ApiState:
@@ -177,12 +261,23 @@ async def _respond(
             generation.close()
 
 
-@post("/v1/completions", status_code=200)
+@post(
+    "/v1/completions",
+    status_code=200,
+    opt={
+        OPENAPI_OPT: OpenApi(
+            request=CompletionRequest,
+            response=CompletionResponse,
+            stream=CompletionStreamResponse,
+        )
+    },
+)
 async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Create a completion (OpenAI's legacy completions API, with vLLM's extras)."""
     arrival = time.monotonic()  # the graph's clock for latency metrics
     created = int(time.time())
     api = _state(request)
-    body = api.decode(await request.body(), CompletionRequest)
+    body = await api.decode(await request.body(), CompletionRequest)
     graph_id, response_id = _ids(request, "cmpl")
     prepared, streaming = prepare_completion(
         body, request_id=graph_id, served_model_name=api.served_model_name, arrival_time=arrival
@@ -202,12 +297,23 @@ async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
     return await _respond(request, generation, stream, fmt.response)
 
 
-@post("/v1/chat/completions", status_code=200)
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    opt={
+        OPENAPI_OPT: OpenApi(
+            request=ChatCompletionRequest,
+            response=ChatCompletionResponse,
+            stream=ChatCompletionStreamResponse,
+        )
+    },
+)
 async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Create a chat completion (OpenAI's chat API, with vLLM's extras)."""
     arrival = time.monotonic()  # the graph's clock for latency metrics
     created = int(time.time())
     api = _state(request)
-    body = api.decode(await request.body(), ChatCompletionRequest)
+    body = await api.decode(await request.body(), ChatCompletionRequest)
     graph_id, response_id = _ids(request, "chatcmpl")
     prepared, streaming = prepare_chat(
         body,
@@ -215,6 +321,8 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
         served_model_name=api.served_model_name,
         arrival_time=arrival,
         chat_template=api.chat_template,
+        max_logprobs=api.engine.limits.max_logprobs,
+        trust_request_chat_template=api.trust_request_chat_template,
     )
     fmt = ChatFormat(
         prepared,
@@ -231,8 +339,9 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
     return await _respond(request, generation, stream, lambda results: fmt.response(results[0]))
 
 
-@get("/v1/models")
+@get("/v1/models", opt={OPENAPI_OPT: OpenApi(response=ModelList)})
 async def list_models(request: Request[Any, Any, Any]) -> ModelList:
+    """List the served model."""
     api = _state(request)
     card = ModelCard(
         id=api.served_model_name,
@@ -243,20 +352,23 @@ async def list_models(request: Request[Any, Any, Any]) -> ModelList:
     return ModelList(data=[card])
 
 
-@get("/health")
+@get("/health", opt={OPENAPI_OPT: OpenApi(media_type="text/plain", tag="Server")})
 async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """Health: 200 while the engine runs, 503 when it failed. Needs no API key."""
     if not _state(request).engine.healthy:
         raise ApiError("The engine is unhealthy.", status_code=503, code="engine_unhealthy")
     return Response(b"", status_code=200, media_type="text/plain")
 
 
-@get("/version")
+@get("/version", opt={OPENAPI_OPT: OpenApi(response=VersionResponse, tag="Server")})
 async def version() -> VersionResponse:
+    """flowllm's version. Needs no API key."""
     return VersionResponse(version=flowllm.__version__)
 
 
-@get("/metrics")
+@get("/metrics", opt={OPENAPI_OPT: OpenApi(media_type="text/plain", tag="Server")})
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """Prometheus metrics (`flowllm:` prefix). Needs no API key."""
     api = _state(request)
     registry = api.metrics_registry(api.engine)
     body = generate_latest(registry) if registry is not None else b""
@@ -275,44 +387,78 @@ def _tokenize(api: ApiState, req: TokenizeRequest) -> list[int]:
     template = req.chat_template or api.chat_template
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ApiError(NO_CHAT_TEMPLATE, param="chat_template", code="missing_chat_template")
-    text = tokenizer.apply_chat_template(
-        messages,
-        chat_template=template,
-        add_generation_prompt=(
-            True if req.add_generation_prompt is None else req.add_generation_prompt
-        ),
-        tokenize=False,
-    )
+    try:
+        text = render_chat(
+            tokenizer,
+            messages,
+            template=template,
+            add_generation_prompt=(
+                True if req.add_generation_prompt is None else req.add_generation_prompt
+            ),
+            template_kwargs=req.chat_template_kwargs,
+            budget=api.template_budget if req.chat_template is not None else None,
+        )
+    except ChatTemplateError as e:
+        raise ApiError(e.message, param=e.param, code=e.code) from e
     add_special = False if req.add_special_tokens is None else req.add_special_tokens
     return list(tokenizer.encode(text, add_special_tokens=add_special))
 
 
-@post("/tokenize", status_code=200)
+@post(
+    "/tokenize",
+    status_code=200,
+    opt={OPENAPI_OPT: OpenApi(request=TokenizeRequest, response=TokenizeResponse, tag="vLLM")},
+)
 async def tokenize(request: Request[Any, Any, Any]) -> TokenizeResponse:
+    """Token ids of a prompt, or of chat messages rendered with the chat template."""
     api = _state(request)
-    req = api.decode(await request.body(), TokenizeRequest)
+    req = await api.decode(await request.body(), TokenizeRequest)
     api.check_model(req.model)
+    check_request_template(
+        req.chat_template, req.chat_template_kwargs, api.trust_request_chat_template
+    )
     tokens = await anyio.to_thread.run_sync(_tokenize, api, req)
     return TokenizeResponse(
         count=len(tokens), max_model_len=api.engine.max_model_len, tokens=tokens
     )
 
 
-@post("/detokenize", status_code=200)
+@post(
+    "/detokenize",
+    status_code=200,
+    opt={OPENAPI_OPT: OpenApi(request=DetokenizeRequest, response=DetokenizeResponse, tag="vLLM")},
+)
 async def detokenize(request: Request[Any, Any, Any]) -> DetokenizeResponse:
+    """The text of token ids."""
     api = _state(request)
-    req = api.decode(await request.body(), DetokenizeRequest)
+    req = await api.decode(await request.body(), DetokenizeRequest)
     api.check_model(req.model)
     tokenizer = api.engine.tokenizer
     vocab_size = len(tokenizer)
     bad = [t for t in req.tokens if not 0 <= t < vocab_size]
     if bad:
         raise ApiError(
-            f"Invalid 'tokens': token id {bad[0]} is out of the vocabulary (size {vocab_size}).",
+            f"Invalid 'tokens': token id {show_number(bad[0])} is out of the vocabulary "
+            f"(size {vocab_size}).",
             param="tokens",
         )
     text = await anyio.to_thread.run_sync(tokenizer.decode, req.tokens)
     return DetokenizeResponse(prompt=text)
+
+
+@get("/openapi.json", include_in_schema=False)
+async def openapi_json(request: Request[Any, Any, Any]) -> Response[bytes]:
+    return Response(request.app.state.openapi_json, media_type="application/json")
+
+
+_SWAGGER = SwaggerRenderPlugin(path="/docs")
+
+
+@get("/docs", include_in_schema=False)
+async def docs(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """Litestar's Swagger UI page over the document (its scripts load from jsDelivr)."""
+    html = _SWAGGER.render(request, request.app.state.openapi)
+    return Response(html, media_type="text/html")
 
 
 def create_app(
@@ -322,6 +468,9 @@ def create_app(
     served_model_name: str,
     chat_template: str | None = None,
     metrics_registry: RegistryGetter | None = None,
+    trust_request_chat_template: bool = False,
+    template_budget: TemplateBudget = DEFAULT_BUDGET,
+    cors: CORSConfig | None = None,
     debug: bool = False,
 ) -> Litestar:
     """The OpenAI-compatible app over the engine that `engine_factory()` runs.
@@ -329,7 +478,10 @@ def create_app(
     `chat_template`: template text for chat requests that bring none; None (the usual
     case) leaves it to the tokenizer's own template, which the loader already replaced
     with --chat-template when one was given. `metrics_registry(engine)` gives the registry
-    /metrics renders (default: `engine.metrics_registry`).
+    /metrics renders (default: `engine.metrics_registry`). `api_key`: the Bearer key every
+    route but PUBLIC_PATHS asks for. `trust_request_chat_template`: accept `chat_template`
+    and `chat_template_kwargs` in requests (rendered within `template_budget`). `cors`:
+    Litestar's CORS settings; None sends no CORS headers.
     """
     registry = metrics_registry or _registry_of
 
@@ -342,6 +494,8 @@ def create_app(
                 served_model_name=served_model_name,
                 chat_template=chat_template,
                 metrics_registry=registry,
+                trust_request_chat_template=trust_request_chat_template,
+                template_budget=template_budget,
             )
             try:
                 yield
@@ -349,7 +503,7 @@ def create_app(
                 del app.state.api
                 del app.state.engine
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             create_completion,
             create_chat_completion,
@@ -359,10 +513,22 @@ def create_app(
             metrics,
             tokenize,
             detokenize,
+            openapi_json,
+            docs,
         ],
         lifespan=[lifespan],
         middleware=[HttpBoundary(api_key)],
         exception_handlers=EXCEPTION_HANDLERS,
-        openapi_config=None,
+        openapi_config=None,  # the document comes from flowllm.api.openapi
+        cors_config=cors,
         debug=debug,
     )
+    app.state.openapi = openapi_document(
+        app,
+        title="flowllm",
+        version=flowllm.__version__,
+        public=is_public,
+        api_key=api_key is not None,
+    )
+    app.state.openapi_json = msgspec.json.encode(app.state.openapi)
+    return app

@@ -17,6 +17,7 @@ from flowllm.api.protocol import (
     ChatMessageParam,
     CompletionRequest,
 )
+from flowllm.engine.validation import show_number
 from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -39,6 +40,14 @@ class PreparedChat(msgspec.Struct, frozen=True, kw_only=True):
     n: int
     logprobs: int | None  # top_logprobs when logprobs is true, else None
     include_usage: bool
+
+
+def _unsupported(param: str, what: str) -> ApiError:
+    return ApiError(
+        f"Invalid '{param}': {what} is not supported by this server.",
+        param=param,
+        code="unsupported_parameter",
+    )
 
 
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -79,6 +88,34 @@ def _common_params(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
     fields["stop"] = _stop(req.stop)
     fields["stop_token_ids"] = tuple(req.stop_token_ids or ())
     return fields
+
+
+UNTRUSTED_CHAT_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+def check_request_template(
+    chat_template: str | None, chat_template_kwargs: dict[str, Any] | None, trusted: bool
+) -> None:
+    """A request's own template (code) or template variables: a 400 unless trusted."""
+    if trusted:
+        return
+    for param, value in (
+        ("chat_template", chat_template),
+        ("chat_template_kwargs", chat_template_kwargs),
+    ):
+        if value is not None:
+            raise ApiError(UNTRUSTED_CHAT_TEMPLATE, param=param, code="untrusted_chat_template")
+
+
+def _cache_salt(salt: str | None) -> str | None:
+    if salt is not None and not salt:
+        raise ApiError(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
+        )
+    return salt
 
 
 def split_prompts(prompt: str | list[Any]) -> list[str | tuple[int, ...]]:
@@ -143,6 +180,7 @@ def prepare_completion(
     except TypeError as exc:  # a wrong type the schema let through (cannot happen normally)
         raise ApiError(f"Invalid request: {exc}") from exc
     model = req.model or served_model_name
+    salt = _cache_salt(req.cache_salt)
     requests = []
     for i, prompt in enumerate(split_prompts(req.prompt)):
         requests.append(
@@ -154,6 +192,7 @@ def prepare_completion(
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=prompt if isinstance(prompt, tuple) else None,
                 echo=echo,
+                cache_salt=salt,
             )
         )
     prepared = PreparedCompletion(
@@ -172,6 +211,14 @@ def flatten_messages(messages: list[ChatMessageParam]) -> tuple[ChatMessage, ...
     """Chat turns with content as one string: text parts joined, anything else a 400."""
     flat = []
     for i, message in enumerate(messages):
+        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+            if getattr(message, name) not in (None, []):
+                raise ApiError(
+                    f"Invalid 'messages[{i}].{name}': tool calls and audio are not "
+                    "supported by this server.",
+                    param=f"messages[{i}].{name}",
+                    code="unsupported_parameter",
+                )
         if message.role not in CHAT_ROLES:
             raise ApiError(
                 f"Invalid 'messages[{i}].role': {message.role!r} is not supported; expected "
@@ -205,14 +252,32 @@ def prepare_chat(
     served_model_name: str,
     arrival_time: float,
     chat_template: str | None,
+    max_logprobs: int | None = None,
+    trust_request_chat_template: bool = False,
 ) -> tuple[PreparedChat, bool]:
-    """The graph request for one chat request, and whether it streams."""
+    """The graph request for one chat request, and whether it streams.
+
+    `top_logprobs` becomes the engine's `logprobs`: its range is checked here (against
+    `max_logprobs`), so that a refusal names the field the client sent.
+    """
+    check_request_template(
+        req.chat_template, req.chat_template_kwargs, trust_request_chat_template
+    )
     if req.tools:
-        raise ApiError("tools are not currently supported", param="tools")
+        raise _unsupported("tools", "tool calling")
+    if req.tool_choice not in (None, "none"):
+        raise _unsupported("tool_choice", "tool calling")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise _unsupported("response_format", "response_format other than text")
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise _unsupported("modalities", "output modalities other than text")
+    top = req.top_logprobs
+    if top is not None and max_logprobs is not None and not 0 <= top <= max_logprobs:
         raise ApiError(
-            "response_format other than text is not currently supported",
-            param="response_format",
+            f"Invalid 'top_logprobs': expected a value in [0, {max_logprobs}], but got "
+            f"{show_number(top)} instead.",
+            param="top_logprobs",
+            code="integer_above_max_value" if top > 0 else "integer_below_min_value",
         )
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise ApiError(
@@ -238,6 +303,8 @@ def prepare_chat(
             True if req.add_generation_prompt is None else req.add_generation_prompt
         ),
         chat_template=req.chat_template if req.chat_template is not None else chat_template,
+        chat_template_kwargs=req.chat_template_kwargs or None,
+        cache_salt=_cache_salt(req.cache_salt),
     )
     prepared = PreparedChat(
         request=request, n=params.n, logprobs=logprobs, include_usage=include_usage

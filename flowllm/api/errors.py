@@ -16,7 +16,7 @@ import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from flowllm.api.protocol import ErrorInfo, ErrorResponse
+from flowllm.api.protocol import UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
 from flowllm.messages import RequestError
 
 # The error `type` for each status, following vLLM's names.
@@ -26,12 +26,15 @@ _TYPES: dict[int, str] = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     503: "ServiceUnavailableError",
 }
 
 # msgspec's validation messages end with the JSON path of the bad value, e.g. "at `$.n`"
 # or "at `key` in `$.logit_bias`"; the top-level field is the OpenAI `param`.
 _PATH = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
+# "Object contains unknown field `tools` - at `$.messages[0]`" (no path at the top level).
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 
 
 class ApiError(Exception):
@@ -70,11 +73,34 @@ class ApiError(Exception):
         """A body that is not JSON, or JSON of the wrong shape: 400 naming the field."""
         if not isinstance(exc, msgspec.ValidationError):
             return cls(f"Invalid JSON body: {exc}", code="invalid_json")
+        unknown = _UNKNOWN.search(str(exc))
+        if unknown is not None:
+            return cls.unknown_field(unknown.group(1), unknown.group(2) or "")
         match = _PATH.search(str(exc))
         param = match.group(1) if match else None
         if param is None and "missing required field" in str(exc):
             param = str(exc).split("`")[1] if "`" in str(exc) else None
         return cls(f"Invalid request: {exc}", param=param, code="invalid_type")
+
+    @classmethod
+    def unknown_field(cls, name: str, path: str) -> ApiError:
+        """A field the request struct does not declare: unsupported (a feature OpenAI or
+        vLLM has and this server does not) or unrecognized; `param` names it."""
+        param = f"{path}.{name}" if path else name
+        if len(param) > 100:
+            param = param[:100] + "..."
+        feature = UNSUPPORTED_FIELDS.get(name) if not path else None
+        if feature is not None:
+            return cls(
+                f"Invalid '{param}': {feature} is not supported by this server.",
+                param=param,
+                code="unsupported_parameter",
+            )
+        return cls(
+            f"Unrecognized request argument supplied: {param}",
+            param=param,
+            code="unknown_parameter",
+        )
 
     def info(self) -> ErrorInfo:
         return ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)

@@ -1,9 +1,14 @@
 """The OpenAI wire format as msgspec Structs: request bodies in, response bodies out.
 
-Requests accept the OpenAI fields plus vLLM's sampling extras; unknown fields are ignored
-(as OpenAI's SDK may send newer ones). Optional request fields default to None so an
-explicit JSON `null` means "not given", and the defaults are resolved in one place
-(`flowllm.api.convert`). Responses keep every field, `null` included, so their shapes are
+Requests accept the OpenAI fields this server implements plus vLLM's sampling extras, and
+harmless metadata (`user`, `metadata`, `store`, `service_tier`, ...) that does not change
+the output, which is accepted and ignored. Any other field is refused with a 400 naming it
+(`forbid_unknown_fields`): fields OpenAI or vLLM define but this server does not implement
+(`UNSUPPORTED_FIELDS`: tools, structured outputs, beam search...) as unsupported, anything
+else as unrecognized, so no request is ever served while silently ignoring what it asked.
+The OpenAI SDK sends only the fields its caller passes. Optional request fields default
+to None so an explicit JSON `null` means "not given", and the defaults are resolved in one
+place (`flowllm.api.convert`). Responses keep every field, `null` included, so their shapes are
 exactly OpenAI's; fields that only some responses carry are UNSET and then left out.
 """
 
@@ -17,26 +22,75 @@ from msgspec import UNSET, UnsetType
 # ---------------------------------------------------------------------------------------
 # Requests
 
+# Fields OpenAI's or vLLM's API defines that this server does not implement: a request
+# naming one is refused with a 400 saying so (`param` is the field), never served without.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    # OpenAI
+    "functions": "function calling",
+    "function_call": "function calling",
+    "parallel_tool_calls": "tool calling",
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "reasoning_effort": "reasoning effort",
+    "verbosity": "verbosity",
+    # vLLM
+    "guided_json": "guided decoding",
+    "guided_regex": "guided decoding",
+    "guided_choice": "guided decoding",
+    "guided_grammar": "guided decoding",
+    "guided_decoding_backend": "guided decoding",
+    "guided_whitespace_pattern": "guided decoding",
+    "structured_outputs": "structured outputs",
+    "use_beam_search": "beam search",
+    "length_penalty": "beam search",
+    "logits_processors": "logits processors",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+    "truncate_prompt_tokens": "prompt truncation",
+    "prompt_embeds": "prompt embeddings",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    "continue_final_message": "continue_final_message",
+    "documents": "documents",
+    "mm_processor_kwargs": "multimodal inputs",
+    "priority": "request priorities",
+    "kv_transfer_params": "KV transfer",
+    "vllm_xargs": "vLLM extra arguments",
+}
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+
+class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request body (or part of one): a field it does not declare is a 400."""
+
+
+class StreamOptions(_Request, kw_only=True):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+    include_obfuscation: bool | None = None  # accepted and ignored: no padding is sent
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
-    """One part of a message's content list; only `type: "text"` is supported."""
+    """One part of a message's content list; only `type: "text"` is supported (other
+    types, whatever fields they bring, are refused by type in flowllm.api.convert)."""
 
     type: str
     text: str | None = None
 
 
-class ChatMessageParam(msgspec.Struct, kw_only=True):
+class ChatMessageParam(_Request, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # accepted and ignored
+    refusal: str | None = None  # an earlier assistant turn's; accepted and ignored
+    annotations: list[Any] | None = None  # likewise
+    # Tool and audio turns are not supported: a 400 unless null or empty.
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any | None = None
+    audio: Any | None = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(_Request, kw_only=True):
     """Fields completions and chat share: OpenAI's, then vLLM's extras."""
 
     model: str | None = None  # None: the served model
@@ -50,7 +104,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # JSON keys are token ids as strings
     seed: int | None = None
-    user: str | None = None  # accepted and ignored
+    user: str | None = None  # accepted and ignored (metadata)
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -61,6 +115,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with it share blocks
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -84,13 +139,23 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
-    chat_template: str | None = None
-    # Not supported; rejected with a clear 400 rather than silently ignored.
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # same; extra template variables
+    # Metadata that does not change the output: accepted and ignored.
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Accepted only as what they are by default (no tools, text output); anything else
+    # is a 400 naming the field (flowllm.api.convert).
     tools: list[Any] | None = None
+    tool_choice: Any | None = None
     response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(_Request, kw_only=True):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
@@ -98,10 +163,11 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
-    chat_template: str | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # same; extra template variables
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(_Request, kw_only=True):
     """POST /detokenize."""
 
     tokens: list[int]

@@ -74,7 +74,8 @@ class Generation:
 
     @classmethod
     def submit(cls, engine: EngineClient, requests: Sequence[GenerateRequest]) -> Generation:
-        """Enter every sub-request; if admission refuses one, abort the others: 503."""
+        """Enter the sub-requests as a whole: admitted together, or a 503 (overloaded now)
+        or the 400 of a request that could never be admitted."""
         if not engine.healthy:
             raise ApiError(
                 "The engine has failed and cannot serve requests; see /health.",
@@ -83,10 +84,10 @@ class Generation:
             )
         generation = cls(engine, [])
         try:
-            for request in requests:
-                generation.mailboxes.append(engine.submit(request))
+            generation.mailboxes = engine.submit_all(requests)
+        except RequestFailed as failed:
+            raise ApiError.from_request_error(failed.error) from failed
         except Overloaded as exc:
-            generation.close()
             retry = max(1, math.ceil(exc.retry_after))
             raise ApiError(
                 "The server is overloaded; retry later.",
@@ -94,9 +95,6 @@ class Generation:
                 code="server_overloaded",
                 headers={"Retry-After": str(retry)},
             ) from exc
-        except BaseException:
-            generation.close()  # whatever failed, no admitted sibling runs on
-            raise
         generation.first_chunks = [None] * len(generation.mailboxes)
         return generation
 

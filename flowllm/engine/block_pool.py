@@ -45,6 +45,13 @@ class BlockPoolError(RuntimeError):
     """The pool was used against its contract (a bookkeeping bug, never user input)."""
 
 
+def salt_root(cache_salt: str | None) -> BlockHash:
+    """The parent hash of a sequence's first block: b"" without a salt."""
+    if cache_salt is None:
+        return NO_PARENT
+    return sha256(b"flowllm-cache-salt\0" + cache_salt.encode()).digest()
+
+
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """Chained hash of one full block: `parent` is the previous block's hash (or b"")."""
     return sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()

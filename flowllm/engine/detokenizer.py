@@ -35,6 +35,8 @@ it cannot be done incrementally).
 
 from __future__ import annotations
 
+import functools
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -431,20 +433,43 @@ def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     return None if best is None else (best[1], best[2])
 
 
-def _prefixes_by_last_char(stops: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
-    """Proper prefixes of the stop strings, grouped by their last character, longest first."""
+class _Prefixes(NamedTuple):
+    """The proper prefixes of the stop strings ending in one character, longest first, as
+    (length, stop string) pairs; `neg_lengths` (ascending) lets a lookup skip at once the
+    prefixes longer than the text."""
+
+    neg_lengths: list[int]
+    entries: list[tuple[int, str]]
+
+
+@functools.lru_cache(maxsize=16)
+def _prefixes_by_last_char(stops: tuple[str, ...]) -> dict[str, _Prefixes]:
+    """Proper prefixes of the stop strings, grouped by their last character, longest first.
+
+    Linear in the stop strings' total length (a prefix is its length, not a copy), and
+    shared by every sequence with the same stop strings (the n choices of a request).
+    """
     table: dict[str, set[tuple[int, str]]] = {}
     for s in stops:
         for k in range(1, len(s)):
-            table.setdefault(s[k - 1], set()).add((k, s[:k]))
-    return {c: sorted(v, reverse=True) for c, v in table.items()}
+            table.setdefault(s[k - 1], set()).add((k, s))
+    grouped = {}
+    for c, pairs in table.items():
+        entries = sorted(pairs, reverse=True)
+        grouped[c] = _Prefixes([-k for k, _ in entries], entries)
+    return grouped
 
 
-def _partial_stop_suffix(text: str, prefixes: dict[str, list[tuple[int, str]]]) -> int:
+def _partial_stop_suffix(text: str, prefixes: dict[str, _Prefixes]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
     if not text:
         return 0
-    for k, prefix in prefixes.get(text[-1], ()):
-        if k <= len(text) and text.endswith(prefix):
+    group = prefixes.get(text[-1])
+    if group is None:
+        return 0
+    entries = group.entries
+    for i in range(bisect_left(group.neg_lengths, -len(text)), len(entries)):
+        k, stop = entries[i]
+        if text.endswith(stop[:k]):
             return k
     return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flowllm.engine.block_pool import NO_PARENT, BlockHash, BlockPool, hash_blocks
+from flowllm.engine.block_pool import NO_PARENT, BlockHash, BlockPool, hash_blocks, salt_root
 
 
 class SeqBlocks:
@@ -25,9 +25,10 @@ class SeqBlocks:
     block_hashes[i] is the chained hash of full block i of the sequence's tokens; `table`
     is tuple(block_ids)."""
 
-    __slots__ = ("block_hashes", "block_ids", "fast_limit", "num_cached_blocks", "table")
+    __slots__ = ("block_hashes", "block_ids", "fast_limit", "num_cached_blocks", "root", "table")
 
-    def __init__(self) -> None:
+    def __init__(self, root: BlockHash = NO_PARENT) -> None:
+        self.root = root  # the parent hash of block 0: the cache salt's root, or b""
         self.block_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
         self.num_cached_blocks = 0
@@ -58,10 +59,18 @@ class KVCacheManager:
             rec = self._seqs[seq_id] = SeqBlocks()
         return rec
 
+    def set_cache_salt(self, seq_id: int, cache_salt: str | None) -> None:
+        """Isolate the sequence's prefix-cache entries under `cache_salt` (before it is
+        first looked up or allocated): it hits, and offers, only blocks of that salt."""
+        rec = self._record(seq_id)
+        if rec.block_hashes or rec.block_ids:
+            raise ValueError(f"sequence {seq_id} already hashed blocks; set its salt first")
+        rec.root = salt_root(cache_salt)
+
     def _ensure_hashes(self, rec: SeqBlocks, token_ids: Sequence[int], num_blocks: int) -> None:
         have = len(rec.block_hashes)
         if have < num_blocks:
-            parent = rec.block_hashes[-1] if have else NO_PARENT
+            parent = rec.block_hashes[-1] if have else rec.root
             rec.block_hashes.extend(
                 hash_blocks(token_ids, self.block_size, have, parent, num_blocks)
             )

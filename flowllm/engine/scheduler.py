@@ -45,6 +45,16 @@ class SchedulerError(ValueError):
     """A request the scheduler cannot hold (empty or too long prompt, duplicate id)."""
 
 
+class Handover(msgspec.Struct, frozen=True, kw_only=True):
+    """What a fresh scheduler takes over from one whose step loop failed."""
+
+    requeue: tuple[TokenizedRequest, ...]  # never scheduled: they run as if nothing happened
+    lost: tuple[str, ...]  # request ids whose sequences had started: their work is gone
+    released: tuple[int, ...]  # every seq id downstream stages may still hold
+    next_seq_id: int
+    next_step_id: int
+
+
 class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     """Gauges and cumulative counters for the metrics exporter."""
 
@@ -144,6 +154,8 @@ class Scheduler:
                 prompt_text=request.prompt_text,
                 use_prefix_cache=use_cache,
             )
+            if request.cache_salt is not None:
+                self.kv.set_cache_salt(seq.seq_id, request.cache_salt)
             self._next_seq_id += 1
             self._seqs[seq.seq_id] = seq
             self.waiting.append(seq)
@@ -224,6 +236,51 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
+
+    @property
+    def num_sequences(self) -> int:
+        """Unfinished sequences, waiting or running."""
+        return len(self._seqs)
+
+    def hand_over(self) -> Handover:
+        """This scheduler's requests, split for a fresh scheduler after a failed step loop:
+        requests none of whose sequences started are queued again, the others are lost
+        (their KV blocks and sampler state are gone)."""
+        requeue: list[TokenizedRequest] = []
+        lost: list[str] = []
+        for request_id, seqs in self._requests.items():
+            first = seqs[0]
+            if any(seq.started for seq in seqs) or len(seqs) != first.params.n:
+                lost.append(request_id)
+                continue
+            requeue.append(
+                TokenizedRequest(
+                    request_id=request_id,
+                    prompt_token_ids=first.prompt_token_ids,
+                    params=first.params,
+                    eos_token_ids=first.eos_token_ids,
+                    arrival_time=first.arrival_time,
+                    prompt_text=first.prompt_text,
+                )
+            )
+        started = [seq.seq_id for seq in self._seqs.values() if seq.started]
+        return Handover(
+            requeue=tuple(requeue),
+            lost=tuple(lost),
+            released=tuple(dict.fromkeys([*self._released, *started])),
+            next_seq_id=self._next_seq_id,
+            next_step_id=self._next_step_id,
+        )
+
+    def take_over(self, handover: Handover) -> None:
+        """Continue from a failed scheduler's `hand_over` (call on a fresh scheduler): ids
+        keep counting up, so no id is used twice, and downstream stages are told to drop
+        every sequence of the old one in the next batch."""
+        self._next_seq_id = handover.next_seq_id
+        self._next_step_id = handover.next_step_id
+        self._released.extend(handover.released)
+        for request in handover.requeue:
+            self.add_request(request)
 
     @property
     def stats(self) -> SchedulerStats:

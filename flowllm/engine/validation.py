@@ -8,11 +8,18 @@ OpenAI client expects to read: HTTP status, error type, the offending `param` an
 
 from __future__ import annotations
 
-from flowllm.config import EngineConfig
+import math
+from collections.abc import Sequence
+
+from flowllm.config import EngineConfig, RequestLimits
 from flowllm.messages import GenerateRequest, RequestError, SamplingParams
 
 # OpenAI clamps logit_bias values to this range and rejects values outside it.
 LOGIT_BIAS_LIMIT = 100.0
+# repetition_penalty divides positive logits (multiplies negative ones) of seen tokens:
+# beyond 2 a seen token is all but banned, which presence_penalty says more directly.
+MAX_REPETITION_PENALTY = 2.0
+_SHOWN_DIGITS = 20  # a longer integer is shown abridged in an error message
 
 
 class _Invalid(Exception):
@@ -25,9 +32,26 @@ class _Invalid(Exception):
         self.code = code
 
 
-def _number(value: float) -> str:
-    """A number as the user wrote it: 3 not 3.0, 0.5 as 0.5."""
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+def show_number(value: float) -> str:
+    """A number as the user wrote it (3 not 3.0, 0.5 as 0.5), a huge integer abridged.
+
+    Integers are never converted to float: a client's 400-digit integer must not overflow.
+    """
+    if isinstance(value, int):
+        text = str(value) if abs(value) < 10**_SHOWN_DIGITS else _abridged(value)
+        return text
+    if math.isfinite(value) and value.is_integer() and abs(value) < 10**_SHOWN_DIGITS:
+        return str(int(value))
+    return repr(value)
+
+
+def _abridged(value: int) -> str:
+    digits = len(str(abs(value))) if value.bit_length() < 10_000 else None
+    sign = "-" if value < 0 else ""
+    if digits is None:  # str() of a huge int is itself slow: say only how big it is
+        return f"{sign}an integer of {value.bit_length()} bits"
+    head = str(abs(value))[:8]
+    return f"{sign}{head}... ({digits} digits)"
 
 
 def _at_least(name: str, value: float, low: float, *, integer: bool) -> None:
@@ -35,7 +59,7 @@ def _at_least(name: str, value: float, low: float, *, integer: bool) -> None:
         kind = "integer" if integer else "decimal"
         raise _Invalid(
             f"Invalid '{name}': {kind} below minimum value. Expected a value >= "
-            f"{_number(low)}, but got {_number(value)} instead.",
+            f"{show_number(low)}, but got {show_number(value)} instead.",
             name,
             f"{kind}_below_min_value",
         )
@@ -46,24 +70,73 @@ def _at_most(name: str, value: float, high: float, *, integer: bool) -> None:
         kind = "integer" if integer else "decimal"
         raise _Invalid(
             f"Invalid '{name}': {kind} above maximum value. Expected a value <= "
-            f"{_number(high)}, but got {_number(value)} instead.",
+            f"{show_number(high)}, but got {show_number(value)} instead.",
             name,
             f"{kind}_above_max_value",
         )
 
 
+def _finite(name: str, value: float) -> None:
+    """NaN and infinities fail every range check silently or absurdly: say so."""
+    if not isinstance(value, int) and not math.isfinite(value):
+        raise _Invalid(
+            f"Invalid '{name}': expected a finite number, but got {value!r} instead.",
+            name,
+            "invalid_value",
+        )
+
+
 def _in_range(name: str, value: float, low: float, high: float, *, integer: bool = False) -> None:
+    if not integer:
+        _finite(name, value)
     _at_least(name, value, low, integer=integer)
     _at_most(name, value, high, integer=integer)
 
 
-def check_sampling_params(params: SamplingParams, config: EngineConfig) -> None:
-    """Raise `_Invalid` for the first parameter outside the range OpenAI and vLLM allow."""
-    _in_range("n", params.n, 1, config.max_n, integer=True)
+def _at_most_entries(name: str, count: int, limit: int, what: str) -> None:
+    if count > limit:
+        raise _Invalid(
+            f"Invalid '{name}': too many {what}. Expected at most {limit}, but got {count}.",
+            name,
+            "array_above_max_length",
+        )
+
+
+def _token_ids(name: str, ids: Sequence[int], vocab_size: int | None) -> None:
+    """Every id in [0, vocab_size) (C-speed min/max first; integers compared as integers)."""
+    if not ids:
+        return
+    low, high = min(ids), max(ids)
+    if low < 0:
+        raise _Invalid(
+            f"Invalid '{name}': token ids cannot be negative, got {show_number(low)}.", name
+        )
+    if vocab_size is not None and high >= vocab_size:
+        raise _Invalid(
+            f"Invalid '{name}': token id {show_number(high)} is out of the vocabulary "
+            f"(size {vocab_size}).",
+            name,
+        )
+
+
+def check_n(n: int, limits: RequestLimits) -> None:
+    """n in 1..max_n: checked before a mailbox for n choices is opened."""
+    _in_range("n", n, 1, limits.max_n, integer=True)
+
+
+def check_sampling_params(
+    params: SamplingParams, limits: RequestLimits, vocab_size: int | None = None
+) -> None:
+    """Raise `_Invalid` for the first parameter outside the range OpenAI and vLLM allow.
+
+    `vocab_size`: token ids must be below it (None: only their sign is checked).
+    """
+    check_n(params.n, limits)
     _in_range("temperature", params.temperature, 0.0, 2.0)
+    _finite("top_p", params.top_p)
     if not 0.0 < params.top_p <= 1.0:
         raise _Invalid(
-            f"Invalid 'top_p': expected a value in (0, 1], but got {_number(params.top_p)} "
+            f"Invalid 'top_p': expected a value in (0, 1], but got {show_number(params.top_p)} "
             "instead.",
             "top_p",
             "decimal_below_min_value" if params.top_p <= 0.0 else "decimal_above_max_value",
@@ -71,48 +144,131 @@ def check_sampling_params(params: SamplingParams, config: EngineConfig) -> None:
     if params.top_k < -1:
         raise _Invalid(
             "Invalid 'top_k': expected -1 or 0 (disabled) or a value >= 1, but got "
-            f"{params.top_k} instead.",
+            f"{show_number(params.top_k)} instead.",
             "top_k",
             "integer_below_min_value",
         )
     _in_range("min_p", params.min_p, 0.0, 1.0)
     _in_range("presence_penalty", params.presence_penalty, -2.0, 2.0)
     _in_range("frequency_penalty", params.frequency_penalty, -2.0, 2.0)
+    _finite("repetition_penalty", params.repetition_penalty)
     if not params.repetition_penalty > 0.0:
         raise _Invalid(
             "Invalid 'repetition_penalty': expected a value > 0, but got "
-            f"{_number(params.repetition_penalty)} instead.",
+            f"{show_number(params.repetition_penalty)} instead.",
             "repetition_penalty",
             "decimal_below_min_value",
         )
+    _at_most(
+        "repetition_penalty", params.repetition_penalty, MAX_REPETITION_PENALTY, integer=False
+    )
     if params.max_tokens is not None:
         _at_least("max_tokens", params.max_tokens, 1, integer=True)
     _at_least("min_tokens", params.min_tokens, 0, integer=True)
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise _Invalid(
-            f"Invalid 'min_tokens': min_tokens ({params.min_tokens}) must be less than or "
-            f"equal to max_tokens ({params.max_tokens}).",
+            f"Invalid 'min_tokens': min_tokens ({show_number(params.min_tokens)}) must be less "
+            f"than or equal to max_tokens ({show_number(params.max_tokens)}).",
             "min_tokens",
             "integer_above_max_value",
         )
     for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
         if value is not None:
-            _in_range(name, value, 0, config.max_logprobs, integer=True)
-    if any(s == "" for s in params.stop):
-        raise _Invalid("Invalid 'stop': stop strings cannot be empty.", "stop", "empty_string")
-    if any(t < 0 for t in params.stop_token_ids):
-        raise _Invalid("Invalid 'stop_token_ids': token ids cannot be negative.", "stop_token_ids")
+            _in_range(name, value, 0, limits.max_logprobs, integer=True)
+    _at_most_entries("stop", len(params.stop), limits.max_stop_strings, "stop strings")
+    for stop in params.stop:
+        if stop == "":
+            raise _Invalid("Invalid 'stop': stop strings cannot be empty.", "stop", "empty_string")
+        if len(stop) > limits.max_stop_string_length:
+            raise _Invalid(
+                f"Invalid 'stop': a stop string is {len(stop)} characters long; expected at "
+                f"most {limits.max_stop_string_length}.",
+                "stop",
+                "string_above_max_length",
+            )
+    _at_most_entries(
+        "stop_token_ids", len(params.stop_token_ids), limits.max_stop_token_ids, "token ids"
+    )
+    _token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
     if params.logit_bias:
-        for token_id, bias in params.logit_bias.items():
-            if token_id < 0:
-                raise _Invalid(
-                    f"Invalid 'logit_bias': token id {token_id} cannot be negative.",
-                    "logit_bias",
-                )
+        _at_most_entries("logit_bias", len(params.logit_bias), limits.max_logit_bias, "entries")
+        _token_ids("logit_bias", tuple(params.logit_bias), vocab_size)
+        for bias in params.logit_bias.values():
             _in_range("logit_bias", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
 
 
-def _check_prompt(request: GenerateRequest) -> None:
+def check_admission(
+    requests: Sequence[GenerateRequest],
+    limits: RequestLimits,
+    max_model_len: int,
+    *,
+    max_choices: int,
+    max_prompts: int,
+) -> RequestError | None:
+    """Can these requests (the prompts of one API request) ever be admitted together?
+
+    Checked before anything is allocated for them: `n` in range, at most
+    `max_prompts_per_request` prompts (and `max_prompts`, what the first channel holds),
+    min_tokens at most max_tokens (the context length when unset), prompts x n x
+    max_tokens within `max_request_tokens`, and prompts x n choices within
+    `max_choices` (what admission ever holds). Integers are compared as integers.
+    """
+    if not requests:
+        return None
+    first = requests[0].request_id
+    try:
+        for request in requests:
+            check_n(request.params.n, limits)
+        prompt_limit = min(limits.max_prompts_per_request, max_prompts)
+        _at_most_entries("prompt", len(requests), prompt_limit, "prompts")
+        total = 0
+        for request in requests:
+            max_tokens = request.params.max_tokens
+            most = max_model_len if max_tokens is None else max_tokens
+            if most >= 1 and request.params.min_tokens > most:  # most < 1: validate says
+                raise _Invalid(
+                    f"Invalid 'min_tokens': min_tokens ({show_number(request.params.min_tokens)})"
+                    f" must be less than or equal to max_tokens ({show_number(most)}; unset: "
+                    "the context length).",
+                    "min_tokens",
+                    "integer_above_max_value",
+                )
+            total += request.params.n * most
+        if total > limits.max_request_tokens:
+            raise _Invalid(
+                "Invalid 'max_tokens': this request asks for up to "
+                f"{show_number(total)} tokens (prompts x n x max_tokens, max_tokens unset "
+                f"counting as the context length {max_model_len}); expected at most "
+                f"{limits.max_request_tokens}.",
+                "max_tokens",
+                "integer_above_max_value",
+            )
+        choices = sum(request.params.n for request in requests)
+        if choices > max_choices:
+            param = "n" if len(requests) == 1 else "prompt"
+            raise _Invalid(
+                f"Invalid '{param}': this request has {choices} choices (prompts x n), more "
+                f"than the server ever admits at once ({max_choices}).",
+                param,
+                "integer_above_max_value",
+            )
+    except _Invalid as invalid:
+        return _bad_request(first, invalid)
+    return None
+
+
+def _bad_request(request_id: str, invalid: _Invalid) -> RequestError:
+    return RequestError(
+        request_id=request_id,
+        message=invalid.message,
+        type="BadRequestError",
+        param=invalid.param,
+        code=invalid.code,
+        status_code=400,
+    )
+
+
+def _check_prompt(request: GenerateRequest, vocab_size: int | None) -> None:
     given = [
         name
         for name, value in (
@@ -133,8 +289,7 @@ def _check_prompt(request: GenerateRequest) -> None:
     if request.prompt_token_ids is not None:
         if not request.prompt_token_ids:
             raise _Invalid("The prompt cannot be empty.", "prompt", "empty_array")
-        if min(request.prompt_token_ids) < 0:
-            raise _Invalid("Invalid 'prompt': token ids cannot be negative.", "prompt")
+        _token_ids("prompt", request.prompt_token_ids, vocab_size)
     if request.messages is not None and not request.messages:
         raise _Invalid(
             "Invalid 'messages': expected at least one message.", "messages", "empty_array"
@@ -154,27 +309,25 @@ def model_not_found(request_id: str, model: str) -> RequestError:
 
 
 def validate_request(
-    request: GenerateRequest, config: EngineConfig, served_model_name: str
+    request: GenerateRequest,
+    config: EngineConfig,
+    served_model_name: str,
+    vocab_size: int | None = None,
 ) -> RequestError | None:
     """The first reason this request cannot run, or None when it is valid.
 
-    Token ids out of the vocabulary and the context length need the tokenizer, so they
-    are checked later (by tokenize, with `check_context_length`).
+    `vocab_size`: the ids the model and tokenizer both know (prompt ids, stop_token_ids,
+    logit_bias keys must be below it; None: only their sign is checked). The context
+    length needs the prompt's tokens, so it is checked later (by tokenize, with
+    `check_context_length`).
     """
     if request.model != served_model_name:
         return model_not_found(request.request_id, request.model)
     try:
-        _check_prompt(request)
-        check_sampling_params(request.params, config)
+        _check_prompt(request, vocab_size)
+        check_sampling_params(request.params, config.limits, vocab_size)
     except _Invalid as invalid:
-        return RequestError(
-            request_id=request.request_id,
-            message=invalid.message,
-            type="BadRequestError",
-            param=invalid.param,
-            code=invalid.code,
-            status_code=400,
-        )
+        return _bad_request(request.request_id, invalid)
     return None
 
 

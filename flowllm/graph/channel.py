@@ -198,6 +198,12 @@ class ChannelSender(Generic[T]):
         stats = self._stream.statistics()
         return stats.current_buffer_used < stats.max_buffer_size or stats.tasks_waiting_receive > 0
 
+    def room(self) -> int:
+        """How many `send_nowait` calls would succeed now, in a row."""
+        stats = self._stream.statistics()
+        free = int(stats.max_buffer_size) - stats.current_buffer_used
+        return free + stats.tasks_waiting_receive
+
     @property
     def closed(self) -> bool:
         return self._closed

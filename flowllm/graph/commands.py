@@ -84,6 +84,7 @@ def render_text(graph: ValidGraph) -> str:
             lines.append(f"  {'':<{width}}    in   {port}: {type_name(tp)}")
         for port, tp in bound.cls.outputs.items():
             lines.append(f"  {'':<{width}}    out  {port}: {type_name(tp)}")
+        lines.append(f"  {'':<{width}}    supervision: {bound.supervision.describe()}")
     lines += ["", "channels:"]
     for channel in graph.channels.values():
         sources = ", ".join(str(p) for p in channel.producers)

@@ -13,10 +13,16 @@ flows down the graph and the graph finishes when every stage has returned. Input
 open when a stage returns (a stage on a cycle decides itself when it is done) are drained
 and their late messages dropped, so their producers neither fail nor block.
 
-Supervision. If a stage raises, the runtime logs the stage and traceback, counts it in
-`flowllm:stage_errors_total`, marks the graph unhealthy, calls `fail_inflight(error)` on
-every stage (so `format` can answer open requests with a 500), then cancels the task
-group. `run()` returns; the failure stays on `graph.failure`.
+Supervision (flowllm/graph/supervision.py). The stages of one supervision group run in a
+task group of their own, each member in a cancel scope the watchdog can cancel. A member
+whose `run` raises (or outlives its `timeout_s` on one message) is handled by its
+group's `on_error`: `fail_request` answers the requests of the message it was handling
+and runs the stage on; `restart` cancels the group, discards the messages on channels
+internal to it, builds every member anew from its class (`restart_from` carries over
+what survives) and runs them on the same channels; `escalate`, or a group past its
+restart intensity, fails all in-flight work, marks the graph failed and cancels it (the
+failure stays on `graph.failure`). `/health` reads `healthy`: false while a group
+restarts, a stage is overdue, or the graph has failed.
 
 Graceful stop. `stop(timeout)` sets every context's `stop_requested` event and calls each
 stage's `stop_intake()` (source stages stop taking work and return), waits up to `timeout`
@@ -29,8 +35,9 @@ from __future__ import annotations
 import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import anyio
@@ -41,7 +48,9 @@ from prometheus_client import CollectorRegistry
 from flowllm.graph.channel import Channel
 from flowllm.graph.spans import GraphMetrics, SpanRecorder, SpanSink, configure_logging
 from flowllm.graph.spec import GraphSpec, PortRef, ValidGraph, load_graph
-from flowllm.stages.base import CLOSED, Outbox, Stage, StageContext
+from flowllm.graph.supervision import RestartIntensity
+from flowllm.messages import RequestError
+from flowllm.stages.base import CLOSED, FailRequest, Outbox, RequestInputError, Stage, StageContext
 
 
 class GraphBuildError(RuntimeError):
@@ -50,6 +59,10 @@ class GraphBuildError(RuntimeError):
 
 class GraphStoppedError(RuntimeError):
     """Given to `fail_inflight` when a graceful stop timed out with work still in flight."""
+
+
+class StageTimeout(RuntimeError):
+    """A stage handled one message for longer than its `timeout_s` (the watchdog's verdict)."""
 
 
 @dataclass(frozen=True)
@@ -62,12 +75,30 @@ class StageFailure:
     traceback: str
 
 
-@dataclass
+@dataclass(eq=False)
 class _Task:
     name: str
     replica: int
     stage: Stage
+    timeout_s: float | None = None
     ctx: StageContext | None = None
+    scope: anyio.CancelScope | None = None  # the running member's, for the watchdog
+    overdue: bool = False  # past its timeout on a message; unhealthy until seen idle
+    timed_out: bool = False  # the watchdog cancelled it
+    finished: bool = False  # its run returned: the end of its input reached it
+
+
+@dataclass
+class _Group:
+    """Stages supervised together: one policy, one restart intensity."""
+
+    name: str
+    on_error: str
+    intensity: RestartIntensity
+    tasks: list[_Task] = field(default_factory=list)
+    scope: anyio.CancelScope | None = None
+    restart_cause: BaseException | None = None  # set when a member asks for a restart
+    restarting: bool = False
 
 
 class Graph:
@@ -77,7 +108,8 @@ class Graph:
     config, model, tokenizer, mailboxes and metrics). Metrics go to `registry` (a fresh
     `CollectorRegistry` by default), exposed as `graph.registry`. `spans=False` turns
     per-message spans off; `span_events` forces span log events on or off (default: on
-    when the logger is enabled for DEBUG).
+    when the logger is enabled for DEBUG). `fail_request(error)` answers one request
+    directly, for stages that fail a request and have no `errors` port.
     """
 
     def __init__(
@@ -90,6 +122,7 @@ class Graph:
         spans: bool = True,
         span_events: bool | None = None,
         fail_inflight_timeout: float = 5.0,
+        fail_request: FailRequest | None = None,
     ) -> None:
         if isinstance(graph, (str, Path)):
             graph = load_graph(graph)
@@ -106,6 +139,7 @@ class Graph:
         self._spans = spans
         self._span_events = span_events
         self._fail_inflight_timeout = fail_inflight_timeout
+        self._fail_request = fail_request
         self._span_sinks: list[SpanSink] = []
         self.failure: StageFailure | None = None
         self._running = False
@@ -125,19 +159,35 @@ class Graph:
 
         self._replicas: dict[str, list[Stage]] = {}
         self._tasks: list[_Task] = []
+        self._groups: dict[str, _Group] = {}
         for bound in graph.stages.values():
+            plan = bound.supervision
+            group = self._groups.get(plan.group)
+            if group is None:
+                intensity = RestartIntensity(plan.settings.max_restarts, plan.settings.within_s)
+                group = self._groups[plan.group] = _Group(plan.group, plan.on_error, intensity)
             instances = []
             for replica in range(bound.spec.replicas):
-                try:
-                    stage = bound.cls(bound.params, services)
-                except Exception as exc:
-                    raise GraphBuildError(
-                        f"stage {bound.name!r} ({bound.cls.__name__}) failed to build: "
-                        f"{type(exc).__name__}: {exc}"
-                    ) from exc
+                stage = self._build(bound.name)
                 instances.append(stage)
-                self._tasks.append(_Task(bound.name, replica, stage))
+                task = _Task(bound.name, replica, stage, plan.settings.timeout_s)
+                self._tasks.append(task)
+                group.tasks.append(task)
             self._replicas[bound.name] = instances
+            if hasattr(bound.cls, "live_sequences"):
+                self.metrics.live_sequences.labels(bound.name).set_function(
+                    lambda name=bound.name: sum(s.live_sequences() for s in self._replicas[name])
+                )
+
+    def _build(self, name: str) -> Stage:
+        bound = self.spec.stages[name]
+        try:
+            return bound.cls(bound.params, self.services)
+        except Exception as exc:
+            raise GraphBuildError(
+                f"stage {bound.name!r} ({bound.cls.__name__}) failed to build: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     # -- what the graph's owner uses ------------------------------------------------------
 
@@ -147,8 +197,24 @@ class Graph:
 
     @property
     def healthy(self) -> bool:
-        """True while the graph runs and no stage has failed (read by `/health`)."""
-        return self._running and self.failure is None
+        """True while the graph runs, no group restarts, no stage is overdue on a message,
+        and no failure escalated (read by `/health`)."""
+        return (
+            self._running
+            and self.failure is None
+            and not any(group.restarting for group in self._groups.values())
+            and not any(task.overdue for task in self._tasks)
+        )
+
+    @property
+    def failed(self) -> bool:
+        """A failure escalated: the graph stopped; its owner should exit non-zero."""
+        return self.failure is not None
+
+    async def wait_finished(self) -> None:
+        """Return once the graph has finished (stopped, drained or failed)."""
+        if self._done is not None:
+            await self._done.wait()
 
     @property
     def running(self) -> bool:
@@ -206,10 +272,14 @@ class Graph:
         try:
             async with anyio.create_task_group() as tg:
                 self._scope = tg.cancel_scope
-                for task in self._tasks:
-                    tg.start_soon(self._run_stage, task, name=f"{task.name}[{task.replica}]")
-                self._running = True
-                task_status.started(self)
+                watchdog = anyio.CancelScope()
+                tg.start_soon(self._watchdog, watchdog)
+                async with anyio.create_task_group() as groups:
+                    for group in self._groups.values():
+                        groups.start_soon(self._supervise, group, name=f"group {group.name}")
+                    self._running = True
+                    task_status.started(self)
+                watchdog.cancel()
         finally:
             self._running = False
             self._finished = True
@@ -279,6 +349,7 @@ class Graph:
                 inboxes=inboxes,
                 outboxes=outboxes,
                 log=log,
+                fail_request=self._fail_request,
                 spans=SpanRecorder(
                     task.name,
                     log,
@@ -293,20 +364,52 @@ class Graph:
         for channel in self.channels.values():
             channel.close()
 
-    async def _run_stage(self, task: _Task) -> None:
+    async def _supervise(self, group: _Group) -> None:
+        """Run the group's members; rebuild and run them again after each restart."""
+        while True:
+            group.restart_cause = None
+            async with anyio.create_task_group() as members:
+                group.scope = members.cancel_scope
+                for task in group.tasks:
+                    members.start_soon(
+                        self._run_member, task, group, name=f"{task.name}[{task.replica}]"
+                    )
+            if group.restart_cause is None or not await self._restart(group):
+                return
+
+    async def _run_member(self, task: _Task, group: _Group) -> None:
         ctx = task.ctx
         if ctx is None:
             raise RuntimeError(f"stage {task.name!r} was not wired")
-        try:
-            await task.stage.run(ctx)
-        except Exception as exc:
-            await self._on_failure(task, exc)
-        else:
-            ctx.close_outputs()
-            late = await self._drain_late(ctx)
-            ctx.log.debug("stage finished", late_messages_dropped=late)
-        finally:
-            ctx.close()
+        while True:
+            error: Exception | None = None
+            with anyio.CancelScope() as scope:
+                task.scope = scope
+                try:
+                    await task.stage.run(ctx)
+                except Exception as exc:
+                    error = exc
+                else:
+                    task.finished = True
+                    ctx.close_outputs()
+                    late = await self._drain_late(ctx)
+                    ctx.log.debug("stage finished", late_messages_dropped=late)
+                    ctx.close()
+                    return
+            task.scope = None
+            message = ctx.busy_message if ctx.busy_since else None
+            elapsed = perf_counter() - ctx.busy_since if ctx.busy_since else 0.0
+            ctx.end()
+            if error is None:
+                if not task.timed_out:
+                    return  # cancelled: its group restarts or the graph stops
+                error = StageTimeout(
+                    f"stage {task.name!r} spent {elapsed:.1f} s on one message, past its "
+                    f"timeout of {task.timeout_s} s"
+                )
+            task.timed_out = False
+            if not await self._on_failure(task, group, error, message):
+                return
 
     @staticmethod
     async def _drain_late(ctx: StageContext) -> int:
@@ -326,12 +429,171 @@ class Graph:
             if message is not CLOSED:
                 dropped += 1
 
-    async def _on_failure(self, task: _Task, error: Exception) -> None:
+    def _request_ids(self, task: _Task, group: _Group, message: Any) -> tuple[str, ...]:
+        """The requests of `message`, asked of every stage in the group (for a step, the
+        stage that knows which requests its sequences belong to answers)."""
+        if message is None:
+            return ()
+        ids: dict[str, None] = {}
+        for member in [task, *(t for t in group.tasks if t is not task)]:
+            try:
+                ids.update(dict.fromkeys(member.stage.request_ids(message)))
+            except Exception as exc:  # a damaged stage may not know; never mask the failure
+                self.log.warning("request_ids raised", stage=member.name, exc_info=exc)
+        return tuple(ids)
+
+    async def _on_failure(
+        self, task: _Task, group: _Group, error: Exception, message: Any
+    ) -> bool:
+        """Apply the group's policy to one failure; True when the member runs on."""
         self.metrics.stage_errors.labels(task.name).inc()
+        log = self.log.bind(stage=task.name, replica=task.replica)
         if self.failure is not None:
             # The graph is already going down; later errors are usually its consequences.
-            ctx_log = self.log.bind(stage=task.name, replica=task.replica)
-            ctx_log.warning("stage raised while the graph was failing", exc_info=error)
+            log.warning("stage raised while the graph was failing", exc_info=error)
+            return False
+        request_ids = self._request_ids(task, group, message)
+        if isinstance(error, RequestInputError):
+            log.info("request refused by its own input", request_ids=request_ids, error=str(error))
+            await self._answer(task, request_ids, error, 400)
+            return True
+        on_error = group.on_error
+        if on_error != "escalate" and not group.intensity.admit():
+            log.error(
+                "stage failed past its group's restart intensity; escalating",
+                group=group.name,
+                max_restarts=group.intensity.max_restarts,
+                within_s=group.intensity.within_s,
+                request_ids=request_ids,
+                exc_info=error,
+            )
+            on_error = "escalate"
+        elif self._stopping or (on_error == "restart" and any(t.finished for t in group.tasks)):
+            on_error = "escalate"  # a group that is draining cannot start over
+        else:
+            log.error(
+                "stage failed", on_error=on_error, request_ids=request_ids, exc_info=error
+            )
+        if on_error == "escalate":
+            await self._escalate(task, error)
+            return False
+        await self._answer(task, request_ids, error, 500)
+        if on_error == "fail_request":
+            return True
+        group.restart_cause = error
+        group.restarting = True
+        if group.scope is not None:
+            group.scope.cancel()
+        return False
+
+    async def _answer(
+        self, task: _Task, request_ids: tuple[str, ...], error: Exception, status: int
+    ) -> None:
+        """Answer each request with the failure, through the stage (bounded in time)."""
+        if not request_ids:
+            return
+        if status == 400:
+            message = str(error)
+        else:
+            message = f"The {task.name} stage failed on this request: {type(error).__name__}"
+        errors = [
+            RequestError(
+                request_id=request_id,
+                message=message,
+                type="BadRequestError" if status == 400 else "InternalServerError",
+                status_code=status,
+            )
+            for request_id in request_ids
+        ]
+        with anyio.move_on_after(self._fail_inflight_timeout, shield=True):
+            try:
+                await task.stage.fail_requests(errors)
+                return
+            except Exception as exc:
+                self.log.warning("fail_requests raised", stage=task.name, exc_info=exc)
+        if self._fail_request is not None:
+            for request_error in errors:
+                self._fail_request(request_error)
+
+    async def _restart(self, group: _Group) -> bool:
+        """Build the group's stages anew on the same channels; False if that failed."""
+        members = {task.name for task in group.tasks}
+        try:
+            for name in members:
+                for port in self.spec.stages[name].cls.inputs:
+                    channel = self.spec.channels.get(f"{name}.{port}")
+                    if channel is not None and all(p.stage in members for p in channel.producers):
+                        dropped = self._discard(group, name, port)
+                        self.log.debug("discarded on restart", channel=channel.name, n=dropped)
+            for task in group.tasks:
+                fresh = self._build(task.name)
+                fresh.restart_from(task.stage)
+                task.stage.bind(None)
+                fresh.bind(task.ctx)
+                self._replicas[task.name][task.replica] = fresh
+                task.stage = fresh
+        except Exception as exc:
+            self.log.error("group could not restart", group=group.name, exc_info=exc)
+            await self._escalate(group.tasks[0], exc)
+            return False
+        self.metrics.stage_restarts.labels(group.name).inc()
+        group.restarting = False
+        self.log.warning("group restarted", group=group.name, cause=repr(group.restart_cause))
+        return True
+
+    @staticmethod
+    def _discard(group: _Group, name: str, port: str) -> int:
+        """Drop what waits on a channel inside the group: messages of the failed run."""
+        task = next(t for t in group.tasks if t.name == name)
+        assert task.ctx is not None
+        inbox = task.ctx.inbox(port)
+        dropped = 0
+        while True:
+            try:
+                inbox.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                return dropped
+            dropped += 1
+
+    async def _watchdog(self, scope: anyio.CancelScope) -> None:
+        """Cancel a member that has spent longer than its timeout on one message."""
+        timed = [task for task in self._tasks if task.timeout_s is not None]
+        if not timed:
+            return
+        interval = min(1.0, max(0.05, min(t.timeout_s or 1.0 for t in timed) / 4))
+        with scope:
+            await self._watch(timed, interval)
+
+    async def _watch(self, timed: list[_Task], interval: float) -> None:
+        while True:
+            await anyio.sleep(interval)
+            now = perf_counter()
+            for task in timed:
+                ctx = task.ctx
+                if ctx is None:
+                    continue
+                if not ctx.busy_since:
+                    task.overdue = False  # idle again: healthy
+                    continue
+                if task.timed_out or task.scope is None:
+                    continue
+                elapsed = now - ctx.busy_since
+                if elapsed > (task.timeout_s or 0.0):
+                    group = self._groups[self.spec.stages[task.name].supervision.group]
+                    task.overdue = task.timed_out = True
+                    self.log.error(
+                        "stage overdue on one message; cancelling it",
+                        stage=task.name,
+                        replica=task.replica,
+                        timeout_s=task.timeout_s,
+                        elapsed_s=round(elapsed, 3),
+                        request_ids=self._request_ids(task, group, ctx.busy_message),
+                    )
+                    task.scope.cancel()
+
+    async def _escalate(self, task: _Task, error: BaseException) -> None:
+        """Fail everything in flight and stop the graph: the process should exit."""
+        if self.failure is not None:
             return
         self.failure = StageFailure(
             task.name, task.replica, error, "".join(traceback.format_exception(error))

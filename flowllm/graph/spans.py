@@ -192,9 +192,21 @@ class GraphMetrics:
             ["stage"],
             registry=self.registry,
         )
+        self.stage_restarts = Counter(
+            "flowllm:stage_restarts_total",
+            "Restarts of a supervision group after a failure.",
+            ["group"],
+            registry=self.registry,
+        )
+        self.live_sequences = Gauge(
+            "flowllm:live_sequences",
+            "Sequences whose state a stage holds (sampled when scraped).",
+            ["stage"],
+            registry=self.registry,
+        )
         self.graph_healthy = Gauge(
             "flowllm:graph_healthy",
-            "1 while the graph runs and no stage has failed.",
+            "1 while the graph runs and serves: no group restarting, no stage overdue.",
             registry=self.registry,
         )
 

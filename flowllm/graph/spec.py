@@ -8,6 +8,7 @@ The schema (DESIGN.md §4):
         use: pkg.mod:Class            # or path/to/file.py:Class, relative to the YAML's folder
         with: {param: value}          # checked against Class.Params (a msgspec Struct)
         replicas: 2                   # optional: N tasks sharing one inbox
+        supervision: {on_error: restart, group: step_loop, timeout_s: 60}  # optional
     edges:
       - a.out -> b.in                 # default capacity (64 messages)
       - {from: a.out, to: b.in, capacity: 8}
@@ -50,6 +51,7 @@ import msgspec
 import yaml
 
 from flowllm.graph.channel import type_members, type_name
+from flowllm.graph.supervision import SupervisionPlan, parse_supervision, plan_groups
 from flowllm.stages.base import Stage
 
 DEFAULT_CAPACITY = 64
@@ -59,7 +61,7 @@ _NAME = r"[A-Za-z_][A-Za-z0-9_\-]*"
 _PORT_REF = re.compile(rf"^\s*({_NAME})\.([A-Za-z_][A-Za-z0-9_]*)\s*$")
 _EDGE = re.compile(rf"^\s*({_NAME}\.[A-Za-z_]\w*)\s*->\s*({_NAME}\.[A-Za-z_]\w*)\s*$")
 _TOP_KEYS = ("graph", "stages", "edges")
-_STAGE_KEYS = ("name", "use", "with", "replicas")
+_STAGE_KEYS = ("name", "use", "with", "replicas", "supervision")
 _EDGE_KEYS = ("from", "to", "capacity")
 
 
@@ -121,6 +123,7 @@ class StageSpec:
     params: dict[str, Any] = field(default_factory=dict)
     replicas: int = 1
     line: int | None = None
+    supervision: Any = None  # the raw `supervision:` mapping, checked by the validator
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,7 @@ class _Reader:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             self.problem(f"{label}: 'replicas' must be an int >= 1, got {replicas!r}", line)
             replicas = 1
-        return StageSpec(name, use.strip(), dict(params), replicas, line)
+        return StageSpec(name, use.strip(), dict(params), replicas, line, item.get("supervision"))
 
     def read_edge(self, item: Any, node: Any, index: int) -> EdgeSpec | None:
         line = _line(node)
@@ -351,6 +354,7 @@ class BoundStage:
     spec: StageSpec
     cls: type[Stage]
     params: msgspec.Struct
+    supervision: SupervisionPlan
 
     @property
     def name(self) -> str:
@@ -410,7 +414,7 @@ class _Validator:
     # -- stages ---------------------------------------------------------------------------
 
     def check_stages(self) -> dict[str, BoundStage]:
-        bound: dict[str, BoundStage] = {}
+        resolved: dict[str, tuple[StageSpec, type[Stage], msgspec.Struct, Any]] = {}
         first_line: dict[str, int | None] = {}
         for stage in self.spec.stages:
             if stage.name in first_line:
@@ -425,10 +429,23 @@ class _Validator:
             if cls is None or not self.check_ports(stage, cls):
                 continue
             params = self.check_params(stage, cls)
+            try:
+                supervision = parse_supervision(stage.supervision)
+            except ValueError as exc:
+                self.problem(f"stage {stage.name!r}: invalid supervision: {exc}", stage.line)
+                continue
             if params is not None:
-                bound[stage.name] = BoundStage(stage, cls, params)
+                resolved[stage.name] = (stage, cls, params, supervision)
         self.known_names = list(first_line)
-        return bound
+        plans, problems = plan_groups(
+            {name: (sup, cls.on_error) for name, (_, cls, _, sup) in resolved.items()}
+        )
+        for name, message in problems:
+            self.problem(f"stage {name!r}: supervision: {message}", resolved[name][0].line)
+        return {
+            name: BoundStage(stage, cls, params, plans[name])
+            for name, (stage, cls, params, _) in resolved.items()
+        }
 
     def resolve(self, stage: StageSpec) -> type[Stage] | None:
         module_part, sep, attr = stage.use.rpartition(":")

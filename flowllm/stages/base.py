@@ -26,7 +26,7 @@ Three shapes cover the graph:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from time import perf_counter
 from typing import Any, ClassVar, Final
 
@@ -36,6 +36,7 @@ import msgspec
 
 from flowllm.graph.channel import ChannelReceiver, ChannelSender
 from flowllm.graph.spans import Span, SpanRecorder
+from flowllm.messages import RequestError, request_ids_of
 
 
 class NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -44,6 +45,15 @@ class NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class StageNotRunningError(RuntimeError):
     """A stage's outboxes were used before the graph started it (or after it ended)."""
+
+
+class RequestInputError(ValueError):
+    """Raised by a stage when the request's own input makes it fail: the supervisor
+    answers that request with a 400 and does not count it as the stage's failure."""
+
+
+# How a stage answers a request when the graph's owner gives no way (a bare graph).
+FailRequest = Callable[[RequestError], object]
 
 
 class _Closed:
@@ -80,6 +90,15 @@ class Outbox:
     def has_room(self) -> bool:
         return all(sender.has_room() for sender in self.senders)
 
+    def room(self) -> int:
+        """How many messages `send_nowait` would take now, in a row."""
+        return min(sender.room() for sender in self.senders)
+
+    @property
+    def capacity(self) -> int:
+        """The most messages this port could ever take at once (its smallest channel's)."""
+        return min(sender.channel.capacity for sender in self.senders)
+
     def send_nowait(self, message: Any) -> None:
         """Send now to every channel or to none; raises `anyio.WouldBlock` when any is full."""
         if not self.has_room():
@@ -110,6 +129,7 @@ class StageContext:
         log: Any,
         spans: SpanRecorder,
         stop_requested: anyio.Event,
+        fail_request: FailRequest | None = None,
     ) -> None:
         self.name = name
         self.replica = replica
@@ -117,6 +137,13 @@ class StageContext:
         self.spans = spans
         self.stop_requested = stop_requested  # set when the graph's owner asks for a stop
         self.last_wait = 0.0
+        # What the watchdog reads: since when (perf_counter) the stage handles which
+        # message; 0.0 while it waits for input.
+        self.busy_since = 0.0
+        self.busy_message: Any = None
+        # The graph owner's way to answer a request directly (the engine hands it to
+        # format), for stages without an `errors` port.
+        self.fail_request = fail_request
         self._inboxes = dict(inboxes)
         self._outboxes = dict(outboxes)
         self._input_order = tuple(self._inboxes)
@@ -224,6 +251,16 @@ class StageContext:
         """`with ctx.span(msg): ...` records one span (default wait: `last_wait`)."""
         return self.spans.span(message, self.last_wait if queue_wait is None else queue_wait)
 
+    def begin(self, message: Any, started: float) -> None:
+        """The stage starts handling `message` (the watchdog times it from `started`)."""
+        self.busy_message = message
+        self.busy_since = started
+
+    def end(self) -> None:
+        """The stage is done with its message and waits for the next."""
+        self.busy_since = 0.0
+        self.busy_message = None
+
     def close_outputs(self) -> None:
         """Close this task's outboxes, so the end propagates downstream."""
         self._closed = True
@@ -244,8 +281,12 @@ class Stage:
     outputs: ClassVar[dict[str, Any]] = {}
     Params: ClassVar[type[msgspec.Struct]] = NoParams
     # Name of an int param bounding the messages this stage keeps in flight around a
-    # cycle (DESIGN.md §3); the validator accepts a cycle only through such a stage.
+    # cycle (docs/stages.md); the validator accepts a cycle only through such a stage.
     credit_param: ClassVar[str | None] = None
+    # What a failure does when the graph's `supervision:` entry does not say
+    # (flowllm/graph/supervision.py): a stage with its own `run` may hold state across
+    # requests, so it restarts with fresh state.
+    on_error: ClassVar[str] = "restart"
 
     def __init__(self, params: Any, services: Any) -> None:
         self.params = params
@@ -285,13 +326,40 @@ class Stage:
         request with a 500 here. Must not wait on channels (they may be stuck).
         """
 
+    def request_ids(self, message: Any) -> tuple[str, ...]:
+        """The requests `message` belongs to: those a failure while handling it fails."""
+        return request_ids_of(message)
+
+    async def fail_requests(self, errors: Iterable[RequestError]) -> None:
+        """Answer requests whose message this stage failed to handle.
+
+        By default the errors go out on the `errors` port when the stage has one (so they
+        travel behind the request's earlier output), else straight to the graph's owner.
+        """
+        ctx = self.context
+        send = "errors" in type(self).outputs
+        for error in errors:
+            if send:
+                await ctx.emit("errors", error)
+            elif ctx.fail_request is not None:
+                ctx.fail_request(error)
+            else:
+                ctx.log.warning("no way to answer a failed request", request_id=error.request_id)
+
+    def restart_from(self, old: Stage) -> None:
+        """Called on a fresh instance that replaces `old` after its group failed: carry
+        over what must survive the restart (default: nothing)."""
+
 
 class PerMessageStage(Stage):
     """Receive one message, emit zero or more: implement `handle`.
 
     With several input ports, messages are taken with `receive_any` in declared port order
-    (the first port has priority) and `handle` dispatches on the message's type.
+    (the first port has priority) and `handle` dispatches on the message's type. A failure
+    in `handle` fails only that message's requests (unless the graph says otherwise).
     """
+
+    on_error: ClassVar[str] = "fail_request"
 
     async def handle(self, message: Any, ctx: StageContext) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement handle()")
@@ -307,7 +375,9 @@ class PerMessageStage(Stage):
                 except anyio.EndOfStream:
                     return
                 started = perf_counter()
+                ctx.begin(message, started)
                 await handle(message, ctx)
+                ctx.busy_since = 0.0
                 spans.record(message, started, inbox.last_wait)
         while True:
             try:
@@ -318,7 +388,9 @@ class PerMessageStage(Stage):
                 continue
             started = perf_counter()
             wait = ctx.last_wait
+            ctx.begin(message, started)
             await handle(message, ctx)
+            ctx.busy_since = 0.0
             spans.record(message, started, wait)
 
 
@@ -326,8 +398,11 @@ class SourceStage(Stage):
     """A stage with no inputs, fed by its owner's method calls; runs until a stop request.
 
     Methods emit through `self.context.emit(...)` / `emit_nowait(...)`. Override
-    `stop_intake` to refuse new work at once when a graceful stop begins.
+    `stop_intake` to refuse new work at once when a graceful stop begins. Its owner holds
+    the instance, so a source stage is never rebuilt: a failure escalates.
     """
+
+    on_error: ClassVar[str] = "escalate"
 
     async def run(self, ctx: StageContext) -> None:
         await ctx.stop_requested.wait()

@@ -8,6 +8,7 @@ The first chunk of each choice carries the prompt (for echo and prompt logprobs)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from flowllm.messages import (
     Chunk,
     Finish,
     FinishReason,
+    RequestError,
     SampledToken,
     SamplingParams,
     SeqStart,
@@ -52,6 +54,31 @@ class Detokenize(PerMessageStage):
         self._byte_vocab = services.byte_vocab()
         self._decoders: dict[tuple[bool, bool], Decode] = {}  # by the two decode flags
         self._choices: dict[int, _Choice] = {}
+
+    def live_sequences(self) -> int:
+        return len(self._choices)
+
+    def request_ids(self, message: Any) -> tuple[str, ...]:
+        """A step's requests: those of its sequences this stage holds."""
+        if not isinstance(message, StepTokens):
+            return super().request_ids(message)
+        choices = self._choices
+        return tuple(
+            dict.fromkeys(
+                choices[t.seq_id].start.request_id for t in message.tokens if t.seq_id in choices
+            )
+        )
+
+    async def fail_requests(self, errors: Iterable[RequestError]) -> None:
+        """A request whose text failed: its sequences end here and in schedule (which frees
+        their blocks), and the error goes to its mailbox."""
+        errors = list(errors)
+        failed = {error.request_id for error in errors}
+        for seq_id, choice in self._choices.items():
+            if choice.start.request_id in failed and not choice.done:
+                choice.done = True
+                await self.context.emit("finishes", Finish(seq_id, None))
+        await super().fail_requests(errors)
 
     def _decode_for(self, params: SamplingParams) -> Decode:
         """One decode function per flag pair, shared by every sequence using it."""

@@ -32,6 +32,9 @@ class Execute(PerMessageStage):
         self._want_prompt_logits: set[int] = set()
         self._worker = services.worker_thread("execute")
 
+    def live_sequences(self) -> int:
+        return len(self._want_prompt_logits)
+
     async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
         want = self._want_prompt_logits
         want.update(s.seq_id for s in batch.started if s.params.prompt_logprobs is not None)

@@ -8,6 +8,7 @@ stage fails it answers every open request with a 500.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from flowllm.mailbox import Mailbox
@@ -55,6 +56,10 @@ class Format(PerMessageStage):
                 metrics.time_per_output_token.observe(decode_time / (chunk.num_output_tokens - 1))
         if box.done:
             metrics.request_success.inc()
+
+    async def fail_requests(self, errors: Iterable[RequestError]) -> None:
+        for error in errors:
+            self._mailboxes.fail(error)
 
     async def fail_inflight(self, error: BaseException) -> None:
         self._mailboxes.fail_all(

@@ -1,28 +1,34 @@
 """ingest: the one entry into the graph, for HTTP handlers and the offline API alike.
 
-`submit` opens the request's mailbox and sends the request on at once, or refuses it with
-`Overloaded` when `max_pending` requests already wait for their first output (or the first
-channel is full), so an overload is answered immediately instead of queueing without
-bound. `abort` forgets the mailbox and sends an `Abort` down the same path as requests, so
-it always reaches `schedule` after the request it names.
+`submit_all` admits the prompts of one API request as a whole: it opens their mailboxes
+and sends them on at once, or refuses them all. A request that could never be admitted
+(n out of range, more prompts or choices than admission ever holds, a token budget beyond
+`max_request_tokens`) raises `RequestFailed` with a 400 before anything is allocated; one
+that cannot be admitted *now*, because `max_pending` choices already wait for their first
+output or the first channel lacks room, raises `Overloaded`, so an overload is answered
+immediately instead of queueing without bound. `abort` forgets the mailbox and sends an
+`Abort` down the same path as requests, so it always reaches `schedule` after the request
+it names.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import anyio
 import msgspec
 
+from flowllm.engine.validation import check_admission
 from flowllm.engine_client import Overloaded
-from flowllm.mailbox import Mailbox
+from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import Abort, GenerateRequest
 from flowllm.stages.base import SourceStage, StageContext
 from flowllm.stages.services import EngineServices
 
 
 class IngestParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    max_pending: int = 1024  # requests admitted but without output yet
+    max_pending: int = 1024  # choices (prompts x n) admitted but without output yet
 
 
 class Ingest(SourceStage):
@@ -37,20 +43,49 @@ class Ingest(SourceStage):
         self._accepting = True
 
     def submit(self, request: GenerateRequest) -> Mailbox:
-        """Admit a request: its mailbox, or Overloaded (503 with Retry-After)."""
-        if not self._accepting or self._mailboxes.num_pending >= self.params.max_pending:
-            raise Overloaded()
+        """Admit one request: its mailbox (see `submit_all`)."""
+        return self.submit_all((request,))[0]
+
+    def submit_all(self, requests: Sequence[GenerateRequest]) -> list[Mailbox]:
+        """Admit requests together or not at all: their mailboxes, in order.
+
+        Raises RequestFailed (a 400) when they could never be admitted, Overloaded (503
+        with Retry-After) when they cannot be now.
+        """
         ctx = self.context
-        # At least one choice: a box opened for n < 1 would count as finished at once and
-        # drop the error validate sends for that n (the client would get no choices, 200).
-        choices = max(request.params.n, 1)
-        box = self._mailboxes.open(request.request_id, choices, request.arrival_time)
+        outbox = ctx.outbox("out")
+        services = self.services
+        error = check_admission(
+            requests,
+            services.config.limits,
+            services.max_model_len,
+            max_choices=self.params.max_pending,
+            max_prompts=outbox.capacity,
+        )
+        if error is not None:
+            raise RequestFailed(error)
+        choices = sum(request.params.n for request in requests)
+        if (
+            not self._accepting
+            or self._mailboxes.num_pending_choices + choices > self.params.max_pending
+            or outbox.room() < len(requests)
+        ):
+            raise Overloaded()
+        boxes: list[Mailbox] = []
         try:
+            for request in requests:
+                boxes.append(
+                    self._mailboxes.open(
+                        request.request_id, request.params.n, request.arrival_time
+                    )
+                )
+        except BaseException:
+            for box in boxes:
+                self._mailboxes.close(box.request_id)
+            raise
+        for request in requests:  # room was checked, and nothing awaits in between
             ctx.emit_nowait("out", request)
-        except anyio.WouldBlock:
-            self._mailboxes.close(request.request_id)
-            raise Overloaded() from None
-        return box
+        return boxes
 
     def abort(self, request_id: str) -> None:
         """Stop a request: its mailbox is dropped now, its blocks freed by schedule."""

@@ -28,6 +28,9 @@ class Sample(PerMessageStage):
         )
         self._worker = services.worker_thread("sample")
 
+    def live_sequences(self) -> int:
+        return len(self.sampler)
+
     async def handle(self, step: StepLogits, ctx: StageContext) -> None:
         tokens = await self._worker.run(self._sample, step)
         await ctx.emit("out", tokens)

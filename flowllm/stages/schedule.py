@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from typing import Any
 
 import msgspec
 
@@ -26,6 +27,7 @@ from flowllm.messages import (
     Finish,
     RequestError,
     StepBatch,
+    StepLogits,
     StepTokens,
     TokenizedRequest,
 )
@@ -53,14 +55,59 @@ class Schedule(Stage):
         )
         self._metrics = services.metrics
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._lost: tuple[str, ...] = ()  # requests a failed step loop lost, to answer
+
+    def restart_from(self, old: Stage) -> None:
+        """After the step loop failed: requests not yet scheduled survive; the others are
+        answered with an error when this instance starts."""
+        if not isinstance(old, Schedule):
+            return
+        handover = old.scheduler.hand_over()
+        self.scheduler.take_over(handover)
+        self._lost = handover.lost
+        self._early_aborts = old._early_aborts
+
+    def live_sequences(self) -> int:
+        return self.scheduler.num_sequences
+
+    def request_ids(self, message: Any) -> tuple[str, ...]:
+        """Per-step messages name sequences: their requests, as far as they are known."""
+        if isinstance(message, StepLogits):
+            message = message.batch
+        if isinstance(message, StepBatch):
+            seq_ids = [s.seq_id for s in message.seqs]
+        elif isinstance(message, StepTokens):
+            seq_ids = [t.seq_id for t in message.tokens]
+        else:
+            return super().request_ids(message)
+        ids: dict[str, None] = {}
+        for seq_id in seq_ids:
+            seq = self.scheduler.get_sequence(seq_id)
+            if seq is not None:
+                ids[seq.request_id] = None
+        return tuple(ids)
 
     async def run(self, ctx: StageContext) -> None:
         scheduler = self.scheduler
         inflight = 0
         intake_open = True
+        lost, self._lost = self._lost, ()
+        for request_id in lost:
+            await ctx.emit(
+                "errors",
+                RequestError(
+                    request_id=request_id,
+                    message="The engine's step loop failed and restarted; this request's "
+                    "work was lost. Retrying it is safe.",
+                    type="InternalServerError",
+                    status_code=500,
+                ),
+            )
         while intake_open or inflight or scheduler.has_unfinished():
             if inflight < self.params.max_inflight_steps:
+                ctx.begin(None, time.perf_counter())
                 batch = scheduler.schedule()
+                ctx.busy_since = 0.0
                 if batch is not None:
                     self._observe_started(batch)
                     await ctx.emit("out", batch)
@@ -71,6 +118,7 @@ class Schedule(Stage):
             if message is CLOSED:
                 intake_open &= port != "requests"
                 continue
+            ctx.begin(message, started)
             if isinstance(message, StepTokens):
                 scheduler.apply(message)
                 inflight -= 1
@@ -82,6 +130,7 @@ class Schedule(Stage):
             else:
                 await self._add(message, ctx)
             self._metrics.observe_scheduler(scheduler.stats)
+            ctx.busy_since = 0.0
             ctx.spans.record(message, started, ctx.last_wait)
 
     def _abort(self, request_id: str) -> None:

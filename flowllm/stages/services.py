@@ -45,6 +45,7 @@ class EngineServices:
 
     def __post_init__(self) -> None:
         self.metrics = EngineMetrics(self.registry)
+        self.metrics.live_mailboxes.set_function(lambda: len(self.mailboxes))
 
     def byte_vocab(self) -> ByteVocab | None:
         """The tokenizer's byte table for fast decoding (None: not a byte-level tokenizer).
@@ -61,6 +62,14 @@ class EngineServices:
         if worker is None:
             worker = self._workers[name] = WorkerThread(f"flowllm-{name}")
         return worker
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name are below this: ids both the model's logits and
+        embedding and the tokenizer know (the smaller of the two sizes)."""
+        size = len(self.tokenizer)
+        model_size = getattr(self.model, "vocab_size", None)
+        return size if model_size is None else min(size, int(model_size))
 
     @property
     def served_model_name(self) -> str:

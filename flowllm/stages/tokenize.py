@@ -1,8 +1,9 @@
 """tokenize: prompt text or chat messages to token ids; the context-length check.
 
-Chat requests are rendered with the model's chat template (or the one given with the
-request or the server) by transformers, then encoded without adding special tokens again,
-as the template already holds them. Stateless, and the encoding runs in a worker thread
+Chat requests are rendered with the model's chat template by transformers, or with the
+template given with the request within the request-template budget
+(`flowllm.engine.chat_template`), then encoded without adding special tokens again, as
+the template already holds them. Stateless, and the encoding runs in a worker thread
 (the tokenizer releases the GIL), so `replicas: N` tokenizes N prompts at once.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 import anyio.to_thread
 import msgspec
 
+from flowllm.engine.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
 from flowllm.engine.validation import check_context_length
 from flowllm.messages import (
     Abort,
@@ -28,9 +30,10 @@ from flowllm.stages.services import EngineServices
 class PromptError(ValueError):
     """The prompt cannot be tokenized; the message says why (becomes a 400)."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class Tokenize(PerMessageStage):
@@ -40,7 +43,7 @@ class Tokenize(PerMessageStage):
     def __init__(self, params: Any, services: EngineServices) -> None:
         super().__init__(params, services)
         self._tokenizer = services.tokenizer
-        self._vocab_size = len(services.tokenizer)
+        self._vocab_size = services.vocab_size
         self._max_model_len = services.max_model_len
         self._eos_token_ids = services.eos_token_ids
 
@@ -56,7 +59,7 @@ class Tokenize(PerMessageStage):
             else:
                 prompt_ids = await anyio.to_thread.run_sync(self.prompt_token_ids, request)
         except PromptError as e:
-            await ctx.emit("errors", _bad_request(request.request_id, str(e), e.param))
+            await ctx.emit("errors", _bad_request(request.request_id, str(e), e.param, e.code))
             return
         max_tokens, error = check_context_length(
             request.request_id, len(prompt_ids), request.params.max_tokens, self._max_model_len
@@ -78,6 +81,7 @@ class Tokenize(PerMessageStage):
                 eos_token_ids=self._eos_token_ids,
                 arrival_time=request.arrival_time,
                 prompt_text=prompt_text,
+                cache_salt=request.cache_salt,
             ),
         )
 
@@ -101,12 +105,17 @@ class Tokenize(PerMessageStage):
                     "one.",
                     "messages",
                 )
-            text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in request.messages],
-                chat_template=template,
-                add_generation_prompt=request.add_generation_prompt,
-                tokenize=False,
-            )
+            try:
+                text = render_chat(
+                    tokenizer,
+                    [{"role": m.role, "content": m.content} for m in request.messages],
+                    template=template,
+                    add_generation_prompt=request.add_generation_prompt,
+                    template_kwargs=request.chat_template_kwargs,
+                    budget=DEFAULT_BUDGET if request.chat_template is not None else None,
+                )
+            except ChatTemplateError as e:
+                raise PromptError(e.message, e.param, e.code) from e
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         else:
             ids = tuple(tokenizer.encode(request.prompt or ""))
@@ -115,11 +124,14 @@ class Tokenize(PerMessageStage):
         return ids
 
 
-def _bad_request(request_id: str, message: str, param: str) -> RequestError:
+def _bad_request(
+    request_id: str, message: str, param: str, code: str | None = None
+) -> RequestError:
     return RequestError(
         request_id=request_id,
         message=message,
         type="BadRequestError",
         param=param,
+        code=code,
         status_code=400,
     )

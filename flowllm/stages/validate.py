@@ -18,12 +18,13 @@ class Validate(PerMessageStage):
         super().__init__(params, services)
         self._config = services.config
         self._model_name = services.served_model_name
+        self._vocab_size = services.vocab_size
 
     async def handle(self, message: GenerateRequest | Abort, ctx: StageContext) -> None:
         if isinstance(message, Abort):
             await ctx.emit("out", message)
             return
-        error = validate_request(message, self._config, self._model_name)
+        error = validate_request(message, self._config, self._model_name, self._vocab_size)
         if error is None:
             await ctx.emit("out", ValidRequest(message))
         else:

@@ -9,7 +9,7 @@ len(prompt). Logprobs follow fixed formulas too (`gen_logprob`, `prompt_logprob`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -19,10 +19,11 @@ from litestar import Litestar
 from prometheus_client import CollectorRegistry, Counter
 
 from flowllm.api.app import create_app
-from flowllm.config import EngineConfig
-from flowllm.engine.validation import check_context_length, validate_request
+from flowllm.config import EngineConfig, RequestLimits
+from flowllm.engine.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
+from flowllm.engine.validation import check_admission, check_context_length, validate_request
 from flowllm.engine_client import Overloaded
-from flowllm.mailbox import Mailbox
+from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import Chunk, GenerateRequest, RequestError, TokenLogprobs
 
 MODEL = "fake-model"
@@ -63,6 +64,8 @@ class FakeEngine:
         token_delay: float = 0.0,
         max_pending: int | None = None,
         fail_after: int | None = None,
+        max_choices: int = 1024,
+        max_prompts: int = 256,
     ) -> None:
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
@@ -70,7 +73,10 @@ class FakeEngine:
         self.token_delay = token_delay
         self.max_pending = max_pending
         self.fail_after = fail_after
+        self.max_choices = max_choices  # as ingest's max_pending: never admitted beyond it
+        self.max_prompts = max_prompts  # as ingest's channel capacity
         self.is_healthy = True
+        self.template_budget = DEFAULT_BUDGET  # for templates that come with a request
         self.submitted: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.completed: list[str] = []
@@ -97,6 +103,25 @@ class FakeEngine:
     @property
     def healthy(self) -> bool:
         return self.is_healthy
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.config.limits
+
+    def submit_all(self, requests: Sequence[GenerateRequest]) -> list[Mailbox]:
+        """Admitted as a whole, with the real admission rules (as ingest's)."""
+        error = check_admission(
+            requests,
+            self.limits,
+            self._max_model_len,
+            max_choices=self.max_choices,
+            max_prompts=self.max_prompts,
+        )
+        if error is not None:
+            raise RequestFailed(error)
+        if self.max_pending is not None and len(self._running) + len(requests) > self.max_pending:
+            raise Overloaded(retry_after=2.5)
+        return [self.submit(request) for request in requests]
 
     def submit(self, request: GenerateRequest) -> Mailbox:
         if self._task_group is None:
@@ -148,12 +173,17 @@ class FakeEngine:
         template = request.chat_template
         if template is None and not getattr(tok, "chat_template", None):
             return self._error(request, "The model has no chat template.", param="messages")
-        text = tok.apply_chat_template(
-            messages,
-            chat_template=template,
-            add_generation_prompt=request.add_generation_prompt,
-            tokenize=False,
-        )
+        try:
+            text = render_chat(
+                tok,
+                messages,
+                template=template,
+                add_generation_prompt=request.add_generation_prompt,
+                template_kwargs=request.chat_template_kwargs,
+                budget=self.template_budget if template is not None else None,
+            )
+        except ChatTemplateError as e:
+            return self._error(request, e.message, param=e.param, code=e.code)
         return tuple(tok.encode(text, add_special_tokens=False)), text
 
     async def _run(self, request: GenerateRequest, mailbox: Mailbox, scope: Any) -> None:
@@ -166,7 +196,7 @@ class FakeEngine:
 
     async def _generate(self, request: GenerateRequest, mailbox: Mailbox) -> None:
         await anyio.sleep(0)
-        error = validate_request(request, self.config, MODEL)
+        error = validate_request(request, self.config, MODEL, len(self._tokenizer))
         if error is not None:
             mailbox.fail(error)
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -15,6 +16,8 @@ from api_fake_engine import (
     sse_events,
 )
 from litestar.testing import AsyncTestClient
+
+from flowllm.engine.chat_template import TemplateBudget
 
 pytestmark = pytest.mark.anyio
 
@@ -88,13 +91,52 @@ async def test_chat_max_tokens_defaults_to_the_rest_of_the_context(
     assert usage["total_tokens"] == engine.max_model_len
 
 
-async def test_request_chat_template_wins(client: AsyncTestClient, engine: FakeEngine) -> None:
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    await client.post(
-        "/v1/chat/completions",
-        json={"messages": MESSAGES, "max_tokens": 1, "chat_template": template},
-    )
+async def test_request_chat_template_wins_when_trusted(engine: FakeEngine) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{{ sep }}{% endfor %}"
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 1,
+        "chat_template": template,
+        "chat_template_kwargs": {"sep": "|"},
+    }
+    async with AsyncTestClient(make_app(engine, trust_request_chat_template=True)) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
     assert engine.submitted[0].chat_template == template
+    assert engine.submitted[0].chat_template_kwargs == {"sep": "|"}
+
+
+@pytest.mark.parametrize("param", ["chat_template", "chat_template_kwargs"])
+async def test_request_chat_template_is_refused_unless_trusted(
+    client: AsyncTestClient, engine: FakeEngine, param: str
+) -> None:
+    value = "{{ messages }}" if param == "chat_template" else {"enable_thinking": True}
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, param: value}
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, "untrusted_chat_template")
+    assert "--trust-request-chat-template" in error["message"]
+    assert engine.submitted == []
+
+
+async def test_slow_request_template_is_a_quick_400(engine: FakeEngine) -> None:
+    template = (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    )
+    budget = TemplateBudget(seconds=0.3)
+    engine.template_budget = budget  # the fake graph's tokenize
+    app = make_app(engine, trust_request_chat_template=True, template_budget=budget)
+    body = {"messages": MESSAGES, "max_tokens": 1, "chat_template": template}
+    async with AsyncTestClient(app) as client:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            started = time.monotonic()
+            r = await client.post(path, json=body)
+            assert time.monotonic() - started < 5
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["param"], error["code"]) == ("chat_template", "template_budget_exceeded")
 
 
 async def test_no_chat_template_is_a_clear_400(engine: FakeEngine) -> None:

@@ -406,8 +406,8 @@ async def test_overload_is_503_with_retry_after(tokenizer: Any) -> None:
     assert r.status_code == 503
     assert r.headers["retry-after"] == "3"
     assert r.json()["error"]["type"] == "ServiceUnavailableError"
-    # The prompt that was admitted is aborted: nothing of a refused request runs on.
-    assert engine.aborted == [engine.submitted[0].request_id]
+    # Admission is all or nothing: no prompt of a refused request was submitted.
+    assert engine.submitted == [] and engine.aborted == []
 
 
 async def test_request_id_header_is_honoured_and_echoed(

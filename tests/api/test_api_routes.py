@@ -128,7 +128,7 @@ async def test_api_key_on_v1(engine: FakeEngine, headers: dict[str, str], status
             "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=headers
         )
         assert r.status_code == status
-        # Outside /v1 no key is needed (health probes, Prometheus).
+        # Health probes and Prometheus need no key; /tokenize does (test_api_security).
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/metrics")).status_code == 200
     if status == 401:

@@ -11,8 +11,8 @@ from litestar.testing import AsyncTestClient
 
 from flowllm.api.errors import ApiError
 from flowllm.api.serving import Generation
-from flowllm.mailbox import Mailbox
-from flowllm.messages import Chunk, GenerateRequest, SamplingParams
+from flowllm.mailbox import Mailbox, RequestFailed
+from flowllm.messages import Chunk, GenerateRequest, RequestError, SamplingParams
 
 
 class RecordingEngine:
@@ -22,14 +22,18 @@ class RecordingEngine:
         self.mailboxes: list[Mailbox] = []
         self.aborted: list[str] = []
         self.fail_on = fail_on
+        self.refuse: RequestError | None = None
         self.healthy = True
 
-    def submit(self, request: GenerateRequest) -> Mailbox:
-        if self.fail_on is not None and len(self.mailboxes) == self.fail_on:
+    def submit_all(self, requests: list[GenerateRequest]) -> list[Mailbox]:
+        """All or nothing, as ingest admits."""
+        if self.fail_on is not None and len(requests) > self.fail_on:
             raise RuntimeError("graph stopped")
-        mailbox = Mailbox(request.request_id, request.params.n)
-        self.mailboxes.append(mailbox)
-        return mailbox
+        if self.refuse is not None:
+            raise RequestFailed(self.refuse)
+        boxes = [Mailbox(request.request_id, request.params.n) for request in requests]
+        self.mailboxes.extend(boxes)
+        return boxes
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -82,11 +86,20 @@ async def test_close_aborts_only_unfinished_sub_requests() -> None:
     assert engine.aborted == ["r-0", "r-2"]
 
 
-def test_submit_failure_aborts_admitted_siblings() -> None:
+def test_submit_failure_leaves_nothing_running() -> None:
     engine = RecordingEngine(fail_on=2)
     with pytest.raises(RuntimeError):
         Generation.submit(engine, requests(3))  # type: ignore[arg-type]
-    assert engine.aborted == ["r-0", "r-1"]
+    assert engine.mailboxes == [] and engine.aborted == []
+
+
+def test_a_request_that_can_never_be_admitted_is_its_400() -> None:
+    engine = RecordingEngine()
+    engine.refuse = RequestError(request_id="r-0", message="too many", param="prompt")
+    with pytest.raises(ApiError) as refused:
+        Generation.submit(engine, requests(3))  # type: ignore[arg-type]
+    assert (refused.value.status_code, refused.value.param) == (400, "prompt")
+    assert engine.mailboxes == []
 
 
 def test_unhealthy_engine_refuses_with_500() -> None:

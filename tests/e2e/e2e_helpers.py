@@ -4,6 +4,7 @@ starting a server, SSE reading, error-body checks, the e2e settings."""
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,10 @@ def start_server(
     *,
     graph: Path | None = None,
     env: dict[str, str] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> ServerProcess:
     """A healthy server, or the server's output in the error (the process is stopped)."""
-    server = ServerProcess(model, flags, graph=graph, env=env)
+    server = ServerProcess(model, flags, graph=graph, env=env, tls=tls)
     try:
         return server.wait_healthy()
     except BaseException:

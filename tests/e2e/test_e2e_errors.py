@@ -178,7 +178,7 @@ def test_auth_on(auth_server: ServerProcess) -> None:
 
     ok = _post(auth_server, COMPLETIONS, body, headers={"Authorization": f"Bearer {API_KEY}"})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
-    # Outside /v1 no key is needed (health checks, metrics scrapes).
+    # Health checks and metrics scrapes need no key (nor do /version, /docs, /openapi.json).
     assert httpx.get(f"{auth_server.url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{auth_server.url}/metrics", timeout=10).status_code == 200
 

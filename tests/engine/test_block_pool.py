@@ -17,6 +17,7 @@ from flowllm.engine.block_pool import (
     BlockPoolError,
     hash_block,
     hash_blocks,
+    salt_root,
 )
 from flowllm.engine.kv_cache_manager import KVCacheManager
 
@@ -340,3 +341,70 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------------------- cache salts
+
+
+def test_salt_root_chains_the_first_block() -> None:
+    assert salt_root(None) == NO_PARENT
+    root = salt_root("tenant-a")
+    assert root == hashlib.sha256(b"flowllm-cache-salt\0tenant-a").digest()
+    assert root != salt_root("tenant-b")
+    tokens = list(range(8))
+    salted = hash_blocks(tokens, 4, 0, root, 2)
+    assert salted[0] == reference_hash(root, tokens[:4])
+    assert salted[1] == reference_hash(salted[0], tokens[4:])
+    assert set(salted).isdisjoint(hash_blocks(tokens, 4, 0, NO_PARENT, 2))
+
+
+def _cached(kv: KVCacheManager, seq_id: int, tokens: list[int], salt: str | None) -> None:
+    kv.set_cache_salt(seq_id, salt)
+    assert kv.find_cached_prefix(seq_id, tokens) == []
+    assert kv.allocate_slots(seq_id, tokens, 0, len(tokens))
+    kv.remove(seq_id)
+
+
+@pytest.mark.parametrize(
+    ("writer", "reader", "hits"),
+    [
+        ("a", "a", True),  # same salt: shared
+        ("a", "b", False),  # another tenant's salt
+        ("a", None, False),  # no salt never hits salted blocks
+        (None, "a", False),  # a salt never hits unsalted blocks
+        (None, None, True),  # the default: shared, as before
+    ],
+)
+def test_prefix_cache_is_isolated_per_salt(
+    writer: str | None, reader: str | None, hits: bool
+) -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(13))
+    _cached(kv, 0, prompt, writer)
+    assert kv.pool.num_cached_blocks == 3
+    kv.set_cache_salt(1, reader)
+    found = kv.find_cached_prefix(1, prompt)
+    assert found == ([0, 1, 2] if hits else [])
+    # A reader that misses caches its own copies under its own salt, next to the writer's.
+    assert kv.allocate_slots(1, prompt, len(found) * 4, len(prompt) - len(found) * 4, found)
+    assert kv.pool.num_cached_blocks == (3 if hits else 6)
+    kv.pool.check_invariants()
+
+
+def test_salt_must_be_set_before_hashing() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    kv.find_cached_prefix(0, list(range(9)))
+    with pytest.raises(ValueError, match="salt"):
+        kv.set_cache_salt(0, "late")
+
+
+def test_salted_blocks_of_a_sequence_without_lookups_stay_salted() -> None:
+    """A request that skips lookups (prompt logprobs) still offers its blocks under its
+    salt, so others cannot hit them."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(9))
+    kv.set_cache_salt(0, "secret")
+    assert kv.allocate_slots(0, prompt, 0, len(prompt))  # no find_cached_prefix first
+    assert kv.find_cached_prefix(1, prompt) == []
+    kv.set_cache_salt(2, "secret")
+    assert kv.find_cached_prefix(2, prompt) == [0, 1]

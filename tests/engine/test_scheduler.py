@@ -3,6 +3,7 @@ preemption by recompute with prefix-cache hits, abort, finishing, n > 1 sharing.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from flowllm.config import CacheConfig, ConfigError, SchedulerConfig
@@ -537,3 +538,23 @@ def test_reset_prefix_cache_only_when_idle() -> None:
     sched.add_request(request("b", range(1, 10)))
     again = sched.schedule()
     assert again is not None and rows(again) == {1: (0, 9, True)}
+
+
+def test_cache_salt_isolates_prefix_hits_between_requests() -> None:
+    sched = make_scheduler(budget=64, block_size=4, num_blocks=32, max_model_len=64)
+    prompt = range(1, 14)  # 3 full blocks + 1 token
+
+    def admit(request_id: str, salt: str | None) -> int:
+        tokenized = msgspec.structs.replace(request(request_id, prompt, 1), cache_salt=salt)
+        sched.add_request(tokenized)
+        hits_before = sched.stats.prefix_cache_hits
+        batch = sched.schedule()
+        assert batch is not None
+        sample(sched, batch)  # max_tokens 1: finishes, its blocks stay cached
+        return sched.stats.prefix_cache_hits - hits_before
+
+    assert admit("a1", "tenant-a") == 0
+    assert admit("b1", "tenant-b") == 0  # another salt: no hit
+    assert admit("n1", None) == 0  # no salt: no hit on salted blocks
+    assert admit("a2", "tenant-a") == 12  # same salt: 3 blocks
+    assert admit("n2", None) == 12  # the unsalted copy from n1

@@ -172,6 +172,9 @@ class _RunCtx(_Ctx):
     def inbox(self, port: str) -> _Inbox:
         return self._inbox
 
+    def begin(self, message: Any, started: float) -> None:
+        self.busy_since = started
+
 
 def test_audit_stage_writes_off_the_loop_and_costs_little(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"

@@ -99,6 +99,12 @@ def test_the_anatomy_snippet_is_schedules_own_declaration() -> None:
             assert code in source, code
 
 
+def test_the_supervision_snippet_is_the_default_graphs_own() -> None:
+    source = DEFAULT_GRAPH.read_text()
+    for line in block("supervision").splitlines():
+        assert line in source, line
+
+
 def _type_text(tp: Any) -> str:
     text = tp.__name__ if isinstance(tp, type) else str(tp)
     text = text.replace("typing.", "").replace("flowllm.messages.", "")
@@ -130,8 +136,8 @@ def _write_stage_file(workdir: Path) -> None:
 def _edit_graph(text: str) -> str:
     """The guide's step 2: the stage line after validate's, the edge split in three."""
     lines = text.splitlines()
-    at = next(i for i, line in enumerate(lines) if "{name: validate," in line)
-    lines.insert(at + 1, block("my-graph-stage"))
+    at = next(i for i, line in enumerate(lines) if "{name: tokenize," in line)
+    lines.insert(at, block("my-graph-stage"))  # after validate's entry
     at = next(i for i, line in enumerate(lines) if "{from: validate.out, to: tokenize.in" in line)
     lines[at : at + 1] = block("my-graph-edges").splitlines()
     return "\n".join(lines) + "\n"

@@ -156,7 +156,8 @@ def test_a_failing_stage_fails_inflight_work_and_the_runtime_returns() -> None:
         """
         stages:
           - {name: source, use: "graph_toys:Count", with: {count: 100000}}
-          - {name: explode, use: "graph_toys:Explode", with: {fail_at: 500}}
+          - {name: explode, use: "graph_toys:Explode", with: {fail_at: 500},
+             supervision: {on_error: escalate}}
           - {name: pending, use: "graph_toys:Pending"}
           - {name: slow, use: "graph_toys:Collect", with: {delay: 10}}
           - {name: side, use: "graph_toys:Count", with: {count: 100}}
