@@ -54,7 +54,11 @@ async def test_overload_sheds_with_503_and_serves_the_admitted(
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         references = {}
         for prompt in PROMPTS:
-            alone = await client.post("/v1/completions", content=body_for(PROMPTS.index(prompt)))
+            alone = await client.post(
+                "/v1/completions",
+                content=body_for(PROMPTS.index(prompt)),
+                headers={"content-type": "application/json"},
+            )
             assert alone.status_code == 200, alone.text
             references[prompt] = alone.json()["choices"][0]["text"]
     pid = server.process.pid
