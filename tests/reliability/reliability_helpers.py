@@ -14,7 +14,7 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,6 @@ LIVE_MAILBOXES = "flowllm:live_mailboxes"
 LIVE_SEQUENCES = "flowllm:live_sequences"
 SEQUENCE_STAGES = ("schedule", "execute", "sample", "detokenize")
 REQUIRED_GAUGES = (KV_USAGE, RUNNING, WAITING)
-# LIVE_MAILBOXES and LIVE_SEQUENCES are new: until every build exports them, a missing one
-# is reported (`Leftovers.missing`), not failed on.
 
 _SAMPLE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*(?:\{[^}]*\})?) (\S+)")
 
@@ -68,7 +66,6 @@ class Leftovers:
     """The per-request state gauges at one scrape."""
 
     values: dict[str, float]
-    missing: list[str] = field(default_factory=list)  # gauges this build does not export
 
     @property
     def nonzero(self) -> dict[str, float]:
@@ -80,22 +77,19 @@ class Leftovers:
 
 
 def leftovers(url: str) -> Leftovers:
+    """The per-request state gauges now; fails if /metrics lacks one of them."""
     samples = scrape(url)
-    missing = [name for name in REQUIRED_GAUGES if name not in samples]
-    if missing:
-        raise AssertionError(f"/metrics lacks {missing}")
-    values = {name: samples[name] for name in REQUIRED_GAUGES}
-    if LIVE_MAILBOXES in samples:
-        values[LIVE_MAILBOXES] = samples[LIVE_MAILBOXES]
-    else:
-        missing.append(LIVE_MAILBOXES)
+    values = {name: samples[name] for name in (*REQUIRED_GAUGES, LIVE_MAILBOXES) if name in samples}
     # Every live_sequences sample counts, whatever its labels; each stage must have one.
     sequences = {k: v for k, v in samples.items() if k.startswith(LIVE_SEQUENCES + "{")}
     values.update(sequences)
+    missing = [name for name in (*REQUIRED_GAUGES, LIVE_MAILBOXES) if name not in samples]
     for stage in SEQUENCE_STAGES:
         if not any(f'stage="{stage}"' in name for name in sequences):
             missing.append(f'{LIVE_SEQUENCES}{{stage="{stage}"}}')
-    return Leftovers(values, missing)
+    if missing:
+        raise AssertionError(f"/metrics lacks {missing}")
+    return Leftovers(values)
 
 
 def wait_for_no_leftovers(url: str, timeout: float = 2.0) -> Leftovers:

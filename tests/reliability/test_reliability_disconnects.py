@@ -221,7 +221,6 @@ async def test_disconnect_storm_frees_everything(tiny_server: ServerProcess) -> 
             "rss_before_mb": round(rss_before, 1),
             "rss_after_mb": round(rss_after, 1),
             "leftovers": state.nonzero,
-            "gauges_missing": state.missing,
         },
     )
     assert sum(outcomes.values()) == STREAMS

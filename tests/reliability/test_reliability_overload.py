@@ -119,7 +119,6 @@ async def test_overload_sheds_with_503_and_serves_the_admitted(
             "rss_idle_mb": round(rss_idle, 1),
             "rss_peak_mb": round(peak[0], 1),
             "leftovers": state.nonzero,
-            "gauges_missing": state.missing,
         },
     )
     if server.process.poll() is not None:
