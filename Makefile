@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flowllm-installed
 
-.PHONY: serve test lint setup bench-channel traces
+.PHONY: serve test lint setup bench-channel traces reliability
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
@@ -12,6 +12,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+# The reliability suite (tests/reliability, docs/reliability.md) at full scale: 10,000 fuzz
+# cases from a fresh seed, 10,000 cut streams, 5,000 requests at once. `make test` runs it
+# at CI scale. The figures are also appended to reliability-figures.jsonl.
+reliability: $(STAMP)
+	FLOWLLM_RELIABILITY_SCALE=full FLOWLLM_RELIABILITY_REPORT=reliability-figures.jsonl \
+		$(PY) -m pytest -q -rA --timeout 3600 tests/reliability
 
 setup: $(STAMP)
 

@@ -159,6 +159,17 @@ class ServerProcess:
         return self.process.returncode
 
 
+def small_pending_graph(dest: Path, max_pending: int) -> Path:
+    """Write to `dest` a copy of the default graph whose ingest admits only `max_pending`
+    requests without output (the rest get 503 + Retry-After); returns `dest`."""
+    text = DEFAULT_GRAPH.read_text()
+    limited = text.replace("{max_pending: 1024}", f"{{max_pending: {max_pending}}}")
+    if limited == text:
+        raise RuntimeError("default.yaml no longer sets ingest's max_pending: update the tests")
+    dest.write_text(limited)
+    return dest
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
     """Poll `condition` every 20 ms until it holds or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout

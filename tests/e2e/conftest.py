@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/e2e: e2e_helpers
 
 from e2e_helpers import API_KEY, CHAT_TEMPLATE, FLOOD_MAX_PENDING, start_server
-from server_process import DEFAULT_GRAPH, TINY_FLAGS, ServerProcess
+from server_process import TINY_FLAGS, ServerProcess, small_pending_graph
 
 
 @pytest.fixture
@@ -60,12 +60,9 @@ def flood_server(
 ) -> Iterator[ServerProcess]:
     """The tiny GPT-2 on a copy of the default graph whose ingest admits only
     `FLOOD_MAX_PENDING` requests without output, and at most 2 sequences per step."""
-    graph = tmp_path_factory.mktemp("e2e-graph") / "small-pending.yaml"
-    text = DEFAULT_GRAPH.read_text()
-    limited = text.replace("{max_pending: 1024}", f"{{max_pending: {FLOOD_MAX_PENDING}}}")
-    if limited == text:
-        raise RuntimeError("default.yaml no longer sets ingest's max_pending: update the test")
-    graph.write_text(limited)
+    graph = small_pending_graph(
+        tmp_path_factory.mktemp("e2e-graph") / "small-pending.yaml", FLOOD_MAX_PENDING
+    )
     proc = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--max-num-seqs", "2"], graph=graph)
     try:
         yield proc

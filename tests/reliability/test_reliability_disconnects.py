@@ -1,0 +1,240 @@
+"""A disconnect storm: streams cut by their clients at random points.
+
+Raw sockets, 32 at a time, each a streaming completion or chat request cut in one of the
+places a real client leaves: halfway through the request headers or the body, right
+after the request (before the response headers), after the headers, after the first
+token, mid-stream, and some left to finish as a control; half the cuts are a FIN, half a
+RST. Within 2 s of the last cut no KV block, running or waiting sequence, request mailbox
+or per-sequence state may remain, and the server's RSS (after a warm-up round) may drift
+by less than 50 MB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import random
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from reliability_helpers import (
+    KV_USAGE,
+    RUNNING,
+    leftovers,
+    report,
+    rss_mb,
+    scaled,
+    scrape,
+    wait_for_no_leftovers,
+)
+from server_process import ServerProcess
+
+STREAMS = scaled(1000, 10_000)
+WARMUP = scaled(500, 2000)
+CONCURRENCY = 32
+STREAM_TIMEOUT = 60.0  # seconds one stream may take before it counts as a hang
+RSS_DRIFT_MB = 50.0
+CUTS = (
+    "mid-headers",
+    "mid-body",
+    "before-response",
+    "after-headers",
+    "first-token",
+    "mid-stream",
+    "complete",
+)
+
+
+@dataclass(frozen=True)
+class Stream:
+    number: int
+    path: str
+    body: bytes
+    cut: str
+    events_before_cut: int  # for mid-stream
+    reset: bool  # RST (SO_LINGER 0) instead of FIN
+
+    def describe(self) -> str:
+        how = "RST" if self.reset else "FIN"
+        at = f" after {self.events_before_cut} events" if self.cut == "mid-stream" else ""
+        body = self.body.decode()
+        return f"stream {self.number}: POST {self.path} {body} cut {self.cut}{at} ({how})"
+
+
+def make_stream(number: int, rng: random.Random) -> Stream:
+    max_tokens = rng.choice((8, 32, 64))
+    fields = {"stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+              "temperature": rng.choice((0.0, 1.0)), "n": rng.choice((1, 1, 1, 2))}  # fmt: skip
+    if rng.random() < 0.5:
+        path = "/v1/completions"
+        body = {"prompt": f"Storm {number}: once upon a time", **fields}
+    else:
+        path = "/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": f"Storm {number}"}], **fields}
+    if rng.random() < 0.2:
+        body["stream_options"] = {"include_usage": True}
+    return Stream(
+        number=number,
+        path=path,
+        body=json.dumps(body).encode(),
+        cut=rng.choice(CUTS),
+        events_before_cut=rng.randint(2, max_tokens),
+        reset=rng.random() < 0.5,
+    )
+
+
+class StormError(AssertionError):
+    pass
+
+
+async def run_stream(port: int, stream: Stream) -> tuple[str, int | None]:
+    """Play one stream; returns (what happened, the status if the headers were read)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    request = (
+        f"POST {stream.path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(stream.body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + stream.body
+    status: int | None = None
+    outcome = stream.cut
+    try:
+        if stream.cut == "mid-headers":
+            writer.write(request[: request.index(b"\r\n\r\n") // 2])
+            await writer.drain()
+            return outcome, None
+        if stream.cut == "mid-body":
+            writer.write(request[: len(request) - len(stream.body) // 2])
+            await writer.drain()
+            return outcome, None
+        writer.write(request)
+        await writer.drain()
+        if stream.cut == "before-response":
+            return outcome, None
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if status != 200 or stream.cut == "after-headers":
+            return (outcome if status == 200 else f"status {status}"), status
+        wanted = {"first-token": 1, "mid-stream": stream.events_before_cut}.get(stream.cut)
+        received = b""
+        while True:
+            chunk = await reader.read(65536)
+            if not chunk:
+                break
+            received += chunk
+            if wanted is not None and received.count(b"data: ") >= wanted:
+                return outcome, status
+        if b"data: [DONE]" not in received:
+            raise StormError(f"stream ended without [DONE]: ...{received[-500:]!r}")
+        return ("complete" if wanted is None else "finished before its cut"), status
+    finally:
+        if stream.reset:
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def storm(server: ServerProcess, streams: list[Stream]) -> collections.Counter[str]:
+    outcomes: collections.Counter[str] = collections.Counter()
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(stream: Stream) -> None:
+        async with gate:
+            try:
+                outcome, status = await asyncio.wait_for(
+                    run_stream(server.port, stream), STREAM_TIMEOUT
+                )
+            except TimeoutError:
+                raise StormError(
+                    f"no progress in {STREAM_TIMEOUT} s on {stream.describe()}\n"
+                    f"server log:\n{server.output()[-3000:]}"
+                ) from None
+            except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                if server.process.poll() is not None:
+                    raise StormError(
+                        f"the server exited ({server.process.returncode}) during "
+                        f"{stream.describe()}\nserver log:\n{server.output()[-3000:]}"
+                    ) from exc
+                outcome, status = f"connection error {type(exc).__name__}", None
+            if status is not None and status >= 500:
+                raise StormError(
+                    f"status {status} for {stream.describe()}\n"
+                    f"server log:\n{server.output()[-3000:]}"
+                )
+            outcomes[outcome] += 1
+
+    await asyncio.gather(*(one(s) for s in streams))
+    return outcomes
+
+
+@pytest.mark.anyio
+async def test_disconnect_storm_frees_everything(tiny_server: ServerProcess) -> None:
+    rng = random.Random(20261125)
+    pid = tiny_server.process.pid
+    warmup = [make_stream(-i - 1, rng) for i in range(WARMUP)]
+    await storm(tiny_server, warmup)
+    settled = await asyncio.to_thread(wait_for_no_leftovers, tiny_server.url, 10.0)
+    assert settled.clean, f"state left after the warm-up round: {settled.nonzero}"
+    rss_before = rss_mb(pid)
+
+    streams = [make_stream(i, rng) for i in range(STREAMS)]
+    peaks = {RUNNING: 0.0, KV_USAGE: 0.0}
+    watching = asyncio.Event()
+
+    async def watch() -> None:  # the check below is not vacuous: the storm does hold state
+        while not watching.is_set():
+            values = await asyncio.to_thread(scrape, tiny_server.url)
+            for name in peaks:
+                peaks[name] = max(peaks[name], values.get(name, 0.0))
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(watch())
+    started = time.monotonic()
+    outcomes = await storm(tiny_server, streams)
+    duration = time.monotonic() - started
+    watching.set()
+    await watcher
+    ended = time.monotonic()
+    state = await asyncio.to_thread(wait_for_no_leftovers, tiny_server.url, 2.0)
+    freed_after = time.monotonic() - ended
+    rss_after = rss_mb(pid)
+    health = httpx.get(f"{tiny_server.url}/health", timeout=5).status_code
+    report(
+        "disconnect storm",
+        {
+            "streams": STREAMS,
+            "warmup_streams": WARMUP,
+            "concurrency": CONCURRENCY,
+            "seconds": round(duration, 1),
+            "outcomes": dict(sorted(outcomes.items())),
+            "peak_running": peaks[RUNNING],
+            "peak_kv_cache_usage": round(peaks[KV_USAGE], 4),
+            "freed_after_seconds": round(freed_after, 2),
+            "rss_before_mb": round(rss_before, 1),
+            "rss_after_mb": round(rss_after, 1),
+            "leftovers": state.nonzero,
+        },
+    )
+    assert sum(outcomes.values()) == STREAMS
+    assert peaks[RUNNING] > 0 and peaks[KV_USAGE] > 0, f"the storm never held state: {peaks}"
+    assert state.clean, f"2 s after the storm's last cut, state is still held: {state.nonzero}"
+    assert health == 200
+    assert rss_after - rss_before < RSS_DRIFT_MB, (
+        f"RSS went from {rss_before:.1f} to {rss_after:.1f} MB over {STREAMS} streams"
+    )
+    # And the server still answers completely.
+    assert not leftovers(tiny_server.url).nonzero
+    check = httpx.post(
+        f"{tiny_server.url}/v1/completions",
+        json={"prompt": "After the storm", "max_tokens": 4},
+        timeout=30,
+    )
+    assert check.status_code == 200, check.text
