@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
 import json
 import os
@@ -19,10 +20,6 @@ from flowllm.config import ConfigError
 from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.spans import configure_logging
 from flowllm.graph.spec import GraphValidationError, load_graph
-
-# The exit status of a server whose graph escalated a failure (sysexits' EX_SOFTWARE): the
-# process manager should start it again.
-EXIT_ENGINE_FAILED = 70
 
 
 def serving_threads(
@@ -153,6 +150,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from flowllm.async_engine import AsyncEngine
     from flowllm.engine_args import config_from_args
     from flowllm.models.loader import ModelLoadError
+    from flowllm.server import EXIT_ENGINE_FAILED, GracefulServer
     from flowllm.stages.services import build_services
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True)
@@ -181,16 +179,6 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     url = f"{'https' if tls else 'http'}://{args.host}:{args.port}"
-    escalated = False
-
-    async def exit_when_failed(running: AsyncEngine) -> None:
-        """An escalated failure ends the graph: stop serving, so the process exits."""
-        nonlocal escalated
-        await running.graph.wait_finished()
-        if running.graph.failed:
-            escalated = True
-            print("error: the engine failed; exiting so that it can be restarted", file=sys.stderr)
-            server.should_exit = True
 
     @asynccontextmanager
     async def engine() -> AsyncIterator[AsyncEngine]:
@@ -208,8 +196,9 @@ def serve_command(args: argparse.Namespace) -> int:
             recorder=recorder,
         ) as running:
             print(f"flowllm serving {config.model.name!r} at {url}/v1", file=sys.stderr)
+            server.engine = running
             async with anyio.create_task_group() as watch:
-                watch.start_soon(exit_when_failed, running)
+                watch.start_soon(server.exit_when_failed, running)
                 yield running
                 watch.cancel_scope.cancel()
 
@@ -220,22 +209,21 @@ def serve_command(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         cors=cors,
     )
-    server = uvicorn.Server(
+    server = GracefulServer(
         uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level.lower(),
-            timeout_graceful_shutdown=int(args.shutdown_timeout),
-            **tls,
-        )
+            app, host=args.host, port=args.port, log_level=args.log_level.lower(), **tls
+        ),
+        args.shutdown_timeout,
     )
     # uvicorn drains on SIGINT/SIGTERM, then raises the signal again to the handler it found
     # (a KeyboardInterrupt traceback, or death by SIGTERM): these let `serve` return 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    # The model, tokenizer and libraries are millions of long-lived objects: out of the
+    # collector's sight, a full collection no longer stalls the event loop for scanning them.
+    gc.freeze()
     server.run()
-    if escalated:
+    if server.escalated:
         return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
 

@@ -66,6 +66,8 @@ class ApiError(Exception):
             type=error.type,
             param=error.param,
             code=error.code,
+            # The graph answers 503 to work a stop cut short: the client should come back.
+            headers={"Retry-After": "1"} if error.status_code == 503 else None,
         )
 
     @classmethod

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from flowllm.graph.runtime import GraphStoppedError
 from flowllm.mailbox import Mailbox
 from flowllm.messages import Chunk, RequestError, TextDeltas
 from flowllm.stages.base import PerMessageStage, StageContext
@@ -62,11 +63,17 @@ class Format(PerMessageStage):
             self._mailboxes.fail(error)
 
     async def fail_inflight(self, error: BaseException) -> None:
+        if isinstance(error, GraphStoppedError):  # a stop, not a fault: come back later
+            message, kind, status = (
+                "The server is shutting down before this request finished; retry it.",
+                "ServiceUnavailableError",
+                503,
+            )
+        else:
+            message = f"The engine failed: {type(error).__name__}: {error}"
+            kind, status = "InternalServerError", 500
         self._mailboxes.fail_all(
             lambda request_id: RequestError(
-                request_id=request_id,
-                message=f"The engine failed: {type(error).__name__}: {error}",
-                type="InternalServerError",
-                status_code=500,
+                request_id=request_id, message=message, type=kind, status_code=status
             )
         )
