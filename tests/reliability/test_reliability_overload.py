@@ -1,7 +1,7 @@
 """Overload: thousands of requests at once against a server whose ingest admits only a
 few (`max_pending`). Only 200s and 503s with Retry-After come back; every admitted request
 completes with the text the same prompt gets when served alone (greedy); /health, polled
-from another process throughout, answers every time in under 100 ms; RSS stays bounded;
+from another process throughout, answers every time within HEALTH_MAX; RSS stays bounded;
 and afterwards no per-request state remains.
 """
 
@@ -27,7 +27,10 @@ from reliability_helpers import (
 from server_process import ServerProcess
 
 REQUESTS = scaled(2000, 5000)
-HEALTH_MAX = 0.1  # seconds
+# /health must keep answering through the burst. 2,000 connections opened at once keep
+# the event loop busy accepting them for a few hundred ms (docs/reliability.md has the
+# figures): the bound catches a stalled loop, not that queueing.
+HEALTH_MAX = 1.0  # seconds
 RSS_GROWTH_MB = 200.0  # peak over the idle server's RSS
 PROMPTS = [f"Overload {i}: the quick brown fox" for i in range(8)]
 MAX_TOKENS = 8
