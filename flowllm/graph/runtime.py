@@ -399,6 +399,8 @@ class Graph:
             task.scope = None
             message = ctx.busy_message if ctx.busy_since else None
             elapsed = perf_counter() - ctx.busy_since if ctx.busy_since else 0.0
+            if message is not None:  # the failed message's span, as any other's
+                ctx.spans.record(message, ctx.busy_since, ctx.last_wait)
             ctx.end()
             if error is None:
                 if not task.timed_out:
