@@ -1,6 +1,6 @@
 """Graph YAML -> `GraphSpec` -> `ValidGraph`, reporting every problem at once.
 
-The schema (DESIGN.md §4):
+The schema (docs/stages.md, "The graph file"):
 
     graph: NAME                       # optional, defaults to the file's stem
     stages:
@@ -24,7 +24,7 @@ type, missing required param), unknown ports (with the nearest port name), uncon
 ports, edges whose producer type the consumer does not accept, and cycles that are not
 credit-bounded.
 
-The credit rule (DESIGN.md §3). A cycle of bounded channels can deadlock: every stage on it
+The credit rule (docs/stages.md). A cycle of bounded channels can deadlock: every stage on it
 may block sending into a full channel whose consumer is itself blocked sending. A cycle is
 accepted only when some stage on it declares a credit bound B (`Stage.credit_param`, e.g.
 `schedule`'s `max_inflight_steps`: it never has more than B messages in flight around the
