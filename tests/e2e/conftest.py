@@ -68,3 +68,14 @@ def flood_server(
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def bundled_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
+    """The README's `flowllm serve` (no model argument: the bundled default), on a free port."""
+    cache = smollm2_dir.parent.parent  # <cache>/models/smollm2-135m-instruct
+    proc = start_server(None, [], env={"FLOWLLM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    try:
+        yield proc
+    finally:
+        proc.stop()

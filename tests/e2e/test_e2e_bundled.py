@@ -4,27 +4,12 @@ conversion), and the seed documents' request returns 50 tokens with usage."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-from e2e_helpers import start_server
 from server_process import ServerProcess
 
 BUNDLED = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def bundled_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
-    """The README's `flowllm serve` (no model argument: the bundled default), on a free port."""
-    cache = smollm2_dir.parent.parent  # <cache>/models/smollm2-135m-instruct
-    proc = start_server(None, [], env={"FLOWLLM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
-    try:
-        yield proc
-    finally:
-        proc.stop()
 
 
 def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -6,28 +6,16 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import start_server
 from server_process import ServerProcess
 
 HUGE = "9" * 400
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 COMPLETION = {"prompt": "Hi", "max_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def bundled_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
-    cache = smollm2_dir.parent.parent  # <cache>/models/smollm2-135m-instruct
-    proc = start_server(None, [], env={"FLOWLLM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
-    try:
-        yield proc
-    finally:
-        proc.stop()
 
 
 def raw(fields: dict[str, Any], extra: str) -> bytes:
