@@ -168,3 +168,38 @@ async def test_sigterm_under_load_drains_and_exits_0(
     # The drain: requests in flight at the signal went on to finish.
     finished = sum(n for key, n in drained.items() if key.endswith(": complete"))
     assert finished >= 1, f"nothing in flight was drained: {drained}"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_second_signal_during_the_drain_exits_at_once(
+    gpt2_tiny_dir: Path, reliability_template: Path, tmp_path: Path, second: signal.Signals
+) -> None:
+    server = start(gpt2_tiny_dir, reliability_template, tmp_path, 60)  # a long drain
+    stop_at: list[float] = []
+    try:
+        # 32 x 8 sequences of 480 tokens: the drain would take many seconds.
+        clients = asyncio.ensure_future(load(server, stop_at, 120, ("long stream n=8",)))
+        await until_busy(server, 128)
+        server.process.send_signal(signal.SIGTERM)
+        stop_at.append(time.monotonic())
+        code, _ = await wait_exit(server, 0.5)
+        if code is not None:
+            pytest.fail(f"the drain ended before the second signal (exit {code}); more load?")
+        server.process.send_signal(second)
+        code, waited = await wait_exit(server, 30)
+        outcomes = await asyncio.wait_for(clients, 60)
+    finally:
+        server.stop(signal.SIGKILL)
+    results = collections.Counter(o.result for o in outcomes)
+    report(
+        f"second {second.name} during the drain",
+        {"exit_code": code, "exit_seconds": round(waited, 2), "results": dict(results)},
+    )
+    assert code is not None and waited < SECOND_SIGNAL_EXIT, (
+        f"{second.name} during the drain: exit {code} after {waited:.2f} s "
+        f"(limit {SECOND_SIGNAL_EXIT} s)\n{server.output()[-3000:]}"
+    )
+    hung = [o.request for o in outcomes if o.result == "HANG"]
+    assert not hung, f"{len(hung)} requests hung through the shutdown:\n" + "\n".join(hung[:10])
+    assert results["complete"] < len(outcomes), f"the drain was not cut short: {results}"
