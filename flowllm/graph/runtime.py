@@ -500,13 +500,13 @@ class Graph:
         if not request_ids:
             return
         if status == 400:
-            message = str(error)
+            text = str(error)
         else:
-            message = f"The {task.name} stage failed on this request: {type(error).__name__}"
+            text = f"The {task.name} stage failed on this request: {type(error).__name__}"
         errors = [
             RequestError(
                 request_id=request_id,
-                message=message,
+                message=text,
                 type="BadRequestError" if status == 400 else "InternalServerError",
                 status_code=status,
             )

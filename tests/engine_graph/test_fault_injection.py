@@ -184,3 +184,30 @@ def test_repeated_failures_escalate(services: EngineServices, stage: str) -> Non
             assert FAULTS[stage].hits == 3  # two tolerated, the third escalated
 
     anyio.run(main)
+
+
+def test_a_detokenize_failure_ends_the_victims_sequence_in_schedule(
+    services: EngineServices,
+) -> None:
+    """detokenize fails on the victim's first step, before it knows the sequence: it still
+    tells schedule to end it, so the victim does not go on generating unread tokens."""
+    FAULTS["detokenize"] = Fault(at=1)
+    valid = graph("detokenize")
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def main() -> None:
+        async with AsyncEngine.start(graph=valid, services=services.fresh()) as engine:
+            victim = GenerateRequest(
+                request_id="victim",
+                model=services.served_model_name,
+                params=long,
+                arrival_time=time.monotonic(),
+                prompt=PROMPTS[0],
+            )
+            with anyio.fail_after(30), pytest.raises(RequestFailed):
+                await tokens_of(engine.submit(victim))
+            await settled(engine)
+            generated = metric(engine, "flowllm:generation_tokens_total")
+            assert generated < 50, f"the victim ran on: {generated} tokens generated"
+
+    anyio.run(main)
