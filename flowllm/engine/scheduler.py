@@ -153,6 +153,7 @@ class Scheduler:
                 max_tokens=max_tokens,
                 prompt_text=request.prompt_text,
                 use_prefix_cache=use_cache,
+                cache_salt=request.cache_salt,
             )
             if request.cache_salt is not None:
                 self.kv.set_cache_salt(seq.seq_id, request.cache_salt)
@@ -261,6 +262,7 @@ class Scheduler:
                     eos_token_ids=first.eos_token_ids,
                     arrival_time=first.arrival_time,
                     prompt_text=first.prompt_text,
+                    cache_salt=first.cache_salt,
                 )
             )
         started = [seq.seq_id for seq in self._seqs.values() if seq.started]

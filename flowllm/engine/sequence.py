@@ -68,6 +68,7 @@ class Sequence:
     __slots__ = (
         "arrival_time",
         "awaiting_step",
+        "cache_salt",
         "eos_token_ids",
         "index",
         "max_tokens",
@@ -99,6 +100,7 @@ class Sequence:
         max_tokens: int,
         prompt_text: str | None = None,
         use_prefix_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -111,6 +113,7 @@ class Sequence:
         self.prompt_text = prompt_text
         # Requests asking for prompt logprobs compute every prompt token, so never reuse.
         self.use_prefix_cache = use_prefix_cache
+        self.cache_salt = cache_salt  # its request's: prefix-cache blocks it may share
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + outputs so far
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -558,3 +558,30 @@ def test_cache_salt_isolates_prefix_hits_between_requests() -> None:
     assert admit("n1", None) == 0  # no salt: no hit on salted blocks
     assert admit("a2", "tenant-a") == 12  # same salt: 3 blocks
     assert admit("n2", None) == 12  # the unsalted copy from n1
+
+
+def test_hand_over_requeues_what_never_ran_and_names_what_was_lost() -> None:
+    """After a failed step loop: requests none of whose sequences started run on a fresh
+    scheduler as they are (salt included); started ones are lost; ids keep counting up and
+    every started sequence is released downstream in the fresh scheduler's first batch."""
+    old = make_scheduler(max_num_seqs=2)
+    old.add_request(request("ran", range(1, 5), n=2))
+    step(old)  # both "ran" sequences start
+    old.add_request(request("waits", range(10, 14)))
+    salted = msgspec.structs.replace(request("salted", range(20, 24), n=3), cache_salt="tenant")
+    old.add_request(salted)
+    handover = old.hand_over()
+    assert handover.lost == ("ran",)
+    assert [r.request_id for r in handover.requeue] == ["waits", "salted"]
+    assert handover.requeue[1].cache_salt == "tenant"
+    assert handover.requeue[1].params.n == 3
+    assert set(handover.released) == {0, 1}
+    fresh = make_scheduler(max_num_seqs=8)
+    fresh.take_over(handover)
+    assert fresh.num_sequences == 4  # "waits" and the three "salted"
+    batch = fresh.schedule()
+    assert batch is not None
+    assert set(batch.released) == {0, 1}
+    new_ids = {s.seq_id for s in batch.seqs}
+    assert min(new_ids) >= handover.next_seq_id  # no id is used twice
+    assert batch.step_id >= handover.next_step_id
