@@ -1,10 +1,11 @@
 """How deeply a JSON body nests, found before it is decoded.
 
 A decoder recurses once per nested array or object, so a small body of 50,000 `[` costs
-it a deep stack (msgspec raises RecursionError). `too_deep` answers cheaply: counting the
-brackets at C speed settles almost every body (a body with no more brackets than the limit
-cannot nest deeper); only a body with more brackets than that gets the precise scan, which
-is vectorised (numpy) so that a 10 MB body costs milliseconds, not a Python loop per byte.
+it a deep stack (msgspec raises RecursionError). The check is cheap: counting the
+brackets at C speed (`maybe_too_deep`) settles almost every body (a body with no more
+brackets than the limit cannot nest deeper); only a body with more gets the precise scan
+(`nesting_depth`), vectorised (numpy) so that a 10 MB body costs milliseconds, not a
+Python loop per byte.
 """
 
 from __future__ import annotations
@@ -16,11 +17,6 @@ _BACKSLASH, _QUOTE = ord("\\"), ord('"')
 _STEP = np.zeros(256, dtype=np.int8)
 _STEP[[ord("["), ord("{")]] = 1
 _STEP[[ord("]"), ord("}")]] = -1
-
-
-def too_deep(body: bytes, max_depth: int) -> bool:
-    """Do the body's arrays and objects nest more than `max_depth` levels?"""
-    return maybe_too_deep(body, max_depth) and nesting_depth(body) > max_depth
 
 
 def maybe_too_deep(body: bytes, max_depth: int) -> bool:

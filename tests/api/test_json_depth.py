@@ -1,4 +1,5 @@
-"""nesting_depth agrees with a byte-by-byte JSON reading; too_deep is cheap for big bodies."""
+"""nesting_depth agrees with a byte-by-byte JSON reading; the check (maybe_too_deep, then
+nesting_depth, as the API decodes bodies) is cheap for big bodies."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import time
 
 import pytest
 
-from flowllm.api.json_depth import maybe_too_deep, nesting_depth, too_deep
+from flowllm.api.json_depth import maybe_too_deep, nesting_depth
+
+
+def too_deep(body: bytes, max_depth: int) -> bool:
+    """The API's check (`ApiState.decode`): count first, scan only when counting can't say."""
+    return maybe_too_deep(body, max_depth) and nesting_depth(body) > max_depth
 
 
 def reference_depth(text: str) -> int | None:
