@@ -53,9 +53,8 @@ class Mailbox:
         self.request_id = request_id
         # A count, and the indices that finished: nothing here is proportional to the n a
         # request asks for, only to the choices that actually ran.
-        self.num_choices = num_choices
+        self._num_choices = num_choices
         self._finished: set[int] = set()
-        self._num_unfinished = num_choices
         self._pending: dict[int, list[Chunk]] = {}  # choice index -> its unread chunks
         self._error: RequestError | None = None
         self._wakeup = anyio.Event()
@@ -66,12 +65,13 @@ class Mailbox:
     @property
     def done(self) -> bool:
         """Every choice finished or the request failed: nothing more will be put."""
-        return self._num_unfinished <= 0 or self._error is not None
+        return len(self._finished) >= self._num_choices or self._error is not None
 
     def put(self, chunk: Chunk, now: float | None = None) -> bool:
         """Add a chunk (merged with the choice's unread one); `now`: time.monotonic().
         Returns `done`: whether nothing more will be put."""
-        if self._num_unfinished <= 0 or self._error is not None:  # done
+        finished = self._finished
+        if len(finished) >= self._num_choices or self._error is not None:  # done
             return True
         if self.first_chunk_time is None:
             self.first_chunk_time = time.monotonic() if now is None else now
@@ -85,10 +85,9 @@ class Mailbox:
         if not self._woken:
             self._woken = True
             self._wakeup.set()
-        if chunk.finish_reason is not None and chunk.index not in self._finished:
-            self._finished.add(chunk.index)
-            self._num_unfinished -= 1
-            return self._num_unfinished <= 0
+        if chunk.finish_reason is not None:
+            finished.add(chunk.index)
+            return len(finished) >= self._num_choices
         return False
 
     def fail(self, error: RequestError) -> None:
