@@ -377,7 +377,7 @@ class PerMessageStage(Stage):
                 started = perf_counter()
                 ctx.begin(message, started)
                 await handle(message, ctx)
-                ctx.busy_since = 0.0
+                ctx.end()
                 spans.record(message, started, inbox.last_wait)
         while True:
             try:
@@ -390,7 +390,7 @@ class PerMessageStage(Stage):
             wait = ctx.last_wait
             ctx.begin(message, started)
             await handle(message, ctx)
-            ctx.busy_since = 0.0
+            ctx.end()
             spans.record(message, started, wait)
 
 

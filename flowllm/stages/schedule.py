@@ -130,7 +130,7 @@ class Schedule(Stage):
             else:
                 await self._add(message, ctx)
             self._metrics.observe_scheduler(scheduler.stats)
-            ctx.busy_since = 0.0
+            ctx.end()
             ctx.spans.record(message, started, ctx.last_wait)
 
     def _abort(self, request_id: str) -> None:

@@ -175,6 +175,9 @@ class _RunCtx(_Ctx):
     def begin(self, message: Any, started: float) -> None:
         self.busy_since = started
 
+    def end(self) -> None:
+        self.busy_since = 0.0
+
 
 def test_audit_stage_writes_off_the_loop_and_costs_little(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
