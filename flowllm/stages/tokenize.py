@@ -43,7 +43,6 @@ class Tokenize(PerMessageStage):
     def __init__(self, params: Any, services: EngineServices) -> None:
         super().__init__(params, services)
         self._tokenizer = services.tokenizer
-        self._vocab_size = services.vocab_size
         self._max_model_len = services.max_model_len
         self._eos_token_ids = services.eos_token_ids
 
@@ -54,7 +53,7 @@ class Tokenize(PerMessageStage):
         request = message.request
         try:
             if request.prompt_token_ids is not None:
-                # ids only need a range check (C-speed min/max): no worker-thread hop
+                # ids are taken as they are (validate checked them): no worker-thread hop
                 prompt_ids = self.prompt_token_ids(request)
             else:
                 prompt_ids = await anyio.to_thread.run_sync(self.prompt_token_ids, request)
@@ -86,16 +85,10 @@ class Tokenize(PerMessageStage):
         )
 
     def prompt_token_ids(self, request: GenerateRequest) -> tuple[int, ...]:
-        """The request's prompt as token ids; PromptError when it has none or bad ids."""
+        """The request's prompt as token ids; PromptError when it has none."""
         tokenizer = self._tokenizer
         if request.prompt_token_ids is not None:
-            ids = request.prompt_token_ids
-            if ids and (min(ids) < 0 or max(ids) >= self._vocab_size):
-                bad = [i for i in ids if not 0 <= i < self._vocab_size]
-                raise PromptError(
-                    f"Token id {bad[0]} is out of vocabulary (vocab size {self._vocab_size}).",
-                    "prompt",
-                )
+            ids = request.prompt_token_ids  # validate checked them against the vocabulary
         elif request.messages is not None:
             template = request.chat_template or tokenizer.chat_template
             if template is None:
