@@ -42,14 +42,6 @@ class PreparedChat(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool
 
 
-def _unsupported(param: str, what: str) -> ApiError:
-    return ApiError(
-        f"Invalid '{param}': {what} is not supported by this server.",
-        param=param,
-        code="unsupported_parameter",
-    )
-
-
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -213,12 +205,7 @@ def flatten_messages(messages: list[ChatMessageParam]) -> tuple[ChatMessage, ...
     for i, message in enumerate(messages):
         for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
             if getattr(message, name) not in (None, []):
-                raise ApiError(
-                    f"Invalid 'messages[{i}].{name}': tool calls and audio are not "
-                    "supported by this server.",
-                    param=f"messages[{i}].{name}",
-                    code="unsupported_parameter",
-                )
+                raise ApiError.unsupported(f"messages[{i}].{name}", "a tool or audio turn")
         if message.role not in CHAT_ROLES:
             raise ApiError(
                 f"Invalid 'messages[{i}].role': {message.role!r} is not supported; expected "
@@ -264,13 +251,13 @@ def prepare_chat(
         req.chat_template, req.chat_template_kwargs, trust_request_chat_template
     )
     if req.tools:
-        raise _unsupported("tools", "tool calling")
+        raise ApiError.unsupported("tools", "tool calling")
     if req.tool_choice not in (None, "none"):
-        raise _unsupported("tool_choice", "tool calling")
+        raise ApiError.unsupported("tool_choice", "tool calling")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise _unsupported("response_format", "response_format other than text")
+        raise ApiError.unsupported("response_format", "response_format other than text")
     if req.modalities is not None and any(m != "text" for m in req.modalities):
-        raise _unsupported("modalities", "output modalities other than text")
+        raise ApiError.unsupported("modalities", "output modalities other than text")
     top = req.top_logprobs
     if top is not None and max_logprobs is not None and not 0 <= top <= max_logprobs:
         raise ApiError(

@@ -85,6 +85,15 @@ class ApiError(Exception):
         return cls(f"Invalid request: {exc}", param=param, code="invalid_type")
 
     @classmethod
+    def unsupported(cls, param: str, feature: str) -> ApiError:
+        """A field asking for a feature OpenAI or vLLM has and this server does not."""
+        return cls(
+            f"Invalid '{param}': {feature} is not supported by this server.",
+            param=param,
+            code="unsupported_parameter",
+        )
+
+    @classmethod
     def unknown_field(cls, name: str, path: str) -> ApiError:
         """A field the request struct does not declare: unsupported (a feature OpenAI or
         vLLM has and this server does not) or unrecognized; `param` names it."""
@@ -93,11 +102,7 @@ class ApiError(Exception):
             param = param[:100] + "..."
         feature = UNSUPPORTED_FIELDS.get(name) if not path else None
         if feature is not None:
-            return cls(
-                f"Invalid '{param}': {feature} is not supported by this server.",
-                param=param,
-                code="unsupported_parameter",
-            )
+            return cls.unsupported(param, feature)
         return cls(
             f"Unrecognized request argument supplied: {param}",
             param=param,
