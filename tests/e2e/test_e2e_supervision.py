@@ -1,9 +1,13 @@
 """Supervision against a real server: a stage's bug on one request answers that request
-with a 500 and the server goes on serving; past the restart intensity the process answers
-what is in flight and exits with status 70, for its process manager to restart it."""
+with a 500 and the server goes on serving; a stage stuck on one request makes `/health`
+answer 503 until it is idle; past the restart intensity the process answers what is in
+flight and exits with status 70, for its process manager to restart it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -14,17 +18,30 @@ from server_process import DEFAULT_GRAPH, TINY_FLAGS
 HERE = Path(__file__).resolve().parent
 
 
-def boom_graph(path: Path, max_restarts: int) -> Path:
-    """The default graph with tokenize replaced by the one that fails on BOOM."""
+def boom_graph(path: Path, max_restarts: int, timeout_s: float = 60) -> Path:
+    """The default graph with tokenize replaced by the one that fails on BOOM and hangs
+    on HANG."""
     text = DEFAULT_GRAPH.read_text()
     stage = f"{HERE / 'boom_stage.py'}:BoomTokenize"
     text = text.replace("flowllm.stages.tokenize:Tokenize", stage)
     text = text.replace(
         "supervision: {on_error: fail_request, timeout_s: 60}",
-        f"supervision: {{on_error: fail_request, max_restarts: {max_restarts}, timeout_s: 60}}",
+        f"supervision: {{on_error: fail_request, max_restarts: {max_restarts}, "
+        f"timeout_s: {timeout_s}}}",
     )
     path.write_text(text)
     return path
+
+
+def door_pid(server_pid: int) -> int:
+    """The server's child process that answers probes (flowllm/health_fast_path.py)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    (door,) = [
+        int(pid)
+        for pid in children
+        if b"health_fast_path" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    return door
 
 
 def complete(url: str, prompt: str) -> httpx.Response:
@@ -35,9 +52,7 @@ def complete(url: str, prompt: str) -> httpx.Response:
     )
 
 
-def test_a_bug_on_one_request_fails_that_request_only(
-    gpt2_tiny_dir: Path, tmp_path: Path
-) -> None:
+def test_a_bug_on_one_request_fails_that_request_only(gpt2_tiny_dir: Path, tmp_path: Path) -> None:
     server = start_server(
         str(gpt2_tiny_dir), TINY_FLAGS, graph=boom_graph(tmp_path / "boom.yaml", 5)
     )
@@ -75,5 +90,47 @@ def test_failures_past_the_intensity_exit_70(gpt2_tiny_dir: Path, tmp_path: Path
             time.sleep(0.1)
         assert server.process.returncode == 70, server.output()
         assert "the engine failed; exiting" in server.output()
+    finally:
+        server.stop()
+
+
+def test_a_stuck_stage_makes_health_503_until_it_is_idle(
+    gpt2_tiny_dir: Path, tmp_path: Path
+) -> None:
+    server = start_server(
+        str(gpt2_tiny_dir), TINY_FLAGS, graph=boom_graph(tmp_path / "hang.yaml", 5, 0.5)
+    )
+    try:
+        probe = httpx.get(f"{server.url}/health")  # a new connection: the fast path answers
+        assert probe.status_code == 200 and probe.headers["connection"] == "close"
+        with httpx.Client(base_url=server.url) as client:  # kept alive: the app answers
+            assert client.get("/v1/models").status_code == 200
+            kept = client.get("/health")
+            assert kept.status_code == 200 and "connection" not in kept.headers
+        answers: list[httpx.Response] = []
+        stuck = threading.Thread(target=lambda: answers.append(complete(server.url, "HANG")))
+        stuck.start()
+        statuses = []
+        while stuck.is_alive():
+            health = httpx.get(f"{server.url}/health", timeout=5)
+            statuses.append(health.status_code)
+            if health.status_code == 503:
+                assert health.json()["error"]["code"] == "engine_unhealthy"
+            time.sleep(0.1)
+        stuck.join()
+        assert 503 in statuses, statuses
+        assert answers[0].status_code == 500, answers[0].text
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{server.url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "still unhealthy once the stage is idle"
+            time.sleep(0.1)
+        assert complete(server.url, "Hello there").status_code == 200
+        # The process that answers probes dies: the server accepts by itself and serves on.
+        os.kill(door_pid(server.process.pid), signal.SIGKILL)
+        time.sleep(0.5)
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 200 and "connection" not in health.headers
+        assert complete(server.url, "Hello there").status_code == 200
+        assert "health fast path exited" in server.output()
     finally:
         server.stop()
