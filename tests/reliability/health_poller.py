@@ -1,5 +1,11 @@
-"""GET URL/health every INTERVAL seconds until a line arrives on stdin, then print the
-latencies of the 200s and every other outcome as JSON: `python health_poller.py URL INTERVAL`.
+"""Probe URL/health every INTERVAL seconds until a line arrives on stdin, then print the
+latencies of the 200s, every other outcome, and how late each of the poller's own
+wake-ups came (the machine's scheduling delay) as JSON:
+`python health_poller.py URL INTERVAL`.
+
+Each probe is a new connection, as an orchestrator's probe is. The latency runs from
+sending the request, once connected, to the end of the answer: what the server takes,
+not how long this process took to be scheduled between connecting and sending.
 
 Run as a process of its own by `reliability_helpers.HealthPoller`, so the load the test
 itself generates does not delay the probe.
@@ -8,35 +14,55 @@ itself generates does not delay the probe.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 import time
+from urllib.parse import urlsplit
 
-import httpx
+TIMEOUT_S = 5.0
+
+
+def probe(host: str, port: int) -> tuple[int, float]:
+    """GET /health on a new connection: (status, seconds from sending to the answer)."""
+    with socket.create_connection((host, port), timeout=TIMEOUT_S) as conn:
+        request = f"GET /health HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
+        started = time.monotonic()
+        conn.sendall(request.encode())
+        chunks = []
+        while chunk := conn.recv(4096):
+            chunks.append(chunk)
+        elapsed = time.monotonic() - started
+    status_line = b"".join(chunks).split(b"\r\n", 1)[0].split()
+    if len(status_line) < 2:
+        raise ConnectionError(f"no HTTP answer: {status_line!r}")
+    return int(status_line[1]), elapsed
 
 
 def main() -> None:
-    url, interval = sys.argv[1], float(sys.argv[2])
+    url, interval = urlsplit(sys.argv[1]), float(sys.argv[2])
+    host, port = url.hostname or "127.0.0.1", url.port or 80
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
     latencies: list[float] = []
     failures: list[str] = []
+    lags: list[float] = []
     started = time.monotonic()
-    with httpx.Client(timeout=5.0) as client:
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                status = client.get(f"{url}/health").status_code
-            except httpx.HTTPError as exc:
-                failures.append(f"{t0 - started:.2f}s: {type(exc).__name__}: {exc}")
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            status, elapsed = probe(host, port)
+        except OSError as exc:
+            failures.append(f"{t0 - started:.2f}s: {type(exc).__name__}: {exc}")
+        else:
+            if status == 200:
+                latencies.append(elapsed)
             else:
-                elapsed = time.monotonic() - t0
-                if status == 200:
-                    latencies.append(elapsed)
-                else:
-                    failures.append(f"{t0 - started:.2f}s: status {status} in {elapsed:.3f}s")
-            stop.wait(interval)
-    json.dump({"latencies": latencies, "failures": failures}, sys.stdout)
+                failures.append(f"{t0 - started:.2f}s: status {status} in {elapsed:.3f}s")
+        slept = time.monotonic()
+        stop.wait(interval)
+        lags.append(max(0.0, time.monotonic() - slept - interval))
+    json.dump({"latencies": latencies, "failures": failures, "lags": lags}, sys.stdout)
 
 
 if __name__ == "__main__":

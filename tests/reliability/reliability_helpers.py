@@ -169,13 +169,16 @@ class HealthPoller:
         if self._process.returncode != 0:
             raise RuntimeError(f"health poller failed: {err.decode(errors='replace')}")
         data = json.loads(out)
-        return HealthSamples(latencies=data["latencies"], failures=data["failures"])
+        return HealthSamples(
+            latencies=data["latencies"], failures=data["failures"], lags=data["lags"]
+        )
 
 
 @dataclass
 class HealthSamples:
     latencies: list[float]  # seconds, of the 200s
     failures: list[str]  # anything but a 200: status or exception, with its time
+    lags: list[float]  # seconds each of the poller's sleeps overran: the machine's delay
 
     def summary(self) -> str:
         if not self.latencies:
@@ -183,7 +186,8 @@ class HealthSamples:
         return (
             f"{len(self.latencies)} polls, p50 {percentile(self.latencies, 50) * 1000:.1f} ms, "
             f"p99 {percentile(self.latencies, 99) * 1000:.1f} ms, "
-            f"max {max(self.latencies) * 1000:.1f} ms, {len(self.failures)} failures"
+            f"max {max(self.latencies) * 1000:.1f} ms, {len(self.failures)} failures; "
+            f"the poller's own wake-ups up to {max(self.lags, default=0) * 1000:.1f} ms late"
         )
 
 

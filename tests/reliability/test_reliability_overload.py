@@ -27,10 +27,9 @@ from reliability_helpers import (
 from server_process import ServerProcess
 
 REQUESTS = scaled(2000, 5000)
-# /health must keep answering through the burst. 2,000 connections opened at once keep
-# the event loop busy accepting them for a few hundred ms (docs/reliability.md has the
-# figures): the bound catches a stalled loop, not that queueing.
-HEALTH_MAX = 1.0  # seconds
+# /health must keep answering through the burst, within this much more than the machine
+# itself delayed the poller (its late wake-ups: other work on a shared machine).
+HEALTH_MAX = 0.1  # seconds
 RSS_GROWTH_MB = 200.0  # peak over the idle server's RSS
 PROMPTS = [f"Overload {i}: the quick brown fox" for i in range(8)]
 MAX_TOKENS = 8
@@ -131,6 +130,7 @@ async def test_overload_sheds_with_503_and_serves_the_admitted(
     )
     assert statuses["200"] >= 1, statuses
     assert not health.failures, f"/health failed during the overload: {health.failures[:10]}"
-    assert max(health.latencies) < HEALTH_MAX, f"/health too slow: {health.summary()}"
+    allowed = HEALTH_MAX + max(health.lags, default=0.0)
+    assert max(health.latencies) < allowed, f"/health too slow: {health.summary()}"
     assert peak[0] - rss_idle < RSS_GROWTH_MB, f"RSS from {rss_idle:.0f} to {peak[0]:.0f} MB"
     assert state.clean, f"state left 2 s after the overload: {state.nonzero}"
