@@ -45,6 +45,14 @@ class SchedulerError(ValueError):
     """A request the scheduler cannot hold (empty or too long prompt, duplicate id)."""
 
 
+class SchedulerCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """What a scheduler has counted since the server started, across restarts."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0  # of those, tokens found in the cache
+    num_preemptions: int = 0
+
+
 class Handover(msgspec.Struct, frozen=True, kw_only=True):
     """What a fresh scheduler takes over from one whose step loop failed."""
 
@@ -53,6 +61,7 @@ class Handover(msgspec.Struct, frozen=True, kw_only=True):
     released: tuple[int, ...]  # every seq id downstream stages may still hold
     next_seq_id: int
     next_step_id: int
+    counters: SchedulerCounters  # cumulative: they keep counting, as the metrics expect
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,6 +118,9 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq id
         self._requests: dict[str, list[Sequence]] = {}  # unfinished sequences per request
         self._released: list[int] = []  # started seq ids that left since the last batch
+        # step id -> the released ids its batch carries, until the step's tokens come back:
+        # a step loop that fails on that batch never delivers them downstream.
+        self._releases_in_flight: dict[int, tuple[int, ...]] = {}
         self._inflight: dict[int, list[Sequence]] = {}  # step id -> sequences it samples
         self._next_seq_id = 0
         self._next_step_id = 0
@@ -202,6 +214,7 @@ class Scheduler:
         Tokens for sequences that already left (aborted, stop string), or that the step did
         not sample, are ignored."""
         step_id = step.step_id
+        self._releases_in_flight.pop(step_id, None)
         finished: list[FinishedSeq] = []
         finished_waiting = False  # preempted while its token was in flight (overlap only)
         max_model_len = self.max_model_len
@@ -266,20 +279,30 @@ class Scheduler:
                 )
             )
         started = [seq.seq_id for seq in self._seqs.values() if seq.started]
+        in_flight = [seq_id for ids in self._releases_in_flight.values() for seq_id in ids]
         return Handover(
             requeue=tuple(requeue),
             lost=tuple(lost),
-            released=tuple(dict.fromkeys([*self._released, *started])),
+            released=tuple(dict.fromkeys([*in_flight, *self._released, *started])),
             next_seq_id=self._next_seq_id,
             next_step_id=self._next_step_id,
+            counters=SchedulerCounters(
+                prefix_cache_queries=self.prefix_cache_queries,
+                prefix_cache_hits=self.prefix_cache_hits,
+                num_preemptions=self.num_preemptions,
+            ),
         )
 
     def take_over(self, handover: Handover) -> None:
         """Continue from a failed scheduler's `hand_over` (call on a fresh scheduler): ids
         keep counting up, so no id is used twice, and downstream stages are told to drop
-        every sequence of the old one in the next batch."""
+        every sequence of the old one in the next batch; the counters go on from where
+        the old one's stopped."""
         self._next_seq_id = handover.next_seq_id
         self._next_step_id = handover.next_step_id
+        self.prefix_cache_queries = handover.counters.prefix_cache_queries
+        self.prefix_cache_hits = handover.counters.prefix_cache_hits
+        self.num_preemptions = handover.counters.num_preemptions
         self._released.extend(handover.released)
         for request in handover.requeue:
             self.add_request(request)
@@ -428,6 +451,8 @@ class Scheduler:
             self._inflight[step_id] = sampling
         released = tuple(self._released)
         self._released.clear()
+        if released:
+            self._releases_in_flight[step_id] = released
         return StepBatch(
             step_id=step_id, seqs=tuple(seqs), started=tuple(started), released=released
         )

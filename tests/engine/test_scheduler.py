@@ -585,3 +585,47 @@ def test_hand_over_requeues_what_never_ran_and_names_what_was_lost() -> None:
     new_ids = {s.seq_id for s in batch.seqs}
     assert min(new_ids) >= handover.next_seq_id  # no id is used twice
     assert batch.step_id >= handover.next_step_id
+
+
+def test_counters_go_on_across_a_hand_over() -> None:
+    """The metrics advance by the difference between two snapshots of the counters: a
+    fresh scheduler that started them again from zero made that difference negative."""
+    old = make_scheduler(max_num_seqs=2)
+    old.add_request(request("ran", range(1, 5)))
+    step(old)
+    before = old.stats
+    assert before.prefix_cache_queries > 0
+    fresh = make_scheduler(max_num_seqs=2)
+    fresh.take_over(old.hand_over())
+    after = fresh.stats
+    assert after.prefix_cache_queries == before.prefix_cache_queries
+    assert after.prefix_cache_hits == before.prefix_cache_hits
+    assert after.num_preemptions == before.num_preemptions
+
+
+def test_a_hand_over_releases_what_a_lost_batch_carried() -> None:
+    """A batch's released ids reach downstream stages only through the step loop; if the
+    loop fails on that batch, the fresh scheduler's first batch releases them again."""
+    old = make_scheduler(max_num_seqs=2)
+    old.add_request(request("done", range(1, 5)))
+    step(old)
+    (seq_id,) = [s.seq_id for s in old.running]
+    old.finish_sequence(seq_id, "stop")
+    old.add_request(request("next", range(6, 9)))
+    lost = old.schedule()  # carries the release; its tokens never come back
+    assert lost is not None and lost.released == (seq_id,)
+    handover = old.hand_over()
+    assert seq_id in handover.released
+    fresh = make_scheduler(max_num_seqs=2)
+    fresh.take_over(handover)
+    batch = fresh.schedule()
+    assert batch is not None and seq_id in batch.released
+    # Once a batch's tokens are back, what it released is no longer handed over.
+    delivered = make_scheduler(max_num_seqs=2)
+    delivered.add_request(request("done", range(1, 5)))
+    step(delivered)
+    (first,) = [s.seq_id for s in delivered.running]
+    delivered.finish_sequence(first, "stop")
+    delivered.add_request(request("next", range(6, 9)))
+    step(delivered)
+    assert first not in delivered.hand_over().released

@@ -211,3 +211,36 @@ def test_a_detokenize_failure_ends_the_victims_sequence_in_schedule(
             assert generated < 50, f"the victim ran on: {generated} tokens generated"
 
     anyio.run(main)
+
+
+def test_a_restart_after_served_requests_keeps_the_counters_counting(
+    services: EngineServices, expected: list[list[int]]
+) -> None:
+    """The fresh scheduler goes on from the old one's counters (starting again from zero
+    made the metrics' increment negative, which failed every step loop after it), and the
+    sequences released in the batch the old loop failed on are released downstream too
+    (detokenize kept the first request's state)."""
+    valid = graph("sample")
+
+    async def main() -> None:
+        with anyio.fail_after(30):
+            async with AsyncEngine.start(graph=valid, services=services.fresh()) as engine:
+                first = await tokens_of(engine.submit(make(services, 0, PROMPTS[1])))
+                assert first == expected[1]
+                queries = metric(engine, "flowllm:prefix_cache_queries_total")
+                assert queries > 0
+                FAULTS["sample"] = Fault(at=1)  # its next message: the victim's, or one of none
+                try:
+                    victim = await tokens_of(engine.submit(make(services, 1, PROMPTS[0])))
+                except RequestFailed as failed:
+                    assert failed.error.status_code == 500
+                else:
+                    assert victim == expected[0]
+                later = await tokens_of(engine.submit(make(services, 2, PROMPTS[2])))
+                assert later == expected[2]
+                restarts = metric(engine, "flowllm:stage_restarts_total", {"group": "step_loop"})
+                assert restarts == 1
+                assert metric(engine, "flowllm:prefix_cache_queries_total") > queries
+                await settled(engine)
+
+    anyio.run(main)
