@@ -345,11 +345,11 @@ def show(message: Any) -> str:
 class _Harness:
     """One stage instance wired to private channels: a feeder in, collectors out."""
 
-    def __init__(self, name: str, stage: Stage) -> None:
+    def __init__(self, name: str, stage: Stage, ports: Iterable[str]) -> None:
         self.name = name
         self.stage = stage
         cls = type(stage)
-        self.inputs = {p: Channel(f"{name}.{p}", t, 1 << 20) for p, t in cls.inputs.items()}
+        self.inputs = {p: Channel(f"{name}.{p}", cls.inputs[p], 1 << 20) for p in ports}
         self.outputs = {p: Channel(f"{name}>{p}", t, 1 << 20) for p, t in cls.outputs.items()}
         self.emitted: dict[str, list[Any]] = {p: [] for p in cls.outputs}
         self.handled = 0
@@ -654,7 +654,7 @@ class Replayer:
             stage = cls(bound.params, services)
         except Exception as e:
             return StageResult(stage=name, status="fail", detail=f"failed to build: {e!r}")
-        harness = _Harness(name, stage)
+        harness = _Harness(name, stage, trace.stage_inputs(name))
         sources = {p: v for p, v in recorded.items() if v is not None}
         error = anyio.run(_run_harness, harness, inputs, one_at_a_time, sources)
         self._emitted[name] = harness.emitted
