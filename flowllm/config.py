@@ -14,6 +14,10 @@ BUNDLED_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# The `--tool-call-parser` values (flowllm.api.tool_calls reads the output with them).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field."""
 

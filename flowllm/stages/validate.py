@@ -55,5 +55,7 @@ class Validate(PerMessageStage):
         try:
             await anyio.to_thread.run_sync(lambda: grammars().compile(spec))
         except GrammarError as exc:
-            return RequestError(request_id=request_id, message=exc.message, param=exc.param)
+            return RequestError(
+                request_id=request_id, message=exc.message, param=exc.param, code="invalid_value"
+            )
         return None
