@@ -94,7 +94,7 @@ def message_fields(message: Any) -> dict[str, Any]:
         step_id = getattr(holder, "step_id", None)
         if step_id is not None:
             fields["step_id"] = step_id
-            for attr in ("seqs", "tokens", "chunks", "deltas"):
+            for attr in ("seqs", "tokens", "chunks", "deltas", "seq_ids"):
                 entries = getattr(holder, attr, None)
                 if entries is not None:
                     fields["batch_size"] = len(entries)

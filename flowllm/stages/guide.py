@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from flowllm.engine.grammar import Grammars, Matcher
+from flowllm.graph.spec import ValidGraph
 from flowllm.messages import ScheduledSeq, StepBatch, StepMasks
 from flowllm.stages.base import PerMessageStage, StageContext
 from flowllm.stages.services import EngineServices
@@ -86,6 +87,11 @@ class Guide(PerMessageStage):
         return StepMasks(
             step_id=batch.step_id, seq_ids=tuple(s.seq_id for s in rows), bitmask=bitmask
         )
+
+
+def has_guide(graph: ValidGraph) -> bool:
+    """Whether `graph` computes grammar masks (else constrained requests are refused)."""
+    return any(issubclass(bound.cls, Guide) for bound in graph.stages.values())
 
 
 def _catch_up(guided: _Guided, row: ScheduledSeq) -> None:

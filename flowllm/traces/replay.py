@@ -192,6 +192,7 @@ def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> An
     """
     from flowllm.config import ConfigError
     from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
+    from flowllm.stages.guide import has_guide
     from flowllm.stages.services import EngineServices, build_services
 
     config = trace.manifest.engine_config
@@ -206,7 +207,9 @@ def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> An
         and base.config.model.chat_template == model_config.chat_template
     )
     if not same_model:
-        return build_services(config)
+        services = build_services(config)
+        services.guided = has_guide(trace.graph)
+        return services
     model = base.model
     max_model_len = model.max_position_embeddings
     if model_config.max_model_len is not None:
@@ -226,6 +229,7 @@ def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> An
         max_model_len=max_model_len,
         eos_token_ids=base.eos_token_ids,
         device=base.device,
+        guided=has_guide(trace.graph),
     )
 
 
