@@ -64,13 +64,18 @@ class Sample(PerMessageStage):
                 raise SampleError(
                     f"step {step.batch.step_id}'s logits met the masks of step {masks.step_id}"
                 )
-            tokens = await self._worker.run(self._sample, step, masks)
-            await ctx.emit("out", tokens)
+            await self.sample_step(step, masks, ctx)
             ctx.end()
             ctx.spans.record(step, started, wait)
 
     async def handle(self, step: StepLogits, ctx: StageContext) -> None:
-        tokens = await self._worker.run(self._sample, step, None)
+        await self.sample_step(step, None, ctx)
+
+    async def sample_step(
+        self, step: StepLogits, masks: StepMasks | None, ctx: StageContext
+    ) -> None:
+        """Sample one step (under its grammar masks, if any) and send its tokens."""
+        tokens = await self._worker.run(self._sample, step, masks)
         await ctx.emit("out", tokens)
 
     def _sample(self, step: StepLogits, masks: StepMasks | None) -> StepTokens:
