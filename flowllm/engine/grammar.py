@@ -105,8 +105,15 @@ class Matcher:
 class Grammars:
     """Compiles constraints for one tokenizer and caches the results (thread safe)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        cache_entries: int = CACHE_ENTRIES,
+    ) -> None:
         self.vocab_size = vocab_size
+        self._cache_entries = cache_entries
         self._info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
@@ -130,7 +137,7 @@ class Grammars:
         compiled = self._compile(*key, spec.param)
         with self._lock:
             self._cache[key] = compiled
-            if len(self._cache) > CACHE_ENTRIES:
+            while len(self._cache) > self._cache_entries:
                 self._cache.popitem(last=False)
         return compiled
 

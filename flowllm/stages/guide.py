@@ -58,11 +58,8 @@ class Guide(PerMessageStage):
         return len(self._seqs)
 
     async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
-        seqs = self._seqs
-        for seq_id in batch.released:
-            seqs.pop(seq_id, None)
         constrained = [s for s in batch.started if s.params.structured_outputs is not None]
-        if not seqs and not constrained:
+        if not self._seqs and not constrained:  # nothing to follow, nothing to release
             await ctx.emit("out", StepMasks(step_id=batch.step_id))
             return
         masks = await self._worker.run(self._fill, batch)
@@ -70,6 +67,8 @@ class Guide(PerMessageStage):
 
     def _fill(self, batch: StepBatch) -> StepMasks:
         seqs = self._seqs
+        for seq_id in batch.released:
+            seqs.pop(seq_id, None)
         for start in batch.started:
             spec = start.params.structured_outputs
             if spec is not None:
