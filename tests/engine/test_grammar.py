@@ -54,8 +54,8 @@ def test_a_compiled_grammar_is_cached_by_its_constraint(grammars: Grammars) -> N
     assert a is b and a is not c
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
     as_dict = grammars.compile(StructuredOutputs(json=schema))
-    as_text = grammars.compile(StructuredOutputs(json='{"type": "object", "properties": '
-                                                  '{"b": {"type": "integer"}, "a": {"type": "string"}}}'))  # fmt: skip
+    spelled = '{"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}'
+    as_text = grammars.compile(StructuredOutputs(json=spelled))
     assert as_dict is as_text  # the same schema, however it was spelled
 
 
