@@ -2,7 +2,8 @@
 
 `tool_choice` decides how the output is read:
 
-- `none` (or no tools): the output is content; the tools are not shown to the model.
+- `none` (or no tools): the output is content (tools are still shown to the model, as
+  vLLM does).
 - `auto`: the model chooses; its output is read by the parser `--tool-call-parser` names
   (only with `--enable-auto-tool-choice`): `hermes` takes `<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>` blocks (Qwen2.5, Hermes, SmolLM and the fallback
@@ -28,7 +29,7 @@ from typing import Any
 import msgspec
 
 from flowllm.api.errors import ApiError
-from flowllm.api.protocol import ChatCompletionRequest
+from flowllm.api.protocol import ChatCompletionRequest, ToolParam
 from flowllm.messages import StructuredOutputs
 
 
@@ -83,7 +84,7 @@ def tool_use(req: ChatCompletionRequest, tool_parser: str | None) -> ToolUse:
     `tool_parser`: the server's `--tool-call-parser` when `--enable-auto-tool-choice` is
     on, else None (then `auto` with tools is refused, as vLLM does).
     """
-    tools = [msgspec.to_builtins(t) for t in req.tools or ()]
+    tools = [_tool_dict(t) for t in req.tools or ()]
     choice = req.tool_choice
     if not tools:
         if choice not in (None, "none"):
@@ -96,9 +97,9 @@ def tool_use(req: ChatCompletionRequest, tool_parser: str | None) -> ToolUse:
                 param="parallel_tool_calls",
             )
         return ToolUse(mode="none", tools=None, constraint=None)
-    if choice == "none":
-        return ToolUse(mode="none", tools=None, constraint=None)
     rendered = tuple(tools)
+    if choice == "none":  # shown to the model, as vLLM does; the output is content
+        return ToolUse(mode="none", tools=rendered, constraint=None)
     if choice is None or choice == "auto":
         if tool_parser is None:
             raise ApiError(
@@ -135,6 +136,12 @@ def tool_use(req: ChatCompletionRequest, tool_parser: str | None) -> ToolUse:
         ),
         function=name,
     )
+
+
+def _tool_dict(tool: ToolParam) -> dict[str, Any]:
+    """A tool as the template sees it: the fields the client gave (no nulls)."""
+    function = {k: v for k, v in msgspec.to_builtins(tool.function).items() if v is not None}
+    return {"type": tool.type, "function": function}
 
 
 def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:

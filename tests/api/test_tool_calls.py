@@ -118,7 +118,8 @@ def test_tool_choice_decides_mode_prompt_and_constraint() -> None:
     assert auto.tool_use.mode == "auto" and auto.request.params.structured_outputs is None
     assert [t["function"]["name"] for t in auto.request.tools] == ["get_weather", "get_time"]
     none = prepare(chat(tools=tools, tool_choice="none"))
-    assert none.tool_use.mode == "none" and none.request.tools is None
+    assert none.tool_use.mode == "none" and none.tool_use.parser_for() is None
+    assert none.request.tools == auto.request.tools
     required = prepare(chat(tools=tools, tool_choice="required", parallel_tool_calls=False))
     schema = required.request.params.structured_outputs.json
     assert schema["minItems"] == 1 and schema["maxItems"] == 1
