@@ -260,13 +260,20 @@ class SpanRecorder:
     def enabled(self) -> bool:
         return self._enabled
 
-    def record(self, message: Any, started: float, queue_wait: float) -> None:
-        """Close the span of `message`, whose handling began at `started` (perf_counter)."""
+    def record(
+        self, message: Any, started: float, queue_wait: float, *, observed: bool = True
+    ) -> None:
+        """Close the span of `message`, whose handling began at `started` (perf_counter).
+
+        `observed=False` keeps it out of the duration and wait metrics: a message a stage
+        only takes in to join it with another (sample's masks) is not a unit of its work.
+        """
         if not self._enabled:
             return
         duration = perf_counter() - started
-        self._duration.observe(duration)
-        self._wait.observe(queue_wait)
+        if observed:
+            self._duration.observe(duration)
+            self._wait.observe(queue_wait)
         for sink in self._sinks:
             sink(self.stage, message, started, duration, queue_wait)
         if self._events:

@@ -53,7 +53,7 @@ class Sample(PerMessageStage):
             # marks their receipt, so a trace shows (and a replay feeds) the join's order.
             try:
                 masks = await masks_in.receive()
-                ctx.spans.record(masks, perf_counter(), masks_in.last_wait)
+                ctx.spans.record(masks, perf_counter(), masks_in.last_wait, observed=False)
                 step = await logits_in.receive()
             except anyio.EndOfStream:
                 return
