@@ -60,8 +60,8 @@ class ChatFormat(ResponseFormat[PreparedChat]):
         parsed = ParsedOutput()
         parsed.add(parser.feed(chunk.text))
         parsed.add(parser.finish())
-        if not parsed.calls:
-            return ChatResponseMessage(role=ROLE, content=chunk.text), chunk.finish_reason
+        if not parsed.calls:  # what a stream of this output would have sent as content
+            return ChatResponseMessage(role=ROLE, content=parsed.content), chunk.finish_reason
         calls = [
             ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments))
             for name, arguments in parsed.calls
