@@ -58,7 +58,7 @@ class Guide(PerMessageStage):
         return len(self._seqs)
 
     async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
-        constrained = [s for s in batch.started if s.params.structured_outputs is not None]
+        constrained = any(s.params.structured_outputs is not None for s in batch.started)
         if not self._seqs and not constrained:  # nothing to follow, nothing to release
             await ctx.emit("out", StepMasks(step_id=batch.step_id))
             return
