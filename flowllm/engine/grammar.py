@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -165,11 +166,15 @@ class Grammars:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """-inf on the logits of `rows` (one bitmask row each, in order) whose bit is clear."""
-    if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
-        return
-    # xgrammar's `indices` pairs bitmask row i with logits row i: spread the rows out.
-    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
-    full[torch.tensor(list(rows), dtype=torch.int64)] = bitmask
-    xgr.apply_token_bitmask_inplace(logits, full, indices=list(rows))
+    """-inf on the logits of `rows` (one bitmask row each, in order) whose bit is clear.
+
+    The bits are unpacked by numpy (little-endian words: bit j of word w is token 32w + j)
+    and the rows masked in one gather and scatter: on CPU this measured faster than
+    xgrammar's kernel with row indices (benchmarks/README.md, "Structured outputs").
+    """
+    vocab = logits.shape[1]
+    words = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
+    bits = np.unpackbits(words, axis=1, bitorder="little")[:, :vocab]  # [R, V] 0/1
+    blocked = (torch.from_numpy(bits) == 0).to(logits.device)
+    index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
+    logits[index] = logits.index_select(0, index).masked_fill_(blocked, float("-inf"))
