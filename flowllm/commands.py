@@ -158,8 +158,7 @@ def serve_command(args: argparse.Namespace) -> int:
         api_key = resolve_api_key(args.api_key, dict(os.environ))
         cors = cors_config(args)
         tls = ssl_settings(args)
-        if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise ServeError("--enable-auto-tool-choice needs --tool-call-parser")
+        tool_parser = auto_tool_parser(args)
     except ServeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -210,7 +209,7 @@ def serve_command(args: argparse.Namespace) -> int:
         served_model_name=config.model.name,
         trust_request_chat_template=args.trust_request_chat_template,
         cors=cors,
-        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        tool_call_parser=tool_parser,
     )
     server = GracefulServer(
         uvicorn.Config(
@@ -229,6 +228,15 @@ def serve_command(args: argparse.Namespace) -> int:
     if server.escalated:
         return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
+
+
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """The parser that reads `tool_choice: auto` outputs, or None when auto is off."""
+    if not args.enable_auto_tool_choice:
+        return None
+    if args.tool_call_parser is None:
+        raise ServeError("--enable-auto-tool-choice needs --tool-call-parser")
+    return str(args.tool_call_parser)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
