@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]
 
 if TYPE_CHECKING:
     from flowllm.llm import LLM
-    from flowllm.messages import SamplingParams
+    from flowllm.messages import SamplingParams, StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:
@@ -18,8 +18,8 @@ def __getattr__(name: str) -> Any:
         from flowllm.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from flowllm.messages import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputs"):
+        from flowllm import messages
 
-        return SamplingParams
+        return getattr(messages, name)
     raise AttributeError(f"module 'flowllm' has no attribute {name!r}")

@@ -23,6 +23,7 @@ from flowllm.graph.runtime import Graph
 from flowllm.graph.spec import ValidGraph
 from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest
+from flowllm.stages.guide import has_guide
 from flowllm.stages.ingest import Ingest
 from flowllm.stages.services import EngineServices, build_services
 
@@ -64,6 +65,7 @@ class AsyncEngine:
             fail_request=services.mailboxes.fail,
             **graph_options,
         )
+        services.guided = has_guide(runtime.spec)
         if recorder is None:
             async with runtime.serve(stop_timeout) as running:
                 yield cls(running, services)

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from flowllm.config import ConfigError
+from flowllm.config import TOOL_CALL_PARSERS, ConfigError
 from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.spans import configure_logging
 from flowllm.graph.spec import GraphValidationError, load_graph
@@ -158,6 +158,7 @@ def serve_command(args: argparse.Namespace) -> int:
         api_key = resolve_api_key(args.api_key, dict(os.environ))
         cors = cors_config(args)
         tls = ssl_settings(args)
+        tool_parser = auto_tool_parser(args)
     except ServeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -208,6 +209,7 @@ def serve_command(args: argparse.Namespace) -> int:
         served_model_name=config.model.name,
         trust_request_chat_template=args.trust_request_chat_template,
         cors=cors,
+        tool_call_parser=tool_parser,
     )
     server = GracefulServer(
         uvicorn.Config(
@@ -226,6 +228,15 @@ def serve_command(args: argparse.Namespace) -> int:
     if server.escalated:
         return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
+
+
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """The parser that reads `tool_choice: auto` outputs, or None when auto is off."""
+    if not args.enable_auto_tool_choice:
+        return None
+    if args.tool_call_parser is None:
+        raise ServeError("--enable-auto-tool-choice needs --tool-call-parser")
+    return str(args.tool_call_parser)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -255,6 +266,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept chat_template and chat_template_kwargs in requests (client-supplied "
         "Jinja, rendered within a time and size budget); refused with a 400 otherwise",
+    )
+    tools = parser.add_argument_group("tool calling (docs/structured-output.md)")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default when a request has tools): the model '
+        "decides, and --tool-call-parser reads its calls; without it such requests get a 400",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how to read tool calls from the output: hermes (<tool_call>{...}</tool_call>, "
+        "Qwen2.5, Hermes, SmolLM and the fallback tool prompt) or llama3_json",
     )
     cors = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
     cors.add_argument(

@@ -14,6 +14,10 @@ BUNDLED_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# The `--tool-call-parser` values (flowllm.api.tool_calls reads the output with them).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field."""
 
@@ -96,6 +100,9 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_logit_bias: int = 300  # entries of logit_bias
     max_json_depth: int = 64  # nesting of arrays and objects in a request body
     max_request_tokens: int = 2**20  # prompts x n x max_tokens (None: the context length)
+    max_structured_output_chars: int = 65536  # a JSON schema's text, a regex, a grammar
+    max_choices: int = 256  # entries of a `choice` constraint
+    max_tools: int = 128  # functions in `tools`
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:

@@ -28,6 +28,11 @@ _LIMIT_HELP = {
     "max_logit_bias": "entries of `logit_bias` (%(default)s, OpenAI's limit)",
     "max_json_depth": "nesting of arrays and objects in a request body (%(default)s; the "
     "API's deepest field is ~5 levels, and deep nesting costs the JSON decoder's stack)",
+    "max_structured_output_chars": "characters of a JSON schema (as JSON text), regex or "
+    "grammar constraint, choices together, or `tools` (%(default)s; checked before "
+    "compiling: a 64k-character schema compiles in well under a second)",
+    "max_choices": "entries of a `choice` constraint (%(default)s)",
+    "max_tools": "functions in `tools` (%(default)s, OpenAI's limit)",
     "max_request_tokens": "prompts x n x max_tokens of one request, max_tokens unset "
     "counting as the context length (%(default)s: n=16 at a 64k context, or 256 prompts "
     "of 4096 tokens; bounds the work one request can queue)",

@@ -8,6 +8,7 @@ once so continuous batching does the rest.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ from flowllm.async_engine import AsyncEngine
 from flowllm.config import EngineConfig, engine_config
 from flowllm.graph.spec import ValidGraph
 from flowllm.mailbox import Mailbox
-from flowllm.messages import GenerateRequest, SamplingParams, TokenLogprobs
+from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams, TokenLogprobs, ToolCall
 from flowllm.stages.services import EngineServices, build_services
 
 
@@ -120,6 +121,50 @@ class LLM:
         requests = [self._request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
         return anyio.run(self._run, requests)
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one conversation (OpenAI-style message dicts) or several.
+
+        `tools` (OpenAI's `{"type": "function", "function": {...}}` entries) are rendered
+        by the chat template, or by the fallback system prompt for a template that ignores
+        them (docs/structured-output.md); assistant turns may carry `tool_calls` and
+        `tool` turns a `tool_call_id`. The output is the model's text: constrain it with
+        `SamplingParams(structured_outputs=...)` to have it call a tool.
+        """
+        conversations = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        )
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(conversations)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(conversations):
+            raise ValueError("give one SamplingParams, or one per conversation")
+        requests = [
+            GenerateRequest(
+                request_id=f"offline-{next(self._ids)}",
+                model=self.services.served_model_name,
+                params=params,
+                arrival_time=time.monotonic(),
+                messages=tuple(chat_message(m) for m in conversation),  # type: ignore[union-attr]
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tuple(tools) if tools else None,
+            )
+            for conversation, params in zip(conversations, params_list, strict=True)
+        ]
+        return anyio.run(self._run, requests)
+
     def _request(self, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
         text = prompt if isinstance(prompt, str) else None
         ids = None if isinstance(prompt, str) else tuple(int(i) for i in prompt)
@@ -151,6 +196,26 @@ class LLM:
             # running request (the graph never waits for a reader).
             pairs = zip(boxes, requests, strict=True)
             return [await _collect(box, request) for box, request in pairs]
+
+
+def chat_message(message: dict[str, Any]) -> ChatMessage:
+    """An OpenAI-style message dict as a ChatMessage (content parts: text only)."""
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        content = "\n".join(part["text"] for part in content if part.get("type") == "text")
+    calls = tuple(
+        ToolCall(
+            id=call.get("id") or f"call_{i}",
+            name=call["function"]["name"],
+            arguments=(
+                arguments
+                if isinstance(arguments := call["function"].get("arguments", "{}"), str)
+                else json.dumps(arguments)
+            ),
+        )
+        for i, call in enumerate(message.get("tool_calls") or ())
+    )
+    return ChatMessage(message["role"], content, calls, message.get("tool_call_id"))
 
 
 async def _collect(box: Mailbox, request: GenerateRequest) -> RequestOutput:

@@ -6,6 +6,7 @@ the same at batch 1 and batch 256.
 
     ingest ─GenerateRequest─▶ validate ─ValidRequest─▶ tokenize ─TokenizedRequest─▶ schedule
     schedule ─StepBatch─▶ execute ─StepLogits─▶ sample ─StepTokens─▶ schedule, detokenize
+    schedule ─StepBatch─▶ guide ─StepMasks─▶ sample   (beside execute: constrained outputs)
     detokenize ─TextDeltas─▶ format ─Chunk─▶ the request's mailbox (flowllm/mailbox.py)
     detokenize ─Finish─▶ schedule            (a stop string ended a sequence)
     any stage ─RequestError─▶ format        (the request leaves the graph there)
@@ -32,6 +33,22 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A constraint on the output, as vLLM's `structured_outputs`: exactly one kind set.
+
+    `json` is a JSON schema (an object, or its JSON text); `grammar` is EBNF/GBNF.
+    `param` is where the client gave it (`response_format`, `guided_json`...), so that a
+    refusal names the field the client sent; it is not part of the constraint.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    param: str = "structured_outputs"
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How to sample one request, as in vLLM's SamplingParams (validated by `validate`)."""
 
@@ -55,13 +72,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     prompt_logprobs: int | None = None  # top-N logprobs of each prompt token
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # filled in by the guide stage
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A function call of an assistant turn: `arguments` is JSON text, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
-    """One chat turn, its content already flattened to text."""
+    """One chat turn, its content already flattened to text.
+
+    An assistant turn may carry the tool calls it made, a `tool` turn the id of the call
+    it answers."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -83,6 +114,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # (flowllm/engine/chat_template.py). The API admits it only when the server trusts it.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    # Chat: the functions the model may call (OpenAI's `tools`, each {"type": "function",
+    # "function": {...}}), rendered by the chat template.
+    tools: tuple[dict[str, Any], ...] | None = None
     echo: bool = False  # the first chunk carries the prompt text (and its logprobs if asked)
     # Prefix-cache isolation: blocks cached under one salt are never hit by another salt or
     # by requests without one (see flowllm/engine/block_pool.py, "Block hashes").
@@ -174,6 +208,19 @@ class StepLogits(msgspec.Struct, kw_only=True):
     batch: StepBatch
     logits: Any  # torch.Tensor [num_sampling_seqs, vocab_size], float32
     prompt_logits: dict[int, Any] = {}  # seq_id -> [num_prompt_tokens_this_step, vocab]
+
+
+class StepMasks(msgspec.Struct, kw_only=True):
+    """The allowed next tokens of the step's constrained sampling sequences (guide -> sample).
+
+    Row i of `bitmask` belongs to `seq_ids[i]`; bit j of a row (int32 word j // 32, bit
+    j % 32) is set when token j may come next. Sequences without a constraint are absent,
+    and a step without constrained sequences sends no bitmask.
+    """
+
+    step_id: int
+    seq_ids: tuple[int, ...] = ()
+    bitmask: Any = None  # torch.Tensor [len(seq_ids), ceil(vocab_size / 32)] int32, or None
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, gc=False, array_like=True):

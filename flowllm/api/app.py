@@ -102,8 +102,10 @@ class ApiState:
         metrics_registry: RegistryGetter,
         trust_request_chat_template: bool = False,
         template_budget: TemplateBudget = DEFAULT_BUDGET,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser  # set only with auto tool choice enabled
         self.served_model_name = served_model_name
         self.chat_template = chat_template
         self.metrics_registry = metrics_registry
@@ -329,6 +331,7 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
         chat_template=api.chat_template,
         max_logprobs=api.engine.limits.max_logprobs,
         trust_request_chat_template=api.trust_request_chat_template,
+        tool_parser=api.tool_call_parser,
     )
     fmt = ChatFormat(
         prepared,
@@ -478,6 +481,7 @@ def create_app(
     template_budget: TemplateBudget = DEFAULT_BUDGET,
     cors: CORSConfig | None = None,
     debug: bool = False,
+    tool_call_parser: str | None = None,
 ) -> Litestar:
     """The OpenAI-compatible app over the engine that `engine_factory()` runs.
 
@@ -487,7 +491,8 @@ def create_app(
     /metrics renders (default: `engine.metrics_registry`). `api_key`: the Bearer key every
     route but PUBLIC_PATHS asks for. `trust_request_chat_template`: accept `chat_template`
     and `chat_template_kwargs` in requests (rendered within `template_budget`). `cors`:
-    Litestar's CORS settings; None sends no CORS headers.
+    Litestar's CORS settings; None sends no CORS headers. `tool_call_parser`: how
+    `tool_choice: auto` outputs are read (flowllm.api.tool_calls); None refuses `auto`.
     """
     registry = metrics_registry or _registry_of
 
@@ -502,6 +507,7 @@ def create_app(
                 metrics_registry=registry,
                 trust_request_chat_template=trust_request_chat_template,
                 template_budget=template_budget,
+                tool_call_parser=tool_call_parser,
             )
             try:
                 yield

@@ -17,10 +17,18 @@ from flowllm.api.protocol import (
     ChatMessageParam,
     CompletionRequest,
 )
+from flowllm.api.tool_calls import ToolUse, tool_use
 from flowllm.engine.validation import show_number
-from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams
+from flowllm.messages import (
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    StructuredOutputs,
+    ToolCall,
+)
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+GUIDED_BACKENDS = (None, "auto", "xgrammar")  # guided_decoding_backend values served
 
 
 class PreparedCompletion(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,6 +48,7 @@ class PreparedChat(msgspec.Struct, frozen=True, kw_only=True):
     n: int
     logprobs: int | None  # top_logprobs when logprobs is true, else None
     include_usage: bool
+    tool_use: ToolUse = ToolUse(mode="none", tools=None, constraint=None)
 
 
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -80,6 +89,67 @@ def _common_params(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
     fields["stop"] = _stop(req.stop)
     fields["stop_token_ids"] = tuple(req.stop_token_ids or ())
     return fields
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputs | None:
+    """The request's output constraint, from whichever field gave it (at most one may)."""
+    found: list[StructuredOutputs] = []
+    fmt = req.response_format
+    if fmt is not None:
+        if fmt.type == "json_object":
+            found.append(StructuredOutputs(json_object=True, param="response_format"))
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise ApiError(
+                    "Invalid 'response_format': type json_schema needs `json_schema.schema`.",
+                    param="response_format.json_schema",
+                )
+            found.append(
+                StructuredOutputs(
+                    json=fmt.json_schema.schema, param="response_format.json_schema.schema"
+                )
+            )
+        elif fmt.type != "text":
+            raise ApiError(
+                f"Invalid 'response_format.type': expected text, json_object or json_schema, "
+                f"got {fmt.type!r}.",
+                param="response_format.type",
+            )
+    so = req.structured_outputs
+    if so is not None:
+        found.append(
+            StructuredOutputs(
+                json=so.json,
+                regex=so.regex,
+                choice=tuple(so.choice) if so.choice is not None else None,
+                grammar=so.grammar,
+                json_object=bool(so.json_object),
+            )
+        )
+    for param, field in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        value = getattr(req, param)
+        if value is not None:
+            if isinstance(value, list):
+                value = tuple(value)
+            found.append(StructuredOutputs(**{field: value}, param=param))
+    if req.guided_decoding_backend not in GUIDED_BACKENDS:
+        raise ApiError(
+            f"Invalid 'guided_decoding_backend': this server uses xgrammar, not "
+            f"{req.guided_decoding_backend!r}.",
+            param="guided_decoding_backend",
+        )
+    if len(found) > 1:
+        raise ApiError(
+            "Only one output constraint may be given; got "
+            f"{', '.join(f.param for f in found)}.",
+            param=found[1].param,
+        )
+    return found[0] if found else None
 
 
 UNTRUSTED_CHAT_TEMPLATE = (
@@ -156,6 +226,7 @@ def prepare_completion(
     echo = bool(req.echo)
     echo_only = echo and req.max_tokens == 0
     fields = _common_params(req)
+    fields["structured_outputs"] = structured_outputs(req)
     fields["max_tokens"] = 1 if echo_only else req.max_tokens
     if echo_only:
         fields["min_tokens"] = 0
@@ -203,9 +274,21 @@ def flatten_messages(messages: list[ChatMessageParam]) -> tuple[ChatMessage, ...
     """Chat turns with content as one string: text parts joined, anything else a 400."""
     flat = []
     for i, message in enumerate(messages):
-        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
-            if getattr(message, name) not in (None, []):
-                raise ApiError.unsupported(f"messages[{i}].{name}", "a tool or audio turn")
+        for name in ("function_call", "audio"):
+            if getattr(message, name) is not None:
+                raise ApiError.unsupported(
+                    f"messages[{i}].{name}", "legacy function calling or audio turns"
+                )
+        if message.tool_calls and message.role != "assistant":
+            raise ApiError(
+                f"Invalid 'messages[{i}].tool_calls': only assistant messages carry tool calls.",
+                param=f"messages[{i}].tool_calls",
+            )
+        if message.role == "tool" and message.tool_call_id is None:
+            raise ApiError(
+                f"Invalid 'messages[{i}]': a tool message needs `tool_call_id`.",
+                param=f"messages[{i}].tool_call_id",
+            )
         if message.role not in CHAT_ROLES:
             raise ApiError(
                 f"Invalid 'messages[{i}].role': {message.role!r} is not supported; expected "
@@ -228,7 +311,12 @@ def flatten_messages(messages: list[ChatMessageParam]) -> tuple[ChatMessage, ...
                     )
                 parts.append(part.text)
             text = "\n".join(parts)
-        flat.append(ChatMessage(role=message.role, content=text))
+        calls = tuple(
+            ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in message.tool_calls or ()
+        )
+        tool_call_id = message.tool_call_id if message.role == "tool" else None
+        flat.append(ChatMessage(message.role, text, calls, tool_call_id))
     return tuple(flat)
 
 
@@ -241,21 +329,26 @@ def prepare_chat(
     chat_template: str | None,
     max_logprobs: int | None = None,
     trust_request_chat_template: bool = False,
+    tool_parser: str | None = None,
 ) -> tuple[PreparedChat, bool]:
     """The graph request for one chat request, and whether it streams.
 
     `top_logprobs` becomes the engine's `logprobs`: its range is checked here (against
-    `max_logprobs`), so that a refusal names the field the client sent.
+    `max_logprobs`), so that a refusal names the field the client sent. `tool_parser`:
+    the server's `--tool-call-parser` when auto tool choice is enabled.
     """
     check_request_template(
         req.chat_template, req.chat_template_kwargs, trust_request_chat_template
     )
-    if req.tools:
-        raise ApiError.unsupported("tools", "tool calling")
-    if req.tool_choice not in (None, "none"):
-        raise ApiError.unsupported("tool_choice", "tool calling")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError.unsupported("response_format", "response_format other than text")
+    tools = tool_use(req, tool_parser)
+    constraint = structured_outputs(req)
+    if tools.constraint is not None:
+        if constraint is not None:
+            raise ApiError(
+                f"tool_choice {tools.mode!r} cannot be combined with '{constraint.param}'.",
+                param=constraint.param,
+            )
+        constraint = tools.constraint
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise ApiError.unsupported("modalities", "output modalities other than text")
     top = req.top_logprobs
@@ -276,6 +369,7 @@ def prepare_chat(
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     fields["max_tokens"] = max_tokens  # None: the engine resolves it to the rest of the context
+    fields["structured_outputs"] = constraint
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if logprobs is not None:
         fields["logprobs"] = logprobs
@@ -291,9 +385,14 @@ def prepare_chat(
         ),
         chat_template=req.chat_template if req.chat_template is not None else chat_template,
         chat_template_kwargs=req.chat_template_kwargs or None,
+        tools=tools.tools,
         cache_salt=_cache_salt(req.cache_salt),
     )
     prepared = PreparedChat(
-        request=request, n=params.n, logprobs=logprobs, include_usage=include_usage
+        request=request,
+        n=params.n,
+        logprobs=logprobs,
+        include_usage=include_usage,
+        tool_use=tools,
     )
     return prepared, stream

@@ -4,7 +4,7 @@ Requests accept the OpenAI fields this server implements plus vLLM's sampling ex
 harmless metadata (`user`, `metadata`, `store`, `service_tier`, ...) that does not change
 the output, which is accepted and ignored. Any other field is refused with a 400 naming it
 (`forbid_unknown_fields`): fields OpenAI or vLLM define but this server does not implement
-(`UNSUPPORTED_FIELDS`: tools, structured outputs, beam search...) as unsupported, anything
+(`UNSUPPORTED_FIELDS`: legacy function calling, beam search...) as unsupported, anything
 else as unrecognized, so no request is ever served while silently ignoring what it asked.
 The OpenAI SDK sends only the fields its caller passes. Optional request fields default
 to None so an explicit JSON `null` means "not given", and the defaults are resolved in one
@@ -28,20 +28,13 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     # OpenAI
     "functions": "function calling",
     "function_call": "function calling",
-    "parallel_tool_calls": "tool calling",
     "audio": "audio output",
     "prediction": "predicted outputs",
     "web_search_options": "web search",
     "reasoning_effort": "reasoning effort",
     "verbosity": "verbosity",
     # vLLM
-    "guided_json": "guided decoding",
-    "guided_regex": "guided decoding",
-    "guided_choice": "guided decoding",
-    "guided_grammar": "guided decoding",
-    "guided_decoding_backend": "guided decoding",
-    "guided_whitespace_pattern": "guided decoding",
-    "structured_outputs": "structured outputs",
+    "guided_whitespace_pattern": "guided decoding whitespace patterns",
     "use_beam_search": "beam search",
     "length_penalty": "beam search",
     "logits_processors": "logits processors",
@@ -77,17 +70,81 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallParam(_Request, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallParam(_Request, kw_only=True):
+    """A tool call an earlier assistant turn made."""
+
+    id: str
+    function: FunctionCallParam
+    type: Literal["function"] = "function"
+
+
 class ChatMessageParam(_Request, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted and ignored
     refusal: str | None = None  # an earlier assistant turn's; accepted and ignored
     annotations: list[Any] | None = None  # likewise
-    # Tool and audio turns are not supported: a 400 unless null or empty.
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    # Legacy function calling and audio turns are not supported: a 400 unless null.
     function_call: Any | None = None
     audio: Any | None = None
+
+
+class JsonSchemaParam(_Request, kw_only=True):
+    """`response_format.json_schema`."""
+
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormatParam(_Request, kw_only=True):
+    """`response_format`: text, json_object or json_schema."""
+
+    type: str
+    json_schema: JsonSchemaParam | None = None
+
+
+class StructuredOutputsParam(_Request, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of its constraints."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Request, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(_Request, kw_only=True):
+    """One entry of `tools`."""
+
+    type: str
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(_Request, kw_only=True):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: str
+    function: NamedFunction
 
 
 class _SamplingFields(_Request, kw_only=True):
@@ -116,6 +173,15 @@ class _SamplingFields(_Request, kw_only=True):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     cache_salt: str | None = None  # prefix-cache isolation: only requests with it share blocks
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields (at most one of them; flowllm.api.convert).
+    response_format: ResponseFormatParam | None = None
+    structured_outputs: StructuredOutputsParam | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # only xgrammar (or "auto")
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -147,12 +213,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # Accepted only as what they are by default (no tools, text output); anything else
-    # is a 400 naming the field (flowllm.api.convert).
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
-    response_format: dict[str, Any] | None = None
-    modalities: list[str] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None  # only ["text"]
 
 
 class TokenizeRequest(_Request, kw_only=True):
@@ -254,9 +318,21 @@ class ChatLogProbs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatResponseMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # present when the model called tools
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -276,9 +352,25 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class DeltaFunctionCall(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # the call's first delta only
+    arguments: str = ""
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True):
+    """A piece of one tool call: the first carries id, type and name, later ones only
+    more of `arguments` (OpenAI's streaming shape)."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatStreamChoice(msgspec.Struct, kw_only=True):

@@ -295,6 +295,7 @@ def render_chat(
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None = None,
     budget: TemplateBudget | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The chat prompt text for `messages`.
 
@@ -313,11 +314,12 @@ def render_chat(
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                tools=tools,
                 **kwargs,
             )
             return text  # type: ignore[no-any-return]
         return _render_budgeted(
-            tokenizer, messages, template, add_generation_prompt, kwargs, budget
+            tokenizer, messages, template, add_generation_prompt, kwargs, budget, tools
         )
     except TemplateBudgetExceeded as e:
         raise ChatTemplateError(
@@ -341,8 +343,9 @@ def _render_budgeted(
     add_generation_prompt: bool,
     kwargs: dict[str, Any],
     budget: TemplateBudget,
+    tools: list[dict[str, Any]] | None,
 ) -> str:
-    """transformers' `render_jinja_template` for plain messages, with the budget's checks."""
+    """transformers' `render_jinja_template`, with the budget's checks."""
     if template is None:
         template = tokenizer.get_chat_template()
     meter = _Meter(budget)
@@ -354,7 +357,7 @@ def _render_budgeted(
         size = 0
         for piece in compiled.generate(
             messages=messages,
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **variables,

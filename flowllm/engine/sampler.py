@@ -6,6 +6,7 @@ each sequence (parameters, generator, token history) keyed by seq_id, learned fr
 
 Per step, for a batch of rows (one per sequence), in this order (vLLM's):
 
+0. grammar masks: rows under a constraint keep only the tokens their grammar allows;
 1. raw logprobs: `log_softmax` of the logits as the model gave them (rows asking only);
 2. min_tokens: EOS and stop_token_ids get -inf while fewer than min_tokens outputs exist;
 3. logit_bias: added, each value clamped to ±100;
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flowllm.engine.grammar import apply_bitmask
 from flowllm.engine.stopping import StopChecker
 from flowllm.kernels.argmax import argmax_rows
 from flowllm.messages import SampledToken, SamplingParams, SeqStart, TokenLogprobs
@@ -196,6 +198,7 @@ class Sampler:
         seq_ids: Sequence[int],
         logits: torch.Tensor,
         num_output_tokens: Sequence[int],
+        allowed: tuple[Sequence[int], torch.Tensor] | None = None,
     ) -> list[SampledToken]:
         """Sample one token per row, record it, and say whether it ends its sequence.
 
@@ -203,7 +206,9 @@ class Sampler:
         output itself, even an inference tensor): rows that need editing are edited in a
         scratch buffer reused across steps, so an all-greedy batch without logits processors
         costs one argmax and no copy. num_output_tokens[i]: outputs of seq_ids[i] before
-        this token.
+        this token. allowed: (rows, bitmask), the grammar masks of constrained rows
+        (flowllm.engine.grammar): their other tokens get -inf before anything else, so
+        logprobs are those of the masked distribution.
         """
         if logits.dim() != 2 or logits.shape[0] != len(seq_ids):
             raise SamplerError(
@@ -215,6 +220,14 @@ class Sampler:
             logits = logits.float()
         states = self._states(seq_ids)
         batch, vocab = logits.shape
+
+        # 0. grammar masks, on a copy in a reused buffer
+        editable = False
+        if allowed is not None and len(allowed[0]):
+            work = self._buffer("logits", batch, vocab)  # [B, V]
+            work.copy_(logits)
+            logits, editable = work, True
+            apply_bitmask(logits, allowed[1], allowed[0])
 
         # 1. raw logprobs, before anything below touches the logits
         lp_rows = (
@@ -229,11 +242,11 @@ class Sampler:
             torch.log_softmax(rows, dim=-1, out=raw_logprobs)
 
         # 2-4. logits processors, on a copy in a reused buffer
-        editable = False
         if self._num_processed and self._needs_processing(states, num_output_tokens):
-            work = self._buffer("logits", batch, vocab)  # [B, V]
-            work.copy_(logits)
-            logits, editable = work, True
+            if not editable:
+                work = self._buffer("logits", batch, vocab)  # [B, V]
+                work.copy_(logits)
+                logits, editable = work, True
             self._process(logits, states, num_output_tokens)
 
         # 5. choose

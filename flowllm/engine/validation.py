@@ -9,9 +9,12 @@ OpenAI client expects to read: HTTP status, error type, the offending `param` an
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
+from typing import Any
 
 from flowllm.config import EngineConfig, RequestLimits
+from flowllm.engine.grammar import constraint_kind, json_schema_text
 from flowllm.messages import GenerateRequest, RequestError, SamplingParams
 
 # OpenAI clamps logit_bias values to this range and rejects values outside it.
@@ -19,6 +22,7 @@ LOGIT_BIAS_LIMIT = 100.0
 # repetition_penalty divides positive logits (multiplies negative ones) of seen tokens:
 # beyond 2 a seen token is all but banned, which presence_penalty says more directly.
 MAX_REPETITION_PENALTY = 2.0
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _SHOWN_DIGITS = 20  # a longer integer is shown abridged in an error message
 
 
@@ -197,6 +201,54 @@ def check_sampling_params(
             _in_range("logit_bias", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
 
 
+def check_structured_outputs(params: SamplingParams, limits: RequestLimits) -> None:
+    """A constraint names exactly one kind and is small enough to compile (the compile
+    itself, which needs the tokenizer, is the validate stage's)."""
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    param = spec.param
+    kinds = constraint_kind(spec)
+    if len(kinds) != 1:
+        raise _Invalid(
+            f"Invalid '{param}': exactly one of json, regex, choice, grammar and json_object "
+            f"must be given, got {', '.join(kinds) if kinds else 'none'}.",
+            param,
+        )
+    limit = limits.max_structured_output_chars
+    if isinstance(spec.json, str) and len(spec.json) > limit:
+        size = len(spec.json)  # too long to parse
+    elif spec.json is not None:
+        try:
+            size = len(json_schema_text(spec.json))
+        except (ValueError, RecursionError) as exc:
+            raise _Invalid(f"Invalid '{param}': the JSON schema is not JSON: {exc}", param) from exc
+    elif spec.choice is not None:
+        if not spec.choice:
+            raise _Invalid(
+                f"Invalid '{param}': expected at least one choice.", param, "empty_array"
+            )
+        _at_most_entries(param, len(spec.choice), limits.max_choices, "choices")
+        size = sum(len(c) for c in spec.choice)
+    else:
+        size = len(spec.regex or spec.grammar or "")
+        if spec.json_object is False and size == 0:
+            raise _Invalid(f"Invalid '{param}': the constraint is empty.", param, "empty_string")
+    if size > limit:
+        raise _Invalid(
+            f"Invalid '{param}': the constraint is {size} characters long; expected at most "
+            f"{limit}.",
+            param,
+            "string_above_max_length",
+        )
+    if params.min_tokens > 0:
+        raise _Invalid(
+            "Invalid 'min_tokens': it cannot be combined with a structured output constraint "
+            "(the grammar decides where the output ends).",
+            "min_tokens",
+        )
+
+
 def check_admission(
     requests: Sequence[GenerateRequest],
     limits: RequestLimits,
@@ -255,6 +307,42 @@ def check_admission(
     except _Invalid as invalid:
         return _bad_request(first, invalid)
     return None
+
+
+def check_tools(tools: tuple[dict[str, Any], ...] | None, limits: RequestLimits) -> None:
+    """Each tool is a function with a name and, if any, an object of parameters."""
+    if not tools:
+        return
+    _at_most_entries("tools", len(tools), limits.max_tools, "tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise _Invalid(
+                f"Invalid 'tools[{i}]': expected {{\"type\": \"function\", \"function\": "
+                "{...}}.",
+                f"tools[{i}]",
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise _Invalid(
+                f"Invalid 'tools[{i}].function.name': expected a string of letters, digits, "
+                "underscores and dashes, at most 64 long.",
+                f"tools[{i}].function.name",
+            )
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise _Invalid(
+                f"Invalid 'tools[{i}].function.parameters': expected a JSON schema object.",
+                f"tools[{i}].function.parameters",
+            )
+    size = len(json_schema_text({"tools": list(tools)}))
+    if size > limits.max_structured_output_chars:
+        raise _Invalid(
+            f"Invalid 'tools': the tools are {size} characters long as JSON; expected at most "
+            f"{limits.max_structured_output_chars}.",
+            "tools",
+            "string_above_max_length",
+        )
 
 
 def _bad_request(request_id: str, invalid: _Invalid) -> RequestError:
@@ -326,6 +414,8 @@ def validate_request(
     try:
         _check_prompt(request, vocab_size)
         check_sampling_params(request.params, config.limits, vocab_size)
+        check_structured_outputs(request.params, config.limits)
+        check_tools(request.tools, config.limits)
     except _Invalid as invalid:
         return _bad_request(request.request_id, invalid)
     return None

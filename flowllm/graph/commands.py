@@ -81,7 +81,8 @@ def render_text(graph: ValidGraph) -> str:
         text = "  ".join(e for e in extra if e)
         lines.append(f"  {name:<{width}}  {bound.spec.use:<{use_width}}  {text}".rstrip())
         for port, tp in bound.cls.inputs.items():
-            lines.append(f"  {'':<{width}}    in   {port}: {type_name(tp)}")
+            optional = "  (optional)" if port in bound.cls.optional_inputs else ""
+            lines.append(f"  {'':<{width}}    in   {port}: {type_name(tp)}{optional}")
         for port, tp in bound.cls.outputs.items():
             lines.append(f"  {'':<{width}}    out  {port}: {type_name(tp)}")
         lines.append(f"  {'':<{width}}    supervision: {bound.supervision.describe()}")

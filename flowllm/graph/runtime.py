@@ -336,7 +336,9 @@ class Graph:
         for task in self._tasks:
             bound = spec.stages[task.name]
             inboxes = {
-                port: self.channels[f"{task.name}.{port}"].receiver() for port in bound.cls.inputs
+                port: self.channels[f"{task.name}.{port}"].receiver()
+                for port in bound.cls.inputs
+                if f"{task.name}.{port}" in self.channels  # an optional port may be unwired
             }
             outboxes = {}
             for port in bound.cls.outputs:

@@ -94,7 +94,7 @@ def message_fields(message: Any) -> dict[str, Any]:
         step_id = getattr(holder, "step_id", None)
         if step_id is not None:
             fields["step_id"] = step_id
-            for attr in ("seqs", "tokens", "chunks", "deltas"):
+            for attr in ("seqs", "tokens", "chunks", "deltas", "seq_ids"):
                 entries = getattr(holder, attr, None)
                 if entries is not None:
                     fields["batch_size"] = len(entries)
@@ -260,13 +260,20 @@ class SpanRecorder:
     def enabled(self) -> bool:
         return self._enabled
 
-    def record(self, message: Any, started: float, queue_wait: float) -> None:
-        """Close the span of `message`, whose handling began at `started` (perf_counter)."""
+    def record(
+        self, message: Any, started: float, queue_wait: float, *, observed: bool = True
+    ) -> None:
+        """Close the span of `message`, whose handling began at `started` (perf_counter).
+
+        `observed=False` keeps it out of the duration and wait metrics: a message a stage
+        only takes in to join it with another (sample's masks) is not a unit of its work.
+        """
         if not self._enabled:
             return
         duration = perf_counter() - started
-        self._duration.observe(duration)
-        self._wait.observe(queue_wait)
+        if observed:
+            self._duration.observe(duration)
+            self._wait.observe(queue_wait)
         for sink in self._sinks:
             sink(self.stage, message, started, duration, queue_wait)
         if self._events:

@@ -645,6 +645,8 @@ class _Validator:
                     ref = PortRef(bound.name, port)
                     if ref in connected or ref in named:
                         continue
+                    if kind == "inputs" and port in bound.cls.optional_inputs:
+                        continue
                     direction = "from" if role == "output" else "into"
                     self.problem(
                         f"stage {bound.name!r}: {role} port {port!r} ({type_name(tp)}) is not "

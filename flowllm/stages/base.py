@@ -280,6 +280,9 @@ class Stage:
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}
     Params: ClassVar[type[msgspec.Struct]] = NoParams
+    # Input ports a graph may leave unconnected: the stage then runs without them (it
+    # sees only connected ports in `ctx.input_ports`).
+    optional_inputs: ClassVar[frozenset[str]] = frozenset()
     # Name of an int param bounding the messages this stage keeps in flight around a
     # cycle (docs/stages.md); the validator accepts a cycle only through such a stage.
     credit_param: ClassVar[str | None] = None

@@ -3,20 +3,32 @@
 It learns each sequence's parameters from `StepBatch.started`, decides every sampled
 token's finish reason (flowllm.engine.stopping), and sends the same `StepTokens` to
 schedule (which appends them) and detokenize (which turns them into text).
+
+With the guide stage connected to `masks`, it joins each step's logits with the step's
+`StepMasks` (both come from one `StepBatch`, in step order) and samples constrained rows
+from the tokens their grammar allows. Without it, it samples from the logits alone.
 """
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Any
 
+import anyio
+
 from flowllm.engine.sampler import Sampler
-from flowllm.messages import StepLogits, StepTokens, TokenLogprobs
+from flowllm.messages import StepLogits, StepMasks, StepTokens, TokenLogprobs
 from flowllm.stages.base import PerMessageStage, StageContext
 from flowllm.stages.services import EngineServices
 
 
+class SampleError(RuntimeError):
+    """The logits and masks of one step did not arrive together (a bug upstream)."""
+
+
 class Sample(PerMessageStage):
-    inputs = {"in": StepLogits}
+    inputs = {"in": StepLogits, "masks": StepMasks}
+    optional_inputs = frozenset({"masks"})
     outputs = {"out": StepTokens}
 
     def __init__(self, params: Any, services: EngineServices) -> None:
@@ -31,11 +43,42 @@ class Sample(PerMessageStage):
     def live_sequences(self) -> int:
         return len(self.sampler)
 
+    async def run(self, ctx: StageContext) -> None:
+        if "masks" not in ctx.input_ports:
+            await super().run(ctx)
+            return
+        logits_in, masks_in = ctx.inbox("in"), ctx.inbox("masks")
+        while True:
+            # The masks first: they are usually ready before the model step ends. A span
+            # marks their receipt, so a trace shows (and a replay feeds) the join's order.
+            try:
+                masks = await masks_in.receive()
+                ctx.spans.record(masks, perf_counter(), masks_in.last_wait, observed=False)
+                step = await logits_in.receive()
+            except anyio.EndOfStream:
+                return
+            wait = logits_in.last_wait
+            started = perf_counter()
+            ctx.begin(step, started)
+            if masks.step_id != step.batch.step_id:
+                raise SampleError(
+                    f"step {step.batch.step_id}'s logits met the masks of step {masks.step_id}"
+                )
+            await self.sample_step(step, masks, ctx)
+            ctx.end()
+            ctx.spans.record(step, started, wait)
+
     async def handle(self, step: StepLogits, ctx: StageContext) -> None:
-        tokens = await self._worker.run(self._sample, step)
+        await self.sample_step(step, None, ctx)
+
+    async def sample_step(
+        self, step: StepLogits, masks: StepMasks | None, ctx: StageContext
+    ) -> None:
+        """Sample one step (under its grammar masks, if any) and send its tokens."""
+        tokens = await self._worker.run(self._sample, step, masks)
         await ctx.emit("out", tokens)
 
-    def _sample(self, step: StepLogits) -> StepTokens:
+    def _sample(self, step: StepLogits, masks: StepMasks | None) -> StepTokens:
         batch = step.batch
         sampler = self.sampler
         for seq_id in batch.released:
@@ -48,7 +91,13 @@ class Sample(PerMessageStage):
             if s.sample:
                 seq_ids.append(s.seq_id)
                 num_output_tokens.append(s.num_output_tokens)
-        tokens = sampler.sample(seq_ids, step.logits, num_output_tokens) if seq_ids else []
+        allowed = None
+        if masks is not None and masks.seq_ids:
+            row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+            allowed = ([row_of[seq_id] for seq_id in masks.seq_ids], masks.bitmask)
+        tokens = (
+            sampler.sample(seq_ids, step.logits, num_output_tokens, allowed) if seq_ids else []
+        )
         prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         if step.prompt_logits:
             computed = {s.seq_id: s.num_computed_tokens for s in batch.seqs}

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from flowllm.config import ConfigError, EngineConfig
 from flowllm.engine.detokenizer import ByteVocab
+from flowllm.engine.grammar import Grammars
 from flowllm.mailbox import Mailboxes
 from flowllm.metrics import EngineMetrics
 from flowllm.models.kv_cache import KVCaches, KVCacheSpec, allocate_kv_cache
@@ -36,6 +37,9 @@ class EngineServices:
     device: Any
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     mailboxes: Mailboxes = field(default_factory=Mailboxes)
+    # Whether the graph has a guide stage, which constrained requests need (set by the
+    # engine that builds the graph; validate refuses them without one).
+    guided: bool = False
     metrics: EngineMetrics = field(init=False)
     # Read-only data derived from the model or tokenizer, built on first use: one dict
     # shared by every `fresh` copy, so whichever copy builds an entry, all reuse it.
@@ -54,6 +58,22 @@ class EngineServices:
             self._derived["byte_vocab"] = ByteVocab.of(self.tokenizer)
         vocab: ByteVocab | None = self._derived["byte_vocab"]
         return vocab
+
+    def grammars(self) -> Grammars:
+        """The grammar compiler and cache for this tokenizer (~0.15 s to build the
+        tokenizer's tables, so built on the first constrained request)."""
+        grammars = self._derived.get("grammars")
+        if grammars is None:
+            grammars = self._derived["grammars"] = Grammars(
+                self.tokenizer, self.logits_size, self.eos_token_ids
+            )
+        return grammars
+
+    @property
+    def logits_size(self) -> int:
+        """The width of the model's logits rows (a grammar's bitmask covers them all)."""
+        size = getattr(self.model, "vocab_size", None)
+        return len(self.tokenizer) if size is None else int(size)
 
     def worker_thread(self, name: str) -> WorkerThread:
         """The thread the stage called `name` runs its per-step torch work in, kept for
@@ -87,6 +107,7 @@ class EngineServices:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             device=self.device,
+            guided=self.guided,
             _derived=self._derived,
             _workers=self._workers,
         )

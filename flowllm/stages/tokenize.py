@@ -2,9 +2,12 @@
 
 Chat requests are rendered with the model's chat template by transformers, or with the
 template given with the request within the request-template budget
-(`flowllm.engine.chat_template`), then encoded without adding special tokens again, as
-the template already holds them. Stateless, and the encoding runs in a worker thread
-(the tokenizer releases the GIL), so `replicas: N` tokenizes N prompts at once.
+(`flowllm.engine.chat_template`), tools and tool turns included (natively, or by the
+fallback of `flowllm.engine.tool_prompt` for a template that ignores tools), then
+encoded without adding special tokens again, as the template already holds them.
+Stateless but for a cache of which server templates render tools, and the encoding runs
+in a worker thread (the tokenizer releases the GIL), so `replicas: N` tokenizes N
+prompts at once.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import anyio.to_thread
 import msgspec
 
 from flowllm.engine.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
+from flowllm.engine.tool_prompt import PROBE_MESSAGES, renders_tools, template_messages
 from flowllm.engine.validation import check_context_length
 from flowllm.messages import (
     Abort,
@@ -45,6 +49,7 @@ class Tokenize(PerMessageStage):
         self._tokenizer = services.tokenizer
         self._max_model_len = services.max_model_len
         self._eos_token_ids = services.eos_token_ids
+        self._template_tools: dict[str, bool] = {}  # server templates: do they render tools?
 
     async def handle(self, message: ValidRequest | Abort, ctx: StageContext) -> None:
         if isinstance(message, Abort):
@@ -84,6 +89,16 @@ class Tokenize(PerMessageStage):
             ),
         )
 
+    def _renders_tools(self, template: str, from_request: bool, render: Any) -> bool:
+        """Whether the template renders tools (probed once per server template; a
+        request's template is probed each time, within its budget)."""
+        known = self._template_tools.get(template)
+        if known is None:
+            known = renders_tools(lambda tools: render(list(PROBE_MESSAGES), tools))
+            if not from_request:
+                self._template_tools[template] = known
+        return known
+
     def prompt_token_ids(self, request: GenerateRequest) -> tuple[int, ...]:
         """The request's prompt as token ids; PromptError when it has none."""
         tokenizer = self._tokenizer
@@ -98,15 +113,26 @@ class Tokenize(PerMessageStage):
                     "one.",
                     "messages",
                 )
-            try:
-                text = render_chat(
+            budget = DEFAULT_BUDGET if request.chat_template is not None else None
+
+            def render(messages: list[dict[str, Any]], tools: Any) -> str:
+                return render_chat(
                     tokenizer,
-                    [{"role": m.role, "content": m.content} for m in request.messages],
+                    messages,
                     template=template,
                     add_generation_prompt=request.add_generation_prompt,
                     template_kwargs=request.chat_template_kwargs,
-                    budget=DEFAULT_BUDGET if request.chat_template is not None else None,
+                    budget=budget,
+                    tools=tools,
                 )
+
+            try:
+                messages, tools = template_messages(
+                    request.messages,
+                    request.tools,
+                    lambda: self._renders_tools(template, budget is not None, render),
+                )
+                text = render(messages, tools)
             except ChatTemplateError as e:
                 raise PromptError(e.message, e.param, e.code) from e
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))

@@ -1,11 +1,19 @@
-"""validate: reject bad parameters before any work is spent on them."""
+"""validate: reject bad parameters before any work is spent on them.
+
+A structured output constraint is compiled here (in a thread, into the grammar cache the
+guide stage reads), so an invalid schema, regex or grammar is a 400 naming its field;
+without a guide stage in the graph, constrained requests are refused.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import anyio
+
+from flowllm.engine.grammar import GrammarError
 from flowllm.engine.validation import validate_request
-from flowllm.messages import Abort, GenerateRequest, RequestError, ValidRequest
+from flowllm.messages import Abort, GenerateRequest, RequestError, StructuredOutputs, ValidRequest
 from flowllm.stages.base import PerMessageStage, StageContext
 from flowllm.stages.services import EngineServices
 
@@ -16,6 +24,7 @@ class Validate(PerMessageStage):
 
     def __init__(self, params: Any, services: EngineServices) -> None:
         super().__init__(params, services)
+        self._services = services
         self._config = services.config
         self._model_name = services.served_model_name
         self._vocab_size = services.vocab_size
@@ -25,7 +34,28 @@ class Validate(PerMessageStage):
             await ctx.emit("out", message)
             return
         error = validate_request(message, self._config, self._model_name, self._vocab_size)
+        spec = message.params.structured_outputs
+        if error is None and spec is not None:
+            error = await self._compile(message.request_id, spec)
         if error is None:
             await ctx.emit("out", ValidRequest(message))
         else:
             await ctx.emit("errors", error)
+
+    async def _compile(self, request_id: str, spec: StructuredOutputs) -> RequestError | None:
+        if not self._services.guided:
+            return RequestError(
+                request_id=request_id,
+                message=f"'{spec.param}' is not supported by this server: its graph has no "
+                "guide stage, which structured outputs need.",
+                param=spec.param,
+                code="unsupported_parameter",
+            )
+        grammars = self._services.grammars
+        try:
+            await anyio.to_thread.run_sync(lambda: grammars().compile(spec))
+        except GrammarError as exc:
+            return RequestError(
+                request_id=request_id, message=exc.message, param=exc.param, code="invalid_value"
+            )
+        return None

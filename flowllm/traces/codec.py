@@ -8,12 +8,14 @@ by the consuming stage be matched with the entry it handled, offline). Messages 
 extension holding its dtype, shape and raw little-endian bytes (`EXT_TENSOR`), or, when the
 recorder was asked for compact logits, a `TensorDigest` (`EXT_DIGEST`): each row's top-k
 entries plus its sum and sum of squares, enough to check a replayed tensor but not to
-replay from.
+replay from. An integer tensor (a token bitmask) is always whole, zlib-compressed
+(`EXT_ZTENSOR`).
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,6 +28,7 @@ from flowllm import messages as M
 
 EXT_TENSOR = 1
 EXT_DIGEST = 2
+EXT_ZTENSOR = 3
 _FRAME = struct.Struct("<I")
 
 # Every message type a channel may carry, by name (the tag written with each entry).
@@ -40,6 +43,7 @@ MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
         M.RequestError,
         M.StepBatch,
         M.StepLogits,
+        M.StepMasks,
         M.StepTokens,
         M.TextDeltas,
         M.Chunk,
@@ -153,6 +157,8 @@ class MessageCodec:
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
+            if not obj.is_floating_point():  # token bitmasks: mostly runs of 0 and -1
+                return msgspec.msgpack.Ext(EXT_ZTENSOR, zlib.compress(encode_tensor(obj)))
             if self.digest_k:
                 digest = TensorDigest.of(obj, self.digest_k)
                 return msgspec.msgpack.Ext(EXT_DIGEST, msgspec.msgpack.encode(digest))
@@ -163,6 +169,8 @@ class MessageCodec:
     def _ext_hook(code: int, data: memoryview) -> Any:
         if code == EXT_TENSOR:
             return decode_tensor(bytes(data))
+        if code == EXT_ZTENSOR:
+            return decode_tensor(zlib.decompress(data))
         if code == EXT_DIGEST:
             return msgspec.msgpack.decode(data, type=TensorDigest)
         raise TraceFormatError(f"unknown msgpack extension {code} in a trace")

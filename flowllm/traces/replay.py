@@ -192,6 +192,7 @@ def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> An
     """
     from flowllm.config import ConfigError
     from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
+    from flowllm.stages.guide import has_guide
     from flowllm.stages.services import EngineServices, build_services
 
     config = trace.manifest.engine_config
@@ -206,7 +207,9 @@ def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> An
         and base.config.model.chat_template == model_config.chat_template
     )
     if not same_model:
-        return build_services(config)
+        services = build_services(config)
+        services.guided = has_guide(trace.graph)
+        return services
     model = base.model
     max_model_len = model.max_position_embeddings
     if model_config.max_model_len is not None:
@@ -226,6 +229,7 @@ def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> An
         max_model_len=max_model_len,
         eos_token_ids=base.eos_token_ids,
         device=base.device,
+        guided=has_guide(trace.graph),
     )
 
 
@@ -345,11 +349,11 @@ def show(message: Any) -> str:
 class _Harness:
     """One stage instance wired to private channels: a feeder in, collectors out."""
 
-    def __init__(self, name: str, stage: Stage) -> None:
+    def __init__(self, name: str, stage: Stage, ports: Iterable[str]) -> None:
         self.name = name
         self.stage = stage
         cls = type(stage)
-        self.inputs = {p: Channel(f"{name}.{p}", t, 1 << 20) for p, t in cls.inputs.items()}
+        self.inputs = {p: Channel(f"{name}.{p}", cls.inputs[p], 1 << 20) for p in ports}
         self.outputs = {p: Channel(f"{name}>{p}", t, 1 << 20) for p, t in cls.outputs.items()}
         self.emitted: dict[str, list[Any]] = {p: [] for p in cls.outputs}
         self.handled = 0
@@ -654,7 +658,7 @@ class Replayer:
             stage = cls(bound.params, services)
         except Exception as e:
             return StageResult(stage=name, status="fail", detail=f"failed to build: {e!r}")
-        harness = _Harness(name, stage)
+        harness = _Harness(name, stage, trace.stage_inputs(name))
         sources = {p: v for p, v in recorded.items() if v is not None}
         error = anyio.run(_run_harness, harness, inputs, one_at_a_time, sources)
         self._emitted[name] = harness.emitted

@@ -23,7 +23,7 @@ import msgspec
 from flowllm.async_engine import AsyncEngine
 from flowllm.config import BUNDLED_MODEL, engine_config
 from flowllm.mailbox import Mailbox, RequestFailed
-from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams
+from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams, StructuredOutputs
 from flowllm.traces.manifest import ModelSource, weights_sha256
 from flowllm.traces.recorder import TraceRecorder
 from flowllm.traces.replay import build_model
@@ -144,6 +144,40 @@ def _preemption() -> list[GenerateRequest]:
     ]
 
 
+def _guided() -> list[GenerateRequest]:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+        "required": ["ok", "n"],
+    }
+    return [
+        _request(
+            "guided-regex",
+            "Code:",
+            temperature=0.0,
+            max_tokens=12,
+            structured_outputs=StructuredOutputs(regex="[a-z]{3}-[0-9]{2}"),
+        ),
+        _request(
+            "guided-choice",
+            "Pick one:",
+            n=2,
+            seed=3,
+            max_tokens=8,
+            structured_outputs=StructuredOutputs(choice=("red", "green", "blue")),
+        ),
+        _request(
+            "guided-json",
+            "As JSON:",
+            n=2,
+            seed=5,
+            max_tokens=16,
+            logprobs=1,
+            structured_outputs=StructuredOutputs(json=schema),
+        ),
+    ]
+
+
 def _check_preempted(engine: AsyncEngine) -> None:
     scheduler = engine.graph.stage("schedule").scheduler  # type: ignore[attr-defined]
     if scheduler.num_preemptions < 1:
@@ -190,6 +224,19 @@ SCENARIOS: dict[str, Scenario] = {
                 "block_size": 4,
                 "kv_cache_memory": 8 * 4 * 2 * 2 * 64 * 4,
                 "max_model_len": 32,
+            },
+            check=_check_preempted,
+        ),
+        Scenario(
+            "guided",
+            "constrained requests (regex; choice and JSON schema with n=2, the JSON with "
+            "logprobs) on a KV "
+            "cache of 5 blocks of 4 tokens: one is preempted, and its grammar goes on",
+            _guided,
+            settings={
+                "block_size": 4,
+                "kv_cache_memory": 5 * 4 * 2 * 2 * 64 * 4,
+                "max_model_len": 20,
             },
             check=_check_preempted,
         ),

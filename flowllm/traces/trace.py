@@ -44,7 +44,11 @@ class Trace:
     def stage_inputs(self, stage: str) -> dict[str, str]:
         """Input port -> channel name for `stage`."""
         bound = self.graph.stages[stage]
-        return {port: f"{stage}.{port}" for port in bound.cls.inputs}
+        return {
+            port: f"{stage}.{port}"
+            for port in bound.cls.inputs
+            if f"{stage}.{port}" in self.graph.channels  # an optional port may be unwired
+        }
 
     def stage_outputs(self, stage: str) -> dict[str, tuple[str, ...]]:
         """Output port -> the channels it feeds."""

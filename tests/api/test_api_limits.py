@@ -136,9 +136,10 @@ async def test_unsupported_fields_are_refused_by_name(client: AsyncTestClient, f
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        # auto tool choice (the default with tools) needs --enable-auto-tool-choice
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        ({"tool_choice": "auto"}, "tool_choice"),  # no tools
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"frobnicate": 1}, "frobnicate"),
     ],
@@ -153,8 +154,10 @@ async def test_unknown_nested_fields_are_named(client: AsyncTestClient) -> None:
     body = {**CHAT, "messages": [{"role": "user", "content": "hi", "colour": "red"}]}
     error = assert_400(await client.post("/v1/chat/completions", json=body), "messages[0].colour")
     assert error["code"] == "unknown_parameter"
-    body = {**CHAT, "messages": [{"role": "assistant", "content": "", "tool_calls": [{}]}]}
-    assert_400(await client.post("/v1/chat/completions", json=body), "messages[0].tool_calls")
+    call = {"id": "c", "function": {"name": "f", "arguments": "{}"}, "colour": "red"}
+    body = {**CHAT, "messages": [{"role": "assistant", "content": "", "tool_calls": [call]}]}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert_400(r, "messages[0].tool_calls[0].colour")
     r = await client.post(
         "/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"x": 1}}
     )

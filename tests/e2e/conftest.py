@@ -79,3 +79,18 @@ def bundled_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def structured_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
+    """The bundled SmolLM2 with auto tool choice read by the hermes parser."""
+    cache = smollm2_dir.parent.parent  # <cache>/models/smollm2-135m-instruct
+    proc = start_server(
+        None,
+        ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        env={"FLOWLLM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        yield proc
+    finally:
+        proc.stop()

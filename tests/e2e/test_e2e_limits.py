@@ -56,7 +56,13 @@ CASES: list[tuple[str, bytes, str | None]] = [
     ("/v1/completions", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", None),
     ("/v1/completions", raw({**COMPLETION, "stop": ["a" * 40_000]}, '"n": 1'), "stop"),
     ("/v1/chat/completions", raw(CHAT, '"tools": [{"type": "function"}]'), "tools"),
-    ("/v1/chat/completions", raw(CHAT, '"guided_json": {}'), "guided_json"),
+    ("/v1/chat/completions", raw(CHAT, '"guided_json": {"type": "nope"}'), "guided_json"),
+    ("/v1/completions", raw(COMPLETION, '"guided_regex": "' + "a" * 70_000 + '"'), "guided_regex"),
+    (
+        "/v1/completions",
+        raw(COMPLETION, '"structured_outputs": {"regex": "a", "choice": ["b"]}'),
+        "structured_outputs",
+    ),
     ("/v1/completions", raw(COMPLETION, '"use_beam_search": true'), "use_beam_search"),
 ]
 

@@ -17,6 +17,7 @@ import anyio
 from flowllm.stages.detokenize import Detokenize
 from flowllm.stages.execute import Execute
 from flowllm.stages.format import Format
+from flowllm.stages.guide import Guide
 from flowllm.stages.ingest import Ingest
 from flowllm.stages.sample import Sample
 from flowllm.stages.schedule import Schedule
@@ -101,8 +102,14 @@ class FaultyExecute(Execute):
 
 
 class FaultySample(Sample):
-    async def handle(self, message: Any, ctx: Any) -> None:
+    async def sample_step(self, message: Any, masks: Any, ctx: Any) -> None:
         await strike("sample")
+        await super().sample_step(message, masks, ctx)
+
+
+class FaultyGuide(Guide):
+    async def handle(self, message: Any, ctx: Any) -> None:
+        await strike("guide")
         await super().handle(message, ctx)
 
 

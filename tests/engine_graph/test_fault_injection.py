@@ -1,4 +1,4 @@
-"""Fault injection into each of the eight stages of the default graph, in process.
+"""Fault injection into each of the nine stages of the default graph, in process.
 
 A faulty twin of one stage raises, hangs or slows down at its first message, which is
 the victim's (the engine runs one sequence at a time, so the others wait behind it). The
@@ -28,7 +28,7 @@ from flowllm.stages.services import EngineServices, build_services
 HERE = Path(__file__).resolve().parent
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = ["The victim", "Alpha beta", "Gamma delta", "Epsilon zeta"]
-STEP_LOOP = ("schedule", "execute", "sample")
+STEP_LOOP = ("schedule", "execute", "guide", "sample")
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ async def settled(engine: AsyncEngine) -> None:
             or metric(engine, "flowllm:kv_cache_usage_perc")
             or any(
                 metric(engine, "flowllm:live_sequences", {"stage": s})
-                for s in ("schedule", "execute", "sample", "detokenize")
+                for s in ("schedule", "execute", "guide", "sample", "detokenize")
             )
         ):
             await anyio.sleep(0.02)
@@ -105,6 +105,7 @@ CASES = [
     ("tokenize", "hang"),
     ("schedule", "raise"),
     ("execute", "hang"),
+    ("guide", "raise"),
     ("sample", "raise"),
     ("sample", "slow"),
     ("detokenize", "raise"),

@@ -123,7 +123,8 @@ def test_message_tables_list_every_field_with_its_type() -> None:
     # every type on an edge of the default graph (and the structs inside them) has a table
     on_edges = {
         "GenerateRequest", "ValidRequest", "TokenizedRequest", "Abort", "RequestError",
-        "StepBatch", "ScheduledSeq", "SeqStart", "StepLogits", "StepTokens", "SampledToken",
+        "StepBatch", "ScheduledSeq", "SeqStart", "StepMasks", "StepLogits", "StepTokens",
+        "SampledToken",
         "TokenLogprobs", "Finish", "TextDeltas", "Chunk",
     }  # fmt: skip
     assert set(tables) == on_edges

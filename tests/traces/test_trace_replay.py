@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from flowllm.config import engine_config
 from flowllm.messages import GenerateRequest, TextDeltas
 from flowllm.stages.execute import Execute
 from flowllm.stages.format import Format
+from flowllm.stages.guide import Guide
 from flowllm.stages.sample import Sample
 from flowllm.stages.services import EngineServices, build_services
 from flowllm.stages.tokenize import Tokenize
@@ -23,7 +25,10 @@ from flowllm.traces.replay import ReplayError, replay_trace
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = sorted(d.name for d in (REPO / "traces").iterdir() if d.is_dir())
-STAGES = ["ingest", "validate", "tokenize", "schedule", "execute", "sample", "detokenize", "format"]
+STAGES = [
+    "ingest", "validate", "tokenize", "schedule", "execute", "guide", "sample", "detokenize",
+    "format",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,7 @@ def tiny_services(gpt2_tiny_dir: Path) -> EngineServices:
 
 def test_the_committed_traces_cover_the_scenarios() -> None:
     assert set(TRACES) >= {
-        "greedy", "sampled", "stop", "n2", "stream", "errors", "preemption", "chat"
+        "greedy", "sampled", "stop", "n2", "stream", "errors", "preemption", "chat", "guided"
     }  # fmt: skip
     for name in TRACES:
         size = sum(f.stat().st_size for f in (REPO / "traces" / name).iterdir())
@@ -86,6 +91,54 @@ def test_committed_traces_exercise_what_they_are_named_for() -> None:
             if seq.num_computed_tokens == 0:
                 prefills[seq.seq_id] = prefills.get(seq.seq_id, 0) + 1
     assert max(prefills.values()) >= 2
+
+
+def test_the_guided_trace_keeps_its_constraints_through_a_preemption() -> None:
+    from flowllm.traces.trace import load_trace
+
+    trace = load_trace(REPO / "traces" / "guided")
+    texts: dict[tuple[str, int], str] = {}
+    finish: dict[tuple[str, int], str | None] = {}
+    for entry in trace.entries["format.in"]:
+        for c in entry.message.chunks:
+            texts[c.request_id, c.index] = texts.get((c.request_id, c.index), "") + c.text
+            finish[c.request_id, c.index] = c.finish_reason
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", texts["guided-regex", 0])
+    assert finish["guided-regex", 0] == "stop"  # the grammar ended: only EOS was allowed
+    assert {texts["guided-choice", i] for i in (0, 1)} <= {"red", "green", "blue"}
+    for i in (0, 1):  # cut by max_tokens, but a prefix of the schema's JSON
+        assert re.match(r'\{"ok": (true|false), "n": -?[0-9]', texts["guided-json", i])
+    prefills: dict[int, int] = {}
+    for entry in trace.entries["guide.in"]:
+        for seq in entry.message.seqs:
+            if seq.num_computed_tokens == 0:
+                prefills[seq.seq_id] = prefills.get(seq.seq_id, 0) + 1
+    assert max(prefills.values()) >= 2  # a constrained sequence was recomputed
+
+
+class GrammarBlindGuide(Guide):
+    """A guide that allows every token: its grammar is forgotten."""
+
+    def _fill(self, batch: Any) -> Any:
+        masks = super()._fill(batch)
+        if masks.bitmask is not None:
+            masks.bitmask.fill_(-1)
+        return masks
+
+
+def test_a_guide_forgetting_the_grammar_fails_replay(
+    gpt2_tiny_dir: Path, tiny_services: EngineServices
+) -> None:
+    report = replay_trace(
+        REPO / "traces" / "guided",
+        "guide",
+        model=gpt2_tiny_dir,
+        services=tiny_services,
+        stage_overrides={"guide": GrammarBlindGuide},
+    )
+    result = report.result("guide")
+    assert result.status == "fail", report.format()
+    assert result.difference is not None and ".bitmask" in result.difference.path
 
 
 class DroppingTokenize(Tokenize):
