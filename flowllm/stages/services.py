@@ -44,7 +44,7 @@ class EngineServices:
     _workers: dict[str, WorkerThread] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self.metrics = EngineMetrics(self.registry)
+        self.metrics = EngineMetrics(self.registry, self.max_model_len)
         self.metrics.live_mailboxes.set_function(lambda: len(self.mailboxes))
 
     def byte_vocab(self) -> ByteVocab | None:
