@@ -8,14 +8,17 @@ device's memory, minus what is already in use (the weights), as vLLM's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from flowllm.models.errors import KVCacheError
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+_ALIGN = 64  # bytes
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,7 @@ class KVCacheSpec:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         try:
             return [
-                (
-                    torch.zeros(shape, dtype=self.dtype, device=device),
-                    torch.zeros(shape, dtype=self.dtype, device=device),
-                )
+                (zeros(shape, self.dtype, device), zeros(shape, self.dtype, device))
                 for _ in range(self.num_layers)
             ]
         except (RuntimeError, MemoryError) as exc:
@@ -65,6 +65,19 @@ class KVCacheSpec:
                 f"could not allocate {num_blocks} KV blocks "
                 f"({num_blocks * self.bytes_per_block} bytes) on {device}: {exc}"
             ) from exc
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor. On CPU its memory comes from calloc (numpy's zeros), whose pages the
+    OS provides already zeroed when they are first touched: a cache of gigabytes costs
+    nothing at start-up and only the blocks in use become resident, where `torch.zeros`
+    writes every byte before the server can start."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes + _ALIGN, dtype=np.uint8))
+    offset = -raw.data_ptr() % _ALIGN  # cache-line aligned, as torch's own allocations
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def cache_memory_budget(
