@@ -128,6 +128,11 @@ class RequestTracing:
         exporter = OTLPSpanExporter(endpoint=traces_url(endpoint))
         return cls(BatchSpanProcessor(exporter), max_links=max_links)
 
+    @property
+    def open_requests(self) -> int:
+        """Graph requests bound to a root span that has not ended yet."""
+        return len(self._requests)
+
     def shutdown(self) -> None:
         """Export what is buffered and stop the exporter thread."""
         self.provider.shutdown()
@@ -383,8 +388,8 @@ class TracingMiddleware(ASGIMiddleware):
 
         try:
             await next_app(scope, receive, send_traced)
-        except BaseException:
-            status = status or 500
+        except Exception as exc:  # answered by the app's exception handlers, outside
+            status = status or getattr(exc, "status_code", 500)
             raise
         finally:
             tracing.end_request(root, scope.get(SCOPE_REQUESTS, ()), status)  # type: ignore[arg-type]

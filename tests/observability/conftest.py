@@ -16,6 +16,11 @@ from otlp_receiver import OtlpReceiver
 from server_process import TINY_FLAGS, ServerProcess
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def otlp_receiver() -> Iterator[OtlpReceiver]:
     receiver = OtlpReceiver()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 from otlp_receiver import OtlpReceiver, attributes
 from server_process import ServerProcess
@@ -91,3 +93,42 @@ def test_without_traceparent_a_request_starts_its_own_trace(
     assert attrs["gen_ai.operation.name"] == "chat"
     assert attrs["gen_ai.usage.output_tokens"] == 3
     assert attrs["gen_ai.response.id"] == f"chatcmpl-{request_id}"
+
+
+def test_requests_that_share_steps_are_all_linked_from_them(
+    observed_server: ServerProcess, otlp_receiver: OtlpReceiver
+) -> None:
+    request_ids: list[str] = []
+
+    def one(i: int) -> None:
+        response = httpx.post(
+            f"{observed_server.url}/v1/completions",
+            json={"model": observed_server.model, "prompt": f"prompt {i}", "max_tokens": 24,
+                  "ignore_eos": True},
+            timeout=60,
+        )  # fmt: skip
+        assert response.status_code == 200
+        request_ids.append(response.headers["x-request-id"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    def roots(spans: list) -> dict[bytes, object]:
+        return {
+            s.span_id: s for s in spans
+            if attributes(s).get("flowllm.request_id") in request_ids
+        }  # fmt: skip
+
+    spans = otlp_receiver.wait_for(lambda spans: len(roots(spans)) == 4)
+    ours = roots(spans)
+    linked: set[bytes] = set()
+    widest = 0
+    for step in (s for s in spans if s.name == "step execute"):
+        ids = {link.span_id for link in step.links} & ours.keys()
+        linked |= ids
+        widest = max(widest, len(ids))
+    assert linked == ours.keys()
+    assert widest > 1  # continuous batching ran several of them in one step
