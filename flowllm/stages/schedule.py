@@ -154,7 +154,8 @@ class Schedule(Stage):
 
     def _observe_started(self, batch: StepBatch) -> None:
         metrics = self._metrics
-        metrics.iteration_tokens.observe(sum(len(seq.token_ids) for seq in batch.seqs))
+        if batch.seqs:  # a step that only releases sequences computes nothing
+            metrics.iteration_tokens.observe(sum(len(seq.token_ids) for seq in batch.seqs))
         for start in batch.started:
             seq = self.scheduler.get_sequence(start.seq_id)
             if seq is not None and start.index == 0:
