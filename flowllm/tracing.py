@@ -16,6 +16,7 @@ unless tracing was asked for.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -103,10 +104,11 @@ class RequestTracing:
     processor in production, an in-memory exporter in tests)."""
 
     def __init__(self, processor: SpanProcessor, *, max_links: int = 256) -> None:
+        resource: dict[str, str] = {"service.version": flowllm.__version__}
+        if not os.environ.get("OTEL_SERVICE_NAME"):
+            resource["service.name"] = "flowllm"
         self.provider = TracerProvider(
-            resource=Resource.create(
-                {"service.name": "flowllm", "service.version": flowllm.__version__}
-            ),
+            resource=Resource.create(resource),
             span_limits=SpanLimits(max_links=max(128, max_links)),
         )
         self.provider.add_span_processor(processor)
