@@ -19,6 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from flowllm.engine.scheduler import SchedulerStats
+from flowllm.graph.spans import LabelledHistogram
 
 PREFIX = "flowllm:"
 VLLM_PREFIX = "vllm:"
@@ -117,11 +118,14 @@ class EngineMetrics:
         self.time_per_output_token = histogram(
             "time_per_output_token_seconds", "Mean time between output tokens of a request."
         )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds",
+        # Observed per output chunk: flowllm's lock-free histogram, a bisect and two adds.
+        self.inter_token_latency = LabelledHistogram(
+            f"{PREFIX}inter_token_latency_seconds",
             "Time between two output chunks of a request's first choice.",
+            None,
             _ITL_BUCKETS,
-        )
+            registry,
+        ).labels("")
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to last output chunk."
         )

@@ -163,7 +163,8 @@ class HistogramSeries:
 
 
 class LabelledHistogram(Collector):
-    """A Prometheus histogram with one label, cheap enough to observe per message.
+    """A Prometheus histogram with one label (or none: `label` None, one series under
+    `labels("")`), cheap enough to observe per message.
 
     prometheus_client's own Histogram takes a lock and walks its buckets on every
     observation, which costs more than a channel hop; this one is updated from the event
@@ -174,7 +175,7 @@ class LabelledHistogram(Collector):
         self,
         name: str,
         documentation: str,
-        label: str,
+        label: str | None,
         buckets: tuple[float, ...],
         registry: CollectorRegistry,
     ) -> None:
@@ -192,16 +193,21 @@ class LabelledHistogram(Collector):
         return series
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self._label_names)
+
+    @property
+    def _label_names(self) -> list[str]:
+        return [self.label] if self.label is not None else []
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self._label_names)
         for value, series in list(self._series.items()):
             cumulative, total = [], 0
             for bound, count in zip((*self.buckets, float("inf")), series.counts, strict=True):
                 total += count
                 cumulative.append((floatToGoString(bound), total))
-            family.add_metric([value], cumulative, sum_value=series.sum)
+            labels = [value] if self.label is not None else []
+            family.add_metric(labels, cumulative, sum_value=series.sum)
         yield family
 
 

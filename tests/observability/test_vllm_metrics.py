@@ -4,14 +4,20 @@ measured on a real in-process run against what the request itself reports."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
 import pytest
+from litestar.testing import AsyncTestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flowllm.api.app import create_app
 from flowllm.async_engine import AsyncEngine
+from flowllm.cli import build_parser
 from flowllm.config import engine_config
 from flowllm.graph.spans import GraphMetrics
 from flowllm.messages import GenerateRequest, SamplingParams
@@ -131,3 +137,47 @@ def test_per_request_metrics_match_the_request(services: EngineServices) -> None
     assert prefill + decode == pytest.approx(inference)
     assert queue + inference == pytest.approx(e2e, abs=1e-3)
     assert itl == pytest.approx(decode)  # the intervals add up to the decode time
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("prefix", ["vllm", "flowllm", "both"])
+async def test_metrics_route_renders_the_chosen_prefix(
+    services: EngineServices, prefix: str
+) -> None:
+    @asynccontextmanager
+    async def engine() -> AsyncIterator[AsyncEngine]:
+        async with AsyncEngine.start(services=services.fresh()) as running:
+            yield running
+
+    app = create_app(engine, served_model_name="tiny-name", metrics_prefix=prefix)
+    async with AsyncTestClient(app) as client:
+        text = (await client.get("/metrics")).text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert ("vllm:num_requests_running" in names) == (prefix != "flowllm")
+    assert ("flowllm:num_requests_running" in names) == (prefix != "vllm")
+    assert "flowllm:stage_duration_seconds" in names  # flowllm's own, under every prefix
+    if prefix != "flowllm":
+        assert 'vllm:num_requests_running{model_name="' in text
+
+
+def test_serve_flag_defaults_to_both_prefixes() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).metrics_prefix == "both"
+    assert parser.parse_args(["serve", "--metrics-prefix", "vllm"]).metrics_prefix == "vllm"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--metrics-prefix", "prometheus"])
+
+
+def test_setup_installs_the_plot_and_tracing_extras() -> None:
+    """`make setup` installs the extras that bring matplotlib (`bench serve --plot`) and
+    OpenTelemetry (`--otlp-traces-endpoint`)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    repo = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((repo / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    makefile = (repo / "Makefile").read_text()
+    (installed,) = re.findall(r"pip install -q -e '\.\[([a-z,]+)\]'", makefile)
+    chosen = [dep for extra in installed.split(",") for dep in extras[extra]]
+    assert any(dep.startswith("matplotlib") for dep in chosen)
+    assert any(dep.startswith("opentelemetry-exporter-otlp-proto-http") for dep in chosen)
