@@ -4,7 +4,7 @@ by a real Prometheus every second while `flowllm bench serve` loads it; then one
 request's trace as a timeline of its decoded spans, and every panel of the Grafana
 dashboard as Prometheus evaluates its queries over the load.
 
-    .venv/bin/python benchmarks/observability_figures.py     # writes docs/observability-*.png
+    .venv/bin/python benchmarks/observability_figures.py --num-prompts 64   # docs/*.png
 """
 
 from __future__ import annotations
