@@ -9,16 +9,15 @@ device's memory, minus what is already in use (the weights), as vLLM's
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from flowllm.models.errors import KVCacheError
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-_ALIGN = 64  # bytes
 
 
 @dataclass(frozen=True)
@@ -68,16 +67,18 @@ class KVCacheSpec:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed tensor. On CPU its memory comes from calloc (numpy's zeros), whose pages the
-    OS provides already zeroed when they are first touched: a cache of gigabytes costs
-    nothing at start-up and only the blocks in use become resident, where `torch.zeros`
-    writes every byte before the server can start."""
+    """A zeroed tensor. On CPU its memory is an anonymous mapping, whose pages the OS
+    provides already zeroed when they are first touched: a cache of gigabytes costs nothing
+    at start-up and only the blocks in use become resident, where `torch.zeros` writes
+    every byte before the server can start. (Not numpy's calloc: it asks for transparent
+    huge pages, whose first touch compacts memory in the middle of a model step.)"""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(nbytes + _ALIGN, dtype=np.uint8))
-    offset = -raw.data_ptr() % _ALIGN  # cache-line aligned, as torch's own allocations
-    return raw[offset : offset + nbytes].view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, nbytes)  # page-aligned; the tensor keeps it alive
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 def cache_memory_budget(
