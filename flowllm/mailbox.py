@@ -61,6 +61,10 @@ class Mailbox:
         self._woken = False  # `_wakeup` is set (a flag: cheaper than asking the event)
         self.arrival_time = 0.0  # set by the registry; read for latency metrics
         self.first_chunk_time: float | None = None
+        # Format's clocks for the latency metrics: when the first choice was first
+        # scheduled, and when its latest chunk was delivered.
+        self.scheduled_time = 0.0
+        self.last_chunk_time = 0.0
 
     @property
     def done(self) -> bool:

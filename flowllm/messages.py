@@ -180,6 +180,7 @@ class SeqStart(msgspec.Struct, frozen=True, kw_only=True):
     prompt_token_ids: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
     prompt_text: str | None = None
+    scheduled_time: float = 0.0  # time.monotonic() of the step it first ran in
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -269,6 +270,7 @@ class Chunk(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     prompt_text: str | None = None
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
+    scheduled_time: float = 0.0  # on a choice's first chunk: SeqStart.scheduled_time
 
     def merge(self, later: Chunk) -> Chunk:
         """This chunk followed by `later`, as one chunk (same request and choice)."""

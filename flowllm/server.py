@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
-import sys
 from types import FrameType
 from typing import Any
 
+import structlog
 import uvicorn
 
 from flowllm.async_engine import AsyncEngine
@@ -114,5 +114,7 @@ class GracefulServer(uvicorn.Server):
         await engine.graph.wait_finished()
         if engine.graph.failed:
             self.escalated = True
-            print("error: the engine failed; exiting so that it can be restarted", file=sys.stderr)
+            structlog.get_logger("flowllm.serve").error(
+                "the engine failed; exiting so that it can be restarted"
+            )
             self.should_exit = True

@@ -13,12 +13,13 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
+import structlog
 from litestar import Litestar, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.enums import ScopeType
@@ -64,6 +65,11 @@ from flowllm.engine.chat_template import (
 )
 from flowllm.engine.validation import model_not_found, show_number
 from flowllm.engine_client import EngineClient
+from flowllm.messages import GenerateRequest
+from flowllm.metrics import MetricsView
+
+if TYPE_CHECKING:
+    from flowllm.tracing import RequestTracing
 
 S = TypeVar("S")
 
@@ -77,6 +83,7 @@ PUBLIC_PREFIXES = ("/docs/",)  # the docs UI's own assets, should it serve any
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SCOPE_REQUEST_ID = "flowllm.request_id"  # the id echoed in X-Request-Id
 _SCOPE_REQUEST_ID_GIVEN = "flowllm.request_id_given"  # did the client send it?
+_REQUEST_LOG = structlog.get_logger("flowllm.requests")  # --enable-log-requests
 # Status logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
 # vLLM's wording, as the graph's tokenize stage answers chat requests.
@@ -100,15 +107,25 @@ class ApiState:
         served_model_name: str,
         chat_template: str | None,
         metrics_registry: RegistryGetter,
+        metrics_prefix: str = "both",
         trust_request_chat_template: bool = False,
         template_budget: TemplateBudget = DEFAULT_BUDGET,
         tool_call_parser: str | None = None,
+        tracing: RequestTracing | None = None,
+        log_requests: bool = False,
     ) -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser  # set only with auto tool choice enabled
+        self.tracing = tracing
+        self.log_requests = log_requests
         self.served_model_name = served_model_name
         self.chat_template = chat_template
-        self.metrics_registry = metrics_registry
+        source = metrics_registry(engine)
+        self.metrics: CollectorRegistry | None = (
+            MetricsView(source, metrics_prefix, served_model_name).registry()
+            if source is not None
+            else None
+        )
         self.trust_request_chat_template = trust_request_chat_template
         self.template_budget = template_budget
         self.texts = TokenTexts(engine.tokenizer)
@@ -143,6 +160,34 @@ class ApiState:
                 f"{exc.start}).",
                 code="invalid_json",
             ) from exc
+
+    def submit(
+        self,
+        request: Request[Any, Any, Any],
+        requests: Sequence[GenerateRequest],
+        *,
+        operation: str,
+        response_id: str,
+    ) -> Generation:
+        """Enter an API request's graph requests: traced and logged when asked."""
+        if self.tracing is not None:
+            self.tracing.bind(
+                request.scope, requests, operation=operation, response_id=response_id
+            )
+        if self.log_requests:
+            for graph_request in requests:
+                _REQUEST_LOG.info(
+                    "request received",
+                    request_id=graph_request.request_id,
+                    response_id=response_id,
+                    operation=operation,
+                    model=graph_request.model,
+                    params=msgspec.to_builtins(graph_request.params),
+                    prompt_tokens=len(graph_request.prompt_token_ids or ()),
+                    prompt_chars=len(graph_request.prompt or ""),
+                    messages=len(graph_request.messages or ()),
+                )
+        return Generation.submit(self.engine, requests)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -192,6 +237,9 @@ class HttpBoundary(ASGIMiddleware):
                 content_type = value
         request_id = given or uuid.uuid4().hex
         scope[_SCOPE_REQUEST_ID] = request_id  # type: ignore[literal-required]
+        # Every log line of this request names it, uvicorn's access line included. The
+        # binding lives in the context of the server's task for this one request.
+        structlog.contextvars.bind_contextvars(request_id=request_id)
         scope[_SCOPE_REQUEST_ID_GIVEN] = given is not None  # type: ignore[literal-required]
 
         async def send_with_id(message: Message) -> None:
@@ -297,7 +345,9 @@ async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
         model=body.model or api.served_model_name,
         texts=api.texts,
     )
-    generation = Generation.submit(api.engine, prepared.requests)
+    generation = api.submit(
+        request, prepared.requests, operation="text_completion", response_id=response_id
+    )
 
     def stream() -> EventStream | None:
         return EventStream(CompletionStream(generation, fmt, api.encoder)) if streaming else None
@@ -340,7 +390,9 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
         model=body.model or api.served_model_name,
         texts=api.texts,
     )
-    generation = Generation.submit(api.engine, [prepared.request])
+    generation = api.submit(
+        request, [prepared.request], operation="chat", response_id=response_id
+    )
 
     def stream() -> EventStream | None:
         return EventStream(ChatStream(generation, fmt, api.encoder)) if streaming else None
@@ -377,9 +429,9 @@ async def version() -> VersionResponse:
 
 @get("/metrics", opt={OPENAPI_OPT: OpenApi(media_type="text/plain", tag="Server")})
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
-    """Prometheus metrics (`flowllm:` prefix). Needs no API key."""
-    api = _state(request)
-    registry = api.metrics_registry(api.engine)
+    """Prometheus metrics (`flowllm:` and `vllm:` names, by --metrics-prefix). Needs no
+    API key."""
+    registry = _state(request).metrics
     body = generate_latest(registry) if registry is not None else b""
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -470,6 +522,14 @@ async def docs(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(html, media_type="text/html")
 
 
+def _tracing_middleware(tracing: RequestTracing | None) -> list[ASGIMiddleware]:
+    if tracing is None:
+        return []
+    from flowllm.tracing import TracingMiddleware
+
+    return [TracingMiddleware(tracing)]
+
+
 def create_app(
     engine_factory: EngineFactory,
     *,
@@ -477,22 +537,28 @@ def create_app(
     served_model_name: str,
     chat_template: str | None = None,
     metrics_registry: RegistryGetter | None = None,
+    metrics_prefix: str = "both",
     trust_request_chat_template: bool = False,
     template_budget: TemplateBudget = DEFAULT_BUDGET,
     cors: CORSConfig | None = None,
     debug: bool = False,
     tool_call_parser: str | None = None,
+    tracing: RequestTracing | None = None,
+    log_requests: bool = False,
 ) -> Litestar:
     """The OpenAI-compatible app over the engine that `engine_factory()` runs.
 
     `chat_template`: template text for chat requests that bring none; None (the usual
     case) leaves it to the tokenizer's own template, which the loader already replaced
     with --chat-template when one was given. `metrics_registry(engine)` gives the registry
-    /metrics renders (default: `engine.metrics_registry`). `api_key`: the Bearer key every
+    /metrics renders (default: `engine.metrics_registry`), under the names `metrics_prefix`
+    chooses (flowllm.metrics.MetricsView). `api_key`: the Bearer key every
     route but PUBLIC_PATHS asks for. `trust_request_chat_template`: accept `chat_template`
     and `chat_template_kwargs` in requests (rendered within `template_budget`). `cors`:
     Litestar's CORS settings; None sends no CORS headers. `tool_call_parser`: how
     `tool_choice: auto` outputs are read (flowllm.api.tool_calls); None refuses `auto`.
+    `tracing`: OpenTelemetry traces of every request (flowllm.tracing); `log_requests`:
+    one log line per graph request.
     """
     registry = metrics_registry or _registry_of
 
@@ -505,9 +571,12 @@ def create_app(
                 served_model_name=served_model_name,
                 chat_template=chat_template,
                 metrics_registry=registry,
+                metrics_prefix=metrics_prefix,
                 trust_request_chat_template=trust_request_chat_template,
                 template_budget=template_budget,
                 tool_call_parser=tool_call_parser,
+                tracing=tracing,
+                log_requests=log_requests,
             )
             try:
                 yield
@@ -529,11 +598,12 @@ def create_app(
             docs,
         ],
         lifespan=[lifespan],
-        middleware=[HttpBoundary(api_key)],
+        middleware=[*_tracing_middleware(tracing), HttpBoundary(api_key)],
         exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=None,  # the document comes from flowllm.api.openapi
         cors_config=cors,
         debug=debug,
+        logging_config=None,  # the process's logging is configure_logging's (structlog)
     )
     app.state.openapi = openapi_document(
         app,

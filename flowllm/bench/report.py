@@ -109,7 +109,7 @@ def plot_latencies(
     """Draw TTFT, TPOT, ITL and E2EL histograms (ms) with mean and p99 marks into a PNG."""
     if not matplotlib_available():
         raise PlotUnavailableError(
-            "--plot needs matplotlib, which is not installed (pip install matplotlib)"
+            "--plot needs matplotlib, which is not installed (pip install 'flowllm[bench]')"
         )
     import matplotlib
 

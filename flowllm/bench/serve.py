@@ -400,7 +400,7 @@ def serve_command(args: argparse.Namespace) -> int:
             _error(f"{flag}: the directory of {target!r} does not exist")
             return 2
     if config.plot is not None and not matplotlib_available():
-        _error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+        _error("--plot needs matplotlib, which is not installed (pip install 'flowllm[bench]')")
         return 2
     tokenizer = None
     if config.tokenizer is not None:

@@ -26,6 +26,7 @@ strings free a sequence's blocks at once; its id goes out in the next batch's `r
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import msgspec
@@ -446,7 +447,7 @@ class Scheduler:
                 sampling.append(seq)
             if not seq.started:
                 seq.started = True
-                started.append(seq.to_start())
+                started.append(seq.to_start(time.monotonic()))
         if sampling:
             self._inflight[step_id] = sampling
         released = tuple(self._released)

@@ -145,8 +145,9 @@ class Sequence:
     def finish_reason(self) -> FinishReason | None:
         return FINISH_REASONS.get(self.status)
 
-    def to_start(self) -> SeqStart:
-        """What downstream stages keep about this sequence (sent the first step it runs)."""
+    def to_start(self, scheduled_time: float = 0.0) -> SeqStart:
+        """What downstream stages keep about this sequence (sent the first step it runs,
+        scheduled at `scheduled_time`, time.monotonic())."""
         return SeqStart(
             seq_id=self.seq_id,
             request_id=self.request_id,
@@ -155,6 +156,7 @@ class Sequence:
             prompt_token_ids=self.prompt_token_ids,
             eos_token_ids=self.eos_token_ids,
             prompt_text=self.prompt_text,
+            scheduled_time=scheduled_time,
         )
 
     def to_finished(self) -> FinishedSeq:

@@ -40,12 +40,16 @@ def configure_logging(
     level: str | int | None = None,
     stream: TextIO | None = None,
     force: bool = False,
+    capture_stdlib: bool = False,
 ) -> None:
     """Set structlog up once: console on a TTY, JSON lines otherwise.
 
     `fmt` ("auto", "console", "json") and `level` default to the environment variables
     FLOWLLM_LOG_FORMAT and FLOWLLM_LOG_LEVEL, then to "auto" and "info". Without `force`, an
     existing structlog configuration (the application's own) is left alone.
+    `capture_stdlib` (the server) also renders the standard library's log records, such as
+    uvicorn's access and error logs, and Python's warnings, the same way, so that every
+    line of the process is one format.
     """
     if structlog.is_configured() and not force:
         return
@@ -59,21 +63,61 @@ def configure_logging(
     numeric = raw_level if isinstance(raw_level, int) else logging.getLevelName(raw_level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {raw_level!r}")
-    processors: list[Any] = [
+    shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    if fmt == "json":
-        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
-    else:
-        processors.append(structlog.dev.ConsoleRenderer(colors=out.isatty()))
+    renderer: list[Any] = (
+        [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+        if fmt == "json"
+        else [structlog.dev.ConsoleRenderer(colors=out.isatty())]
+    )
     structlog.configure(
-        processors=processors,
+        processors=shared + renderer,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=False,
     )
+    if capture_stdlib:
+        _capture_stdlib(shared, renderer, numeric, out)
+
+
+class _StructlogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The root handler `configure_logging` installs (replaced when it runs again)."""
+
+
+def _capture_stdlib(shared: list[Any], renderer: list[Any], level: int, out: TextIO) -> None:
+    handler = _StructlogHandler(out)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, _access_fields],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
+            pass_foreign_args=True,
+        )
+    )
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _StructlogHandler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    logging.captureWarnings(True)
+
+
+def _access_fields(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """uvicorn's access line as fields too (client, method, path, status)."""
+    args = event.pop("positional_args", None)
+    record = event.get("_record")
+    if record is not None and record.name == "uvicorn.access" and len(args or ()) == 5:
+        client, http_method, path, version, status = args
+        event.update(
+            client=client, method=http_method, path=path, http_version=version, status=status
+        )
+    return event
 
 
 def message_fields(message: Any) -> dict[str, Any]:
@@ -119,7 +163,8 @@ class HistogramSeries:
 
 
 class LabelledHistogram(Collector):
-    """A Prometheus histogram with one label, cheap enough to observe per message.
+    """A Prometheus histogram with one label (or none: `label` None, one series under
+    `labels("")`), cheap enough to observe per message.
 
     prometheus_client's own Histogram takes a lock and walks its buckets on every
     observation, which costs more than a channel hop; this one is updated from the event
@@ -130,7 +175,7 @@ class LabelledHistogram(Collector):
         self,
         name: str,
         documentation: str,
-        label: str,
+        label: str | None,
         buckets: tuple[float, ...],
         registry: CollectorRegistry,
     ) -> None:
@@ -148,16 +193,21 @@ class LabelledHistogram(Collector):
         return series
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self._label_names)
+
+    @property
+    def _label_names(self) -> list[str]:
+        return [self.label] if self.label is not None else []
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self._label_names)
         for value, series in list(self._series.items()):
             cumulative, total = [], 0
             for bound, count in zip((*self.buckets, float("inf")), series.counts, strict=True):
                 total += count
                 cumulative.append((floatToGoString(bound), total))
-            family.add_metric([value], cumulative, sum_value=series.sum)
+            labels = [value] if self.label is not None else []
+            family.add_metric(labels, cumulative, sum_value=series.sum)
         yield family
 
 

@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -165,8 +166,11 @@ def _build(compiler: str, root: Path) -> Path:
     try:
         includes = ["-I", str(SOURCE_DIR), "-I", _python_include()]
         cmd = [compiler, *FLAGS, *includes, *map(str, _sources()), "-o", tmp, "-lm"]
+        _log.info("compiling the native kernels (once)", compiler=compiler, target=str(target))
+        started = time.perf_counter()
         subprocess.run(cmd, capture_output=True, text=True, check=True)
         os.replace(tmp, target)
+        _log.info("native kernels ready", seconds=round(time.perf_counter() - started, 1))
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -44,6 +44,7 @@ CONVERTER_VERSION = 1
 SOURCE_FILE = "flowllm_source.json"
 # Temporary build directories older than this are leftovers of a crashed conversion.
 _STALE_TMP_SECONDS = 3600.0
+PROGRESS_STEP = 10  # percent of the weights converted between two progress lines
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
@@ -342,10 +343,24 @@ def convert_gguf(gguf_path: Path, dest: Path) -> None:
         reader = gguf.GGUFReader(str(gguf_path))
     except (OSError, ValueError) as e:
         raise BundledModelError(f"cannot read the bundled GGUF {gguf_path}: {e}") from e
+    log = structlog.get_logger("flowllm.models")
     config = _hf_config(reader)
-    tensors = dict(_hf_tensors(reader, config))
+    total = len(reader.tensors)
+    tensors: dict[str, torch.Tensor] = {}
+    shown = -1
+    for done, (name, tensor) in enumerate(_hf_tensors(reader, config), 1):
+        tensors[name] = tensor
+        percent = 100 * done // total
+        if percent // PROGRESS_STEP > shown:  # one line per PROGRESS_STEP percent
+            shown = percent // PROGRESS_STEP
+            log.info(
+                "converting the bundled model", step="weights", percent=percent, tensors=done,
+                of=total,
+            )  # fmt: skip
+    log.info("converting the bundled model", step="writing model.safetensors")
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    log.info("converting the bundled model", step="tokenizer")
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     generation = {
         "bos_token_id": config["bos_token_id"],

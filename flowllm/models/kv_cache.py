@@ -8,6 +8,8 @@ device's memory, minus what is already in use (the weights), as vLLM's
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +56,7 @@ class KVCacheSpec:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         try:
             return [
-                (
-                    torch.zeros(shape, dtype=self.dtype, device=device),
-                    torch.zeros(shape, dtype=self.dtype, device=device),
-                )
+                (zeros(shape, self.dtype, device), zeros(shape, self.dtype, device))
                 for _ in range(self.num_layers)
             ]
         except (RuntimeError, MemoryError) as exc:
@@ -65,6 +64,21 @@ class KVCacheSpec:
                 f"could not allocate {num_blocks} KV blocks "
                 f"({num_blocks * self.bytes_per_block} bytes) on {device}: {exc}"
             ) from exc
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor. On CPU its memory is an anonymous mapping, whose pages the OS
+    provides already zeroed when they are first touched: a cache of gigabytes costs nothing
+    at start-up and only the blocks in use become resident, where `torch.zeros` writes
+    every byte before the server can start. (Not numpy's calloc: it asks for transparent
+    huge pages, whose first touch compacts memory in the middle of a model step.)"""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, nbytes)  # page-aligned; the tensor keeps it alive
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 def cache_memory_budget(

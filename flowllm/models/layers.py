@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
@@ -275,13 +277,20 @@ class Embedding(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> None:
-    """Pack every linear layer of `model` (tied embeddings take their plain table first)."""
+    """Pack every linear layer of `model` (tied embeddings take their plain table first).
+
+    Packing is a strided copy per weight in torch ops, which release the GIL: the layers
+    pack on every core at once. The first packs alone, as it may build the kernels."""
     for module in model.modules():
         if isinstance(module, Embedding):
             module.untie()
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack()
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    if not linears:
+        return
+    linears[0].pack()
+    with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="flowllm-pack") as pool:
+        for _ in pool.map(Linear.pack, linears[1:]):
+            pass
 
 
 class ResidualNorm(nn.Module, abc.ABC):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flowllm.models.loader import MissingFileError, ModelLoadError, one_line
+from flowllm.models.loader import MissingFileError, ModelLoadError, load_hf_config, one_line
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -33,6 +33,15 @@ def read_chat_template(chat_template: str) -> str:
     return chat_template
 
 
+def _model_config(path: Path) -> Any:
+    """config.json as flowllm reads it; None when there is none flowllm can read (a
+    tokenizer-only directory, another architecture): transformers then reads it itself."""
+    try:
+        return load_hf_config(path)
+    except ModelLoadError:
+        return None
+
+
 def load_tokenizer(path: Path | str, chat_template: str | None = None) -> Any:
     """The fast tokenizer for the model directory `path` (a transformers
     PreTrainedTokenizerFast), with `chat_template` (path or text) replacing the model's.
@@ -45,7 +54,12 @@ def load_tokenizer(path: Path | str, chat_template: str | None = None) -> Any:
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         raise MissingFileError(f"no tokenizer files in {path} (expected tokenizer.json)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        # The config is flowllm's own reading of config.json: transformers would otherwise
+        # load its model config class, which imports most of its modelling code.
+        config = _model_config(path)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path), trust_remote_code=False, config=config
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {one_line(e)}") from e
     if not isinstance(tokenizer, PreTrainedTokenizerFast):

@@ -177,4 +177,5 @@ class Detokenize(PerMessageStage):
             prompt_text=start.prompt_text,
             prompt_token_ids=start.prompt_token_ids,
             prompt_logprobs=tuple(choice.prompt_logprobs),
+            scheduled_time=start.scheduled_time,
         )

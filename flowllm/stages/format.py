@@ -33,6 +33,7 @@ class Format(PerMessageStage):
             return
         mailboxes = self._mailboxes
         get, deliver_to = mailboxes.get, mailboxes.deliver_to
+        itl = self._metrics.inter_token_latency
         now = time.monotonic()  # one clock read per step: the chunks arrived together
         for chunk in message.chunks:
             box = get(chunk.request_id)
@@ -40,23 +41,40 @@ class Format(PerMessageStage):
                 continue  # aborted: nobody reads it any more
             first = box.first_chunk_time is None
             deliver_to(box, chunk, now)
+            if chunk.index == 0:
+                if box.last_chunk_time:
+                    itl.observe(now - box.last_chunk_time)
+                box.last_chunk_time = now
             if first or chunk.finish_reason is not None:
                 self._observe(box, chunk, first, now)
 
     def _observe(self, box: Mailbox, chunk: Chunk, first: bool, now: float) -> None:
-        """Latency metrics at a choice's first and last chunk."""
+        """Latency and token metrics at a choice's first and last chunk (vLLM's
+        definitions: prefill from the first scheduled step to the first token, decode from
+        there to the last, inference both)."""
         metrics = self._metrics
         if first:
             metrics.time_to_first_token.observe(now - box.arrival_time)
             metrics.prompt_tokens.inc(chunk.num_prompt_tokens)
+        if chunk.index == 0 and chunk.scheduled_time:
+            box.scheduled_time = chunk.scheduled_time
         if chunk.finish_reason is not None and chunk.index == 0:
             e2e = now - box.arrival_time
             metrics.e2e_request_latency.observe(e2e)
-            if chunk.num_output_tokens > 1 and box.first_chunk_time is not None:
-                decode_time = now - box.first_chunk_time
-                metrics.time_per_output_token.observe(decode_time / (chunk.num_output_tokens - 1))
-        if box.done:
-            metrics.request_success.inc()
+            metrics.request_prompt_tokens.observe(chunk.num_prompt_tokens)
+            metrics.request_generation_tokens.observe(chunk.num_output_tokens)
+            metrics.request_success.labels(chunk.finish_reason).inc()
+            first_chunk_time = box.first_chunk_time
+            if first_chunk_time is not None:
+                metrics.request_decode_time.observe(now - first_chunk_time)
+                if box.scheduled_time:
+                    metrics.request_prefill_time.observe(first_chunk_time - box.scheduled_time)
+                    metrics.request_inference_time.observe(now - box.scheduled_time)
+                if chunk.num_output_tokens > 1:
+                    decode_time = now - first_chunk_time
+                    metrics.time_per_output_token.observe(
+                        decode_time / (chunk.num_output_tokens - 1)
+                    )
 
     async def fail_requests(self, errors: Iterable[RequestError], message: Any = None) -> None:
         for error in errors:

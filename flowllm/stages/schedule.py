@@ -153,8 +153,10 @@ class Schedule(Stage):
             )
 
     def _observe_started(self, batch: StepBatch) -> None:
-        now = time.monotonic()
+        metrics = self._metrics
+        if batch.seqs:  # a step that only releases sequences computes nothing
+            metrics.iteration_tokens.observe(sum(len(seq.token_ids) for seq in batch.seqs))
         for start in batch.started:
             seq = self.scheduler.get_sequence(start.seq_id)
             if seq is not None and start.index == 0:
-                self._metrics.request_queue_time.observe(now - seq.arrival_time)
+                metrics.request_queue_time.observe(start.scheduled_time - seq.arrival_time)

@@ -7,6 +7,7 @@ cache tensors to execute; the rest is read-only.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from flowllm.engine.grammar import Grammars
 from flowllm.mailbox import Mailboxes
 from flowllm.metrics import EngineMetrics
 from flowllm.models.kv_cache import KVCaches, KVCacheSpec, allocate_kv_cache
-from flowllm.models.loader import LoadedModel, load_model
+from flowllm.models.loader import LoadedModel, load_model, resolve_model
 from flowllm.models.tokenizer import load_tokenizer
 from flowllm.stages.worker import WorkerThread
 
@@ -48,7 +49,7 @@ class EngineServices:
     _workers: dict[str, WorkerThread] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self.metrics = EngineMetrics(self.registry)
+        self.metrics = EngineMetrics(self.registry, self.max_model_len)
         self.metrics.live_mailboxes.set_function(lambda: len(self.mailboxes))
 
     def byte_vocab(self) -> ByteVocab | None:
@@ -125,9 +126,20 @@ def eos_token_ids(loaded: LoadedModel, tokenizer: Any) -> tuple[int, ...]:
 
 
 def build_services(config: EngineConfig) -> EngineServices:
-    """Load the model and tokenizer and allocate the KV cache for `config`."""
-    loaded = load_model(config.model.model, config.model.dtype, config.model.device)
-    tokenizer = load_tokenizer(loaded.path, config.model.chat_template)
+    """Load the model and tokenizer and allocate the KV cache for `config`.
+
+    The tokenizer loads in a thread while the weights load: most of its time is importing
+    transformers, which overlaps with reading and packing weights (native code that
+    releases the GIL)."""
+    path = resolve_model(config.model.model).path  # converts the bundled model if needed
+    with ThreadPoolExecutor(1, thread_name_prefix="flowllm-tokenizer") as pool:
+        tokenizer_loading = pool.submit(load_tokenizer, path, config.model.chat_template)
+        try:
+            loaded = load_model(config.model.model, config.model.dtype, config.model.device)
+        except BaseException:
+            tokenizer_loading.cancel()
+            raise
+        tokenizer = tokenizer_loading.result()
     model = loaded.model
     max_model_len = model.max_position_embeddings
     if config.model.max_model_len is not None:
