@@ -64,6 +64,8 @@ from flowllm.engine.chat_template import (
 )
 from flowllm.engine.validation import model_not_found, show_number
 from flowllm.engine_client import EngineClient
+from flowllm.ui.routes import AUTH_PATH, STATIC_PREFIX, live_feed_of
+from flowllm.ui.routes import ROUTES as UI_ROUTES
 
 S = TypeVar("S")
 
@@ -74,6 +76,9 @@ REQUEST_ID_HEADER = "x-request-id"
 # Routes that answer without the API key: probes, scrapes and the API's description.
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs"})
 PUBLIC_PREFIXES = ("/docs/",)  # the docs UI's own assets, should it serve any
+# The web page and its static files: no data in them; the page asks for the key.
+UI_PUBLIC_PATHS = frozenset({"/", AUTH_PATH})
+UI_PUBLIC_PREFIXES = (STATIC_PREFIX,)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SCOPE_REQUEST_ID = "flowllm.request_id"  # the id echoed in X-Request-Id
 _SCOPE_REQUEST_ID_GIVEN = "flowllm.request_id_given"  # did the client send it?
@@ -150,7 +155,12 @@ class ApiState:
 
 def is_public(path: str) -> bool:
     """Does this path answer without the API key?"""
-    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+    return (
+        path in PUBLIC_PATHS
+        or path in UI_PUBLIC_PATHS
+        or path.startswith(PUBLIC_PREFIXES)
+        or path.startswith(UI_PUBLIC_PREFIXES)
+    )
 
 
 def is_json(content_type: bytes) -> bool:
@@ -477,6 +487,7 @@ def create_app(
     trust_request_chat_template: bool = False,
     template_budget: TemplateBudget = DEFAULT_BUDGET,
     cors: CORSConfig | None = None,
+    ui: bool = True,
     debug: bool = False,
 ) -> Litestar:
     """The OpenAI-compatible app over the engine that `engine_factory()` runs.
@@ -487,7 +498,8 @@ def create_app(
     /metrics renders (default: `engine.metrics_registry`). `api_key`: the Bearer key every
     route but PUBLIC_PATHS asks for. `trust_request_chat_template`: accept `chat_template`
     and `chat_template_kwargs` in requests (rendered within `template_budget`). `cors`:
-    Litestar's CORS settings; None sends no CORS headers.
+    Litestar's CORS settings; None sends no CORS headers. `ui`: serve the web page at
+    `/` and the data it reads under `/ui/` (flowllm/ui).
     """
     registry = metrics_registry or _registry_of
 
@@ -503,9 +515,11 @@ def create_app(
                 trust_request_chat_template=trust_request_chat_template,
                 template_budget=template_budget,
             )
+            app.state.live_feed = live_feed_of(engine) if ui else None
             try:
                 yield
             finally:
+                del app.state.live_feed
                 del app.state.api
                 del app.state.engine
 
@@ -521,6 +535,7 @@ def create_app(
             detokenize,
             openapi_json,
             docs,
+            *(UI_ROUTES if ui else ()),
         ],
         lifespan=[lifespan],
         middleware=[HttpBoundary(api_key)],
@@ -529,6 +544,7 @@ def create_app(
         cors_config=cors,
         debug=debug,
     )
+    app.state.api_key_required = api_key is not None
     app.state.openapi = openapi_document(
         app,
         title="flowllm",

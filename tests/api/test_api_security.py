@@ -42,7 +42,7 @@ def app_routes(app: Any) -> list[tuple[str, str]]:
 
 
 async def test_every_route_but_the_public_ones_needs_the_key(engine: FakeEngine) -> None:
-    app = make_app(engine, api_key=KEY)
+    app = make_app(engine, api_key=KEY, ui=False)  # the page's routes: tests/ui
     routes = app_routes(app)
     assert {path for _, path in routes} >= set(BODIES) | PUBLIC_PATHS | {"/v1/models"}
     async with AsyncTestClient(app) as client:
