@@ -1,0 +1,107 @@
+"""Servers and a headless Chromium for the web page's tests.
+
+The browser is Debian's `chromium` (`make setup` installs it) driven by Playwright for
+Python through `executable_path`: Playwright's own browser downloads are never used.
+Screenshots go to `test-artifacts/ui/` (FLOWLLM_TEST_ARTIFACTS moves it), kept after the
+run. Every page records its console: a test fails on any error there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_helpers
+
+from e2e_helpers import API_KEY, CHAT_TEMPLATE, start_server
+from server_process import REPO, TINY_FLAGS, ServerProcess
+
+CHROMIUM = os.environ.get("FLOWLLM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("FLOWLLM_TEST_ARTIFACTS", REPO / "test-artifacts")) / "ui"
+
+
+@pytest.fixture(scope="session")
+def ui_chat_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ui-template") / "chatml.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ui_server(gpt2_tiny_dir: Path, ui_chat_template: Path) -> Iterator[ServerProcess]:
+    """The tiny GPT-2 with a chat template, no API key."""
+    proc = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--chat-template", str(ui_chat_template)])
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def ui_auth_server(gpt2_tiny_dir: Path, ui_chat_template: Path) -> Iterator[ServerProcess]:
+    """The same behind `--api-key`."""
+    flags = [*TINY_FLAGS, "--chat-template", str(ui_chat_template), "--api-key", API_KEY]
+    proc = start_server(str(gpt2_tiny_dir), flags)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: `make setup` installs Debian's chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+class Console:
+    """What a page wrote to its console, and the exceptions it raised."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def on_message(self, message: Any) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
+
+    def on_error(self, error: Any) -> None:
+        self.errors.append(f"uncaught: {error}")
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[tuple[Any, Console]]:
+    """A fresh page (its own context: clean sessionStorage) whose console must stay clean."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(30_000)
+    page = context.new_page()
+    console = Console()
+    page.on("console", console.on_message)
+    page.on("pageerror", console.on_error)
+    try:
+        yield page, console
+    finally:
+        context.close()
+    assert console.errors == [], console.errors
+
+
+def screenshot(page: Any, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path))
+    return path
