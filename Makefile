@@ -4,12 +4,12 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flowllm-installed
 
-.PHONY: serve test lint setup bench-channel traces reliability
+.PHONY: serve test lint setup browser bench-channel traces reliability ui-screenshots
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
@@ -20,7 +20,18 @@ reliability: $(STAMP)
 	FLOWLLM_RELIABILITY_SCALE=full FLOWLLM_RELIABILITY_REPORT=reliability-figures.jsonl \
 		$(PY) -m pytest -q -rA --timeout 3600 tests/reliability
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# The web page's tests (tests/ui) drive Debian's headless Chromium through Playwright;
+# Playwright's own browser downloads are never used. Installed when missing (as root).
+browser:
+	@command -v chromium >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+		else echo "tests/ui need Debian's chromium: sudo apt-get install -y chromium" >&2; fi; }
+
+# The screenshots in docs/ (docs/ui.md): the bundled model's server, the page in Chromium.
+ui-screenshots: $(STAMP) browser
+	$(PY) docs/ui_screenshots.py docs/images
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -23,6 +23,7 @@ from e2e_helpers import API_KEY, CHAT_TEMPLATE, start_server
 from server_process import REPO, TINY_FLAGS, ServerProcess
 
 CHROMIUM = os.environ.get("FLOWLLM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+EXPECT_TIMEOUT_MS = 60_000
 ARTIFACTS = Path(os.environ.get("FLOWLLM_TEST_ARTIFACTS", REPO / "test-artifacts")) / "ui"
 
 
@@ -33,10 +34,21 @@ def ui_chat_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def warm_server(model: str, flags: list[str], api_key: str = "unused") -> ServerProcess:
+    """A healthy server that has answered once (its first steps are the slow ones)."""
+    proc = start_server(model, flags)
+    try:
+        proc.client(api_key).completions.create(model=proc.model, prompt="Hi", max_tokens=4)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
 @pytest.fixture(scope="session")
 def ui_server(gpt2_tiny_dir: Path, ui_chat_template: Path) -> Iterator[ServerProcess]:
     """The tiny GPT-2 with a chat template, no API key."""
-    proc = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--chat-template", str(ui_chat_template)])
+    proc = warm_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--chat-template", str(ui_chat_template)])
     try:
         yield proc
     finally:
@@ -47,7 +59,7 @@ def ui_server(gpt2_tiny_dir: Path, ui_chat_template: Path) -> Iterator[ServerPro
 def ui_auth_server(gpt2_tiny_dir: Path, ui_chat_template: Path) -> Iterator[ServerProcess]:
     """The same behind `--api-key`."""
     flags = [*TINY_FLAGS, "--chat-template", str(ui_chat_template), "--api-key", API_KEY]
-    proc = start_server(str(gpt2_tiny_dir), flags)
+    proc = warm_server(str(gpt2_tiny_dir), flags, API_KEY)
     try:
         yield proc
     finally:
@@ -58,7 +70,10 @@ def ui_auth_server(gpt2_tiny_dir: Path, ui_chat_template: Path) -> Iterator[Serv
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
         pytest.fail(f"no Chromium at {CHROMIUM}: `make setup` installs Debian's chromium")
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
+
+    # The machines are shared: waiting for the page may take a while under load.
+    expect.set_options(timeout=EXPECT_TIMEOUT_MS)
 
     with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(
@@ -88,7 +103,7 @@ class Console:
 def page(browser: Any) -> Iterator[tuple[Any, Console]]:
     """A fresh page (its own context: clean sessionStorage) whose console must stay clean."""
     context = browser.new_context(viewport={"width": 1400, "height": 900})
-    context.set_default_timeout(30_000)
+    context.set_default_timeout(EXPECT_TIMEOUT_MS)
     page = context.new_page()
     console = Console()
     page.on("console", console.on_message)

@@ -87,6 +87,22 @@ def test_chat_streams_and_follows_the_parameters(page: Any, ui_server: ServerPro
     screenshot(page, "playground")
 
 
+def test_tokens_the_answer_does_not_show(page: Any, ui_server: ServerProcess) -> None:
+    """The end-of-sequence token has a logprob but no text in the answer: it is marked,
+    and the answer's text stays the server's text."""
+    page, _ = page
+    open_page(page, ui_server)
+    cut = page.evaluate(
+        """() => pieces("Hello world", [{text: "Hello", logprob: -1}, {text: " world",
+        logprob: -2}, {text: "<|im_end|>", logprob: -0.5}])"""
+    )
+    assert [p["text"] for p in cut] == ["Hello", " world", ""]
+    assert cut[2]["special"] == "<|im_end|>" and cut[2]["logprob"] == -0.5
+    # Text no token accounts for (a character split over byte tokens) is kept as it is.
+    cut = page.evaluate("""() => pieces("é!", [{text: "bytes:\\xc3", logprob: -1}])""")
+    assert "".join(p["text"] for p in cut) == "é!"
+
+
 def run_snippet(args: list[str], text: str) -> str:
     result = subprocess.run(args, input=text, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

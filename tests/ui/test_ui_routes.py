@@ -4,6 +4,7 @@ numbers and bound, the request timelines, and --disable-ui."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -193,3 +194,23 @@ def test_disable_ui_turns_the_page_off(no_ui_server: ServerProcess) -> None:
         assert r.status_code == 404, path
         assert r.json()["error"]["type"] == "NotFoundError"
     assert httpx.get(f"{no_ui_server.url}/v1/models").status_code == 200
+
+
+def raw_get(server: ServerProcess, target: str) -> int:
+    """The status of a GET whose request target is sent exactly as given (no client
+    normalises its dots)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        head = sock.recv(64).decode("latin-1")
+    return int(head.split()[1])
+
+
+def test_public_prefixes_do_not_reach_keyed_routes(ui_auth_server: ServerProcess) -> None:
+    for target in (
+        "/ui/static/../graph",
+        "/ui/static/%2e%2e/graph",
+        "/ui/static/..%2fgraph",
+        "/ui/static/../../v1/models",
+        "/ui/static/ui.js/../../feed",
+    ):
+        assert raw_get(ui_auth_server, target) in (401, 404), target

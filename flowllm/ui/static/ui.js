@@ -89,7 +89,10 @@ function fmtSeconds(s) {
   return s.toFixed(2) + " s";
 }
 function fmtRate(r) { return r === null || r === undefined ? "–" : r < 10 ? r.toFixed(1) : r.toFixed(0); }
-function fmtPercent(f) { return f === null || f === undefined ? "–" : (f * 100).toFixed(0) + "%"; }
+function fmtPercent(f) {
+  if (f === null || f === undefined) return "–";
+  return (f * 100).toFixed(f > 0 && f < 0.1 ? 1 : 0) + "%";
+}
 function el(tag, attrs, text) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
@@ -198,12 +201,11 @@ const play = {
         responseId = responseId || chunk.id;
         if (chunk.usage) usage = chunk.usage;
         for (const choice of chunk.choices || []) {
-          const pieces = chat ? chatPieces(choice) : completionPieces(choice);
-          for (const piece of pieces) {
-            if (piece.text === "" && !piece.logprob) continue;
+          const cut = chat ? chatPieces(choice) : completionPieces(choice);
+          for (const piece of cut) {
             if (first === null) first = performance.now();
             last = performance.now();
-            tokens += piece.counts ? 1 : 0;
+            tokens += piece.logprob !== undefined ? 1 : 0;
             text += piece.text;
             answer.append(tokenSpan(piece));
           }
@@ -309,32 +311,48 @@ function pythonSnippet(body, chat) {
   return lines.join("\n");
 }
 
-// A chat chunk's tokens: {text, logprob, top: [[token, logprob]...], counts}.
-function chatPieces(choice) {
-  const content = choice.logprobs && choice.logprobs.content;
-  if (content && content.length) {
-    return content.map((t) => ({
-      text: t.token, logprob: t.logprob, counts: true,
-      top: (t.top_logprobs || []).map((a) => [a.token, a.logprob]),
-    }));
+// A chunk's text cut at its tokens: [{text, logprob, top: [[token, logprob]...]}]. A
+// token whose text is not in the answer (the end-of-sequence token, whose text the server
+// skips) is kept with `special` set; text no token matched stays as it is.
+function pieces(text, tokens) {
+  const out = [];
+  let at = 0;
+  for (const t of tokens) {
+    if (t.text.length && text.startsWith(t.text, at)) {
+      out.push(t);
+      at += t.text.length;
+    } else {
+      out.push(Object.assign({}, t, { special: t.text, text: "" }));
+    }
   }
-  const text = choice.delta && choice.delta.content;
-  return text ? [{ text, counts: true }] : [];
+  if (at < text.length) out.push({ text: text.slice(at) });
+  return out;
+}
+
+function chatPieces(choice) {
+  const content = (choice.logprobs && choice.logprobs.content) || [];
+  return pieces((choice.delta && choice.delta.content) || "", content.map((t) => ({
+    text: t.token, logprob: t.logprob,
+    top: (t.top_logprobs || []).map((a) => [a.token, a.logprob]),
+  })));
 }
 
 function completionPieces(choice) {
   const lp = choice.logprobs;
-  if (lp && lp.tokens && lp.tokens.length) {
-    return lp.tokens.map((token, i) => ({
-      text: token, logprob: lp.token_logprobs[i], counts: true,
-      top: Object.entries((lp.top_logprobs && lp.top_logprobs[i]) || {}),
-    }));
-  }
-  return choice.text ? [{ text: choice.text, counts: true }] : [];
+  const tokens = lp && lp.tokens ? lp.tokens.map((token, i) => ({
+    text: token, logprob: lp.token_logprobs[i],
+    top: Object.entries((lp.top_logprobs && lp.top_logprobs[i]) || {}),
+  })) : [];
+  return pieces(choice.text || "", tokens);
 }
 
 function tokenSpan(piece) {
   const span = el("span", { class: "tok" }, piece.text);
+  if (piece.special !== undefined) {
+    // Shown by CSS from the attribute, so it is not part of the answer's text.
+    span.classList.add("special");
+    span.dataset.label = piece.special;
+  }
   if (piece.logprob !== undefined && piece.logprob !== null) {
     span.dataset.logprob = piece.logprob;
     span.dataset.top = JSON.stringify(piece.top || []);
@@ -349,7 +367,7 @@ function showTokenTip(event) {
   const span = event.target.closest(".tok");
   const tip = $("token-tip");
   if (!span || span.dataset.logprob === undefined) { tip.hidden = true; return; }
-  const chosen = span.textContent;
+  const chosen = span.dataset.label !== undefined ? span.dataset.label : span.textContent;
   const table = el("table");
   const head = el("tr");
   head.append(el("td", {}, "token"), el("td", {}, "logprob"), el("td", {}, "p"));
@@ -638,7 +656,7 @@ const timeline = {
     const tbody = document.querySelector("#timeline-table tbody");
     tbody.textContent = "";
     const pct = (us) => ((us - start) / total) * 100;
-    for (const [tid, laneData] of [...lanes.entries()].sort((a, b) => a[0] - b[0])) {
+    for (const [, laneData] of [...lanes.entries()].sort((a, b) => a[0] - b[0])) {
       const lane = el("div", { class: "lane", "data-stage": laneData.name });
       const track = el("div", { class: "track" });
       lane.append(el("span", { class: "label" }, laneData.name), track);
@@ -663,7 +681,6 @@ const timeline = {
       tr.append(el("td", {}, laneData.name), el("td", {}, String(laneData.spans.length)),
         el("td", {}, fmtSeconds(busy / 1e6)), el("td", {}, fmtSeconds(wait / 1e6)));
       tbody.append(tr);
-      void tid;
     }
     const other = data.otherData || {};
     $("timeline-summary").textContent = `${requestId}: ${spans.length} spans over ${fmtSeconds(total / 1e6)}` +
