@@ -4,6 +4,7 @@ numbers and bound, the request timelines, and --disable-ui."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 import time
@@ -214,3 +215,22 @@ def test_public_prefixes_do_not_reach_keyed_routes(ui_auth_server: ServerProcess
         "/ui/static/ui.js/../../feed",
     ):
         assert raw_get(ui_auth_server, target) in (401, 404), target
+
+
+def test_an_open_page_does_not_hold_up_shutdown(gpt2_tiny_dir: Path) -> None:
+    """SIGTERM with a live feed open: the feed ends with the graph and the server exits 0."""
+    server = start_server(str(gpt2_tiny_dir), list(TINY_FLAGS))
+    try:
+        with httpx.stream("GET", f"{server.url}/ui/feed", timeout=30) as feed:
+            lines = feed.iter_lines()
+            assert next(lines).startswith("data: ")
+            started = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            for _ in lines:  # ends when the server closes the stream
+                pass
+            # The feed ends within a snapshot interval of the graph's end, well before
+            # uvicorn's own deadline for connections (shutdown timeout + 2 s).
+            assert time.monotonic() - started < 5.0
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        server.stop()
