@@ -207,3 +207,21 @@ def test_the_page_asks_for_the_api_key(page: Any, ui_auth_server: ServerProcess)
     body = chat(page, "Hello", temperature="0", seed="2", max_tokens="4")
     assert body["model"] == ui_auth_server.model
     assert page.inner_text("#answer")
+
+
+def test_stop_aborts_the_answer(page: Any, ui_server: ServerProcess) -> None:
+    page, _ = page
+    open_page(page, ui_server)
+    page.fill("#max_tokens", "400")
+    page.fill("#prompt", "Go on and on")
+    page.click("#send")
+    expect(page.locator("#answer .tok").nth(2)).to_be_attached()
+    page.click("#stop")
+    expect(page.locator("#send")).to_be_enabled()
+    shown = page.locator("#answer .tok").count()
+    assert shown < 400
+    # The server aborted the request: nothing runs any more and the answer stays as it is.
+    expect(page.locator("#eng-running")).to_have_text("0")
+    page.wait_for_timeout(500)
+    assert page.locator("#answer .tok").count() == shown
+    assert page.inner_text("#error") == ""
