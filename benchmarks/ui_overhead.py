@@ -4,8 +4,10 @@ One `flowllm serve` (the bundled model unless --model), loaded once. Each round 
 `flowllm bench serve` once "closed" (no page) and once "open" (headless Chromium on the
 graph view: the live feed sends a snapshot a second, the page redraws it, and the
 request timelines record every span), closed first in odd rounds, open first in even
-ones. The median output tok/s of each variant and their ratio are printed, after what
-the request timelines' span sink costs per step message of 16 sequences.
+ones (`--bare-feed` adds "feed": a bare SSE client on the feed, no browser, which
+separates the server's cost from the browser's CPU). The median output tok/s of each
+variant and their ratio to "closed" are printed, after what the request timelines' span
+sink costs per step message of 16 sequences.
 
     .venv/bin/python benchmarks/ui_overhead.py                      # SmolLM2, 3 rounds each
     .venv/bin/python benchmarks/ui_overhead.py --model DIR --rounds 2 --num-prompts 64
@@ -20,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import timeit
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +52,31 @@ def open_page(url: str, chromium: str) -> Iterator[Any]:
             yield page
         finally:
             browser.close()
+
+
+@contextmanager
+def follow_feed(url: str) -> Iterator[None]:
+    """A bare SSE client on the live feed (no browser): the server's side of an open page."""
+    import httpx
+
+    stop = threading.Event()
+    subscribed = threading.Event()
+
+    def follow() -> None:
+        with httpx.stream("GET", url + "/ui/feed", timeout=30) as response:
+            for _line in response.iter_lines():
+                subscribed.set()
+                if stop.is_set():
+                    return
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    subscribed.wait(30)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def sink_cost(batch: int = 16, number: int = 2000) -> dict[str, float]:
@@ -130,20 +158,29 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument(
+        "--bare-feed",
+        action="store_true",
+        help="also run a third variant: a bare SSE client on the feed, no browser",
+    )
     args = parser.parse_args()
     for name, us in sink_cost().items():
         print(f"timeline sink: {us:.1f} µs per {name} of 16 sequences")
     server = ServerProcess(args.model).wait_healthy(timeout=600)
-    results: dict[str, list[float]] = {"closed": [], "open": []}
+    variants = ("closed", "open", "feed") if args.bare_feed else ("closed", "open")
+    results: dict[str, list[float]] = {v: [] for v in variants}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             bench(server, args, Path(tmp) / "warmup.json")  # first steps pay for warm-up
             for round_ in range(args.rounds):
-                order = ("closed", "open") if round_ % 2 == 0 else ("open", "closed")
+                order = variants if round_ % 2 == 0 else variants[::-1]
                 for variant in order:
                     out = Path(tmp) / f"{variant}-{round_}.json"
                     if variant == "open":
                         with open_page(server.url, args.chromium):
+                            tps, failed = bench(server, args, out)
+                    elif variant == "feed":
+                        with follow_feed(server.url):
                             tps, failed = bench(server, args, out)
                     else:
                         tps, failed = bench(server, args, out)
@@ -152,9 +189,11 @@ def main() -> int:
                           f"{failed} failed", flush=True)  # fmt: skip
     finally:
         server.stop()
-    closed, opened = (statistics.median(results[v]) for v in ("closed", "open"))
-    print(f"median closed {closed:.1f} tok/s, open {opened:.1f} tok/s: open/closed "
-          f"{opened / closed:.3f}")  # fmt: skip
+    closed = statistics.median(results["closed"])
+    for variant in variants[1:]:
+        median = statistics.median(results[variant])
+        print(f"median closed {closed:.1f} tok/s, {variant} {median:.1f} tok/s: "
+              f"{variant}/closed {median / closed:.3f}")  # fmt: skip
     return 0
 
 
