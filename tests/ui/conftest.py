@@ -2,14 +2,11 @@
 
 The browser is Debian's `chromium` (`make setup` installs it) driven by Playwright for
 Python through `executable_path`: Playwright's own browser downloads are never used.
-Screenshots go to `test-artifacts/ui/` (FLOWLLM_TEST_ARTIFACTS moves it), kept after the
-run. Every page records its console: a test fails on any error there.
+Every page records its console: a test fails on any error there.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,13 +15,11 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ui_helpers
 
 from e2e_helpers import API_KEY, CHAT_TEMPLATE, start_server
-from server_process import REPO, TINY_FLAGS, ServerProcess
-
-CHROMIUM = os.environ.get("FLOWLLM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-EXPECT_TIMEOUT_MS = 60_000
-ARTIFACTS = Path(os.environ.get("FLOWLLM_TEST_ARTIFACTS", REPO / "test-artifacts")) / "ui"
+from server_process import TINY_FLAGS, ServerProcess
+from ui_helpers import CHROMIUM, EXPECT_TIMEOUT_MS, Console
 
 
 @pytest.fixture(scope="session")
@@ -66,8 +61,10 @@ def ui_auth_server(gpt2_tiny_dir: Path, ui_chat_template: Path) -> Iterator[Serv
         proc.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    """Chromium for one module: Playwright's sync API keeps an event loop running in this
+    thread until it exits, which tests elsewhere that start their own loop cannot share."""
     if not Path(CHROMIUM).exists():
         pytest.fail(f"no Chromium at {CHROMIUM}: `make setup` installs Debian's chromium")
     from playwright.sync_api import expect, sync_playwright
@@ -85,20 +82,6 @@ def browser() -> Iterator[Any]:
             chromium.close()
 
 
-class Console:
-    """What a page wrote to its console, and the exceptions it raised."""
-
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-
-    def on_message(self, message: Any) -> None:
-        if message.type == "error":
-            self.errors.append(message.text)
-
-    def on_error(self, error: Any) -> None:
-        self.errors.append(f"uncaught: {error}")
-
-
 @pytest.fixture
 def page(browser: Any) -> Iterator[tuple[Any, Console]]:
     """A fresh page (its own context: clean sessionStorage) whose console must stay clean."""
@@ -113,10 +96,3 @@ def page(browser: Any) -> Iterator[tuple[Any, Console]]:
     finally:
         context.close()
     assert console.errors == [], console.errors
-
-
-def screenshot(page: Any, name: str) -> Path:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path))
-    return path

@@ -11,10 +11,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from conftest import screenshot
 from e2e_helpers import API_KEY
 from playwright.sync_api import expect
 from server_process import REPO, ServerProcess
+from ui_helpers import screenshot
 
 from flowllm.traces.timeline import write_chrome_trace
 from flowllm.traces.trace import load_trace
