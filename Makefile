@@ -4,12 +4,12 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flowllm-installed
 
-.PHONY: serve test lint setup bench-channel traces reliability prometheus
+.PHONY: serve test lint setup system-packages bench-channel traces reliability ui-screenshots
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
 
-test: $(STAMP) prometheus
+test: $(STAMP) system-packages
 	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
@@ -20,12 +20,23 @@ reliability: $(STAMP)
 	FLOWLLM_RELIABILITY_SCALE=full FLOWLLM_RELIABILITY_REPORT=reliability-figures.jsonl \
 		$(PY) -m pytest -q -rA --timeout 3600 tests/reliability
 
-setup: $(STAMP) prometheus
+setup: $(STAMP) system-packages
 
-# The dashboard test (tests/observability) scrapes a running server with a real Prometheus:
-# Debian's package, installed when missing (as root, as CI runs).
-prometheus:
-	@command -v prometheus >/dev/null || (apt-get update -q && apt-get install -y -q prometheus)
+# Debian packages some tests drive, installed when missing (as root, as CI runs): the
+# dashboard test (tests/observability) scrapes a running server with a real Prometheus;
+# the web page's tests (tests/ui) drive headless Chromium through Playwright (Playwright's
+# own browser downloads are never used).
+DEBIAN_PACKAGES := prometheus chromium
+system-packages:
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do command -v $$p >/dev/null || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $$missing; \
+		else echo "some tests need Debian's $$missing: sudo apt-get install -y $$missing" >&2; fi; \
+	fi
+
+# The screenshots in docs/ (docs/ui.md): the bundled model's server, the page in Chromium.
+ui-screenshots: $(STAMP) system-packages
+	$(PY) docs/ui_screenshots.py docs/images
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

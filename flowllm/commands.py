@@ -234,6 +234,7 @@ def serve_command(args: argparse.Namespace) -> int:
         metrics_prefix=args.metrics_prefix,
         tracing=tracing,
         log_requests=args.log_requests,
+        ui=not args.disable_ui,
     )
     server = GracefulServer(
         uvicorn.Config(
@@ -293,7 +294,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         help="require this Bearer key on every route but /health, /version, /metrics, "
-        "/docs and /openapi.json (or FLOWLLM_API_KEY); an empty key is an error",
+        "/docs, /openapi.json and the web page's static files (or FLOWLLM_API_KEY); an "
+        "empty key is an error",
+    )
+    parser.add_argument(
+        "--disable-ui",
+        action="store_true",
+        help="do not serve the web page (playground, live graph view, request timeline) "
+        "at / nor its data under /ui/",
     )
     parser.add_argument(
         "--trust-request-chat-template",

@@ -67,6 +67,8 @@ from flowllm.engine.validation import model_not_found, show_number
 from flowllm.engine_client import EngineClient
 from flowllm.messages import GenerateRequest
 from flowllm.metrics import MetricsView
+from flowllm.ui.routes import AUTH_PATH, STATIC_PREFIX, live_feed_of
+from flowllm.ui.routes import ROUTES as UI_ROUTES
 
 if TYPE_CHECKING:
     from flowllm.tracing import RequestTracing
@@ -80,6 +82,9 @@ REQUEST_ID_HEADER = "x-request-id"
 # Routes that answer without the API key: probes, scrapes and the API's description.
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs"})
 PUBLIC_PREFIXES = ("/docs/",)  # the docs UI's own assets, should it serve any
+# The web page and its static files: no data in them; the page asks for the key.
+UI_PUBLIC_PATHS = frozenset({"/", AUTH_PATH})
+UI_PUBLIC_PREFIXES = (STATIC_PREFIX,)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SCOPE_REQUEST_ID = "flowllm.request_id"  # the id echoed in X-Request-Id
 _SCOPE_REQUEST_ID_GIVEN = "flowllm.request_id_given"  # did the client send it?
@@ -197,7 +202,12 @@ class ApiState:
 
 def is_public(path: str) -> bool:
     """Does this path answer without the API key?"""
-    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+    return (
+        path in PUBLIC_PATHS
+        or path in UI_PUBLIC_PATHS
+        or path.startswith(PUBLIC_PREFIXES)
+        or path.startswith(UI_PUBLIC_PREFIXES)
+    )
 
 
 def is_json(content_type: bytes) -> bool:
@@ -541,6 +551,7 @@ def create_app(
     trust_request_chat_template: bool = False,
     template_budget: TemplateBudget = DEFAULT_BUDGET,
     cors: CORSConfig | None = None,
+    ui: bool = True,
     debug: bool = False,
     tool_call_parser: str | None = None,
     tracing: RequestTracing | None = None,
@@ -558,7 +569,8 @@ def create_app(
     Litestar's CORS settings; None sends no CORS headers. `tool_call_parser`: how
     `tool_choice: auto` outputs are read (flowllm.api.tool_calls); None refuses `auto`.
     `tracing`: OpenTelemetry traces of every request (flowllm.tracing); `log_requests`:
-    one log line per graph request.
+    one log line per graph request. `ui`: serve the web page at
+    `/` and the data it reads under `/ui/` (flowllm/ui).
     """
     registry = metrics_registry or _registry_of
 
@@ -578,9 +590,11 @@ def create_app(
                 tracing=tracing,
                 log_requests=log_requests,
             )
+            app.state.live_feed = live_feed_of(engine) if ui else None
             try:
                 yield
             finally:
+                del app.state.live_feed
                 del app.state.api
                 del app.state.engine
 
@@ -596,6 +610,7 @@ def create_app(
             detokenize,
             openapi_json,
             docs,
+            *(UI_ROUTES if ui else ()),
         ],
         lifespan=[lifespan],
         middleware=[*_tracing_middleware(tracing), HttpBoundary(api_key)],
@@ -605,6 +620,7 @@ def create_app(
         debug=debug,
         logging_config=None,  # the process's logging is configure_logging's (structlog)
     )
+    app.state.api_key_required = api_key is not None
     app.state.openapi = openapi_document(
         app,
         title="flowllm",

@@ -27,6 +27,7 @@ _TYPES: dict[int, str] = {
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
     503: "ServiceUnavailableError",
 }
 

@@ -235,10 +235,15 @@ class Graph:
             raise KeyError(f"graph {self.name!r} has no stage {name!r}") from None
 
     def add_span_sink(self, sink: SpanSink) -> None:
-        """Also hand every span to `sink` (a trace recorder); call before `run()`."""
-        if self._started:
-            raise RuntimeError("add span sinks before the graph runs")
+        """Also hand every span to `sink` (a trace recorder, a page's request timelines).
+
+        Added before `run()`, it sees every span; added later, the spans from then on.
+        """
         self._span_sinks.append(sink)
+
+    def remove_span_sink(self, sink: SpanSink) -> None:
+        """Stop handing spans to `sink` (an observer that left): no cost remains."""
+        self._span_sinks.remove(sink)
 
     @asynccontextmanager
     async def serve(self, stop_timeout: float = 10.0) -> AsyncIterator[Graph]:
@@ -358,7 +363,7 @@ class Graph:
                     self.metrics,
                     enabled=self._spans,
                     events=self._span_events,
-                    sinks=tuple(self._span_sinks),
+                    sinks=self._span_sinks,  # shared: sinks may come and go
                 ),
                 stop_requested=self._stop_requested,
             )

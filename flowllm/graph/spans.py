@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter
 from typing import Any, TextIO
 
@@ -293,7 +293,7 @@ class SpanRecorder:
         *,
         enabled: bool = True,
         events: bool | None = None,
-        sinks: tuple[SpanSink, ...] = (),
+        sinks: Sequence[SpanSink] = (),
     ) -> None:
         self.stage = stage
         self._sinks = sinks

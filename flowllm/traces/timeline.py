@@ -192,6 +192,69 @@ def format_summary(trace: Trace, summaries: list[RequestSummary], per_block: int
     return "\n".join(out)
 
 
+PID = 1  # one process: the graph
+
+
+def stage_tracks(graph_name: str, tids: dict[str, int]) -> list[dict[str, Any]]:
+    """The metadata events naming the process and one track (thread) per stage, in order."""
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": PID, "args": {"name": f"flowllm {graph_name}"}}
+    ]
+    for name, tid in tids.items():
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": name}}
+        )
+        events.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": PID,
+                "tid": tid,
+                "args": {"sort_index": tid},
+            }
+        )
+    return events
+
+
+def span_slice(
+    stage: str,
+    *,
+    kind: str,
+    batch_size: int | None,
+    ts: float,
+    duration: float,
+    queue_wait: float,
+    request_ids: list[str],
+    step_id: int | None,
+    tid: int,
+    channel: str | None = None,
+) -> dict[str, Any]:
+    """One span as a complete ("X") trace event on its stage's track; `ts` in µs, the
+    durations in seconds; `kind` names the message handled. The web page's request
+    timeline reads exactly these events."""
+    args: dict[str, Any] = {
+        "request_ids": request_ids,
+        "queue_wait_us": round(queue_wait * 1e6, 3),
+    }
+    if step_id is not None:
+        args["step_id"] = step_id
+    if batch_size is not None:
+        args["batch_size"] = batch_size  # 0: a step that only releases seqs
+    if channel is not None:
+        args["channel"] = channel
+    label = f"{kind} step {step_id}" if step_id is not None else f"{kind} {','.join(request_ids)}"
+    return {
+        "name": label,
+        "cat": stage,
+        "ph": "X",
+        "ts": ts,
+        "dur": round(duration * 1e6, 3),
+        "pid": PID,
+        "tid": tid,
+        "args": args,
+    }
+
+
 def chrome_trace(trace: Trace) -> dict[str, Any]:
     """Chrome trace-event JSON (the object form), times in µs from the trace's start."""
     index = _Index(trace)
@@ -202,64 +265,35 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
     def us(t: float) -> float:
         return round((t - t0) * 1e6, 3)
 
-    pid = 1
-    events: list[dict[str, Any]] = [
-        {
-            "name": "process_name",
-            "ph": "M",
-            "pid": pid,
-            "args": {"name": f"flowllm {trace.graph.name}"},
-        }
-    ]
+    pid = PID
     tids = {name: i + 1 for i, name in enumerate(trace.graph.stages)}
-    for name, tid in tids.items():
-        events.append(
-            {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
-        )
-        events.append(
-            {
-                "name": "thread_sort_index",
-                "ph": "M",
-                "pid": pid,
-                "tid": tid,
-                "args": {"sort_index": tid},
-            }
-        )
+    events = stage_tracks(trace.graph.name, tids)
     receives: dict[str, list[float]] = defaultdict(list)
     for h, rids in index.spans:
         span = h.span
         message = (
             trace.entries[h.channel][h.index].message if h.channel and h.index is not None else None
         )
-        args: dict[str, Any] = {
-            "request_ids": sorted(rids),
-            "queue_wait_us": round(span.queue_wait * 1e6, 3),
-        }
         step_id = span.step_id
         if step_id is None and message is not None:
             step_id = getattr(getattr(message, "batch", message), "step_id", None)
-        if step_id is not None:
-            args["step_id"] = step_id
-        if message is not None and "batch_size" in (fields := message_fields(message)):
-            args["batch_size"] = fields["batch_size"]  # 0: a step that only releases seqs
         if h.channel is not None:
-            args["channel"] = h.channel
             receives[h.channel].append(span.started)
-        kind = type(message).__name__ if message is not None else "message"
-        label = (
-            f"{kind} step {step_id}" if step_id is not None else f"{kind} {','.join(sorted(rids))}"
-        )
         events.append(
-            {
-                "name": label,
-                "cat": span.stage,
-                "ph": "X",
-                "ts": us(span.started),
-                "dur": round(span.duration * 1e6, 3),
-                "pid": pid,
-                "tid": tids.get(span.stage, 0),
-                "args": args,
-            }
+            span_slice(
+                span.stage,
+                kind=type(message).__name__ if message is not None else "message",
+                batch_size=(
+                    message_fields(message).get("batch_size") if message is not None else None
+                ),
+                ts=us(span.started),
+                duration=span.duration,
+                queue_wait=span.queue_wait,
+                request_ids=sorted(rids),
+                step_id=step_id,
+                tid=tids.get(span.stage, 0),
+                channel=h.channel,
+            )
         )
     for channel, entries in trace.entries.items():
         changes = [(e.send_time, 1) for e in entries] + [(t, -1) for t in receives.get(channel, ())]

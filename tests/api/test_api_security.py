@@ -42,7 +42,7 @@ def app_routes(app: Any) -> list[tuple[str, str]]:
 
 
 async def test_every_route_but_the_public_ones_needs_the_key(engine: FakeEngine) -> None:
-    app = make_app(engine, api_key=KEY)
+    app = make_app(engine, api_key=KEY, ui=False)  # the page's routes: tests/ui
     routes = app_routes(app)
     assert {path for _, path in routes} >= set(BODIES) | PUBLIC_PATHS | {"/v1/models"}
     async with AsyncTestClient(app) as client:
@@ -187,7 +187,7 @@ async def test_cors_allowed_origins(engine: FakeEngine) -> None:
 
 
 async def test_openapi_describes_every_route(engine: FakeEngine) -> None:
-    app = make_app(engine, api_key=KEY)
+    app = make_app(engine, api_key=KEY, ui=False)  # the page's own routes: docs/ui.md
     async with AsyncTestClient(app) as client:
         r = await client.get("/openapi.json")
         assert r.status_code == 200

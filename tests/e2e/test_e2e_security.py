@@ -38,8 +38,9 @@ def _post(server: ServerProcess, path: str, body: Any, **kwargs: Any) -> httpx.R
 
 
 def served_routes() -> list[tuple[str, str]]:
-    """Every (method, path) of the app `flowllm serve` runs (the engine is never started)."""
-    app = create_app(lambda: None, served_model_name="m")  # type: ignore[arg-type,return-value]
+    """Every (method, path) of the API `flowllm serve` runs (the engine is never started);
+    the web page's routes are tested in tests/ui."""
+    app = create_app(lambda: None, served_model_name="m", ui=False)  # type: ignore[arg-type,return-value]
     routes = []
     for route in app.routes:
         if isinstance(route, HTTPRoute):

@@ -377,3 +377,43 @@ def test_any_chain_delivers_everything_once_and_keeps_order_without_replicas(
     if all(replicas == 1 for _, replicas in hops):
         assert seqs == list(range(count))
     assert all(depth <= capacity for depth, capacity in depths)
+
+
+def test_span_sinks_can_come_and_go_while_the_graph_runs() -> None:
+    """A sink added while the graph runs sees the spans from then on; removed, no more."""
+    graph = make_graph(
+        """
+        stages:
+          - {name: feeder, use: "graph_toys:Feeder"}
+          - {name: relay, use: "graph_toys:Relay"}
+          - {name: sink, use: "graph_toys:Collect"}
+        edges:
+          - feeder.out -> relay.in
+          - relay.out -> sink.in
+        """
+    )
+    seen: list[tuple[str, int]] = []
+
+    def sink(stage: str, message: Any, started: float, duration: float, wait: float) -> None:
+        if isinstance(message, Item):
+            seen.append((stage, message.seq))
+
+    async def main() -> None:
+        async with graph.serve(stop_timeout=5):
+            feeder = graph.stage("feeder")
+            assert isinstance(feeder, Feeder)
+
+            async def send(seq: int) -> None:
+                await feeder.submit(Item(seq))
+                with anyio.fail_after(5):
+                    while len(graph.stage("sink").items) <= seq:  # type: ignore[attr-defined]
+                        await anyio.sleep(0.001)
+
+            await send(0)
+            graph.add_span_sink(sink)
+            await send(1)
+            graph.remove_span_sink(sink)
+            await send(2)
+
+    anyio.run(main)
+    assert sorted(seen) == [("relay", 1), ("sink", 1)]

@@ -1,0 +1,220 @@
+"""The live view of a running graph: its shape once, then a snapshot of its numbers a second.
+
+Nothing here runs unless a page subscribes. A snapshot is computed when a subscriber asks
+for one (several subscribers share a snapshot younger than half the interval), from what
+the graph measures anyway: the stage-duration histograms (messages, busy time, p50 over
+the last interval), the error and restart counters, each channel's depth, and the
+engine's gauges. The first subscriber attaches the request timelines' span sink and the
+last one removes it. At most `max_subscribers` connect at once; one more is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from time import monotonic, time
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from flowllm.graph.runtime import Graph
+from flowllm.metrics import EngineMetrics
+from flowllm.ui.timelines import RequestTimelines
+
+INTERVAL_S = 1.0
+MAX_SUBSCRIBERS = 8
+
+
+class FeedFull(Exception):
+    """Every subscriber slot is taken."""
+
+
+@dataclass
+class _Sample:
+    """Cumulative counts at one instant, the base of the next snapshot's rates."""
+
+    at: float
+    counts: dict[str, list[int]]  # stage -> histogram bucket counts (not cumulative)
+    busy: dict[str, float]  # stage -> seconds spent handling messages
+    generated: float  # tokens generated
+
+
+def _value(metric: Counter | Gauge, **labels: str) -> float:
+    """The current value of one sample of a prometheus_client metric (0 if absent)."""
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            if all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def quantile(bounds: tuple[float, ...], counts: list[int], q: float) -> float | None:
+    """The q-quantile of a histogram (per-bucket counts, last is +Inf), interpolated
+    linearly within its bucket as Prometheus' histogram_quantile does; None if empty."""
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank = q * total
+    seen = 0
+    for i, count in enumerate(counts):
+        if count and seen + count >= rank:
+            if i == len(bounds):  # the +Inf bucket: its lower bound is the best estimate
+                return bounds[-1]
+            lower = bounds[i - 1] if i > 0 else 0.0
+            return lower + (bounds[i] - lower) * (rank - seen) / count
+        seen += count
+    return bounds[-1]
+
+
+class LiveFeed:
+    """Snapshots of one running graph for the page (see the module doc)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        engine_metrics: EngineMetrics | None,
+        *,
+        interval_s: float = INTERVAL_S,
+        max_subscribers: int = MAX_SUBSCRIBERS,
+    ) -> None:
+        self.graph = graph
+        self.engine_metrics = engine_metrics
+        self.interval_s = interval_s
+        self.max_subscribers = max_subscribers
+        self.timelines = RequestTimelines(list(graph.spec.stages), graph.name)
+        self.subscribers = 0
+        self._last: _Sample | None = None
+        self._snapshot: dict[str, Any] | None = None
+        self._snapshot_at = 0.0
+
+    # -- the graph's shape ----------------------------------------------------------------
+
+    def shape(self) -> dict[str, Any]:
+        """Stages (ports, replicas, supervision group) and edges, as the YAML declares them."""
+        spec = self.graph.spec
+        stages = []
+        for name, bound in spec.stages.items():
+            stages.append(
+                {
+                    "name": name,
+                    "use": bound.spec.use,
+                    "replicas": bound.spec.replicas,
+                    "group": bound.supervision.group,
+                    "on_error": bound.supervision.on_error,
+                    "inputs": list(bound.cls.inputs),
+                    "outputs": list(bound.cls.outputs),
+                }
+            )
+        edges = [
+            {
+                "from": producer.stage,
+                "port": producer.port,
+                "to": channel.dst.stage,
+                "in": channel.dst.port,
+                "channel": name,
+                "capacity": channel.capacity,
+            }
+            for name, channel in spec.channels.items()
+            for producer in channel.producers
+        ]
+        return {
+            "name": spec.name,
+            "source": Path(spec.spec.source).name,
+            "stages": stages,
+            "edges": edges,
+            "interval_s": self.interval_s,
+        }
+
+    # -- subscribers ----------------------------------------------------------------------
+
+    @property
+    def full(self) -> bool:
+        return self.subscribers >= self.max_subscribers
+
+    @contextmanager
+    def subscribe(self) -> Iterator[None]:
+        """Hold a subscriber slot for the body; raises FeedFull when none is free."""
+        if self.full:
+            raise FeedFull(f"at most {self.max_subscribers} live views may be open at once")
+        self.subscribers += 1
+        if self.subscribers == 1:
+            self.graph.add_span_sink(self.timelines)
+        try:
+            yield
+        finally:
+            self.subscribers -= 1
+            if self.subscribers == 0:
+                self.graph.remove_span_sink(self.timelines)
+                self._last = None  # rates restart from the next subscriber's first look
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The numbers now; rates and p50 cover the time since the previous snapshot."""
+        now = monotonic()
+        if self._snapshot is not None and now - self._snapshot_at < self.interval_s / 2:
+            return self._snapshot
+        self._snapshot = self._compute(now)
+        self._snapshot_at = now
+        return self._snapshot
+
+    def _compute(self, now: float) -> dict[str, Any]:
+        graph = self.graph
+        metrics = graph.metrics
+        durations = metrics.stage_duration
+        sample = _Sample(now, {}, {}, 0.0)
+        last = self._last
+        elapsed = now - last.at if last is not None else 0.0
+        stages: dict[str, Any] = {}
+        for name, bound in graph.spec.stages.items():
+            series = durations.labels(name)
+            counts = list(series.counts)
+            sample.counts[name] = counts
+            sample.busy[name] = series.sum
+            entry: dict[str, Any] = {
+                "messages": sum(counts),
+                "errors": int(_value(metrics.stage_errors, stage=name)),
+                "restarts": int(_value(metrics.stage_restarts, group=bound.supervision.group)),
+                "busy": None,
+                "rate": None,
+                "p50_s": None,
+            }
+            if last is not None and elapsed > 0:
+                window = [c - p for c, p in zip(counts, last.counts[name], strict=True)]
+                busy = (series.sum - last.busy[name]) / elapsed / bound.spec.replicas
+                entry["busy"] = min(1.0, max(0.0, busy))
+                entry["rate"] = sum(window) / elapsed
+                entry["p50_s"] = quantile(durations.buckets, window, 0.5)
+            stages[name] = entry
+        channels = {
+            name: {"depth": channel.depth(), "capacity": channel.capacity}
+            for name, channel in graph.channels.items()
+        }
+        engine: dict[str, Any] = {}
+        if self.engine_metrics is not None:
+            em = self.engine_metrics
+            sample.generated = _value(em.generation_tokens)
+            engine = {
+                "running": _value(em.num_requests_running),
+                "waiting": _value(em.num_requests_waiting),
+                "kv_cache_usage": _value(em.kv_cache_usage_perc),
+                "generated_tokens": sample.generated,
+                "tokens_per_s": (
+                    (sample.generated - last.generated) / elapsed
+                    if last is not None and elapsed > 0
+                    else None
+                ),
+            }
+        self._last = sample
+        return {
+            "time": time(),
+            "healthy": graph.healthy,
+            "stages": stages,
+            "channels": channels,
+            "engine": engine,
+            "subscribers": self.subscribers,
+        }
