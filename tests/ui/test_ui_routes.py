@@ -20,7 +20,17 @@ from server_process import TINY_FLAGS, ServerProcess
 from flowllm.ui.live import INTERVAL_S, MAX_SUBSCRIBERS, quantile
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
-STAGES = ["ingest", "validate", "tokenize", "schedule", "execute", "sample", "detokenize", "format"]
+STAGES = [
+    "ingest",
+    "validate",
+    "tokenize",
+    "schedule",
+    "execute",
+    "guide",
+    "sample",
+    "detokenize",
+    "format",
+]
 
 
 def feed_events(url: str, count: int, headers: dict[str, str] | None = None) -> list[Any]:
@@ -76,7 +86,9 @@ def test_graph_shape_is_the_yaml(ui_server: ServerProcess) -> None:
     assert ("schedule", "out", "execute", "in", 2) in edges
     assert ("sample", "out", "schedule", "step_results", 2) in edges  # the step loop
     assert ("tokenize", "errors", "format", "errors", 64) in edges  # fan-in
-    assert len(edges) == 12
+    assert ("schedule", "out", "guide", "in", 2) in edges  # fan-out beside execute
+    assert ("guide", "out", "sample", "masks", 2) in edges  # joined in sample
+    assert len(edges) == 14
 
 
 def test_feed_numbers_follow_the_work(ui_server: ServerProcess) -> None:
