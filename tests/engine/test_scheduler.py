@@ -603,15 +603,22 @@ def test_counters_go_on_across_a_hand_over() -> None:
     assert after.num_preemptions == before.num_preemptions
 
 
+def finish_one_then_queue_another(sched: Scheduler) -> int:
+    """Run a request's first step, finish it by a stop string and queue another: the next
+    batch carries the finished sequence's release. Returns its seq id."""
+    sched.add_request(request("done", range(1, 5)))
+    step(sched)
+    (seq_id,) = [s.seq_id for s in sched.running]
+    sched.finish_sequence(seq_id, "stop")
+    sched.add_request(request("next", range(6, 9)))
+    return seq_id
+
+
 def test_a_hand_over_releases_what_a_lost_batch_carried() -> None:
     """A batch's released ids reach downstream stages only through the step loop; if the
     loop fails on that batch, the fresh scheduler's first batch releases them again."""
     old = make_scheduler(max_num_seqs=2)
-    old.add_request(request("done", range(1, 5)))
-    step(old)
-    (seq_id,) = [s.seq_id for s in old.running]
-    old.finish_sequence(seq_id, "stop")
-    old.add_request(request("next", range(6, 9)))
+    seq_id = finish_one_then_queue_another(old)
     lost = old.schedule()  # carries the release; its tokens never come back
     assert lost is not None and lost.released == (seq_id,)
     handover = old.hand_over()
@@ -622,10 +629,6 @@ def test_a_hand_over_releases_what_a_lost_batch_carried() -> None:
     assert batch is not None and seq_id in batch.released
     # Once a batch's tokens are back, what it released is no longer handed over.
     delivered = make_scheduler(max_num_seqs=2)
-    delivered.add_request(request("done", range(1, 5)))
-    step(delivered)
-    (first,) = [s.seq_id for s in delivered.running]
-    delivered.finish_sequence(first, "stop")
-    delivered.add_request(request("next", range(6, 9)))
+    first = finish_one_then_queue_another(delivered)
     step(delivered)
     assert first not in delivered.hand_over().released
