@@ -20,13 +20,15 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from flowllm.messages import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # Compiled grammars kept per tokenizer: a JSON schema's is tens of KB to a few MB.
 CACHE_ENTRIES = 256
@@ -87,7 +89,7 @@ class Matcher:
     __slots__ = ("_matcher",)
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled)
+        self._matcher = _xgrammar().GrammarMatcher(compiled)
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False (state unchanged) when the grammar forbids it."""
@@ -103,6 +105,14 @@ class Matcher:
         return bool(self._matcher.is_terminated())
 
 
+def _xgrammar() -> Any:
+    """xgrammar, imported on first use: it imports transformers, which a server's start
+    would otherwise wait for before loading the weights (the tokenizer loads beside them)."""
+    import xgrammar
+
+    return xgrammar
+
+
 class Grammars:
     """Compiles constraints for one tokenizer and caches the results (thread safe)."""
 
@@ -115,10 +125,10 @@ class Grammars:
     ) -> None:
         self.vocab_size = vocab_size
         self._cache_entries = cache_entries
-        self._info = xgr.TokenizerInfo.from_huggingface(
+        self._info = _xgrammar().TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
-        self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
+        self._compiler = _xgrammar().GrammarCompiler(self._info, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -162,7 +172,7 @@ class Grammars:
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """A packed bitmask for `rows` sequences: [rows, ceil(vocab_size / 32)] int32."""
-        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+        return _xgrammar().allocate_token_bitmask(rows, self.vocab_size)
 
 
 _NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf
