@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +196,16 @@ def test_guide_follows_decodes_and_recompute(services: EngineServices, gpt2_toke
         guide._fill(StepBatch(step_id=3, seqs=(row(0, (gpt2_tokenizer.encode("x")[0],), 5, 3),)))
     guide._fill(StepBatch(step_id=4, seqs=(), released=(0, 1)))
     assert guide.live_sequences() == 0
+
+
+def test_serving_modules_leave_xgrammar_to_the_first_constrained_request() -> None:
+    """xgrammar imports transformers: imported with the API, it held a server's start
+    before the weights began to load (benchmarks/README.md, "Start-up")."""
+    code = (
+        "import sys\n"
+        "import flowllm.api.app, flowllm.async_engine, flowllm.server, flowllm.stages.services\n"
+        "print('xgrammar' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
