@@ -157,11 +157,15 @@ class HealthDoor:
             self._to_pass.append(conn)
 
     def _pass_overdue(self) -> None:
+        """The oldest come first (`_undecided` is in accept order): stop at the first that
+        may still wait, so a round costs what it passes, not what is pending."""
         deadline = time.monotonic() - UNDECIDED_TIMEOUT_S
-        for conn, accepted_at in list(self._undecided.items()):
-            if accepted_at < deadline:
-                self._forget(conn)
-                self._to_pass.append(conn)
+        while self._undecided:
+            conn, accepted_at = next(iter(self._undecided.items()))
+            if accepted_at >= deadline:
+                return
+            self._forget(conn)
+            self._to_pass.append(conn)
 
     def _pass_on(self) -> None:
         while self._to_pass:

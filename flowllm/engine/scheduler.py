@@ -46,12 +46,15 @@ class SchedulerError(ValueError):
     """A request the scheduler cannot hold (empty or too long prompt, duplicate id)."""
 
 
-class SchedulerCounters(msgspec.Struct, frozen=True, kw_only=True):
-    """What a scheduler has counted since the server started, across restarts."""
+class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Gauges and cumulative counters for the metrics exporter."""
 
-    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
-    prefix_cache_hits: int = 0  # of those, tokens found in the cache
-    num_preemptions: int = 0
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # used blocks / total blocks; cached-but-free blocks are free
+    prefix_cache_queries: int  # prompt tokens looked up at admission (cumulative)
+    prefix_cache_hits: int  # of those, tokens found in the cache (cumulative)
+    num_preemptions: int  # cumulative
 
 
 class Handover(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,18 +65,7 @@ class Handover(msgspec.Struct, frozen=True, kw_only=True):
     released: tuple[int, ...]  # every seq id downstream stages may still hold
     next_seq_id: int
     next_step_id: int
-    counters: SchedulerCounters  # cumulative: they keep counting, as the metrics expect
-
-
-class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Gauges and cumulative counters for the metrics exporter."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # used blocks / total blocks; cached-but-free blocks are free
-    prefix_cache_queries: int  # prompt tokens looked up at admission (cumulative)
-    prefix_cache_hits: int  # of those, tokens found in the cache (cumulative)
-    num_preemptions: int  # cumulative
+    counters: SchedulerStats  # its cumulative counters go on, as the metrics expect
 
 
 class Scheduler:
@@ -287,11 +279,7 @@ class Scheduler:
             released=tuple(dict.fromkeys([*in_flight, *self._released, *started])),
             next_seq_id=self._next_seq_id,
             next_step_id=self._next_step_id,
-            counters=SchedulerCounters(
-                prefix_cache_queries=self.prefix_cache_queries,
-                prefix_cache_hits=self.prefix_cache_hits,
-                num_preemptions=self.num_preemptions,
-            ),
+            counters=self.stats,
         )
 
     def take_over(self, handover: Handover) -> None:
