@@ -30,7 +30,7 @@ class NativeLinearError(ValueError):
 
 def serves(dtype: torch.dtype) -> bool:
     """Whether the native kernel runs products in `dtype` on this machine."""
-    lib = native.library()
+    lib = native.avx512_library()
     if lib is None or dtype not in _KERNELS:
         return False
     return dtype != torch.bfloat16 or lib.has_bf16
@@ -39,7 +39,7 @@ def serves(dtype: torch.dtype) -> bool:
 @functools.cache
 def _kernel(dtype: torch.dtype) -> tuple[Callable[..., int], int]:
     """The library's `call` and the kernel's address for `dtype`."""
-    lib = native.library()
+    lib = native.avx512_library()
     if lib is None or not serves(dtype):
         raise NativeLinearError(f"the native linear kernel cannot run {dtype} on this machine")
     return lib.call, lib.address(_KERNELS[dtype])
