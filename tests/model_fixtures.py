@@ -218,8 +218,7 @@ def populate_hf_cache(
                     sha256.update(chunk)
             blob_id = sha256.hexdigest()
             pointer = (
-                "version https://git-lfs.github.com/spec/v1\n"
-                f"oid sha256:{blob_id}\nsize {size}\n"
+                f"version https://git-lfs.github.com/spec/v1\noid sha256:{blob_id}\nsize {size}\n"
             ).encode()
             tree[rel] = {
                 "size": size,

@@ -53,6 +53,7 @@ def recording() -> bool:
     native one for the same work takes the native one then."""
     return bool(getattr(_state, "recording", False))
 
+
 Outputs = tuple[torch.Tensor, ...]
 
 _ALLOCATIONS = frozenset(

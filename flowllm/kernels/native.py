@@ -67,13 +67,18 @@ ISA_ENV = "FLOWLLM_NATIVE_ISA"
 
 @dataclass(frozen=True)
 class Isa:
-    """One build of the library: its target flags, the CPU flags it needs, and its sources
-    (None: every source)."""
+    """One build of the library: its target flags, the CPU flags it needs, its sources
+    (None: every source), and target flags added where the CPU has a feature (the library
+    is built on the machine that runs it)."""
 
     name: str
     flags: tuple[str, ...]
     cpu_flags: frozenset[str]
     sources: tuple[str, ...] | None
+    optional: tuple[tuple[str, str], ...] = ()
+
+    def target_flags(self, cpu: frozenset[str]) -> tuple[str, ...]:
+        return (*self.flags, *(flag for feature, flag in self.optional if feature in cpu))
 
 
 ISAS = {
@@ -82,6 +87,7 @@ ISAS = {
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"),
         frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}),
         None,
+        (("avx512_vnni", "-mavx512vnni"),),  # one instruction for quant.c's byte dots
     ),
     "avx2": Isa(
         "avx2",
@@ -259,7 +265,7 @@ def _build(compiler: str, root: Path, isa: Isa) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     digest = hashlib.sha256()
-    flags = (*COMMON_FLAGS, *isa.flags)
+    flags = (*COMMON_FLAGS, *isa.target_flags(cpu_flags()))
     for part in (compiler, version, " ".join(flags), LIBRARY_NAME, _python_include()):
         digest.update(part.encode())
     for src in [*_sources(isa), *sorted(SOURCE_DIR.glob("*.h"))]:

@@ -7,18 +7,24 @@ dequantized to bf16 is ~270 MB a token; its quantized blocks are ~80 MB.
 Every format is repacked at load into one of two code layouts the kernel reads, rows of W
 [n, k] cut into groups of G values along k with one scale s and one offset m per group
 (a value is q * s + m, the fma gguf's own dequantization rounds the same way):
-  - q4: 4-bit codes, 32 values in 16 bytes (byte j: q[j] | q[j + 16] << 4, the order of
-    Q4_0/Q4_1 blocks): Q4_0 (m = -8 s), Q4_1, Q4_K (s = d * sc, m = -dmin * min, G 32);
+  - q4: 4-bit codes, 64 values in 32 bytes (byte j: q[j] | q[j + 32] << 4, so one load
+    and two masks give them in order), G 32: Q4_0 (m = -8 s), Q4_1, Q4_K (s = d * sc,
+    m = -dmin * min); rows of a multiple of 64 values (else they take the q8 layout);
   - q8: int8 codes: Q8_0, Q5_K (codes 0-31, G 32), Q6_K (codes -32..31, G 16), int8.
 Scales and offsets stay float16 where the format stores them so (Q4_0, Q4_1, Q8_0: 5 and
 8.5 bits a value, as in the file), float32 where they are products (the K formats).
 Fused layers (q/k/v, gate/up) concatenate their parts' rows; parts of different layouts
 meet in the widest (q8, float32 scales, the smaller group).
 
-Batches of up to `TILE_FROM` rows run the kernel (each weight row's codes read once per
-four rows of x); larger ones (prefills) dequantize row tiles to float32 and multiply with
-torch, except while a decode step's calls are recorded (`flowllm.kernels.call_plan`), which
-replays only native calls. Without the native library the tiles path runs at every size.
+The kernel multiplies groups of 32 or more on integers, x rounded to int8 a block of 32
+as llama.cpp does (`csrc/quant.c` says how, and the error's bound); Q6_K's groups of 16
+dequantize to float32 in registers.
+
+Batches below `TILE_FROM` rows run that kernel (each weight row's codes read once per four
+rows of x). Larger ones (prefills) dequantize tiles of rows and multiply them with the
+native bf16 kernel where the CPU has AVX512-BF16 (float32 torch otherwise), except while a
+decode step's calls are recorded (`flowllm.kernels.call_plan`), which replays only native
+calls. Without the native library, tiles and torch run at every size.
 """
 
 from __future__ import annotations
@@ -31,10 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flowllm.kernels import call_plan, native
+from flowllm.kernels import call_plan, cpu_linear, native
 
 Codes = Literal["q4", "q8"]
-TILE_FROM = 32  # rows of x from which a product dequantizes tiles (torch) instead
+TILE_FROM = 64  # rows of x from which a product dequantizes tiles instead (prefills)
 TILE_VALUES = 1 << 20  # weight values dequantized per tile (4 MiB of float32)
 QK_K = 256  # values per K-format super-block
 
@@ -61,8 +67,8 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         n, k = self.shape
         width = k // 2 if self.kind == "q4" else k
-        multiple = 32 if self.kind == "q4" else 16
-        if self.group % multiple or k % self.group or self.codes.shape != (n, width):
+        bad_q4 = self.kind == "q4" and (self.group != 32 or k % 64)
+        if bad_q4 or self.group % 16 or k % self.group or self.codes.shape != (n, width):
             raise QuantError(
                 f"{self.kind} codes {tuple(self.codes.shape)} do not fit groups of {self.group}"
             )
@@ -93,7 +99,7 @@ class QuantizedWeight:
         n, k = self.shape
         if self.kind == "q8":
             return self.codes.to(torch.int16)
-        c = self.codes.view(n, k // 32, 16)
+        c = self.codes.view(n, k // 64, 32)
         return torch.cat((c & 15, c >> 4), dim=-1).reshape(n, k).to(torch.int16)
 
     def dequantize(self) -> torch.Tensor:
@@ -179,11 +185,17 @@ def _f16(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.float16).reshape(a.shape[:-1])
 
 
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """uint8 codes [n, k] (each < 16) -> [n, k / 2], 32 values in 16 bytes."""
+def _q4(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, source: str) -> QuantizedWeight:
+    """uint8 codes [n, k] (each < 16) in groups of 32: the q4 layout, 64 values in 32 bytes,
+    or, for rows that are not whole 64s, the q8 one."""
     n, k = q.shape
-    g = q.reshape(n, k // 32, 2, 16)
-    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+    t = torch.from_numpy
+    if k % 64:
+        codes = t(np.ascontiguousarray(q.view(np.int8)))
+        return QuantizedWeight(codes, t(scales), t(mins), "q8", 32, source)
+    g = q.reshape(n, k // 64, 2, 32)
+    packed = np.ascontiguousarray((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2))
+    return QuantizedWeight(t(packed), t(scales), t(mins), "q4", 32, source)
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -210,12 +222,13 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
         return torch.from_numpy(np.ascontiguousarray(a))
 
     if type_name in ("Q4_0", "Q4_1"):
-        d = _f16(raw[..., 0:2])
+        d = np.ascontiguousarray(_f16(raw[..., 0:2]))
         if type_name == "Q4_0":
             m, qs = (np.float16(-8) * d).astype(np.float16), raw[..., 2:18]
         else:
-            m, qs = _f16(raw[..., 2:4]), raw[..., 4:20]
-        return QuantizedWeight(t(qs.reshape(n, k // 2)), t(d), t(m), "q4", 32, type_name)
+            m, qs = np.ascontiguousarray(_f16(raw[..., 2:4])), raw[..., 4:20]
+        q = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # [n, k / 32, 32] in order
+        return _q4(q.reshape(n, k), d, m, type_name)
     if type_name == "Q8_0":
         d = _f16(raw[..., 0:2])
         qs = raw[..., 2:34].view(np.int8)
@@ -229,8 +242,7 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
         if type_name == "Q4_K":
             qs = raw[..., 16:144].reshape(n, k // QK_K, 4, 1, 32)
             q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
-            codes = _pack_nibbles(q.reshape(n, k))
-            return QuantizedWeight(t(codes), t(scales), t(mins), "q4", 32, type_name)
+            return _q4(q.reshape(n, k), scales, np.ascontiguousarray(mins), type_name)
         qh = raw[..., 16:48].reshape(n, k // QK_K, 1, 32)
         qs = raw[..., 48:176].reshape(n, k // QK_K, 4, 1, 32)
         ql = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
@@ -291,10 +303,11 @@ class QuantizedLinear:
         self.bias = bias
         self.out_dtype = out_dtype
         self.lib = lib if lib is not None else native.library()
-        self._product = self._dequant = 0
+        self._product = self._dequant = self._dequant_bf16 = 0
         if self.lib is not None:
             self._product = self.lib.address(_kernel_name("qlinear", weight))
             self._dequant = self.lib.address(_kernel_name("dequant", weight))
+            self._dequant_bf16 = self.lib.address(_kernel_name("dequant_bf16", weight))
 
     def _bias32(self) -> torch.Tensor | None:
         if self.bias is None:
@@ -331,17 +344,45 @@ class QuantizedLinear:
         return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
     def _tiled(self, x32: torch.Tensor) -> torch.Tensor:
-        """x W^T + b, W dequantized one tile of rows at a time."""
+        """x W^T + b, W dequantized one tile of rows at a time and multiplied in bf16 where
+        the CPU has fast bf16 products (as the unquantized model would), else float32."""
         n, k = self.out_features, self.in_features
         y = torch.empty(x32.shape[0], n, dtype=torch.float32)
         step = max(16, TILE_VALUES // k)
         bias = self._bias32()
+        bf16 = self.lib is not None and cpu_linear.serves(torch.bfloat16)
+        x = x32.to(torch.bfloat16) if bf16 else x32
         for r0 in range(0, n, step):
             rows = min(step, n - r0)
-            tile = self.rows(None, r0, rows)
             part_bias = None if bias is None else bias[r0 : r0 + rows]
-            y[:, r0 : r0 + rows] = F.linear(x32, tile, part_bias)
+            if bf16:
+                part = self._bf16_tile(r0, rows)(x)
+                if part_bias is not None:
+                    part += part_bias
+            else:
+                part = F.linear(x, self.rows(None, r0, rows), part_bias)
+            y[:, r0 : r0 + rows] = part
         return y
+
+    def _bf16_tile(self, row0: int, rows: int) -> cpu_linear.PackedLinear:
+        """Rows row0 .. row0 + rows of W dequantized to bf16 in the native bf16 kernel's
+        layout, as a product with float32 outputs."""
+        assert self.lib is not None
+        k, w = self.in_features, self.weight
+        packed = torch.empty(-(-rows // 16), k // 2, 16, 2, dtype=torch.bfloat16)
+        self.lib.call(
+            self._dequant_bf16,
+            w.codes.data_ptr(),
+            w.scales.data_ptr(),
+            0 if w.mins is None else w.mins.data_ptr(),
+            rows,
+            row0,
+            packed.data_ptr(),
+            self.out_features,
+            k,
+            w.group,
+        )
+        return cpu_linear.PackedLinear.from_packed(packed, rows, k, torch.float32)
 
     def rows(self, ids: torch.Tensor | None, row0: int = 0, count: int = 0) -> torch.Tensor:
         """Rows of W as float32: W[ids] (int64 [r]), or W[row0 : row0 + count]."""

@@ -183,7 +183,7 @@ class LlamaModel(PagedCausalLM):
                         f"{p}{hf_name}.bias", _bias_loader(f"{p}{hf_name}.bias", lin, start, rows)
                     )
         m.load_all(weights)
-        pack_linears(self)
+        pack_linears(self, self.quantization)
 
 
 def _param_loader(name: str, param: torch.Tensor) -> Callable[[torch.Tensor], None]:

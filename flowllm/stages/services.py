@@ -10,14 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from flowllm.config import ConfigError, EngineConfig
 from flowllm.engine.detokenizer import ByteVocab
+from flowllm.kernels import native
 from flowllm.mailbox import Mailboxes
 from flowllm.metrics import EngineMetrics
 from flowllm.models.kv_cache import KVCaches, KVCacheSpec, allocate_kv_cache
-from flowllm.models.loader import LoadedModel, load_model
+from flowllm.models.layers import Linear
+from flowllm.models.loader import LoadedModel, load_model, resolve_model
 from flowllm.models.tokenizer import load_tokenizer
 from flowllm.stages.worker import WorkerThread
 
@@ -103,10 +106,43 @@ def eos_token_ids(loaded: LoadedModel, tokenizer: Any) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
+def report_native_kernels(loaded: LoadedModel) -> None:
+    """Say at startup which native kernel build runs, or why none does (a warning when
+    kernels are off), and what the linear weights take."""
+    log = structlog.get_logger("flowllm.models")
+    if loaded.device.type != "cpu":
+        return
+    status = native.status()
+    emit = log.info if status.isa == "avx512" else log.warning
+    emit(status.describe())
+    weights = sum(m.weight_bytes for m in loaded.model.modules() if isinstance(m, Linear))
+    quantized = sorted(
+        {
+            m.quantized.weight.source
+            for m in loaded.model.modules()
+            if isinstance(m, Linear) and m.quantized
+        }
+    )
+    log.info(
+        "model weights",
+        linear_mib=round(weights / 2**20, 1),
+        quantized=",".join(quantized) or "none",
+        dtype=str(loaded.dtype).removeprefix("torch."),
+    )
+
+
 def build_services(config: EngineConfig) -> EngineServices:
     """Load the model and tokenizer and allocate the KV cache for `config`."""
-    loaded = load_model(config.model.model, config.model.dtype, config.model.device)
-    tokenizer = load_tokenizer(loaded.path, config.model.chat_template)
+    loaded = load_model(
+        config.model.model, config.model.dtype, config.model.device, config.model.quantization
+    )
+    if config.model.tokenizer is not None:
+        tokenizer = load_tokenizer(
+            resolve_model(config.model.tokenizer).path, config.model.chat_template
+        )
+    else:
+        tokenizer = load_tokenizer(loaded.path, config.model.chat_template, loaded.tokenizer_gguf)
+    report_native_kernels(loaded)
     model = loaded.model
     max_model_len = model.max_position_embeddings
     if config.model.max_model_len is not None:
