@@ -94,14 +94,25 @@ def architecture(reader: Any) -> str:
     return str(arch)
 
 
-def load_config(path: Path) -> Any:
-    """The transformers config transformers builds from the file's metadata."""
+def load_config(path: Path, reader: Any) -> Any:
+    """The transformers config transformers builds from the file's metadata, completed from
+    the file where transformers leaves a default: head_dim (`attention.key_length`), tied
+    embeddings (no `output.weight`) and q/k/v biases (Llama and Qwen3 have them optionally)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise GGUFError(f"cannot read the model config from {path}: {e}") from e
+    arch = architecture(reader)
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length.contents())
+    names = {t.name for t in reader.tensors}
+    config.tie_word_embeddings = "output.weight" not in names
+    if arch != "qwen2":
+        config.attention_bias = "blk.0.attn_q.bias" in names
+    return config
 
 
 def _dense(t: Any) -> torch.Tensor:

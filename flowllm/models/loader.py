@@ -360,7 +360,7 @@ def load_hf_config(path: Path | str) -> Any:
     except (KeyError, ValueError) as e:
         raise UnknownArchitectureError(
             f"unknown model architecture {model_type!r} ({', '.join(archs) or 'no architectures'})"
-            f" in {path}; flowllm runs GPT-2 and Llama-family models"
+            f" in {path}; flowllm runs GPT-2, Llama-family, Qwen2 and Qwen3 models"
         ) from e
     except OSError as e:
         raise CorruptCheckpointError(f"cannot read model config in {path}: {e}") from e
@@ -457,7 +457,7 @@ def load_model(
             reader = gguf_file.open_reader(resolved.gguf)
             gguf_file.architecture(reader)
         hf_config = (
-            gguf_file.load_config(resolved.gguf)
+            gguf_file.load_config(resolved.gguf, reader)
             if resolved.config_from_gguf and resolved.gguf is not None
             else load_hf_config(resolved.path)
         )
