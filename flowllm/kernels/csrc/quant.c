@@ -290,18 +290,23 @@ ALWAYS_INLINE int64_t dequant_bf16_blocks(const int64_t *a, int q4, int f16) {
   const int64_t blocks = (rows + 15) / 16;
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_FROM)
   for (int64_t b = 0; b < blocks; b++) {
-    float *tmp = malloc((size_t)k * sizeof(float));
-    uint16_t *dst = out + (size_t)b * k * 16;
-    if (tmp == NULL) continue; /* never with a few KiB; the caller checks nothing else */
+    /* the block's 16 rows as float32, then each column pair of them as 16 bf16 pairs */
+    float *tmp = malloc((size_t)16 * k * sizeof(float));
+    uint32_t *dst = (uint32_t *)(out + (size_t)b * k * 16);
+    if (tmp == NULL) continue; /* never with a few tens of KiB */
     for (int lane = 0; lane < 16; lane++) {
       const int64_t i = b * 16 + lane;
       if (i < rows) {
-        dequant_row(codes, scales, mins, row0 + i, k, G, q4, f16, tmp);
-        for (int c = 0; c < k; c++) dst[((size_t)(c / 2) * 16 + lane) * 2 + (c & 1)] = to_bf16(tmp[c]);
+        dequant_row(codes, scales, mins, row0 + i, k, G, q4, f16, tmp + (size_t)lane * k);
       } else {
-        for (int c = 0; c < k; c++) dst[((size_t)(c / 2) * 16 + lane) * 2 + (c & 1)] = 0;
+        memset(tmp + (size_t)lane * k, 0, (size_t)k * sizeof(float));
       }
     }
+    for (int p = 0; p < k / 2; p++)
+      for (int lane = 0; lane < 16; lane++) {
+        const float *t = tmp + (size_t)lane * k + 2 * p;
+        dst[(size_t)p * 16 + lane] = (uint32_t)to_bf16(t[0]) | (uint32_t)to_bf16(t[1]) << 16;
+      }
     free(tmp);
   }
   return 0;
