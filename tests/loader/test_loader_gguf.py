@@ -183,15 +183,20 @@ def test_an_unsupported_architecture_is_named(tmp_path: Path) -> None:
         load_model(str(path), device="cpu")
 
 
-def test_a_file_without_a_tokenizer_asks_for_one(tmp_path: Path) -> None:
-    import gguf
+def test_a_file_without_a_tokenizer_takes_one_from_tokenizer(tmp_path: Path) -> None:
+    """A GGUF without tokenizer metadata fails with a message naming --tokenizer, and
+    serves with `tokenizer=DIR` (the CLI's --tokenizer)."""
+    from flowllm import LLM, SamplingParams
 
-    path = tmp_path / "notok.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    ref = qwen(2, hidden=64)
+    with_tok = write_gguf(ref, tmp_path / "with.gguf", Q8_0)
+    tok_dir = tmp_path / "tokenizer"
+    load_tokenizer(tmp_path, None, with_tok).save_pretrained(tok_dir)
+    (tmp_path / "bare").mkdir()
+    bare = write_gguf(ref, tmp_path / "bare" / "bare.gguf", Q8_0, tokenizer=False)
     with pytest.raises(TokenizerLoadError, match="--tokenizer"):
-        load_tokenizer(tmp_path, None, path)
+        LLM(str(bare))
+    llm = LLM(str(bare), tokenizer=str(tok_dir))
+    out = llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert out.prompt_token_ids == load_tokenizer(tok_dir).encode("the cat")
+    assert len(out.outputs[0].token_ids) == 4

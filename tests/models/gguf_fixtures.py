@@ -92,8 +92,9 @@ def _rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType) -> Path:
-    """Write `model` (a transformers Llama/Qwen2/Qwen3 causal LM) to `path` as GGUF."""
+def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: bool = True) -> Path:
+    """Write `model` (a transformers Llama/Qwen2/Qwen3 causal LM) to `path` as GGUF (without
+    tokenizer metadata if not `tokenizer`)."""
     cfg = model.config
     arch = cfg.model_type
     w = gguf.GGUFWriter(str(path), arch)
@@ -113,16 +114,17 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType) -> Path:
     rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_vocab_size(cfg.vocab_size)
-    tokens, merges, types = byte_level_vocab(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch != "llama" else "gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 2)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    if tokenizer:
+        tokens, merges, types = byte_level_vocab(cfg.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if arch != "llama" else "gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(len(tokens) - 2)
+        w.add_eos_token_id(len(tokens) - 1)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHAT_TEMPLATE)
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
