@@ -10,6 +10,9 @@ script measures what that costs, against the float32 model with the file's value
 - greedy agreement: the share of generated tokens equal to the reference's, position by
   position, and how many tokens come before the first difference, over a set of prompts.
 
+The same weights dequantized to bf16 (the dtype the model ran in before) give the scale:
+how far rounding the activations alone moves a model this small.
+
     .venv/bin/python benchmarks/quant_quality.py                     # the bundled Q4_1 file
     .venv/bin/python benchmarks/quant_quality.py --model path/to/model.gguf --max-tokens 64
 
@@ -94,6 +97,7 @@ def main() -> int:
     reference: list[list[int]] | None = None
     variants = [
         ("float32, dequantized (reference)", {"quantization": "none", "dtype": "float32"}),
+        ("bfloat16, dequantized (for scale)", {"quantization": "none", "dtype": "bfloat16"}),
         ("quantized, prefill chunks of 32", {"max_num_batched_tokens": 32}),
         ("quantized, one prefill (bf16 tiles)", {}),
     ]
