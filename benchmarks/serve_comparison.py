@@ -148,6 +148,7 @@ def _server_command(args: argparse.Namespace, name: str, port: int) -> list[str]
         return [
             args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(slots), "-c", str(slots * args.max_model_len), "--log-disable",
+            *args.llama_server_args.split(),
         ]  # fmt: skip
     return [
         args.transformers, "serve", str(args.model_dir), "--continuous-batching",
@@ -319,6 +320,7 @@ def main() -> int:
     )
     ap.add_argument("--gguf", type=Path, help="GGUF file (default: the bundled Q4_1 file)")
     ap.add_argument("--llama-server", help="the llama-server binary (for `llama-server`)")
+    ap.add_argument("--llama-server-args", default="", help="extra llama-server flags (-t 1)")
     ap.add_argument("--interleave", action="store_true", help="all servers up, runs interleaved")
     ap.add_argument("--servers", default="flowllm,transformers", help="which to run, in order")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated")

@@ -258,7 +258,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cors = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
     cors.add_argument(
-        "--allowed-origins", type=json_list, help="JSON list, e.g. '[\"https://a.example\"]'"
+        "--allowed-origins", type=json_list, help='JSON list, e.g. \'["https://a.example"]\''
     )
     cors.add_argument("--allowed-methods", type=json_list, help='JSON list (default ["*"])')
     cors.add_argument("--allowed-headers", type=json_list, help='JSON list (default ["*"])')

@@ -218,7 +218,8 @@ def populate_hf_cache(
                     sha256.update(chunk)
             blob_id = sha256.hexdigest()
             pointer = (
-                f"version https://git-lfs.github.com/spec/v1\noid sha256:{blob_id}\nsize {size}\n"
+                "version https://git-lfs.github.com/spec/v1\n"
+                f"oid sha256:{blob_id}\nsize {size}\n"
             ).encode()
             tree[rel] = {
                 "size": size,

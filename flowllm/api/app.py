@@ -215,7 +215,8 @@ class HttpBoundary(ASGIMiddleware):
         if method in _BODY_METHODS and not is_json(content_type):
             shown = content_type.decode("latin-1") or "none"
             raise ApiError(
-                f"Unsupported Media Type: request bodies must be application/json, got {shown!r}.",
+                f"Unsupported Media Type: request bodies must be application/json, "
+                f"got {shown!r}.",
                 status_code=415,
                 code="unsupported_media_type",
                 headers={"X-Request-Id": request_id},

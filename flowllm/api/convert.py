@@ -247,7 +247,9 @@ def prepare_chat(
     `top_logprobs` becomes the engine's `logprobs`: its range is checked here (against
     `max_logprobs`), so that a refusal names the field the client sent.
     """
-    check_request_template(req.chat_template, req.chat_template_kwargs, trust_request_chat_template)
+    check_request_template(
+        req.chat_template, req.chat_template_kwargs, trust_request_chat_template
+    )
     if req.tools:
         raise ApiError.unsupported("tools", "tool calling")
     if req.tool_choice not in (None, "none"):

@@ -159,7 +159,9 @@ def check_sampling_params(
             "repetition_penalty",
             "decimal_below_min_value",
         )
-    _at_most("repetition_penalty", params.repetition_penalty, MAX_REPETITION_PENALTY, integer=False)
+    _at_most(
+        "repetition_penalty", params.repetition_penalty, MAX_REPETITION_PENALTY, integer=False
+    )
     if params.max_tokens is not None:
         _at_least("max_tokens", params.max_tokens, 1, integer=True)
     _at_least("min_tokens", params.min_tokens, 0, integer=True)

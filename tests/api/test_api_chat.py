@@ -122,7 +122,9 @@ async def test_request_chat_template_is_refused_unless_trusted(
 
 
 async def test_slow_request_template_is_a_quick_400(engine: FakeEngine) -> None:
-    template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    template = (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    )
     budget = TemplateBudget(seconds=0.3)
     engine.template_budget = budget  # the fake graph's tokenize
     app = make_app(engine, trust_request_chat_template=True, template_budget=budget)

@@ -89,7 +89,7 @@ def test_public_paths() -> None:
     [
         (b"application/json", True),
         (b"application/json; charset=utf-8", True),
-        (b'Application/JSON;charset="UTF-8"', True),
+        (b"Application/JSON;charset=\"UTF-8\"", True),
         (b"application/json; charset=latin-1", False),
         (b"application/json; boundary=x", False),
         (b"text/plain", False),
@@ -215,7 +215,9 @@ async def test_openapi_describes_every_route(engine: FakeEngine) -> None:
 
 def validate(doc: dict[str, Any], schema: dict[str, Any], instance: Any) -> None:
     """`instance` against a schema of the document (its $refs point into components)."""
-    jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).validate(instance)
+    jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).validate(
+        instance
+    )
 
 
 def invalid(doc: dict[str, Any], schema: dict[str, Any], instance: Any) -> bool:

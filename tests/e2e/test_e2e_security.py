@@ -114,7 +114,9 @@ def _serve_exits(args: list[str], env: dict[str, str]) -> subprocess.CompletedPr
         ([], "", "FLOWLLM_API_KEY"),
     ],
 )
-def test_an_empty_key_is_a_startup_error(args: list[str], env_key: str | None, shown: str) -> None:
+def test_an_empty_key_is_a_startup_error(
+    args: list[str], env_key: str | None, shown: str
+) -> None:
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "FLOWLLM_API_KEY"}
@@ -300,7 +302,9 @@ def test_https_with_the_openai_sdk(gpt2_tiny_dir: Path, pki: dict[str, Any]) -> 
         proc.stop()
 
 
-def test_mutual_tls_requires_a_client_certificate(gpt2_tiny_dir: Path, pki: dict[str, Any]) -> None:
+def test_mutual_tls_requires_a_client_certificate(
+    gpt2_tiny_dir: Path, pki: dict[str, Any]
+) -> None:
     with_cert = _context(pki, client_cert=True)
     flags = [
         *TINY_FLAGS, *_tls_flags(pki),

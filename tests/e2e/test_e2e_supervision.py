@@ -35,7 +35,9 @@ def complete(url: str, prompt: str) -> httpx.Response:
     )
 
 
-def test_a_bug_on_one_request_fails_that_request_only(gpt2_tiny_dir: Path, tmp_path: Path) -> None:
+def test_a_bug_on_one_request_fails_that_request_only(
+    gpt2_tiny_dir: Path, tmp_path: Path
+) -> None:
     server = start_server(
         str(gpt2_tiny_dir), TINY_FLAGS, graph=boom_graph(tmp_path / "boom.yaml", 5)
     )

@@ -120,7 +120,9 @@ def test_the_servers_template_refusing_the_messages_names_messages(gpt2_tokenize
         "{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}"
     )
     with pytest.raises(ChatTemplateError) as failed:
-        render_chat(gpt2_tokenizer, MESSAGES[1:], template=template, add_generation_prompt=True)
+        render_chat(
+            gpt2_tokenizer, MESSAGES[1:], template=template, add_generation_prompt=True
+        )
     assert failed.value.param == "messages"
     assert "system first" in failed.value.message
 

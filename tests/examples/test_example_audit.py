@@ -20,6 +20,7 @@ from flowllm.messages import Abort, SamplingParams, TokenizedRequest
 AUDIT_YAML = EXAMPLES / "graphs" / "audit.yaml"
 
 
+
 audit = load_example_stage_module("audit")
 
 

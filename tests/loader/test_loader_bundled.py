@@ -64,19 +64,9 @@ def test_config_matches_gguf_metadata(smollm2_dir: Path, gguf_reference: dict[st
     ours = json.loads((smollm2_dir / "config.json").read_text())
     ref = gguf_reference["config"]
     for key in (
-        "num_hidden_layers",
-        "max_position_embeddings",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "vocab_size",
-        "head_dim",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "tie_word_embeddings",
-        "rope_theta",
+        "num_hidden_layers", "max_position_embeddings", "hidden_size", "intermediate_size",
+        "num_attention_heads", "num_key_value_heads", "vocab_size", "head_dim",
+        "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "rope_theta",
     ):
         assert ours[key] == ref[key], key
     assert ours["rms_norm_eps"] == pytest.approx(ref["rms_norm_eps"], rel=1e-6)

@@ -55,7 +55,9 @@ def test_hf_cache_is_found_offline_by_huggingface_hub(hf_home_with_gpt2: Path) -
     assert (Path(path) / "model.safetensors").is_file()
 
 
-def test_hf_cache_incomplete_snapshot_is_detected(hf_home_with_gpt2: Path, tmp_path: Path) -> None:
+def test_hf_cache_incomplete_snapshot_is_detected(
+    hf_home_with_gpt2: Path, tmp_path: Path
+) -> None:
     """The cached tree listing is real: huggingface_hub notices a file missing from it."""
     from huggingface_hub.errors import IncompleteSnapshotError
 

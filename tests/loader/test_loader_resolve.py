@@ -207,11 +207,8 @@ def fake_hub_factory(
 
 @pytest.mark.parametrize(
     ("status", "code", "needle"),
-    [
-        (404, "RepoNotFound", "HF_TOKEN"),
-        (401, "RepoNotFound", "HF_TOKEN"),
-        (403, "GatedRepo", "gated"),
-    ],
+    [(404, "RepoNotFound", "HF_TOKEN"), (401, "RepoNotFound", "HF_TOKEN"),
+     (403, "GatedRepo", "gated")],
 )
 def test_hub_errors_and_token(
     fake_hub_factory: type[_FakeHub],
@@ -242,23 +239,11 @@ def test_hub_download_selects_serving_files_only() -> None:
     from flowllm.models.loader import HUB_ALLOW_PATTERNS, HUB_IGNORE_PATTERNS
 
     repo = [
-        "README.md",
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-        "model-00001-of-00002.safetensors",
-        "model.safetensors.index.json",
-        "consolidated.safetensors",
-        "pytorch_model.bin",
-        "onnx/model.safetensors",
-        "original/params.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "vocab.json",
-        "merges.txt",
-        "special_tokens_map.json",
-        "chat_template.jinja",
-        "flax_model.msgpack",
+        "README.md", "config.json", "generation_config.json", "model.safetensors",
+        "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+        "consolidated.safetensors", "pytorch_model.bin", "onnx/model.safetensors",
+        "original/params.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+        "merges.txt", "special_tokens_map.json", "chat_template.jinja", "flax_model.msgpack",
     ]
     kept = set(
         filter_repo_objects(
@@ -266,15 +251,8 @@ def test_hub_download_selects_serving_files_only() -> None:
         )
     )
     assert kept == {
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-        "model-00001-of-00002.safetensors",
-        "model.safetensors.index.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "vocab.json",
-        "merges.txt",
-        "special_tokens_map.json",
+        "config.json", "generation_config.json", "model.safetensors",
+        "model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+        "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
         "chat_template.jinja",
     }

@@ -69,10 +69,8 @@ def _shard(src: Path, dest: Path) -> dict[str, torch.Tensor]:
     tensors = load_file(str(src / "model.safetensors"))
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {
-        "model-00001-of-00002.safetensors": names[:half],
-        "model-00002-of-00002.safetensors": names[half:],
-    }
+    shards = {"model-00001-of-00002.safetensors": names[:half],
+              "model-00002-of-00002.safetensors": names[half:]}
     weight_map = {}
     for shard, shard_names in shards.items():
         shard_tensors = {n: tensors[n] for n in shard_names}
@@ -121,11 +119,8 @@ def test_corrupt_safetensors(gpt2_tiny_dir: Path, tmp_path: Path, damage: str) -
     f = d / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(
-        {
-            "garbage": b"\x00\x01not a safetensors file" * 10,
-            "truncated": data[: len(data) // 2],
-            "empty": b"",
-        }[damage]
+        {"garbage": b"\x00\x01not a safetensors file" * 10, "truncated": data[: len(data) // 2],
+         "empty": b""}[damage]
     )
     with pytest.raises(CorruptCheckpointError) as e:
         list(iter_weights(d))
