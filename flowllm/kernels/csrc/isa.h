@@ -62,8 +62,6 @@ static inline vi vi_dot_s8s8(vi w, vi s) {
   return vi_dot_u8s8(_mm512_abs_epi8(w), signed_s);
 }
 static inline vf vf_from_vi(vi v) { return _mm512_cvtepi32_ps(v); }
-/* Each byte minus 8 (4-bit codes centred on 0). */
-static inline vi vi_center4(vi v) { return _mm512_sub_epi8(v, _mm512_set1_epi8(8)); }
 /* Lane scales of the VL / 8 blocks of 32 values a vi covers: p[0] x 8, p[1] x 8. */
 static inline vf vf_block_scales(const float *p) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(p[0])),
@@ -112,7 +110,6 @@ static inline vi vi_dot_s8s8(vi w, vi s) {
   return vi_dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
 }
 static inline vf vf_from_vi(vi v) { return _mm256_cvtepi32_ps(v); }
-static inline vi vi_center4(vi v) { return _mm256_sub_epi8(v, _mm256_set1_epi8(8)); }
 static inline vf vf_block_scales(const float *p) { return _mm256_set1_ps(p[0]); }
 #else
 #error "isa.h needs AVX-512F or AVX2 with FMA"

@@ -14,9 +14,7 @@ as llama.cpp's do: each row of x is quantized to int8 in blocks of 32 (scale abs
 rounded to nearest), each block's dot product with the codes is summed exactly in int32
 lanes (maddubs: unsigned x signed bytes; a signed code's sign moves onto x), and scaled by
 the weight group's s times the block's x scale; the offsets add m times the block's exact
-float sum of x. 4-bit codes enter the integer product as q - 8 (m + 8 s moving to the
-offset term), so x's rounding error is multiplied by codes centred on 0: half the error
-of multiplying q in [0, 16). So W's values are exact and x is rounded to 8 bits a block, the error
+float sum of x. So W's values are exact and x is rounded to 8 bits a block, the error
 bounded by sum |w| x (x block scale) / 2. Other groups dequantize to float32 in registers
 and multiply with x as it is.
 
@@ -115,7 +113,7 @@ ALWAYS_INLINE void row_dots_int(const QuantX *qx, int r0, const void *codes, con
       for (int r = 0; r < M; r++) {
         const size_t row = (size_t)(r0 + r);
         const vi xv = vi_load(qx->q + row * k + at);
-        const vi d = vi_dot_s8s8(q4 ? vi_center4(w[v]) : w[v], xv);
+        const vi d = q4 ? vi_dot_u8s8(w[v], xv) : vi_dot_s8s8(w[v], xv);
         const vf s = vf_mul(ws, vf_load(qx->d + (row * k + at) / 4));
         acc[r] = vf_fma(vf_from_vi(d), s, acc[r]);
       }
@@ -164,18 +162,16 @@ ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *c
   const void *s = scales + (size_t)j * scale_bytes;
   const void *o = mins ? mins + (size_t)j * scale_bytes : NULL;
   const float b = bias ? bias[j] : 0.0f;
-  float sc[qx ? k / QBLOCK + 1 : 1], mn[qx && (o || q4) ? k / QBLOCK + 1 : 1];
+  float sc[qx ? k / QBLOCK + 1 : 1], mn[qx && o ? k / QBLOCK + 1 : 1];
   if (qx) {
     block_scales(s, k, G, f16, sc);
     if (o) block_scales(o, k, G, f16, mn);
-    if (q4) /* the product runs on q - 8, centred: its error no longer grows with q */
-      for (int b = 0; b < k / QBLOCK; b++) mn[b] = fmaf(8.0f, sc[b], o ? mn[b] : 0.0f);
   }
   for (int r0 = 0; r0 < m; r0 += ROWS) {
     float out[ROWS];
     const int rows = m - r0 < ROWS ? m - r0 : ROWS;
     if (qx) {
-      const float *on = o || q4 ? mn : NULL;
+      const float *on = o ? mn : NULL;
       switch (rows) {
         case 1: row_dots_int(qx, r0, c, sc, on, k, 1, q4, out); break;
         case 2: row_dots_int(qx, r0, c, sc, on, k, 2, q4, out); break;
