@@ -1,11 +1,25 @@
-"""flowllm vs `transformers serve`: `flowllm bench serve` against both, in one run.
+"""flowllm vs `transformers serve` or llama.cpp's `llama-server`: `flowllm bench serve`
+against each, in one run.
 
-Both servers serve the same model files (by default the bundled SmolLM2-135M-Instruct,
-converted once into the flowllm cache) in the same dtype, on 127.0.0.1, one at a time (the
-machines have 2 cores). For each server and each concurrency the script runs
+The servers serve the same model (by default the bundled SmolLM2-135M-Instruct: its
+HF-format directory converted once into the flowllm cache, or its Q4_1 GGUF file) on
+127.0.0.1. For each server and each concurrency the script runs
 `python -m flowllm bench serve` on the chat endpoint with the same random prompts (exact
 token lengths from the model's tokenizer, the same seed) and keeps its JSON result; at the
-end it prints one Markdown table of both servers.
+end it prints one Markdown table of every server.
+
+Servers (`--servers`, in order):
+  - `flowllm`: the HF-format directory in `--dtype` (the dequantized model);
+  - `flowllm-q4`: the GGUF file, weights served quantized (float32 activations);
+  - `flowllm-q4-avx2`: the same with `FLOWLLM_NATIVE_ISA=avx2`, the AVX2 build of the
+    kernels (what a CPU without AVX-512 runs);
+  - `llama-server`: the GGUF file, by the binary given with `--llama-server` (built e.g.
+    from the llama.cpp sources vendored in the llama-cpp-python sdist), one slot per
+    concurrent request;
+  - `transformers`: `transformers serve` on the HF-format directory.
+With `--interleave` every server is started first and kept up, and the concurrencies run
+one after another across all of them (idle servers take no CPU), so that the machine's
+other load falls on every server alike; otherwise each server runs alone in turn.
 
 `transformers serve` comes from a separate virtualenv (its serving extra pins packages the
 project's own environment must not get):
@@ -40,7 +54,8 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("flowllm", "transformers")
+SERVERS = ("flowllm", "flowllm-q4", "flowllm-q4-avx2", "llama-server", "transformers")
+GGUF_SERVERS = frozenset({"flowllm-q4", "flowllm-q4-avx2", "llama-server"})
 # transformers serve's continuous-batching cache sized for this model and these lengths: on
 # CPU its default sizing made each decode step several times slower here.
 TRANSFORMERS_ARGS = "--cb-num-blocks 512 --cb-block-size 32 --cb-max-batch-tokens 1024"
@@ -109,13 +124,31 @@ def _bundled_model_dir() -> Path:
     return found if found is not None else ensure_bundled_model()
 
 
+def _bundled_gguf() -> Path:
+    sys.path.insert(0, str(REPO))
+    from flowllm.models.bundled import bundled_gguf_path
+
+    return bundled_gguf_path()
+
+
 def _server_command(args: argparse.Namespace, name: str, port: int) -> list[str]:
-    if name == "flowllm":
+    if name.startswith("flowllm"):
+        quantized = name in GGUF_SERVERS
+        model = args.gguf if quantized else args.model_dir
         return [
-            sys.executable, "-m", "flowllm", "serve", str(args.model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
+            sys.executable, "-m", "flowllm", "serve", str(model),
+            "--served-model-name", str(args.model_dir),
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "auto" if quantized else args.dtype,
             "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory,
             "--log-level", "warning",
+        ]  # fmt: skip
+    if name == "llama-server":
+        slots = max(args.concurrency)
+        return [
+            args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(slots * args.max_model_len), "--log-disable",
+            *args.llama_server_args.split(),
         ]  # fmt: skip
     return [
         args.transformers, "serve", str(args.model_dir), "--continuous-batching",
@@ -167,8 +200,8 @@ def _bench(
     return data  # type: ignore[no-any-return]
 
 
-def run_server(args: argparse.Namespace, name: str, out_dir: Path) -> dict[int, dict[str, Any]]:
-    """Start `name`, benchmark it at every concurrency, stop it; results by concurrency."""
+def start(args: argparse.Namespace, name: str, out_dir: Path) -> tuple[Server, str]:
+    """Start `name` and wait until it answers; (the server, its URL)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
@@ -176,17 +209,50 @@ def run_server(args: argparse.Namespace, name: str, out_dir: Path) -> dict[int, 
         hub_cache = out_dir / "hf-hub-cache"  # must exist; nothing is downloaded into it
         hub_cache.mkdir(exist_ok=True)
         env.update(HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
+    if name == "flowllm-q4-avx2":
+        env["FLOWLLM_NATIVE_ISA"] = "avx2"
     server = Server(name, _server_command(args, name, port), env, out_dir / f"{name}.log")
-    results: dict[int, dict[str, Any]] = {}
     try:
         server.wait_healthy(url, args.startup_timeout)
         _warm_up(url, str(args.model_dir))
+    except BaseException:
+        server.stop()
+        raise
+    return server, url
+
+
+def run_server(args: argparse.Namespace, name: str, out_dir: Path) -> dict[int, dict[str, Any]]:
+    """Start `name`, benchmark it at every concurrency, stop it; results by concurrency."""
+    server, url = start(args, name, out_dir)
+    results: dict[int, dict[str, Any]] = {}
+    try:
         for concurrency in args.concurrency:
             print(f"== {name}, concurrency {concurrency}", flush=True)
             result = out_dir / f"{name}-c{concurrency}.json"
             results[concurrency] = _bench(args, name, url, concurrency, result)
     finally:
         server.stop()
+    return results
+
+
+def run_interleaved(
+    args: argparse.Namespace, names: Sequence[str], out_dir: Path
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every server up at once; each concurrency run against each server in turn."""
+    servers: dict[str, tuple[Server, str]] = {}
+    results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
+    try:
+        for name in names:
+            servers[name] = start(args, name, out_dir)
+        for concurrency in args.concurrency:
+            for name in names:
+                print(f"== {name}, concurrency {concurrency}", flush=True)
+                result = out_dir / f"{name}-c{concurrency}.json"
+                url = servers[name][1]
+                results[name][concurrency] = _bench(args, name, url, concurrency, result)
+    finally:
+        for server, _ in servers.values():
+            server.stop()
     return results
 
 
@@ -217,18 +283,25 @@ def table(results: dict[str, dict[int, dict[str, Any]]]) -> str:
         for name in SERVERS:
             if concurrency in results.get(name, {}):
                 lines.append(_row(name, concurrency, results[name][concurrency]))
-    ratios = []
-    for concurrency in concurrencies:
-        try:
-            ours = results["flowllm"][concurrency]["metrics"]["output_throughput"]
-            theirs = results["transformers"][concurrency]["metrics"]["output_throughput"]
-        except KeyError:
-            continue
-        if theirs > 0:
-            ratios.append(f"concurrency {concurrency}: {ours / theirs:.2f}x")
-    if ratios:
-        lines.append("")
-        lines.append("flowllm / transformers serve output throughput: " + ", ".join(ratios))
+    for ours_name in ("flowllm", "flowllm-q4", "flowllm-q4-avx2"):
+        for peer in ("transformers", "llama-server"):
+            ratios = []
+            for concurrency in concurrencies:
+                try:
+                    ours = results[ours_name][concurrency]["metrics"]
+                    theirs = results[peer][concurrency]["metrics"]
+                except KeyError:
+                    continue
+                if theirs["output_throughput"] > 0:
+                    tpot = ""
+                    a, b = ours["tpot"].get("median_ms"), theirs["tpot"].get("median_ms")
+                    if a and b:
+                        tpot = f" (TPOT {a / b:.2f}x)"
+                    ratio = ours["output_throughput"] / theirs["output_throughput"]
+                    ratios.append(f"concurrency {concurrency}: {ratio:.2f}x{tpot}")
+            if ratios:
+                lines.append("")
+                lines.append(f"{ours_name} / {peer} output throughput: " + ", ".join(ratios))
     return "\n".join(lines)
 
 
@@ -245,6 +318,10 @@ def main() -> int:
         default=TRANSFORMERS_ARGS,
         help="extra `transformers serve` flags (default: %(default)s)",
     )
+    ap.add_argument("--gguf", type=Path, help="GGUF file (default: the bundled Q4_1 file)")
+    ap.add_argument("--llama-server", help="the llama-server binary (for `llama-server`)")
+    ap.add_argument("--llama-server-args", default="", help="extra llama-server flags (-t 1)")
+    ap.add_argument("--interleave", action="store_true", help="all servers up, runs interleaved")
     ap.add_argument("--servers", default="flowllm,transformers", help="which to run, in order")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated")
     ap.add_argument("--input-len", type=int, default=128)
@@ -268,17 +345,25 @@ def main() -> int:
         ap.error(f"unknown servers {unknown}; choose from {SERVERS}")
     if "transformers" in servers and not Path(args.transformers).is_file():
         ap.error(f"no transformers CLI at {args.transformers!r}; see this script's docstring")
+    if "llama-server" in servers and not (args.llama_server and Path(args.llama_server).is_file()):
+        ap.error("llama-server needs --llama-server PATH to its binary")
+    if args.gguf is None:
+        args.gguf = _bundled_gguf()
+    args.gguf = args.gguf.resolve()
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="serve-comparison-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model_dir}, dtype {args.dtype}, results in {out_dir}", flush=True)
 
     results: dict[str, dict[int, dict[str, Any]]] = {}
-    for name in servers:
-        try:
-            results[name] = run_server(args, name, out_dir)
-        except ComparisonError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+    try:
+        if args.interleave:
+            results = run_interleaved(args, servers, out_dir)
+        else:
+            for name in servers:
+                results[name] = run_server(args, name, out_dir)
+    except ComparisonError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     report = table(results)
     (out_dir / "table.md").write_text(report + "\n")
     print(report)

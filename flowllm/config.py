@@ -12,6 +12,7 @@ import msgspec
 
 BUNDLED_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8")
 
 
 # The `--tool-call-parser` values (flowllm.api.tool_calls reads the output with them).
@@ -36,11 +37,19 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     chat_template: str | None = None  # path to a Jinja template overriding the model's
+    tokenizer: str | None = None  # a directory whose tokenizer replaces the model's
+    # auto: GGUF weights stay quantized; none: dequantized at load; int8: float weights
+    # quantized per output channel (flowllm.models.loader.load_model)
+    quantization: str = "auto"
     seed: int = 0
     enforce_eager: bool = False  # never replay decode steps' recorded kernel calls
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",

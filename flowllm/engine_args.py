@@ -6,7 +6,14 @@ import argparse
 import os
 from typing import Any
 
-from flowllm.config import BUNDLED_MODEL, DTYPES, EngineConfig, RequestLimits, engine_config
+from flowllm.config import (
+    BUNDLED_MODEL,
+    DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    RequestLimits,
+    engine_config,
+)
 
 _LIMITS = RequestLimits()  # the defaults of the request limits, defined in flowllm.config
 
@@ -61,11 +68,23 @@ def add_engine_arguments(
         "model",
         nargs="?" if model_optional else None,
         default=BUNDLED_MODEL,
-        help=f"a local directory, a Hub id (gpt2 = openai-community/gpt2) or the bundled "
-        f"{BUNDLED_MODEL} (default)",
+        help=f"a GGUF file, a local directory, a Hub id (gpt2 = openai-community/gpt2) or "
+        f"the bundled {BUNDLED_MODEL} (default)",
     )
     parser.add_argument("--served-model-name", help="the name clients use (default: MODEL)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="auto",
+        help="auto: a GGUF file's quantized weights (the bundled model's Q4_1) are served "
+        "quantized; none: dequantized at load, as the float model; int8: a float checkpoint's "
+        "linear layers quantized to int8 per output channel (weights only)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        help="a directory (or Hub id) whose tokenizer to use, for GGUF files without one",
+    )
     parser.add_argument("--max-model-len", type=int, help="context length (default: model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -114,6 +133,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     settings: dict[str, Any] = {
         "served_model_name": args.served_model_name,
         "dtype": args.dtype,
+        "quantization": args.quantization,
+        "tokenizer": args.tokenizer,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

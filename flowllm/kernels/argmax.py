@@ -23,7 +23,7 @@ _BLOCK = 64  # torch fallback: block length
 
 @functools.cache
 def _kernel() -> tuple[native.NativeLibrary, int] | None:
-    lib = native.library()
+    lib = native.avx512_library()
     return None if lib is None else (lib, lib.address("flowllm_argmax_rows_f32"))
 
 

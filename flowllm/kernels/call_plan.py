@@ -31,6 +31,7 @@ everything those decisions depend on.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowllm.kernels.native import NativeLibrary
 
-__all__ = ["CallPlan", "Recorded", "record"]
+__all__ = ["CallPlan", "Recorded", "record", "recording"]
+
+_state = threading.local()
+
+
+def recording() -> bool:
+    """Whether this thread is recording a plan now: a function that has a torch path and a
+    native one for the same work takes the native one then."""
+    return bool(getattr(_state, "recording", False))
+
 
 Outputs = tuple[torch.Tensor, ...]
 
@@ -156,10 +166,12 @@ def record(
     static = tuple(t.clone() for t in inputs)
     only_views, keep = _OnlyViewsAndAllocations(), _KeepAddressed()
     lib.record_start()
+    _state.recording = True
     try:
         with keep, only_views:
             outputs = fn(*static)
     finally:
+        _state.recording = False
         calls = lib.record_stop()
     if keep.refused is not None:
         return Recorded(outputs, None, f"it reads values into Python ({keep.refused})")

@@ -40,7 +40,7 @@ class _Kernels:
 @functools.cache
 def _functions() -> _Kernels | None:
     """The kernels; None without the library."""
-    lib = native.library()
+    lib = native.avx512_library()
     return None if lib is None else _Kernels(lib)
 
 

@@ -30,7 +30,7 @@ class NativeLinearError(ValueError):
 
 def serves(dtype: torch.dtype) -> bool:
     """Whether the native kernel runs products in `dtype` on this machine."""
-    lib = native.library()
+    lib = native.avx512_library()
     if lib is None or dtype not in _KERNELS:
         return False
     return dtype != torch.bfloat16 or lib.has_bf16
@@ -39,7 +39,7 @@ def serves(dtype: torch.dtype) -> bool:
 @functools.cache
 def _kernel(dtype: torch.dtype) -> tuple[Callable[..., int], int]:
     """The library's `call` and the kernel's address for `dtype`."""
-    lib = native.library()
+    lib = native.avx512_library()
     if lib is None or not serves(dtype):
         raise NativeLinearError(f"the native linear kernel cannot run {dtype} on this machine")
     return lib.call, lib.address(_KERNELS[dtype])
@@ -104,6 +104,21 @@ class PackedLinear:
         self._f32_out = int(self.out_dtype != w.dtype)
         self.bias = bias
         self.packed = pack(w.detach())
+
+    @classmethod
+    def from_packed(
+        cls, packed: torch.Tensor, n: int, k: int, out_dtype: torch.dtype | None = None
+    ) -> PackedLinear:
+        """A product over a weight already in `pack`'s layout (built by another kernel), no
+        bias."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features, self.dtype = n, k, packed.dtype
+        self._call, self._kernel = _kernel(packed.dtype)
+        self.out_dtype = packed.dtype if out_dtype is None else out_dtype
+        self._f32_out = int(self.out_dtype != packed.dtype)
+        self.bias = None
+        self.packed = packed
+        return self
 
     def unpack(self) -> torch.Tensor:
         """W [out, in] as a new tensor."""

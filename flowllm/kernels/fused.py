@@ -41,7 +41,7 @@ class _Kernels:
 
 @functools.cache
 def _bound() -> _Kernels | None:
-    lib = native.library()
+    lib = native.avx512_library()
     return None if lib is None else _Kernels(lib)
 
 

@@ -9,11 +9,17 @@ costs ~1-2 µs where a torch op costs 5-15 µs.
 
 The sources are compiled with the system C compiler (`$CC`, else `cc`/`gcc`) into
 `$FLOWLLM_CACHE/kernels/<hash>/`, the hash covering the sources, the flags and the
-compiler's version, and written atomically (a crash leaves no half library). x86-64 with
-AVX-512 (F, BW, VL) is required; bf16 functions are compiled for AVX512-BF16 by their own
-target attribute and called only where the CPU has it (`has_bf16`). Elsewhere — another
-architecture, no compiler, `FLOWLLM_NATIVE_KERNELS=0` — `library()` returns None and the
-callers keep their torch paths; a failed build is logged once with the compiler's output.
+compiler's version, and written atomically (a crash leaves no half library). Two builds
+exist (`ISAS`): AVX-512 (F, BW, VL, DQ) compiles every source; AVX2 + FMA + F16C compiles
+the sources written over the vector layer of `csrc/isa.h` (the quantized linear kernels)
+and the library plumbing, so the other kernels' callers keep their torch paths there
+(`avx512_library()` is None). `FLOWLLM_NATIVE_ISA=avx2` forces the AVX2 build on an AVX-512
+machine (the tests run both); `auto` (the default) takes the widest the CPU runs. bf16
+functions are compiled for AVX512-BF16 by their own target attribute and called only where
+the CPU has it (`has_bf16`). Elsewhere — another architecture, no compiler,
+`FLOWLLM_NATIVE_KERNELS=0` — `library()` returns None and the callers keep their torch
+paths; `status()` says which build runs or why none does, and the server prints it at
+startup.
 
 Calling convention: every kernel is `int64_t name(const int64_t *args)`, returning 0 or
 what it found wrong in its inputs before writing anything (an index out of range); Python
@@ -44,6 +50,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -54,12 +61,42 @@ from flowllm.cache import flowllm_cache_dir
 SOURCE_DIR = Path(__file__).with_name("csrc")
 MODULE_NAME = "flowllm_cpu_kernels"
 LIBRARY_NAME = MODULE_NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
-FLAGS = (
-    "-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-)  # fmt: skip
-REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"})
+COMMON_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 DISABLE_ENV = "FLOWLLM_NATIVE_KERNELS"
+ISA_ENV = "FLOWLLM_NATIVE_ISA"
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One build of the library: its target flags, the CPU flags it needs, its sources
+    (None: every source), and target flags added where the CPU has a feature (the library
+    is built on the machine that runs it)."""
+
+    name: str
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+    sources: tuple[str, ...] | None
+    optional: tuple[tuple[str, str], ...] = ()
+
+    def target_flags(self, cpu: frozenset[str]) -> tuple[str, ...]:
+        return (*self.flags, *(flag for feature, flag in self.optional if feature in cpu))
+
+
+ISAS = {
+    "avx512": Isa(
+        "avx512",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"),
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}),
+        None,
+        (("avx512_vnni", "-mavx512vnni"),),  # one instruction for quant.c's byte dots
+    ),
+    "avx2": Isa(
+        "avx2",
+        ("-mavx2", "-mfma", "-mf16c"),
+        frozenset({"avx2", "fma", "f16c"}),
+        ("common.c", "module.c", "quant.c"),
+    ),
+}
 
 _log = structlog.get_logger("flowllm.kernels")
 
@@ -67,7 +104,7 @@ _log = structlog.get_logger("flowllm.kernels")
 class NativeLibrary:
     """The loaded library and what this CPU lets it run."""
 
-    def __init__(self, path: Path, has_bf16: bool) -> None:
+    def __init__(self, path: Path, has_bf16: bool, isa: str = "avx512") -> None:
         spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
         if spec is None or spec.loader is None:
             raise OSError(f"cannot load {path} as a Python extension")
@@ -79,7 +116,8 @@ class NativeLibrary:
         self.record_stop: Callable[[], bytes] = module.record_stop
         self._symbols = ctypes.CDLL(str(path))  # the same loaded file, for kernel addresses
         self.path = path
-        self.has_bf16 = has_bf16
+        self.isa = isa
+        self.has_bf16 = has_bf16 and isa == "avx512"
         self._omp_max_threads = ctypes.CFUNCTYPE(ctypes.c_int)(
             self.address("flowllm_omp_max_threads")
         )
@@ -117,44 +155,121 @@ def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
+@dataclass(frozen=True)
+class NativeStatus:
+    """Which build of the kernels runs (isa None: none), and why not the widest."""
+
+    isa: str | None
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        if self.isa == "avx512":
+            return "native CPU kernels: AVX-512 build, every kernel on"
+        if self.isa == "avx2":
+            why = f" ({self.reason})" if self.reason else ""
+            return (
+                f"native CPU kernels: AVX2 build{why}: quantized linear layers native; "
+                "fp32/bf16 linear, attention, fused norms and argmax on torch (AVX-512 only)"
+            )
+        return f"native CPU kernels off ({self.reason}): every kernel on torch"
+
+
+def requested_isa() -> str:
+    """`FLOWLLM_NATIVE_ISA`: auto (the default), avx512 or avx2."""
+    value = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if value not in {"auto", *ISAS}:
+        raise ValueError(f"{ISA_ENV} must be auto, {' or '.join(ISAS)}, got {value!r}")
+    return value
+
+
 @functools.cache
-def library() -> NativeLibrary | None:
-    """The compiled kernels, built on first use; None where they cannot run (see module)."""
-    if not enabled() or platform.machine().lower() not in {"x86_64", "amd64"}:
-        return None
+def _load() -> tuple[NativeLibrary | None, NativeStatus]:
+    if not enabled():
+        return None, NativeStatus(None, f"{DISABLE_ENV}=0")
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        return None, NativeStatus(None, f"{platform.machine()} is not x86-64")
+    try:
+        wanted = requested_isa()
+    except ValueError as e:
+        return None, NativeStatus(None, str(e))
     flags = cpu_flags()
-    if not flags >= REQUIRED_CPU_FLAGS:
-        return None
+    runnable = [isa for isa in ISAS.values() if flags >= isa.cpu_flags]
+    if wanted != "auto":
+        runnable = [isa for isa in runnable if isa.name == wanted]
+    if not runnable:
+        what = "AVX-512 or AVX2+FMA+F16C" if wanted == "auto" else ISAS[wanted].name
+        return None, NativeStatus(None, f"the CPU lacks {what}")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        _log.warning("native_kernels_unavailable", reason="no C compiler (cc, gcc or $CC)")
-        return None
-    try:
-        path = _build(compiler, flowllm_cache_dir() / "kernels")
-    except (OSError, subprocess.CalledProcessError) as exc:
-        output = getattr(exc, "stderr", "") or str(exc)
-        _log.warning("native_kernels_unavailable", reason="build failed", output=output[-2000:])
-        return None
-    return NativeLibrary(path, has_bf16="avx512_bf16" in flags)
+        return None, NativeStatus(None, "no C compiler (cc, gcc or $CC)")
+    failures: list[str] = []
+    for isa in runnable:
+        try:
+            lib = isa_library(isa.name, compiler)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            output = getattr(exc, "stderr", "") or str(exc)
+            _log.warning("native_kernels_build_failed", isa=isa.name, output=output[-2000:])
+            first = next((ln for ln in output.splitlines() if "error" in ln), output[:200])
+            failures.append(f"the {isa.name} build failed: {first.strip()}")
+            continue
+        reason = "; ".join(failures) or ("forced by " + ISA_ENV if wanted != "auto" else "")
+        if not failures and wanted == "auto" and isa.name != "avx512":
+            reason = "the CPU lacks AVX-512"
+        return lib, NativeStatus(isa.name, reason)
+    return None, NativeStatus(None, "; ".join(failures))
+
+
+@functools.cache
+def isa_library(isa: str, compiler: str | None = None) -> NativeLibrary:
+    """The library built for `isa` (a key of ISAS), whatever the environment asks: the tests
+    run the AVX2 build beside the AVX-512 one. Raises OSError or CalledProcessError when it
+    cannot be built."""
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or $CC)")
+    path = _build(compiler, flowllm_cache_dir() / "kernels", ISAS[isa])
+    return NativeLibrary(path, has_bf16="avx512_bf16" in cpu_flags(), isa=isa)
+
+
+def library() -> NativeLibrary | None:
+    """The compiled kernels of the widest build this CPU runs (or the one `FLOWLLM_NATIVE_ISA`
+    forces), built on first use; None where none can run (see the module docstring)."""
+    return _load()[0]
+
+
+def avx512_library() -> NativeLibrary | None:
+    """The library when it is the AVX-512 build, which alone has the kernels other than the
+    quantized linear ones."""
+    lib = library()
+    return lib if lib is not None and lib.isa == "avx512" else None
+
+
+def status() -> NativeStatus:
+    """Which build runs, or why none does (building it first if it has not been)."""
+    return _load()[1]
 
 
 def _python_include() -> str:
     return sysconfig.get_paths()["include"]
 
 
-def _sources() -> list[Path]:
-    return sorted(SOURCE_DIR.glob("*.c"))
+def _sources(isa: Isa) -> list[Path]:
+    if isa.sources is None:
+        return sorted(SOURCE_DIR.glob("*.c"))
+    return [SOURCE_DIR / name for name in isa.sources]
 
 
-def _build(compiler: str, root: Path) -> Path:
+def _build(compiler: str, root: Path, isa: Isa) -> Path:
     """Compile the sources into `root/<hash>/` unless that library exists already."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     digest = hashlib.sha256()
-    for part in (compiler, version, " ".join(FLAGS), LIBRARY_NAME, _python_include()):
+    flags = (*COMMON_FLAGS, *isa.target_flags(cpu_flags()))
+    for part in (compiler, version, " ".join(flags), LIBRARY_NAME, _python_include()):
         digest.update(part.encode())
-    for src in [*_sources(), *sorted(SOURCE_DIR.glob("*.h"))]:
+    for src in [*_sources(isa), *sorted(SOURCE_DIR.glob("*.h"))]:
         digest.update(src.name.encode())
         digest.update(src.read_bytes())
     target = root / digest.hexdigest()[:16] / LIBRARY_NAME
@@ -165,8 +280,13 @@ def _build(compiler: str, root: Path) -> Path:
     os.close(fd)
     try:
         includes = ["-I", str(SOURCE_DIR), "-I", _python_include()]
-        cmd = [compiler, *FLAGS, *includes, *map(str, _sources()), "-o", tmp, "-lm"]
-        _log.info("compiling the native kernels (once)", compiler=compiler, target=str(target))
+        cmd = [compiler, *flags, *includes, *map(str, _sources(isa)), "-o", tmp, "-lm"]
+        _log.info(
+            "compiling the native kernels (once)",
+            compiler=compiler,
+            isa=isa.name,
+            target=str(target),
+        )
         started = time.perf_counter()
         subprocess.run(cmd, capture_output=True, text=True, check=True)
         os.replace(tmp, target)

@@ -168,44 +168,6 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """Map a llama.cpp tensor name to the HF Llama name (None: not a weight we keep)."""
-    top = {
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }
-    if gguf_name in top:
-        return top[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight":
-        return None
-    layer = {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    }.get(parts[2])
-    return None if layer is None else f"model.layers.{parts[1]}.{layer}.weight"
-
-
-def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation.
-
-    w: [n_heads * head_dim, hidden]. llama.cpp stores each head's rows interleaved
-    (pairs (x_i, x_{i+head_dim/2}) adjacent) for its RoPE kernel; HF Llama keeps the two
-    halves contiguous (rotate_half). Per head: rows [half, 2] -> [2, half].
-    """
-    rows = w.shape[0]
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _tidy_float(x: float) -> float:
     """GGUF stores float32; print it as the short decimal it came from (1e-05, not 9.99e-06)."""
     return float(str(np.float32(x)))
@@ -259,21 +221,22 @@ def _hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torc
     """Dequantized fp32 tensors under HF Llama names, Q/K rows un-permuted."""
     from gguf.quants import dequantize
 
+    from flowllm.models.gguf_file import hf_name, rope_row_order
+
     n_heads = config["num_attention_heads"]
     n_kv = config["num_key_value_heads"]
     for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name is None:
+        name = hf_name(t.name)
+        if name is None or not name.endswith(".weight"):
             raise BundledModelError(f"bundled GGUF has an unexpected tensor {t.name!r}")
         # numpy shape is the HF shape: GGUF lists dims innermost first ([in, out]).
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         expected = tuple(int(d) for d in reversed(t.shape))
         if w.shape != expected:
             w = w.reshape(expected)
-        if name.endswith("q_proj.weight"):
-            w = _unpermute_rope_rows(w, n_heads)
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute_rope_rows(w, n_kv)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = n_heads if name.endswith("q_proj.weight") else n_kv
+            w = w[rope_row_order(w.shape[0], heads).numpy()]
         if not w.flags.writeable or not w.flags.c_contiguous:
             w = np.array(w, order="C")  # F32 tensors come back as views of the read-only map
         yield name, torch.from_numpy(w)

@@ -26,6 +26,8 @@ class PagedCausalLM(nn.Module, abc.ABC):
     only for `ctx.logits_indices`."""
 
     lm_head: Linear
+    # "int8": `load_weights` quantizes the float linear layers (see layers.pack_linears)
+    quantization: str | None = None
 
     @property
     @abc.abstractmethod

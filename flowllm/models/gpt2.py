@@ -168,7 +168,7 @@ class GPT2Model(PagedCausalLM):
                 m.add(p + hf_name + ".weight", _conv1d_loader(p + hf_name + ".weight", lin))
                 m.add(p + hf_name + ".bias", _bias_loader(p + hf_name + ".bias", lin))
         m.load_all(weights)
-        pack_linears(self)
+        pack_linears(self, self.quantization)
 
 
 def _copy(name: str, param: torch.Tensor, t: torch.Tensor) -> None:

@@ -38,6 +38,12 @@ copy (a tied fp32 GPT-2 holds its 154 MB table twice). Packing frees each plain 
 tensor into a packed layer unpacks it first, and `load_weights` packs again at its end.
 Elsewhere (CUDA, half precision neither serves, CPUs and builds with neither) weights stay
 [out, in] and products run `F.linear`.
+
+Quantized weights (`flowllm.kernels.quant_linear`): a GGUF file's quantized tensors load as
+QuantizedWeight parts of a layer's rows, kept as they are, and `pack` fuses the parts into
+one QuantizedLinear (a layer part quantized, part not is dequantized whole, exactly).
+`quantize="int8"` (`pack_linears(model, "int8")`) quantizes a float layer's weight per
+output channel instead of packing it.
 """
 
 from __future__ import annotations
@@ -55,10 +61,12 @@ from torch import nn
 
 from flowllm import kernels
 from flowllm.kernels import cpu_linear, fused
+from flowllm.kernels.quant_linear import QuantizedLinear, QuantizedWeight, int8_per_channel
 from flowllm.models.context import AttentionContext
 from flowllm.models.errors import UnsupportedModelError, WeightLoadError
 
 Loader = Callable[[torch.Tensor], None]
+Weight = torch.Tensor | QuantizedWeight  # what a checkpoint yields for a tensor
 WeightLayout = Literal["native", "onednn", "plain"]
 
 
@@ -97,7 +105,7 @@ def weight_layout(dtype: torch.dtype, device: torch.device) -> WeightLayout:
     return "plain"
 
 
-def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+def check_shape(name: str, tensor: Weight, expected: tuple[int, ...]) -> None:
     """Raise WeightLoadError naming the tensor and both shapes when they differ."""
     if tuple(tensor.shape) != tuple(expected):
         raise WeightLoadError(
@@ -143,9 +151,14 @@ class Linear(nn.Module):
         # copy (a buffer, not in the state dict: it is derived).
         self.native_weight: cpu_linear.PackedLinear | None = None
         self.register_buffer("packed_weight", None, persistent=False)
+        # Quantized checkpoint parts (first row, weight) until packed; then their product.
+        self.quant_parts: list[tuple[int, QuantizedWeight]] = []
+        self.quantized: QuantizedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, in] -> [n, out]
+        if self.quantized is not None:
+            return self.quantized(x)
         if self.native_weight is not None:
             return self.native_weight(x.contiguous())
         if self.packed_weight is not None:
@@ -167,8 +180,21 @@ class Linear(nn.Module):
             )
         return self.weight
 
-    def pack(self) -> None:
-        """Pack W for this layer's layout and free the plain copy (where it packs)."""
+    def pack(self, quantize: str | None = None) -> None:
+        """Pack W for this layer's layout and free the plain copy (where it packs): its
+        quantized parts fused when they cover every row, else dequantized into the plain
+        weight; a float weight quantized when `quantize` is "int8" (on the CPU)."""
+        if self.quant_parts:
+            parts, self.quant_parts = sorted(self.quant_parts, key=lambda p: p[0]), []
+            if self.weight is not None and sum(w.shape[0] for _, w in parts) == self.out_features:
+                self._quantize(QuantizedWeight.concat([w for _, w in parts]))
+                return
+            with torch.no_grad():
+                for start, w in parts:
+                    self._plain()[start : start + w.shape[0]].copy_(w.dequantize())
+        if quantize == "int8" and self.weight is not None and self.weight.device.type == "cpu":
+            self._quantize(int8_per_channel(self.weight))
+            return
         if not self.packs or self.weight is None:
             return
         with torch.no_grad():
@@ -179,6 +205,10 @@ class Linear(nn.Module):
                 self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w)
         self.weight = None
 
+    def _quantize(self, weight: QuantizedWeight) -> None:
+        self.quantized = QuantizedLinear(weight, self.bias, self.out_dtype)
+        self.weight = None
+
     def unpack(self) -> None:
         """Back to a plain [out, in] weight (to load into it)."""
         if self.weight is not None:
@@ -186,9 +216,12 @@ class Linear(nn.Module):
         self.weight = _frozen(self.dense_weight())
         self.native_weight = None
         self.packed_weight = None
+        self.quantized = None
 
     def dense_weight(self) -> torch.Tensor:
         """W as [out, in]: the plain weight, or a plain copy of the packed one."""
+        if self.quantized is not None:
+            return self.quantized.weight.dequantize().to(self.dtype)
         if self.native_weight is not None:
             return self.native_weight.unpack()
         if self.packed_weight is not None:
@@ -198,23 +231,30 @@ class Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         """Bytes of W (what a product reads), whichever layout holds it."""
+        if self.quantized is not None:
+            return self.quantized.weight.nbytes
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.in_features * self.out_features * itemsize
 
     def load_weight(
         self,
         name: str,
-        w: torch.Tensor,
+        w: Weight,
         start: int = 0,
         rows: int | None = None,
         transposed: bool = False,
     ) -> None:
         """Copy a checkpoint weight, [rows, in] (or [in, rows] if `transposed`, as GPT-2's
-        Conv1D stores it), into output rows start:start+rows (rows default: the rest)."""
+        Conv1D stores it), into output rows start:start+rows (rows default: the rest); a
+        quantized one is kept as it is, for `pack` to fuse."""
         rows = self.out_features - start if rows is None else rows
         expect = (self.in_features, rows) if transposed else (rows, self.in_features)
         check_shape(name, w, expect)
         self.unpack()
+        self.quant_parts = [(s, p) for s, p in self.quant_parts if s != start]
+        if isinstance(w, QuantizedWeight):
+            self.quant_parts.append((start, w))
+            return
         with torch.no_grad():
             self._plain()[start : start + rows].copy_(w.t() if transposed else w)
 
@@ -246,9 +286,13 @@ class Embedding(nn.Module):
         self.num, self.dim = num, dim
         # The tied head is not a submodule here (the model owns it).
         self._tied = [tied_to] if tied_to is not None else []
+        self.dtype = dtype
         self.weight: nn.Parameter | None = None
         if tied_to is None:
             self.weight = _frozen(torch.empty(num, dim, dtype=dtype, device=device))
+        # A quantized table: rows dequantized as they are gathered (a tied head reads the
+        # same codes).
+        self.quantized: QuantizedLinear | None = None
 
     def table(self) -> torch.Tensor:
         """The [num, dim] table rows are gathered from."""
@@ -258,38 +302,52 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [n] -> [n, dim]
+        if self.quantized is not None:
+            return self.quantized.rows(ids.to(torch.int64)).to(self.dtype)
         return self.table().index_select(0, ids)
 
     def untie(self) -> None:
         """Keep the tied head's plain weight as this table, before the head packs (and frees)
-        its own; a no-op for untied embeddings and heads that stay plain."""
-        if self.weight is None and self._tied[0].packs:
+        its own; a no-op for untied embeddings, quantized tables and heads that stay plain."""
+        if self.weight is None and self.quantized is None and self._tied[0].packs:
             self.weight = _frozen(self._tied[0]._plain().detach())
 
-    def load(self, name: str, w: torch.Tensor) -> None:
-        """Copy the checkpoint's [num, dim] table (into the tied head too when tied)."""
+    def load(self, name: str, w: Weight) -> None:
+        """Copy the checkpoint's [num, dim] table (into the tied head too when tied); a
+        quantized table is kept quantized."""
         check_shape(name, w, (self.num, self.dim))
-        if self.weight is not None:
+        if isinstance(w, QuantizedWeight):
+            self.quantized = QuantizedLinear(w, None, self.dtype)
+            if self.weight is not None:
+                self.weight = None  # the codes replace the float table
+        elif self.weight is not None:
+            self.quantized = None
             with torch.no_grad():
                 self.weight.copy_(w)
         if self._tied:
             self._tied[0].load_weight(name, w)
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Pack every linear layer of `model` (tied embeddings take their plain table first).
+def pack_linears(model: nn.Module, quantize: str | None = None) -> None:
+    """Pack every linear layer of `model` (tied embeddings take their plain table first);
+    with `quantize` ("int8"), quantize every float one but the LM head, as vLLM does.
 
     Packing is a strided copy per weight in torch ops, which release the GIL: the layers
     pack on every core at once. The first packs alone, as it may build the kernels."""
     for module in model.modules():
         if isinstance(module, Embedding):
             module.untie()
+    head = getattr(model, "lm_head", None)
     linears = [module for module in model.modules() if isinstance(module, Linear)]
     if not linears:
         return
-    linears[0].pack()
+
+    def pack(linear: Linear) -> None:
+        linear.pack(None if linear is head else quantize)
+
+    pack(linears[0])
     with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="flowllm-pack") as pool:
-        for _ in pool.map(Linear.pack, linears[1:]):
+        for _ in pool.map(pack, linears[1:]):
             pass
 
 

@@ -1,9 +1,11 @@
 """Llama (`LlamaForCausalLM` configs, SmolLM2 among them) on flattened token batches and a
-paged KV cache.
+paged KV cache, and the Qwen2 and Qwen3 variants of its layer.
 
 RMSNorm, rotary positions (default, linear or `llama3` scaling), grouped-query attention,
 a SwiGLU MLP, tied or untied LM head. q/k/v and gate/up are fused into one linear layer
-each at load time, so a step runs two products where the checkpoint has five.
+each at load time, so a step runs two products where the checkpoint has five. Qwen2 adds
+biases to q/k/v (not o); Qwen3 normalizes each q and k head (RMSNorm over head_dim)
+before the rotation.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from flowllm.models.causal_lm import KVCache, PagedCausalLM
 from flowllm.models.context import AttentionContext
+from flowllm.models.errors import UnsupportedModelError
 from flowllm.models.layers import (
     Embedding,
     GatedActivation,
@@ -35,7 +38,16 @@ from flowllm.models.layers import (
 class LlamaBlock(nn.Module):
     """RMSNorm -> GQA attention with RoPE -> residual; RMSNorm -> SwiGLU MLP -> residual."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        qkv_bias: bool | None = None,
+        qk_norm: bool = False,
+    ) -> None:
+        """qkv_bias: q/k/v biases whatever `attention_bias` says (Qwen2); qk_norm: RMSNorm
+        of each q and k head (Qwen3)."""
         super().__init__()
         d = int(config_get(config, "hidden_size"))
         self.num_heads = int(config_get(config, "num_attention_heads"))
@@ -52,7 +64,10 @@ class LlamaBlock(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.input_layernorm = RMSNorm(d, eps, dtype, device)
         # qkv rows: [q (H * Dh) | k (kvh * Dh) | v (kvh * Dh)]
-        self.qkv_proj = Linear(d, self.q_size + 2 * self.kv_size, attn_bias, dtype, device)
+        qkv_bias = attn_bias if qkv_bias is None else qkv_bias
+        self.qkv_proj = Linear(d, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
         self.o_proj = Linear(self.q_size, d, attn_bias, dtype, device)
         self.post_attention_layernorm = RMSNorm(d, eps, dtype, device)
         # gate_up rows: [gate (I) | up (I)]
@@ -76,6 +91,8 @@ class LlamaBlock(nn.Module):
         else:
             x, residual = self.input_layernorm.add_and_norm(h, residual)
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv = self._norm_heads(qkv)
         # q and k heads rotated together: [n, H + kvh, Dh]
         qk = rope.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
@@ -83,6 +100,15 @@ class LlamaBlock(nn.Module):
         attn = self.o_proj(paged_attention(q, k, v, kv_cache, ctx, self.scale))
         x, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x))), residual
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with each q head normalized by q_norm and each k head by k_norm."""
+        assert self.q_norm is not None and self.k_norm is not None
+        n, d = qkv.shape[0], self.head_dim
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q = self.q_norm(qkv[:, :q_end].reshape(n * self.num_heads, d))
+        k = self.k_norm(qkv[:, q_end:k_end].reshape(n * self.num_kv_heads, d))
+        return torch.cat((q.view(n, -1), k.view(n, -1), qkv[:, k_end:]), dim=1)
 
 
 class LlamaModel(PagedCausalLM):
@@ -117,9 +143,14 @@ class LlamaModel(PagedCausalLM):
             tied_to=self.lm_head if self.tie_word_embeddings else None,
         )
         self.layers = nn.ModuleList(
-            LlamaBlock(hf_config, dtype, device) for _ in range(self.num_layers)
+            self.make_block(hf_config, dtype, device) for _ in range(self.num_layers)
         )
         self.norm = RMSNorm(d, eps, dtype, device)
+
+    @staticmethod
+    def make_block(config: Any, dtype: torch.dtype, device: torch.device) -> LlamaBlock:
+        """One layer (the Qwen variants set its options)."""
+        return LlamaBlock(config, dtype, device)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The token embeddings [n, d] (positions enter through RoPE, in the layers)."""
@@ -164,6 +195,10 @@ class LlamaModel(PagedCausalLM):
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 name = f"{p}{norm}.weight"
                 m.add(name, _param_loader(name, getattr(layer, norm).weight))
+            if layer.q_norm is not None and layer.k_norm is not None:
+                for norm, module in (("q_norm", layer.q_norm), ("k_norm", layer.k_norm)):
+                    name = f"{p}self_attn.{norm}.weight"
+                    m.add(name, _param_loader(name, module.weight))
             q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate
             shards = (
                 ("self_attn.q_proj", layer.qkv_proj, 0, q),
@@ -183,7 +218,7 @@ class LlamaModel(PagedCausalLM):
                         f"{p}{hf_name}.bias", _bias_loader(f"{p}{hf_name}.bias", lin, start, rows)
                     )
         m.load_all(weights)
-        pack_linears(self)
+        pack_linears(self, self.quantization)
 
 
 def _param_loader(name: str, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
@@ -201,3 +236,32 @@ def _shard_loader(name: str, lin: Linear, start: int, rows: int) -> Callable[[to
 
 def _bias_loader(name: str, lin: Linear, start: int, rows: int) -> Callable[[torch.Tensor], None]:
     return lambda t: lin.load_bias(name, t, start=start, rows=rows)
+
+
+def _refuse_sliding_window(config: Any, model: str) -> None:
+    if config_get(config, "use_sliding_window", False):
+        raise UnsupportedModelError(f"{model} with sliding-window attention is not supported")
+
+
+class Qwen2Model(LlamaModel):
+    """Qwen2 / Qwen2.5: the Llama layer with q/k/v biases."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        _refuse_sliding_window(hf_config, "Qwen2")
+        super().__init__(hf_config, dtype, device)
+
+    @staticmethod
+    def make_block(config: Any, dtype: torch.dtype, device: torch.device) -> LlamaBlock:
+        return LlamaBlock(config, dtype, device, qkv_bias=True)
+
+
+class Qwen3Model(LlamaModel):
+    """Qwen3: the Llama layer with per-head q/k RMSNorm (biases as `attention_bias` says)."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        _refuse_sliding_window(hf_config, "Qwen3")
+        super().__init__(hf_config, dtype, device)
+
+    @staticmethod
+    def make_block(config: Any, dtype: torch.dtype, device: torch.device) -> LlamaBlock:
+        return LlamaBlock(config, dtype, device, qk_norm=True)

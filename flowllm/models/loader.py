@@ -1,9 +1,12 @@
 """Find a model's HF-format directory and load its weights into one of flowllm's model classes.
 
 A model name resolves, in order, to:
-  1. the bundled `smollm2-135m-instruct` (converted once from its GGUF, see bundled.py);
-  2. a local directory (an existing path, or anything spelled like a path);
-  3. a Hugging Face Hub id, fetched with `huggingface_hub.snapshot_download` (only config,
+  1. the bundled `smollm2-135m-instruct`: its weights from its Q4_1 GGUF file, kept
+     quantized, its config and tokenizer from the HF-format directory converted once from
+     that file (bundled.py); with `quantization="none"`, all from that directory;
+  2. a GGUF file (`*.gguf`): weights, config and tokenizer from the file (gguf_file.py);
+  3. a local directory (an existing path, or anything spelled like a path);
+  4. a Hugging Face Hub id, fetched with `huggingface_hub.snapshot_download` (only config,
      safetensors, tokenizer and generation files). `gpt2` means `openai-community/gpt2`.
 
 Hub settings are read from the environment at call time, not at import time (as
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from flowllm.config import BUNDLED_MODEL
+from flowllm.config import BUNDLED_MODEL, QUANTIZATIONS
 
 # Old unprefixed Hub names that now live under an organisation.
 HUB_ALIASES = {
@@ -110,10 +113,13 @@ def one_line(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """An HF-format model directory and the name it was asked for."""
+    """An HF-format model directory (for a GGUF file: its folder) and the name it was asked
+    for; `gguf` is the file the weights come from, if one."""
 
     path: Path
     name: str
+    gguf: Path | None = None
+    config_from_gguf: bool = False  # config and tokenizer from the file's metadata
 
 
 def _env_true(name: str) -> bool:
@@ -146,18 +152,30 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
-def resolve_model(name: str) -> ResolvedModel:
-    """Resolve a model name to an HF-format directory (see the module docstring for order)."""
+def resolve_model(name: str, quantization: str = "auto") -> ResolvedModel:
+    """Resolve a model name to an HF-format directory or a GGUF file (see the module
+    docstring for the order); `quantization="none"` serves the bundled model from its
+    dequantized directory."""
+    from flowllm.models.gguf_file import is_gguf
+
     if not name or not name.strip():
         raise ModelNotFoundError("no model name given")
     if name == BUNDLED_MODEL:
-        return ResolvedModel(path=_bundled_dir(), name=name)
+        if quantization == "none":
+            return ResolvedModel(path=_bundled_dir(), name=name)
+        return ResolvedModel(path=_bundled_dir(), name=name, gguf=_bundled_gguf())
     path = Path(name).expanduser()
     if path.exists() or _looks_like_path(name):
         if not path.exists():
-            raise ModelNotFoundError(f"model directory {name!r} does not exist")
+            raise ModelNotFoundError(f"model {name!r} does not exist")
+        if is_gguf(path):
+            file = path.resolve()
+            return ResolvedModel(path=file.parent, name=name, gguf=file, config_from_gguf=True)
         if not path.is_dir():
-            raise ModelNotFoundError(f"model {name!r} is a file; give its directory")
+            raise ModelNotFoundError(
+                f"model {name!r} is a file but not a GGUF file (*.gguf); give a GGUF file "
+                "or a model directory"
+            )
         return ResolvedModel(path=path.resolve(), name=name)
     return ResolvedModel(path=_hub_snapshot(name), name=name)
 
@@ -167,6 +185,15 @@ def _bundled_dir() -> Path:
 
     try:
         return ensure_bundled_model()
+    except BundledModelError as e:
+        raise BundledModelLoadError(str(e)) from e
+
+
+def _bundled_gguf() -> Path:
+    from flowllm.models.bundled import BundledModelError, bundled_gguf_path
+
+    try:
+        return bundled_gguf_path()
     except BundledModelError as e:
         raise BundledModelLoadError(str(e)) from e
 
@@ -200,8 +227,7 @@ def _hub_snapshot(name: str) -> Path:
         )
     except HFValidationError as e:
         raise ModelNotFoundError(
-            f"model {shown} is neither a local directory nor a valid Hugging Face Hub id "
-            "(org/name)"
+            f"model {shown} is neither a local directory nor a valid Hugging Face Hub id (org/name)"
         ) from e
     except IncompleteSnapshotError as e:
         raise HubUnreachableError(
@@ -345,7 +371,7 @@ def load_hf_config(path: Path | str) -> ModelConfig:
     if model_type not in MODEL_TYPES and not any(arch in ARCHITECTURES for arch in archs):
         raise UnknownArchitectureError(
             f"unknown model architecture {model_type!r} ({', '.join(archs) or 'no architectures'})"
-            f" in {path}; flowllm runs GPT-2 and Llama-family models"
+            f" in {path}; flowllm runs GPT-2, Llama-family, Qwen2 and Qwen3 models"
         )
     return ModelConfig(**{str(key): value for key, value in raw.items()})
 
@@ -403,31 +429,74 @@ class LoadedModel:
     name: str = ""
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # the GGUF file whose metadata holds the tokenizer (None: the directory's files)
+    tokenizer_gguf: Path | None = None
 
 
 def load_model(
     name_or_path: str,
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "auto",
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Resolve `name_or_path`, build its flowllm model class and load the weights into it."""
+    """Resolve `name_or_path`, build its flowllm model class and load the weights into it.
+
+    quantization: `auto` keeps a GGUF file's quantized weights quantized on the CPU and
+    loads others as stored; `none` dequantizes them at load (the bundled model then loads
+    from its converted directory, as an HF model); `int8` quantizes a float checkpoint's
+    linear layers (but the LM head) to int8 per output channel. Quantized weights run with
+    float32 activations when `dtype` is auto."""
+    from flowllm.models import gguf_file
     from flowllm.models.errors import ModelError, UnsupportedModelError, WeightLoadError
     from flowllm.models.registry import model_class_for
 
-    resolved = resolve_model(name_or_path)
-    hf_config = load_hf_config(resolved.path)
-    generation_config = load_generation_config(resolved.path)
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    resolved = resolve_model(name_or_path, quantization)
     dev = resolve_device(device)
+    if resolved.gguf is not None and quantization == "int8":
+        raise ModelLoadError(
+            f"model {name_or_path!r} is a GGUF file, quantized already: --quantization int8 "
+            "applies to float (safetensors) checkpoints"
+        )
+    reader = None
+    try:
+        if resolved.gguf is not None:
+            reader = gguf_file.open_reader(resolved.gguf)
+            gguf_file.architecture(reader)
+        hf_config = (
+            gguf_file.load_config(resolved.gguf, reader)
+            if resolved.config_from_gguf and resolved.gguf is not None
+            else load_hf_config(resolved.path)
+        )
+    except gguf_file.GGUFError as e:
+        raise UnknownArchitectureError(f"model {name_or_path!r}: {one_line(e)}") from e
+    generation_config = {} if resolved.config_from_gguf else load_generation_config(resolved.path)
+    quantized = quantization == "int8" or (
+        resolved.gguf is not None and quantization == "auto" and dev.type == "cpu"
+    )
+    if quantized and dtype == "auto":
+        dtype = "float32"
     torch_dtype = resolve_dtype(dtype, hf_config, dev)
     try:
         cls = model_class_for(hf_config)
     except UnsupportedModelError as e:
         raise UnknownArchitectureError(f"model {name_or_path!r}: {one_line(e)}") from e
-    safetensors_files(resolved.path)  # fail on missing weights before building the model
-    where = "" if Path(name_or_path) == resolved.path else f" ({resolved.path})"
+    if reader is None:
+        safetensors_files(resolved.path)  # fail on missing weights before building the model
+    where = "" if Path(name_or_path) == resolved.path else f" ({resolved.gguf or resolved.path})"
     try:
         model = cls(hf_config, torch_dtype, dev)
-        model.load_weights(iter_weights(resolved.path, torch_dtype))
+        model.quantization = "int8" if quantization == "int8" else None
+        if reader is not None:
+            weights = gguf_file.iter_tensors(reader, hf_config, dequantize=not quantized)
+            model.load_weights(_cast(weights, torch_dtype))
+        else:
+            model.load_weights(iter_weights(resolved.path, torch_dtype))
+    except gguf_file.GGUFError as e:
+        raise CorruptCheckpointError(f"model {name_or_path!r}{where}: {one_line(e)}") from e
     except WeightLoadError as e:
         raise WeightMismatchError(f"model {name_or_path!r}{where}: {one_line(e)}") from e
     except UnsupportedModelError as e:
@@ -443,4 +512,13 @@ def load_model(
         name=resolved.name,
         dtype=torch_dtype,
         device=dev,
+        tokenizer_gguf=resolved.gguf if resolved.config_from_gguf else None,
     )
+
+
+def _cast(weights: Iterator[tuple[str, Any]], dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
+    """Float tensors cast to `dtype` (quantized ones pass as they are)."""
+    for name, w in weights:
+        if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dtype != dtype:
+            w = w.to(dtype)
+        yield name, w

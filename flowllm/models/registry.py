@@ -7,7 +7,7 @@ from typing import Any
 from flowllm.models.errors import UnsupportedModelError, WeightLoadError
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.layers import config_get
-from flowllm.models.llama import LlamaModel
+from flowllm.models.llama import LlamaModel, Qwen2Model, Qwen3Model
 
 __all__ = [
     "ARCHITECTURES",
@@ -22,10 +22,14 @@ ModelClass = type[GPT2Model] | type[LlamaModel]
 ARCHITECTURES: dict[str, ModelClass] = {
     "GPT2LMHeadModel": GPT2Model,
     "LlamaForCausalLM": LlamaModel,
+    "Qwen2ForCausalLM": Qwen2Model,
+    "Qwen3ForCausalLM": Qwen3Model,
 }
 MODEL_TYPES: dict[str, ModelClass] = {
     "gpt2": GPT2Model,
     "llama": LlamaModel,
+    "qwen2": Qwen2Model,
+    "qwen3": Qwen3Model,
 }
 
 

@@ -1,7 +1,8 @@
 """Load the tokenizer (and its chat template) of a resolved model directory.
 
 The tokenizer comes from the directory's own files through transformers (a fast,
-Rust-backed tokenizer); no remote code runs. A chat template given by the user (a file
+Rust-backed tokenizer), or from a GGUF file's metadata (transformers rebuilds it); no
+remote code runs. A chat template given by the user (a file
 path, or the template text itself) replaces the model's.
 """
 
@@ -42,26 +43,37 @@ def _model_config(path: Path) -> Any:
         return None
 
 
-def load_tokenizer(path: Path | str, chat_template: str | None = None) -> Any:
+def load_tokenizer(
+    path: Path | str, chat_template: str | None = None, gguf: Path | None = None
+) -> Any:
     """The fast tokenizer for the model directory `path` (a transformers
-    PreTrainedTokenizerFast), with `chat_template` (path or text) replacing the model's.
+    PreTrainedTokenizerFast), or of the GGUF file `gguf`, with `chat_template` (path or
+    text) replacing the model's.
 
     `tokenizer.chat_template` is None when neither the model nor the caller gives one.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
-    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-        raise MissingFileError(f"no tokenizer files in {path} (expected tokenizer.json)")
-    try:
-        # The config is flowllm's own reading of config.json: transformers would otherwise
-        # load its model config class, which imports most of its modelling code.
-        config = _model_config(path)
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path), trust_remote_code=False, config=config
-        )
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {one_line(e)}") from e
+    if gguf is not None:
+        from flowllm.models.gguf_file import GGUFError
+        from flowllm.models.gguf_file import load_tokenizer as gguf_tokenizer
+
+        try:
+            tokenizer = gguf_tokenizer(gguf)
+        except GGUFError as e:
+            raise TokenizerLoadError(one_line(e)) from e
+    else:
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise MissingFileError(f"no tokenizer files in {path} (expected tokenizer.json)")
+        try:
+            # The config is flowllm's own reading of config.json: transformers would
+            # otherwise load its model config class, which imports most of its modelling code.
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(path), trust_remote_code=False, config=_model_config(path)
+            )
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {one_line(e)}") from e
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise TokenizerLoadError(
             f"the tokenizer in {path} ({type(tokenizer).__name__}) has no fast implementation"

@@ -11,14 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from flowllm.config import ConfigError, EngineConfig
 from flowllm.engine.detokenizer import ByteVocab
 from flowllm.engine.grammar import Grammars
+from flowllm.kernels import native
 from flowllm.mailbox import Mailboxes
 from flowllm.metrics import EngineMetrics
 from flowllm.models.kv_cache import KVCaches, KVCacheSpec, allocate_kv_cache
+from flowllm.models.layers import Linear
 from flowllm.models.loader import LoadedModel, load_model, resolve_model
 from flowllm.models.tokenizer import load_tokenizer
 from flowllm.stages.worker import WorkerThread
@@ -125,21 +128,58 @@ def eos_token_ids(loaded: LoadedModel, tokenizer: Any) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
+def report_native_kernels(loaded: LoadedModel) -> None:
+    """Say at startup which native kernel build runs, or why none does (a warning when
+    kernels are off), and what the linear weights take."""
+    log = structlog.get_logger("flowllm.models")
+    if loaded.device.type != "cpu":
+        return
+    status = native.status()
+    emit = log.info if status.isa == "avx512" else log.warning
+    emit(status.describe())
+    weights = sum(m.weight_bytes for m in loaded.model.modules() if isinstance(m, Linear))
+    quantized = sorted(
+        {
+            m.quantized.weight.source
+            for m in loaded.model.modules()
+            if isinstance(m, Linear) and m.quantized
+        }
+    )
+    log.info(
+        "model weights",
+        linear_mib=round(weights / 2**20, 1),
+        quantized=",".join(quantized) or "none",
+        dtype=str(loaded.dtype).removeprefix("torch."),
+    )
+
+
 def build_services(config: EngineConfig) -> EngineServices:
     """Load the model and tokenizer and allocate the KV cache for `config`.
 
     The tokenizer loads in a thread while the weights load: most of its time is importing
     transformers, which overlaps with reading and packing weights (native code that
     releases the GIL)."""
-    path = resolve_model(config.model.model).path  # converts the bundled model if needed
+    # Resolving converts the bundled model if needed.
+    resolved = resolve_model(config.model.model, config.model.quantization)
+    if config.model.tokenizer is not None:
+        tokenizer_args = (resolve_model(config.model.tokenizer).path, config.model.chat_template)
+    else:
+        gguf = resolved.gguf if resolved.config_from_gguf else None
+        tokenizer_args = (resolved.path, config.model.chat_template, gguf)
     with ThreadPoolExecutor(1, thread_name_prefix="flowllm-tokenizer") as pool:
-        tokenizer_loading = pool.submit(load_tokenizer, path, config.model.chat_template)
+        tokenizer_loading = pool.submit(load_tokenizer, *tokenizer_args)
         try:
-            loaded = load_model(config.model.model, config.model.dtype, config.model.device)
+            loaded = load_model(
+                config.model.model,
+                config.model.dtype,
+                config.model.device,
+                config.model.quantization,
+            )
         except BaseException:
             tokenizer_loading.cancel()
             raise
         tokenizer = tokenizer_loading.result()
+    report_native_kernels(loaded)
     model = loaded.model
     max_model_len = model.max_position_embeddings
     if config.model.max_model_len is not None:

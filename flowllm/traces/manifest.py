@@ -128,7 +128,11 @@ def read_manifest(trace_dir: str | Path) -> Manifest:
             f"version {SCHEMA_VERSION} only. Record it again (`make traces` for the committed "
             f"ones)."
         )
+    model = head.get("engine_config", {}).get("model")
+    if isinstance(model, dict) and "quantization" not in model:
+        # Recorded before GGUF weights could be served quantized: they ran dequantized.
+        model["quantization"] = "none"
     try:
-        return msgspec.json.decode(raw, type=Manifest)
+        return msgspec.convert(head, type=Manifest)
     except msgspec.ValidationError as e:
         raise TraceSchemaError(f"{path}: {e}") from None

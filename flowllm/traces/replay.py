@@ -187,7 +187,7 @@ def build_model(source: ModelSource, sha: str | None, cache_dir: Path | None) ->
 def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> Any:
     """The services the recording engine had, loading `model_path` in place of its model.
 
-    `base`: services already holding that model (same path and dtype) whose model and
+    `base`: services already holding that model (same path, dtype and quantization) whose model and
     tokenizer are reused, so replaying many traces loads the model once.
     """
     from flowllm.config import ConfigError
@@ -204,6 +204,7 @@ def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> An
         base is not None
         and base.config.model.model == model_path
         and base.config.model.dtype == model_config.dtype
+        and base.config.model.quantization == model_config.quantization
         and base.config.model.chat_template == model_config.chat_template
     )
     if not same_model:

@@ -4,9 +4,11 @@ conversion), and the seed documents' request returns 50 tokens with usage."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
+from e2e_helpers import start_server
 from server_process import ServerProcess
 
 BUNDLED = "smollm2-135m-instruct"
@@ -52,3 +54,25 @@ def test_readme_chat_knows_paris(bundled_server: ServerProcess) -> None:
     assert "Paris" in content, content
     assert answer.choices[0].finish_reason == "stop"  # the model ends its turn by itself
     assert answer.usage is not None and answer.usage.completion_tokens < 32
+
+
+def test_the_bundled_gguf_file_served_quantized_knows_paris(smollm2_dir: Path) -> None:
+    """`flowllm serve <the bundled Q4_1 file>`: weights kept quantized, tokenizer and chat
+    template from the file's metadata, and the startup log says which kernels run."""
+    from flowllm.models.bundled import bundled_gguf_path
+
+    cache = smollm2_dir.parent.parent
+    env = {"FLOWLLM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    server = start_server(str(bundled_gguf_path()), ["--log-level", "info"], env=env)
+    try:
+        answer = server.client().chat.completions.create(
+            model=str(bundled_gguf_path()),
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+        )
+        assert answer.choices[0].message.content == "The capital of France is Paris."
+        log = server.output()
+        assert "native CPU kernels" in log
+        assert "Q4_1,Q8_0" in log  # the model weights line names the formats kept
+    finally:
+        server.stop()

@@ -38,7 +38,7 @@ def test_builds_wherever_it_can_run() -> None:
     build would otherwise only skip every native test."""
     if not (
         platform.machine().lower() in {"x86_64", "amd64"}
-        and native.cpu_flags() >= native.REQUIRED_CPU_FLAGS
+        and native.cpu_flags() >= native.ISAS["avx512"].cpu_flags
         and (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
         and native.enabled()
     ):
@@ -74,7 +74,7 @@ def test_switched_off_by_the_environment(tmp_path: Path) -> None:
 @needs_native
 def test_a_failed_build_falls_back_to_none(tmp_path: Path) -> None:
     out = _run(PRINT_PATH, tmp_path, CC="/bin/false")
-    assert "native_kernels_unavailable" in out  # the reason is logged
+    assert "native_kernels_build_failed" in out  # the reason is logged
     assert out.splitlines()[-1] == "None"
 
 
@@ -112,3 +112,38 @@ def test_kernels_share_torchs_thread_pool() -> None:
             assert lib.omp_max_threads() == n
     finally:
         torch.set_num_threads(before)
+
+
+STATUS = """
+    from flowllm.kernels import native
+    lib = native.library()
+    print(native.status().describe())
+    print(lib.isa if lib else None, native.avx512_library() is not None)
+"""
+
+
+def test_the_avx2_build_is_forced_by_the_environment(tmp_path: Path) -> None:
+    if not native.cpu_flags() >= native.ISAS["avx2"].cpu_flags or native.library() is None:
+        pytest.skip("this machine cannot run the AVX2 build")
+    out = _run(STATUS, tmp_path, FLOWLLM_NATIVE_ISA="avx2").splitlines()
+    assert out[-1] == "avx2 False"  # the AVX-512-only kernels' callers keep torch
+    assert "AVX2 build (forced by FLOWLLM_NATIVE_ISA)" in out[-2]
+
+
+def test_a_failed_build_is_reported_with_the_reason(tmp_path: Path) -> None:
+    if native.library() is None:
+        pytest.skip("no native kernels here")
+    compiler = tmp_path / "cc"
+    compiler.write_text(
+        "#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'quant.c:1: error: boom' >&2\nexit 1\n"
+    )
+    compiler.chmod(0o755)
+    out = _run(STATUS, tmp_path, CC=str(compiler)).splitlines()
+    assert out[-1] == "None False"
+    assert "native CPU kernels off" in out[-2] and "error: boom" in out[-2]
+    assert "avx512 build failed" in out[-2] and "avx2 build failed" in out[-2]
+
+
+def test_an_unknown_isa_is_refused(tmp_path: Path) -> None:
+    out = _run(STATUS, tmp_path, FLOWLLM_NATIVE_ISA="sse2").splitlines()
+    assert out[-1] == "None False" and "FLOWLLM_NATIVE_ISA must be" in out[-2]

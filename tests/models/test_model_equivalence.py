@@ -1,6 +1,7 @@
-"""Our GPT-2 and Llama against transformers on the same random weights, fp32: a step that
-mixes prefills with decodes, chunked prefill after a cached prefix, shared prefix blocks,
-and decoding across block boundaries all give the logits of computing from scratch."""
+"""Our GPT-2, Llama, Qwen2 and Qwen3 against transformers on the same random weights, fp32:
+a step that mixes prefills with decodes, chunked prefill after a cached prefix, shared
+prefix blocks, and decoding across block boundaries all give the logits of computing from
+scratch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import random
 import pytest
 import torch
 from model_test_utils import Blocks, PagedSeq, reference_logits, schedule
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from flowllm import kernels
 from flowllm.models.kv_cache import KVCacheSpec
@@ -61,11 +71,36 @@ def llama_reference(variant: str) -> torch.nn.Module:
     return ref
 
 
+def qwen_reference(version: int) -> torch.nn.Module:
+    """A small random Qwen2 (q/k/v biases) or Qwen3 (q/k head norms, head_dim apart from
+    hidden / heads), GQA, with biases and norm weights randomized so they matter."""
+    kw: dict[str, object] = dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=VOCAB,
+        max_position_embeddings=256, initializer_range=0.15, bos_token_id=0, eos_token_id=0,
+        rms_norm_eps=1e-6, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=version == 2, rope_theta=1000000.0,
+    )  # fmt: skip
+    torch.manual_seed(2 + version)
+    if version == 2:
+        ref = Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
+    else:
+        ref = Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=32)).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    return ref
+
+
 REFERENCES = {
     "gpt2": (gpt2_reference, 1e-4),
     "llama_gqa_untied": (lambda: llama_reference("gqa_untied"), 1e-4),
     "llama_mha_tied_bias": (lambda: llama_reference("mha_tied_bias"), 1e-4),
     "llama_llama3_rope": (lambda: llama_reference("llama3_rope"), 1e-4),
+    "qwen2": (lambda: qwen_reference(2), 1e-4),
+    "qwen3": (lambda: qwen_reference(3), 1e-4),
 }
 
 

@@ -1,0 +1,423 @@
+"""Linear weights kept quantized: llama.cpp's GGUF block formats and int8 per channel, with
+products by `csrc/quant.c`, which dequantizes in registers as it reads.
+
+Why: a batch-1 decode step is bound by the bytes of weight it reads. SmolLM2's Q4_1 file
+dequantized to bf16 is ~270 MB a token; its quantized blocks are ~80 MB.
+
+Every format is repacked at load into one of two code layouts the kernel reads, rows of W
+[n, k] cut into groups of G values along k with one scale s and one offset m per group
+(a value is q * s + m, the fma gguf's own dequantization rounds the same way):
+  - q4: 4-bit codes, 64 values in 32 bytes (byte j: q[j] | q[j + 32] << 4, so one load
+    and two masks give them in order), G 32: Q4_0 (m = -8 s), Q4_1, Q4_K (s = d * sc,
+    m = -dmin * min); rows of a multiple of 64 values (else they take the q8 layout);
+  - q8: int8 codes: Q8_0, Q5_K (codes 0-31, G 32), Q6_K (codes -32..31, G 16), int8.
+Scales and offsets stay float16 where the format stores them so (Q4_0, Q4_1, Q8_0: 5 and
+8.5 bits a value, as in the file), float32 where they are products (the K formats).
+Fused layers (q/k/v, gate/up) concatenate their parts' rows; parts of different layouts
+meet in the widest (q8, float32 scales, the smaller group).
+
+The kernel multiplies groups of 32 or more on integers, x rounded to int8 a block of 32
+as llama.cpp does (`csrc/quant.c` says how, and the error's bound); Q6_K's groups of 16
+dequantize to float32 in registers.
+
+Batches below `TILE_FROM` rows run that kernel (each weight row's codes read once per four
+rows of x). Larger ones (prefills) dequantize tiles of rows and multiply them with the
+native bf16 kernel where the CPU has AVX512-BF16 (float32 torch otherwise), except while a
+decode step's calls are recorded (`flowllm.kernels.call_plan`), which replays only native
+calls. Without the native library, tiles and torch run at every size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flowllm.kernels import call_plan, cpu_linear, native
+
+Codes = Literal["q4", "q8"]
+TILE_FROM = 64  # rows of x from which a product dequantizes tiles instead (prefills)
+TILE_VALUES = 1 << 20  # weight values dequantized per tile (4 MiB of float32)
+QK_K = 256  # values per K-format super-block
+
+# GGUF quantization types by name (gguf.GGMLQuantizationType), what they repack from.
+GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+class QuantError(ValueError):
+    """A quantized tensor cannot be built or used as asked (shape, format, arguments)."""
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """W [n, k] as codes, scales and offsets (see the module docstring); `source` names the
+    format it came from (Q4_1, int8, ...)."""
+
+    codes: torch.Tensor  # q4: uint8 [n, k / 2]; q8: int8 [n, k]
+    scales: torch.Tensor  # [n, k / group], float16 or float32
+    mins: torch.Tensor | None  # like scales, or None (all offsets 0)
+    kind: Codes
+    group: int
+    source: str
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        width = k // 2 if self.kind == "q4" else k
+        bad_q4 = self.kind == "q4" and (self.group != 32 or k % 64)
+        if bad_q4 or self.group % 16 or k % self.group or self.codes.shape != (n, width):
+            raise QuantError(
+                f"{self.kind} codes {tuple(self.codes.shape)} do not fit groups of {self.group}"
+            )
+        if self.scales.shape != (n, k // self.group) or self.scales.dtype not in (
+            torch.float16,
+            torch.float32,
+        ):
+            raise QuantError(f"scales {tuple(self.scales.shape)} {self.scales.dtype} do not fit")
+        if self.mins is not None and (
+            self.mins.shape != self.scales.shape or self.mins.dtype != self.scales.dtype
+        ):
+            raise QuantError("offsets must match the scales in shape and dtype")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n = self.codes.shape[0]
+        k = self.scales.shape[1] * self.group
+        return n, k
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads: codes, scales and offsets."""
+        extra = 0 if self.mins is None else self.mins.nbytes
+        return self.codes.nbytes + self.scales.nbytes + extra
+
+    def int_codes(self) -> torch.Tensor:
+        """The codes as int16 [n, k]."""
+        n, k = self.shape
+        if self.kind == "q8":
+            return self.codes.to(torch.int16)
+        c = self.codes.view(n, k // 64, 32)
+        return torch.cat((c & 15, c >> 4), dim=-1).reshape(n, k).to(torch.int16)
+
+    def dequantize(self) -> torch.Tensor:
+        """W [n, k] float32, by torch: each value q * s + m, rounded once as the kernel's fma
+        (q * s is exact in float32 for every format)."""
+        n, k = self.shape
+        q = self.int_codes().to(torch.float32).view(n, k // self.group, self.group)
+        w = q * self.scales.to(torch.float32).unsqueeze(-1)
+        if self.mins is not None:
+            w += self.mins.to(torch.float32).unsqueeze(-1)
+        return w.view(n, k)
+
+    def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The rows `index` (a permutation or selection), in that order."""
+        return replace(
+            self,
+            codes=self.codes.index_select(0, index).contiguous(),
+            scales=self.scales.index_select(0, index).contiguous(),
+            mins=None if self.mins is None else self.mins.index_select(0, index).contiguous(),
+        )
+
+    def widened(self, group: int, with_mins: bool) -> QuantizedWeight:
+        """The same values as q8 codes with float32 scales in groups of `group` (a divisor
+        of this one's): the layout parts of different formats share once fused."""
+        if self.group % group:
+            raise QuantError(f"groups of {self.group} cannot split into groups of {group}")
+        if (
+            self.kind == "q8"
+            and self.group == group
+            and self.scales.dtype == torch.float32
+            and (self.mins is not None or not with_mins)
+        ):
+            return self
+        codes = self.int_codes().to(torch.int8)
+        repeat = self.group // group
+        scales = self.scales.to(torch.float32).repeat_interleave(repeat, dim=1)
+        mins = None
+        if with_mins:
+            mins = (
+                torch.zeros_like(scales)
+                if self.mins is None
+                else self.mins.to(torch.float32).repeat_interleave(repeat, dim=1)
+            )
+        return QuantizedWeight(codes, scales.contiguous(), mins, "q8", group, self.source)
+
+    @staticmethod
+    def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """The rows of `parts` one after another (a fused q/k/v or gate/up weight)."""
+        if len(parts) == 1:
+            return parts[0]
+        ks = {p.shape[1] for p in parts}
+        if len(ks) != 1:
+            raise QuantError(f"fused parts have different inputs: {sorted(ks)}")
+        first = parts[0]
+        same = all(
+            p.kind == first.kind
+            and p.group == first.group
+            and p.scales.dtype == first.scales.dtype
+            and (p.mins is None) == (first.mins is None)
+            for p in parts
+        )
+        if not same:
+            group = math.gcd(*(p.group for p in parts))
+            with_mins = any(p.mins is not None for p in parts)
+            parts = [p.widened(group, with_mins) for p in parts]
+            first = parts[0]
+        sources = "+".join(dict.fromkeys(p.source for p in parts))
+        return QuantizedWeight(
+            codes=torch.cat([p.codes for p in parts]),
+            scales=torch.cat([p.scales for p in parts]),
+            mins=None if first.mins is None else torch.cat([p.mins for p in parts]),  # type: ignore[misc]
+            kind=first.kind,
+            group=first.group,
+            source=sources,
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# From GGUF blocks and from float weights
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.float16).reshape(a.shape[:-1])
+
+
+def _q4(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, source: str) -> QuantizedWeight:
+    """uint8 codes [n, k] (each < 16) in groups of 32: the q4 layout, 64 values in 32 bytes,
+    or, for rows that are not whole 64s, the q8 one."""
+    n, k = q.shape
+    t = torch.from_numpy
+    if k % 64:
+        codes = t(np.ascontiguousarray(q.view(np.int8)))
+        return QuantizedWeight(codes, t(scales), t(mins), "q8", 32, source)
+    g = q.reshape(n, k // 64, 2, 32)
+    packed = np.ascontiguousarray((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2))
+    return QuantizedWeight(t(packed), t(scales), t(mins), "q4", 32, source)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of packed 6-bit scales and mins -> (sc, min), each [.., 8]."""
+    s = scales.reshape(*scales.shape[:-1], 3, 4)
+    d, m, m_d = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """A GGUF tensor's raw blocks (uint8 [n, bytes per row], as gguf's reader maps them) of
+    the format `type_name` (a GGUF_FORMATS entry) and shape [n, k], repacked."""
+    n, k = shape
+    if type_name not in GGUF_FORMATS:
+        raise QuantError(f"GGUF type {type_name} is not served quantized")
+    block = QK_K if type_name.endswith("_K") else 32
+    if k % block:
+        raise QuantError(f"{type_name} rows of {k} values are not whole blocks of {block}")
+    raw = np.asarray(data, dtype=np.uint8).reshape(n, k // block, -1)
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    if type_name in ("Q4_0", "Q4_1"):
+        d = np.ascontiguousarray(_f16(raw[..., 0:2]))
+        if type_name == "Q4_0":
+            m, qs = (np.float16(-8) * d).astype(np.float16), raw[..., 2:18]
+        else:
+            m, qs = np.ascontiguousarray(_f16(raw[..., 2:4])), raw[..., 4:20]
+        q = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # [n, k / 32, 32] in order
+        return _q4(q.reshape(n, k), d, m, type_name)
+    if type_name == "Q8_0":
+        d = _f16(raw[..., 0:2])
+        qs = raw[..., 2:34].view(np.int8)
+        return QuantizedWeight(t(qs.reshape(n, k)), t(d), None, "q8", 32, type_name)
+    if type_name in ("Q4_K", "Q5_K"):
+        d = _f16(raw[..., 0:2]).astype(np.float32)[..., None]
+        dmin = _f16(raw[..., 2:4]).astype(np.float32)[..., None]
+        sc, mn = _k_scales(raw[..., 4:16])
+        scales = (d * sc.astype(np.float32)).reshape(n, k // 32)
+        mins = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
+        if type_name == "Q4_K":
+            qs = raw[..., 16:144].reshape(n, k // QK_K, 4, 1, 32)
+            q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+            return _q4(q.reshape(n, k), scales, np.ascontiguousarray(mins), type_name)
+        qh = raw[..., 16:48].reshape(n, k // QK_K, 1, 32)
+        qs = raw[..., 48:176].reshape(n, k // QK_K, 4, 1, 32)
+        ql = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+        high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 0x01
+        q = ql.reshape(n, k // QK_K, 8, 32) | (high << 4)
+        codes = q.reshape(n, k).view(np.int8)
+        return QuantizedWeight(t(codes), t(scales), t(mins), "q8", 32, type_name)
+    # Q6_K: ql 128, qh 64, int8 scales 16, d f16
+    ql = raw[..., 0:128].reshape(n, k // QK_K, 2, 1, 64)
+    qh = raw[..., 128:192].reshape(n, k // QK_K, 2, 1, 32)
+    sc = raw[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(raw[..., 208:210]).astype(np.float32)[..., None]
+    low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03
+    q = low.reshape(n, k // QK_K, 2, 4, 32) | (high.reshape(n, k // QK_K, 2, 4, 32) << 4)
+    codes = (q.astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    scales = (d * sc).reshape(n, k // 16)
+    return QuantizedWeight(t(codes), t(scales), None, "q8", 16, type_name)
+
+
+def int8_per_channel(w: torch.Tensor) -> QuantizedWeight:
+    """W [n, k] (float) as int8 codes with one float32 scale per output row (absmax / 127),
+    vLLM's weight-only int8; k must be a multiple of 16."""
+    k = w.shape[1]
+    if k % 16:
+        raise QuantError(f"int8 rows need a multiple of 16 inputs, got {k}")
+    w32 = w.detach().to(torch.float32)
+    scale = w32.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(w32 / scale).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(codes.contiguous(), scale.contiguous(), None, "q8", k, "int8")
+
+
+# ----------------------------------------------------------------------------------------
+# Products
+
+
+def _kernel_name(prefix: str, weight: QuantizedWeight) -> str:
+    scale = "f16" if weight.scales.dtype == torch.float16 else "f32"
+    return f"flowllm_{prefix}_{weight.kind}_{scale}"
+
+
+class QuantizedLinear:
+    """y = x W^T + b over a QuantizedWeight: x [m, k] -> y [m, n] in `out_dtype`, sums and
+    the bias (kept by reference) in float32."""
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
+        lib: native.NativeLibrary | None = None,
+    ) -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        if bias is not None and bias.shape != (self.out_features,):
+            raise QuantError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
+        self.bias = bias
+        self.out_dtype = out_dtype
+        self.lib = lib if lib is not None else native.library()
+        self._product = self._dequant = self._dequant_bf16 = 0
+        if self.lib is not None:
+            self._product = self.lib.address(_kernel_name("qlinear", weight))
+            self._dequant = self.lib.address(_kernel_name("dequant", weight))
+            self._dequant_bf16 = self.lib.address(_kernel_name("dequant_bf16", weight))
+
+    def _bias32(self) -> torch.Tensor | None:
+        if self.bias is None:
+            return None
+        return self.bias if self.bias.dtype == torch.float32 else self.bias.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [m, in] -> [m, out]
+        n, k = self.out_features, self.in_features
+        if x.dim() != 2 or x.shape[1] != k or not x.is_cpu:
+            raise QuantError(f"x must be [m, {k}] on the CPU, got {tuple(x.shape)} {x.device}")
+        x32 = x.to(torch.float32).contiguous()
+        m = x32.shape[0]
+        if self.lib is None or (m >= TILE_FROM and not call_plan.recording()):
+            y = self._tiled(x32)
+        else:
+            y = torch.empty(m, n, dtype=torch.float32)
+            bias = self._bias32()
+            w = self.weight
+            if m:
+                self.lib.call(
+                    self._product,
+                    x32.data_ptr(),
+                    w.codes.data_ptr(),
+                    w.scales.data_ptr(),
+                    0 if w.mins is None else w.mins.data_ptr(),
+                    0 if bias is None else bias.data_ptr(),
+                    y.data_ptr(),
+                    m,
+                    n,
+                    k,
+                    w.group,
+                )
+        return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
+
+    def _tiled(self, x32: torch.Tensor) -> torch.Tensor:
+        """x W^T + b, W dequantized one tile of rows at a time and multiplied in bf16 where
+        the CPU has fast bf16 products (as the unquantized model would), else float32."""
+        n, k = self.out_features, self.in_features
+        y = torch.empty(x32.shape[0], n, dtype=torch.float32)
+        step = max(16, TILE_VALUES // k)
+        bias = self._bias32()
+        bf16 = self.lib is not None and cpu_linear.serves(torch.bfloat16)
+        x = x32.to(torch.bfloat16) if bf16 else x32
+        for r0 in range(0, n, step):
+            rows = min(step, n - r0)
+            part_bias = None if bias is None else bias[r0 : r0 + rows]
+            if bf16:
+                part = self._bf16_tile(r0, rows)(x)
+                if part_bias is not None:
+                    part += part_bias
+            else:
+                part = F.linear(x, self.rows(None, r0, rows), part_bias)
+            y[:, r0 : r0 + rows] = part
+        return y
+
+    def _bf16_tile(self, row0: int, rows: int) -> cpu_linear.PackedLinear:
+        """Rows row0 .. row0 + rows of W dequantized to bf16 in the native bf16 kernel's
+        layout, as a product with float32 outputs."""
+        assert self.lib is not None
+        k, w = self.in_features, self.weight
+        packed = torch.empty(-(-rows // 16), k // 2, 16, 2, dtype=torch.bfloat16)
+        self.lib.call(
+            self._dequant_bf16,
+            w.codes.data_ptr(),
+            w.scales.data_ptr(),
+            0 if w.mins is None else w.mins.data_ptr(),
+            rows,
+            row0,
+            packed.data_ptr(),
+            self.out_features,
+            k,
+            w.group,
+        )
+        return cpu_linear.PackedLinear.from_packed(packed, rows, k, torch.float32)
+
+    def rows(self, ids: torch.Tensor | None, row0: int = 0, count: int = 0) -> torch.Tensor:
+        """Rows of W as float32: W[ids] (int64 [r]), or W[row0 : row0 + count]."""
+        n, k = self.out_features, self.in_features
+        if ids is not None:
+            if ids.dtype != torch.int64 or ids.dim() != 1:
+                raise QuantError(f"row ids must be int64 [r], got {ids.dtype} {tuple(ids.shape)}")
+            ids = ids.contiguous()
+            count = ids.shape[0]
+        elif row0 < 0 or count < 0 or row0 + count > n:
+            raise QuantError(f"rows {row0}:{row0 + count} are outside [0, {n})")
+        if self.lib is None:
+            w = self.weight
+            part = (
+                w.take_rows(ids)
+                if ids is not None
+                else w.take_rows(torch.arange(row0, row0 + count))
+            )
+            return part.dequantize()
+        out = torch.empty(count, k, dtype=torch.float32)
+        w = self.weight
+        status = self.lib.call(
+            self._dequant,
+            w.codes.data_ptr(),
+            w.scales.data_ptr(),
+            0 if w.mins is None else w.mins.data_ptr(),
+            0 if ids is None else ids.data_ptr(),
+            count,
+            row0,
+            out.data_ptr(),
+            n,
+            k,
+            w.group,
+        )
+        if status:
+            bad = int(ids[status - 1]) if ids is not None else row0
+            raise IndexError(f"row {bad} is outside [0, {n})")
+        return out

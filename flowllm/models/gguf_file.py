@@ -1,0 +1,168 @@
+"""A GGUF file as a model: its config and tokenizer through transformers' GGUF support, its
+tensors through the `gguf` package's reader, under the HF names flowllm's models load.
+
+Quantized tensors in a format the kernels serve (`quant_linear.GGUF_FORMATS`) come out as
+QuantizedWeight, kept quantized, unless `dequantize` asks for float32; other formats
+(IQ*, Q2_K, Q3_K, Q5_0, ...) are dequantized by gguf at load. llama.cpp stores a Llama's
+Q/K rows permuted for its RoPE kernel; they are put back in HF's order here (a row
+permutation, which whole quantized rows allow). Qwen2 and Qwen3 files are not permuted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flowllm.kernels.quant_linear import GGUF_FORMATS, QuantizedWeight, from_gguf
+from flowllm.models.layers import Weight, config_get
+
+GGUF_SUFFIX = ".gguf"
+# llama.cpp's architecture names -> the HF model type whose layout its tensors have
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_PERMUTED_QK = frozenset({"llama"})
+
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class GGUFError(ValueError):
+    """The GGUF file cannot be served; the message says why."""
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` names a GGUF file."""
+    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """A llama.cpp tensor name under HF's (Llama/Qwen) names; None: not a tensor of ours."""
+    if gguf_name in _TOP:
+        return _TOP[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[3] not in ("weight", "bias"):
+        return None
+    layer = _LAYER.get(parts[2])
+    return None if layer is None else f"model.layers.{parts[1]}.{layer}.{parts[3]}"
+
+
+def rope_row_order(rows: int, n_heads: int) -> torch.Tensor:
+    """The row index undoing llama.cpp's Q/K permutation: llama.cpp interleaves each head's
+    rows in pairs (x_i, x_{i + D/2}) for its RoPE; HF keeps the two halves apart. Per head,
+    rows [D/2, 2] -> [2, D/2]."""
+    half = rows // n_heads // 2
+    return torch.arange(rows).view(n_heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def open_reader(path: Path) -> Any:
+    """gguf's reader over the file (memory-mapped), with a clear error for a bad file."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise GGUFError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def architecture(reader: Any) -> str:
+    """The file's llama.cpp architecture, checked against those flowllm runs."""
+    field = reader.fields.get("general.architecture")
+    arch = None if field is None else field.contents()
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
+    return str(arch)
+
+
+def load_config(path: Path, reader: Any) -> Any:
+    """The transformers config transformers builds from the file's metadata, completed from
+    the file where transformers leaves a default: head_dim (`attention.key_length`), tied
+    embeddings (no `output.weight`) and q/k/v biases (Llama and Qwen3 have them optionally)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GGUFError(f"cannot read the model config from {path}: {e}") from e
+    arch = architecture(reader)
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length.contents())
+    names = {t.name for t in reader.tensors}
+    config.tie_word_embeddings = "output.weight" not in names
+    if arch != "qwen2":
+        config.attention_bias = "blk.0.attn_q.bias" in names
+    return config
+
+
+def _dense(t: Any) -> torch.Tensor:
+    """A float tensor of any GGUF type as float32, by gguf's own dequantization."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(t.shape))
+    if t.tensor_type.name in ("F32", "F16"):
+        w = np.asarray(t.data, dtype=np.float32).reshape(shape)
+    else:
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    return torch.from_numpy(np.array(w, order="C"))
+
+
+def iter_tensors(
+    reader: Any, hf_config: Any, dequantize: bool = False
+) -> Iterator[tuple[str, Weight]]:
+    """(HF name, tensor or QuantizedWeight) for every tensor of the file; quantized 2-D
+    tensors of a served format stay quantized unless `dequantize`."""
+    arch = architecture(reader)
+    n_heads = int(config_get(hf_config, "num_attention_heads"))
+    n_kv = int(config_get(hf_config, "num_key_value_heads", n_heads))
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue  # rope_freqs and other derived tensors flowllm computes itself
+        type_name = t.tensor_type.name
+        shape = tuple(int(d) for d in reversed(t.shape))
+        w: Weight
+        if type_name in GGUF_FORMATS and len(shape) == 2 and not dequantize:
+            try:
+                w = from_gguf(t.data, type_name, (shape[0], shape[1]))
+            except ValueError as e:
+                raise GGUFError(f"GGUF tensor {t.name!r}: {e}") from e
+        else:
+            w = _dense(t)
+        if arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
+            heads = n_heads if ".q_proj." in name else n_kv
+            order = rope_row_order(w.shape[0], heads)
+            w = w.take_rows(order) if isinstance(w, QuantizedWeight) else w[order].contiguous()
+        yield name, w
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer (and chat template) transformers rebuilds from the file's metadata."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GGUFError(
+            f"cannot build a tokenizer from {path}: {e}; give one with --tokenizer"
+        ) from e

@@ -1,0 +1,143 @@
+"""Quantized linear layers against gguf's own dequantization and a torch product, on both
+builds of the native kernels (AVX-512 and AVX2), and without them."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+from quant_blocks import random_blocks
+
+from flowllm.kernels import native, quant_linear
+from flowllm.kernels.quant_linear import QuantError, QuantizedLinear, QuantizedWeight
+
+ISAS = [
+    pytest.param(
+        isa,
+        marks=pytest.mark.skipif(
+            not native.cpu_flags() >= native.ISAS[isa].cpu_flags, reason=f"no {isa} here"
+        ),
+    )
+    for isa in native.ISAS
+]
+N, K = 80, 512  # 5 blocks of 16 outputs; two K-format super-blocks per row
+
+
+def reference(raw: np.ndarray, type_name: str, n: int = N, k: int = K) -> torch.Tensor:
+    qtype = gguf.GGMLQuantizationType[type_name]
+    return torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
+
+
+def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact_x: bool) -> None:
+    """y against x W^T by torch: within float32 rounding when x is used as it is, else
+    within the bound of x rounded to int8 in blocks of 32 (scale absmax / 127, each value
+    off by half a step at most): sum over blocks of |w| x step / 2."""
+    expect = x @ w.T
+    slack = 1e-5 * (x.abs() @ w.abs().T) + 1e-6
+    if not exact_x:
+        m, k = x.shape
+        step = x.view(m, k // 32, 32).abs().amax(-1) / 127  # [m, blocks]
+        w_abs = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
+        slack = slack + (step / 2) @ w_abs.T
+    assert y.shape == expect.shape
+    assert ((y - expect).abs() <= slack).all(), float(((y - expect).abs() / slack).max())
+
+
+@pytest.mark.parametrize("type_name", quant_linear.GGUF_FORMATS)
+def test_repacked_values_are_ggufs_bit_for_bit(type_name: str) -> None:
+    raw = random_blocks(type_name, N, K)
+    weight = quant_linear.from_gguf(raw, type_name, (N, K))
+    assert torch.equal(weight.dequantize(), reference(raw, type_name))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", quant_linear.GGUF_FORMATS)
+def test_products_match_dequantize_then_matmul(isa: str, type_name: str) -> None:
+    raw = random_blocks(type_name, N, K, seed=1)
+    w = reference(raw, type_name)
+    bias = torch.randn(N)
+    lin = QuantizedLinear(
+        quant_linear.from_gguf(raw, type_name, (N, K)), bias, lib=native.isa_library(isa)
+    )
+    assert torch.equal(lin.rows(None, 0, N), w)  # the kernel's dequantization
+    ids = torch.tensor([3, 0, N - 1, 3])
+    assert torch.equal(lin.rows(ids), w[ids])
+    for m in (1, 2, 3, 4, 5, 9):  # every group of rows a pass takes
+        x = torch.randn(m, K)
+        y = lin(x)
+        assert y.dtype == torch.float32
+        assert_product(y - bias, x, w, exact_x=type_name == "Q6_K")
+    # tiles dequantized to bf16 (where the CPU has it) and multiplied by the bf16 kernel
+    x = torch.randn(quant_linear.TILE_FROM + 3, K)
+    expect = x @ w.T + bias
+    torch.testing.assert_close(lin(x), expect, rtol=2e-2, atol=2e-2 * float(expect.abs().max()))
+
+
+def test_rounding_x_to_int8_is_what_the_bound_allows() -> None:
+    """The bound of assert_product is tight enough to catch a wrong block scale: a product
+    that rounds x to 4 bits instead of 8 breaks it."""
+    w = torch.randn(N, K)
+    x = torch.randn(2, K)
+    step = x.view(2, K // 32, 32).abs().amax(-1, keepdim=True) / 7
+    coarse = (torch.round(x.view(2, K // 32, 32) / step) * step).view(2, K)
+    with pytest.raises(AssertionError):
+        assert_product(coarse @ w.T, x, w, exact_x=False)
+
+
+def test_without_the_native_library_torch_runs_the_same_products() -> None:
+    raw = random_blocks("Q4_K", N, K, seed=2)
+    weight = quant_linear.from_gguf(raw, "Q4_K", (N, K))
+    lin = QuantizedLinear(weight, None, out_dtype=torch.bfloat16)
+    lin.lib = None
+    x = torch.randn(3, K)
+    expect = (x @ reference(raw, "Q4_K").T).to(torch.bfloat16)
+    torch.testing.assert_close(lin(x), expect)
+    assert torch.equal(lin.rows(torch.tensor([5, 1])), reference(raw, "Q4_K")[[5, 1]])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_parts_of_different_formats(isa: str) -> None:
+    """A Q4_K_M file's q/k (Q4_K) and v (Q6_K) fuse into one weight of the widest layout."""
+    parts = [("Q4_K", 64), ("Q6_K", 32), ("Q8_0", 16)]
+    raws = [random_blocks(t, n, K, seed=i) for i, (t, n) in enumerate(parts)]
+    fused = QuantizedWeight.concat(
+        [quant_linear.from_gguf(r, t, (n, K)) for r, (t, n) in zip(raws, parts, strict=True)]
+    )
+    w = torch.cat([reference(r, t, n) for r, (t, n) in zip(raws, parts, strict=True)])
+    assert fused.kind == "q8" and fused.group == 16
+    assert torch.equal(fused.dequantize(), w)
+    lin = QuantizedLinear(fused, lib=native.isa_library(isa))
+    x = torch.randn(2, K)
+    assert_product(lin(x), x, w, exact_x=True)  # groups of 16 multiply floats
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k", [96, 128])  # rows of whole 64s multiply on integers
+def test_int8_per_channel(isa: str, k: int) -> None:
+    w = torch.randn(48, k) * torch.linspace(0.1, 3.0, 48)[:, None]
+    weight = quant_linear.int8_per_channel(w)
+    assert weight.codes.dtype == torch.int8 and weight.scales.shape == (48, 1)
+    deq = weight.dequantize()
+    # half a step of each row's own scale at most
+    assert ((deq - w).abs() <= weight.scales / 2 + 1e-7).all()
+    lin = QuantizedLinear(weight, lib=native.isa_library(isa))
+    x = torch.randn(3, k)
+    assert_product(lin(x), x, deq, exact_x=k % 64 != 0)
+
+
+def test_bad_input_is_refused_clearly() -> None:
+    raw = random_blocks("Q4_0", N, K)
+    lin = QuantizedLinear(quant_linear.from_gguf(raw, "Q4_0", (N, K)))
+    with pytest.raises(QuantError, match="x must be"):
+        lin(torch.randn(2, K + 1))
+    if lin.lib is not None:
+        with pytest.raises(IndexError, match="outside"):
+            lin.rows(torch.tensor([0, N]))
+    with pytest.raises(QuantError, match="not whole blocks"):
+        quant_linear.from_gguf(raw, "Q4_K", (N, K - 32))
+    with pytest.raises(QuantError, match="not served quantized"):
+        quant_linear.from_gguf(raw, "IQ2_XS", (N, K))
+    with pytest.raises(QuantError, match="multiple of 16"):
+        quant_linear.int8_per_channel(torch.randn(4, 20))

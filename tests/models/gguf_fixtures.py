@@ -1,0 +1,179 @@
+"""GGUF files of small random models, written in the tests with the `gguf` package's writer
+(as llama.cpp's converter lays them out), and a Q4_K quantizer (gguf's Python package only
+dequantizes the K formats).
+
+- `quantize_q4_k`: float32 [n, k] -> Q4_K blocks, the scales and mins chosen per 32 values
+  from their range (llama.cpp searches better ones; any valid blocks serve here).
+- `write_gguf`: a transformers Llama/Qwen2/Qwen3 model as a GGUF file: its config as
+  metadata, a byte-level BPE tokenizer of the model's vocabulary size, its 2-D weights in
+  the given format (norms and biases float32), Llama's Q/K rows permuted as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+EOS = "<|im_end|>"
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] (k a multiple of 256) -> uint8 [n, k / 256 * 144] Q4_K blocks."""
+    n, k = w.shape
+    x = w.astype(np.float32).reshape(n, k // 256, 8, 32)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 15.0  # [n, b, 8]
+    mn = -lo
+    d = (scale.max(-1) / 63.0).astype(np.float16)  # [n, b]
+    dmin = (mn.max(-1) / 63.0).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), 0, 63)
+    mq = np.clip(np.round(np.divide(mn, dmin32, out=np.zeros_like(mn), where=dmin32 > 0)), 0, 63)
+    sc, mq = sc.astype(np.uint8), mq.astype(np.uint8)
+    eff_s = (d32 * sc)[..., None]
+    eff_m = (dmin32 * mq)[..., None]
+    q = np.clip(
+        np.round(np.divide(x + eff_m, eff_s, out=np.zeros_like(x), where=eff_s > 0)), 0, 15
+    ).astype(np.uint8)  # [n, b, 8, 32]
+    scales = np.zeros((n, k // 256, 12), dtype=np.uint8)
+    scales[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    scales[..., 4:8] = (mq[..., :4] & 63) | ((mq[..., 4:] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:] & 15) | ((mq[..., 4:] & 15) << 4)
+    pairs = q.reshape(n, k // 256, 4, 2, 32)
+    qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n, k // 256, 128)
+    blocks = np.concatenate(
+        [
+            d.view(np.uint8).reshape(n, k // 256, 2),
+            dmin.view(np.uint8).reshape(n, k // 256, 2),
+            scales,
+            qs,
+        ],
+        axis=-1,
+    )
+    return blocks.reshape(n, -1)
+
+
+def _encode(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """w in qtype, or in Q8_0 where its rows are not whole Q4_K super-blocks (as llama.cpp's
+    quantizer falls back)."""
+    if qtype == GGMLQuantizationType.Q4_K:
+        if w.shape[1] % 256 == 0:
+            return quantize_q4_k(w), qtype
+        qtype = GGMLQuantizationType.Q8_0
+    return gguf.quants.quantize(w, qtype), qtype
+
+
+def byte_level_vocab(size: int) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) of a byte-level BPE vocabulary of `size` tokens: the 256
+    byte symbols, merges of pairs of them, then the two chat tokens (control)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    base = list(bytes_to_unicode().values())
+    letters = [bytes_to_unicode()[b] for b in b"etaoinshrdlucmfw"]
+    merges = [f"{a} {b}" for a in letters for b in letters][: size - 256 - 2]
+    tokens = base + [m.replace(" ", "") for m in merges] + ["<|im_start|>", EOS]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    return tokens, merges, types
+
+
+def _rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF rows -> llama.cpp's interleaved order (the inverse of gguf_file.rope_row_order)."""
+    rows = w.shape[0]
+    half = rows // heads // 2
+    return w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: bool = True) -> Path:
+    """Write `model` (a transformers Llama/Qwen2/Qwen3 causal LM) to `path` as GGUF (without
+    tokenizer metadata if not `tokenizer`)."""
+    cfg = model.config
+    arch = cfg.model_type
+    w = gguf.GGUFWriter(str(path), arch)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        tokens, merges, types = byte_level_vocab(cfg.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if arch != "llama" else "gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(len(tokens) - 2)
+        w.add_eos_token_id(len(tokens) - 1)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHAT_TEMPLATE)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer_names = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    state = model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, t in state.items():
+        if name in names:
+            gname = names[name]
+        else:
+            parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}
+            gname = f"blk.{parts[2]}.{layer_names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        a = t.detach().to(torch.float32).numpy()
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            a = _rope_permute(a, heads if ".q_proj." in name else kv_heads)
+        if a.ndim == 2:
+            data, used = _encode(a, qtype)
+            w.add_tensor(gname, data, raw_dtype=used)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def dequantized_like(model: Any, path: Path) -> Any:
+    """`model` with each weight replaced by the GGUF file's dequantized value (the file's
+    reference: what the quantized model approximates and the dequantized one computes)."""
+    from flowllm.models.gguf_file import iter_tensors, open_reader
+
+    reader = open_reader(path)
+    weights = dict(iter_tensors(reader, model.config, dequantize=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = (
+                "model.embed_tokens.weight"
+                if name == "lm_head.weight" and name not in weights
+                else name
+            )
+            p.copy_(weights[key])
+    return model
