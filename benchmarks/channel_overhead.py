@@ -30,7 +30,7 @@ import structlog
 from flowllm.graph.channel import Channel
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spec import DEFAULT_CAPACITY, EdgeSpec, GraphSpec, PortRef, StageSpec
-from flowllm.stages.base import PerMessageStage, SourceStage, Stage, StageContext
+from flowllm.graph.stage import PerMessageStage, SourceStage, Stage, StageContext
 
 
 class Msg(msgspec.Struct, frozen=True):

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_fixtures import write_gpt2_tokenizer_files
 
 from flowllm.config import engine_config
+from flowllm.graph.stage import NoParams
 from flowllm.llm import LLM
 from flowllm.messages import SamplingParams, StepLogits, TokenizedRequest
 from flowllm.models.tokenizer import load_tokenizer
-from flowllm.stages.base import NoParams
 from flowllm.stages.detokenize import Detokenize
 from flowllm.stages.execute import Execute
 from flowllm.stages.format import Format

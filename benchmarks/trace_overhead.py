@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from model_fixtures import build_gpt2_dir
 
-from flowllm.async_engine import AsyncEngine
 from flowllm.config import engine_config
+from flowllm.engine.async_engine import AsyncEngine
 from flowllm.messages import GenerateRequest, SamplingParams
 from flowllm.stages.services import EngineServices, build_services
 from flowllm.traces.recorder import TraceRecorder

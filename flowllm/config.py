@@ -97,7 +97,7 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
 
     Each bound is checked before anything proportional to it is built (mailbox, sampler
     state, stop tables), so no single request can stall or exhaust the server. The CLI
-    flags' help (flowllm/engine_args.py) says why each default was chosen.
+    flags' help (flowllm/engine/args.py) says why each default was chosen.
     """
 
     max_n: int = 16  # choices per prompt

@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from flowllm.async_engine import AsyncEngine
 from flowllm.config import EngineConfig, engine_config
+from flowllm.engine.async_engine import AsyncEngine
 from flowllm.graph.spec import ValidGraph
 from flowllm.mailbox import Mailbox
 from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams, TokenLogprobs, ToolCall

@@ -111,7 +111,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: tuple[ChatMessage, ...] | None = None
     add_generation_prompt: bool = True
     # A template given with the request: rendered within the request-template budget
-    # (flowllm/engine/chat_template.py). The API admits it only when the server trusts it.
+    # (flowllm/text/chat_template.py). The API admits it only when the server trusts it.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     # Chat: the functions the model may call (OpenAI's `tools`, each {"type": "function",
@@ -119,7 +119,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     tools: tuple[dict[str, Any], ...] | None = None
     echo: bool = False  # the first chunk carries the prompt text (and its logprobs if asked)
     # Prefix-cache isolation: blocks cached under one salt are never hit by another salt or
-    # by requests without one (see flowllm/engine/block_pool.py, "Block hashes").
+    # by requests without one (see flowllm/scheduling/block_pool.py, "Block hashes").
     cache_salt: str | None = None
 
 

@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from flowllm.engine.scheduler import SchedulerStats
 from flowllm.graph.spans import LabelledHistogram
+from flowllm.scheduling.scheduler import SchedulerStats
 
 PREFIX = "flowllm:"
 VLLM_PREFIX = "vllm:"

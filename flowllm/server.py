@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 import uvicorn
 
-from flowllm.async_engine import AsyncEngine
+from flowllm.engine.async_engine import AsyncEngine
 from flowllm.health_fast_path import HealthDoorProcess
 
 # sysexits' EX_SOFTWARE: the engine failed past its supervision; start the process again.

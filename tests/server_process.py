@@ -26,7 +26,7 @@ import openai
 from flowllm.config import BUNDLED_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_GRAPH = REPO / "flowllm" / "graph" / "default.yaml"
+DEFAULT_GRAPH = REPO / "flowllm" / "engine" / "default.yaml"
 # The server flags every tiny-model server shares.
 TINY_FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB")
 STARTUP_TIMEOUT = 120.0  # seconds; the machines are shared, loading may be slow

@@ -9,7 +9,7 @@ import ssl
 import pytest
 
 from flowllm.cli import build_parser
-from flowllm.commands import (
+from flowllm.cli.serve import (
     ServeError,
     cors_config,
     exposure_warning,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flowllm.cli import build_parser
-from flowllm.commands import serving_threads
+from flowllm.cli.serve import serving_threads
 
 
 def test_all_cores_but_one_by_default() -> None:

@@ -37,8 +37,8 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import Abort, TokenizedRequest
-from flowllm.stages.base import PerMessageStage, StageContext
 
 
 class AuditParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
+from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import Chunk, TextDeltas
-from flowllm.stages.base import PerMessageStage, StageContext
 
 _WORD = re.compile(r"\w+")
 _LEADING_WORD = re.compile(r"\w*")

@@ -57,16 +57,16 @@ from flowllm.api.protocol import (
     VersionResponse,
 )
 from flowllm.api.serving import ClientDisconnected, EventStream, Generation, until_disconnect
-from flowllm.engine.chat_template import (
+from flowllm.engine.client import EngineClient
+from flowllm.messages import GenerateRequest
+from flowllm.metrics import MetricsView
+from flowllm.text.chat_template import (
     DEFAULT_BUDGET,
     ChatTemplateError,
     TemplateBudget,
     render_chat,
 )
-from flowllm.engine.validation import model_not_found, show_number
-from flowllm.engine_client import EngineClient
-from flowllm.messages import GenerateRequest
-from flowllm.metrics import MetricsView
+from flowllm.text.validation import model_not_found, show_number
 from flowllm.ui.routes import AUTH_PATH, STATIC_PREFIX, live_feed_of
 from flowllm.ui.routes import ROUTES as UI_ROUTES
 

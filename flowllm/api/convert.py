@@ -2,7 +2,7 @@
 
 Only what the schema cannot express is checked here (prompt shapes, unsupported options,
 content parts); parameter ranges are the graph's validate stage's job
-(`flowllm.engine.validation`), so the HTTP API and the offline API share one set of rules.
+(`flowllm.text.validation`), so the HTTP API and the offline API share one set of rules.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from flowllm.api.protocol import (
     CompletionRequest,
 )
 from flowllm.api.tool_calls import ToolUse, tool_use
-from flowllm.engine.validation import show_number
 from flowllm.messages import (
     ChatMessage,
     GenerateRequest,
@@ -26,6 +25,7 @@ from flowllm.messages import (
     StructuredOutputs,
     ToolCall,
 )
+from flowllm.text.validation import show_number
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 GUIDED_BACKENDS = (None, "auto", "xgrammar")  # guided_decoding_backend values served

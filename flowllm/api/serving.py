@@ -26,7 +26,7 @@ from litestar.types import Receive, Send
 
 from flowllm.api.errors import ApiError
 from flowllm.api.logprobs import TokenTexts
-from flowllm.engine_client import EngineClient, Overloaded
+from flowllm.engine.client import EngineClient, Overloaded
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import Chunk, GenerateRequest, RequestError
 

@@ -7,7 +7,7 @@
 - `auto`: the model chooses; its output is read by the parser `--tool-call-parser` names
   (only with `--enable-auto-tool-choice`): `hermes` takes `<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>` blocks (Qwen2.5, Hermes, SmolLM and the fallback
-  prompt of flowllm.engine.tool_prompt), `llama3_json` an output that is one or more
+  prompt of flowllm.text.tool_prompt), `llama3_json` an output that is one or more
   `{"name": ..., "parameters": {...}}` objects separated by `;`.
 - `required`: a grammar makes the output a JSON array of `{"name", "parameters"}` calls
   (one at most when `parallel_tool_calls` is false), each valid for its function.

@@ -48,9 +48,9 @@ from prometheus_client import CollectorRegistry
 from flowllm.graph.channel import Channel
 from flowllm.graph.spans import GraphMetrics, SpanRecorder, SpanSink, configure_logging
 from flowllm.graph.spec import GraphSpec, PortRef, ValidGraph, load_graph
+from flowllm.graph.stage import CLOSED, FailRequest, Outbox, RequestInputError, Stage, StageContext
 from flowllm.graph.supervision import RestartIntensity
 from flowllm.messages import RequestError
-from flowllm.stages.base import CLOSED, FailRequest, Outbox, RequestInputError, Stage, StageContext
 
 
 class GraphBuildError(RuntimeError):

@@ -51,8 +51,8 @@ import msgspec
 import yaml
 
 from flowllm.graph.channel import type_members, type_name
+from flowllm.graph.stage import Stage
 from flowllm.graph.supervision import SupervisionPlan, parse_supervision, plan_groups
-from flowllm.stages.base import Stage
 
 DEFAULT_CAPACITY = 64
 MAX_CYCLES_CHECKED = 10_000
@@ -473,7 +473,7 @@ class _Validator:
             what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
             self.problem(
                 f"{where}: {stage.use!r} is a {what}, not a Stage "
-                "(subclass flowllm.stages.base.Stage)",
+                "(subclass flowllm.graph.stage.Stage)",
                 stage.line,
             )
             return None

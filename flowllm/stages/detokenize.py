@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from flowllm.engine.detokenizer import Decode, IncrementalDetokenizer, make_decode
+from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import (
     Chunk,
     Finish,
@@ -27,8 +27,8 @@ from flowllm.messages import (
     TextDeltas,
     TokenLogprobs,
 )
-from flowllm.stages.base import PerMessageStage, StageContext
 from flowllm.stages.services import EngineServices
+from flowllm.text.detokenizer import Decode, IncrementalDetokenizer, make_decode
 
 
 @dataclass

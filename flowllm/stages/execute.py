@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import StepBatch, StepLogits
 from flowllm.models.runner import ModelRunner
-from flowllm.stages.base import PerMessageStage, StageContext
 from flowllm.stages.services import EngineServices
 
 

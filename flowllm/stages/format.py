@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from flowllm.graph.runtime import GraphStoppedError
+from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.mailbox import Mailbox
 from flowllm.messages import Chunk, RequestError, TextDeltas
-from flowllm.stages.base import PerMessageStage, StageContext
 from flowllm.stages.services import EngineServices
 
 

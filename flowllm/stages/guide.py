@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowllm.engine.grammar import Grammars, Matcher
 from flowllm.graph.spec import ValidGraph
+from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import ScheduledSeq, StepBatch, StepMasks
-from flowllm.stages.base import PerMessageStage, StageContext
+from flowllm.sampling.grammar import Grammars, Matcher
 from flowllm.stages.services import EngineServices
 
 

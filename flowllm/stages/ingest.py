@@ -19,12 +19,12 @@ from collections.abc import Sequence
 import anyio
 import msgspec
 
-from flowllm.engine.validation import check_admission
-from flowllm.engine_client import Overloaded
+from flowllm.engine.client import Overloaded
+from flowllm.graph.stage import SourceStage, StageContext
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import Abort, GenerateRequest
-from flowllm.stages.base import SourceStage, StageContext
 from flowllm.stages.services import EngineServices
+from flowllm.text.validation import check_admission
 
 
 class IngestParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

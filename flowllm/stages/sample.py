@@ -1,7 +1,7 @@
 """sample: one batched sampling call per step, in its worker thread.
 
 It learns each sequence's parameters from `StepBatch.started`, decides every sampled
-token's finish reason (flowllm.engine.stopping), and sends the same `StepTokens` to
+token's finish reason (flowllm.sampling.stopping), and sends the same `StepTokens` to
 schedule (which appends them) and detokenize (which turns them into text).
 
 With the guide stage connected to `masks`, it joins each step's logits with the step's
@@ -16,9 +16,9 @@ from typing import Any
 
 import anyio
 
-from flowllm.engine.sampler import Sampler
+from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import StepLogits, StepMasks, StepTokens, TokenLogprobs
-from flowllm.stages.base import PerMessageStage, StageContext
+from flowllm.sampling.sampler import Sampler
 from flowllm.stages.services import EngineServices
 
 

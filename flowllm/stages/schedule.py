@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from flowllm.engine.scheduler import Scheduler, SchedulerError
+from flowllm.graph.stage import CLOSED, Stage, StageContext
 from flowllm.messages import (
     Abort,
     Finish,
@@ -31,7 +31,7 @@ from flowllm.messages import (
     StepTokens,
     TokenizedRequest,
 )
-from flowllm.stages.base import CLOSED, Stage, StageContext
+from flowllm.scheduling.scheduler import Scheduler, SchedulerError
 from flowllm.stages.services import EngineServices
 
 EARLY_ABORTS_KEPT = 4096

@@ -15,8 +15,6 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from flowllm.config import ConfigError, EngineConfig
-from flowllm.engine.detokenizer import ByteVocab
-from flowllm.engine.grammar import Grammars
 from flowllm.kernels import native
 from flowllm.mailbox import Mailboxes
 from flowllm.metrics import EngineMetrics
@@ -24,7 +22,9 @@ from flowllm.models.kv_cache import KVCaches, KVCacheSpec, allocate_kv_cache
 from flowllm.models.layers import Linear
 from flowllm.models.loader import LoadedModel, load_model, resolve_model
 from flowllm.models.tokenizer import load_tokenizer
+from flowllm.sampling.grammar import Grammars
 from flowllm.stages.worker import WorkerThread
+from flowllm.text.detokenizer import ByteVocab
 
 
 @dataclass

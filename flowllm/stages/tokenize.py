@@ -2,8 +2,8 @@
 
 Chat requests are rendered with the model's chat template by transformers, or with the
 template given with the request within the request-template budget
-(`flowllm.engine.chat_template`), tools and tool turns included (natively, or by the
-fallback of `flowllm.engine.tool_prompt` for a template that ignores tools), then
+(`flowllm.text.chat_template`), tools and tool turns included (natively, or by the
+fallback of `flowllm.text.tool_prompt` for a template that ignores tools), then
 encoded without adding special tokens again, as the template already holds them.
 Stateless but for a cache of which server templates render tools, and the encoding runs
 in a worker thread (the tokenizer releases the GIL), so `replicas: N` tokenizes N
@@ -17,9 +17,7 @@ from typing import Any
 import anyio.to_thread
 import msgspec
 
-from flowllm.engine.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
-from flowllm.engine.tool_prompt import PROBE_MESSAGES, renders_tools, template_messages
-from flowllm.engine.validation import check_context_length
+from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import (
     Abort,
     GenerateRequest,
@@ -27,8 +25,10 @@ from flowllm.messages import (
     TokenizedRequest,
     ValidRequest,
 )
-from flowllm.stages.base import PerMessageStage, StageContext
 from flowllm.stages.services import EngineServices
+from flowllm.text.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
+from flowllm.text.tool_prompt import PROBE_MESSAGES, renders_tools, template_messages
+from flowllm.text.validation import check_context_length
 
 
 class PromptError(ValueError):

@@ -11,11 +11,11 @@ from typing import Any
 
 import anyio
 
-from flowllm.engine.grammar import GrammarError
-from flowllm.engine.validation import validate_request
+from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import Abort, GenerateRequest, RequestError, StructuredOutputs, ValidRequest
-from flowllm.stages.base import PerMessageStage, StageContext
+from flowllm.sampling.grammar import GrammarError
 from flowllm.stages.services import EngineServices
+from flowllm.text.validation import validate_request
 
 
 class Validate(PerMessageStage):

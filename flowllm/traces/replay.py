@@ -38,9 +38,9 @@ import torch
 
 from flowllm.graph.channel import Channel
 from flowllm.graph.spans import GraphMetrics, InputClosed, SpanRecorder
+from flowllm.graph.stage import Outbox, SourceStage, Stage, StageContext
 from flowllm.mailbox import Mailbox, Mailboxes
 from flowllm.messages import Chunk, RequestError
-from flowllm.stages.base import Outbox, SourceStage, Stage, StageContext
 from flowllm.traces.codec import TensorDigest
 from flowllm.traces.manifest import ModelSource, weights_sha256
 from flowllm.traces.trace import Trace, load_trace, producer_of

@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from flowllm.async_engine import AsyncEngine
 from flowllm.config import BUNDLED_MODEL, engine_config
+from flowllm.engine.async_engine import AsyncEngine
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams, StructuredOutputs
 from flowllm.traces.manifest import ModelSource, weights_sha256

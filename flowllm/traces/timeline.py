@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from flowllm.graph.spans import message_fields
-from flowllm.stages.base import SourceStage
+from flowllm.graph.stage import SourceStage
 from flowllm.traces.trace import Handled, Trace, seq_request_map
 
 

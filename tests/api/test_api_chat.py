@@ -17,7 +17,7 @@ from api_fake_engine import (
 )
 from litestar.testing import AsyncTestClient
 
-from flowllm.engine.chat_template import TemplateBudget
+from flowllm.text.chat_template import TemplateBudget
 
 pytestmark = pytest.mark.anyio
 

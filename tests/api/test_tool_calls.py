@@ -22,8 +22,8 @@ from flowllm.api.tool_calls import (
     RequiredParser,
     ToolCallParser,
 )
-from flowllm.engine.tool_prompt import renders_tools, template_messages
 from flowllm.messages import ChatMessage, StructuredOutputs, ToolCall
+from flowllm.text.tool_prompt import renders_tools, template_messages
 
 WEATHER = {
     "type": "function",

@@ -20,8 +20,8 @@ import pytest
 from pydantic import BaseModel, Field
 from server_process import ServerProcess
 
-from flowllm.engine.tool_prompt import fallback_messages
 from flowllm.messages import ChatMessage, ToolCall
+from flowllm.text.tool_prompt import fallback_messages
 
 MODEL = "smollm2-135m-instruct"
 NUM_PROMPTS = int(os.environ.get("FLOWLLM_STRUCTURED_PROMPTS", "20"))

@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flowllm.engine.block_pool import (
+from flowllm.scheduling.block_pool import (
     NO_PARENT,
     BlockPool,
     BlockPoolError,
@@ -19,7 +19,7 @@ from flowllm.engine.block_pool import (
     hash_blocks,
     salt_root,
 )
-from flowllm.engine.kv_cache_manager import KVCacheManager
+from flowllm.scheduling.kv_cache_manager import KVCacheManager
 
 
 def reference_hash(parent: bytes, tokens: list[int]) -> bytes:

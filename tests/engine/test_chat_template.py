@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from flowllm.engine.chat_template import (
+from flowllm.text.chat_template import (
     ChatTemplateError,
     TemplateBudget,
     render_chat,

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from flowllm.engine.detokenizer import (
+from flowllm.messages import SamplingParams
+from flowllm.text.detokenizer import (
     ByteVocab,
     DetokenizerStep,
     IncrementalDetokenizer,
     make_decode,
 )
-from flowllm.messages import SamplingParams
 
 EOT = 50256  # <|endoftext|>
 

@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from flowllm.config import engine_config
-from flowllm.engine.grammar import GrammarError, Grammars, apply_bitmask
-from flowllm.engine.sampler import Sampler
 from flowllm.messages import (
     SamplingParams,
     ScheduledSeq,
@@ -21,6 +19,8 @@ from flowllm.messages import (
     StepBatch,
     StructuredOutputs,
 )
+from flowllm.sampling.grammar import GrammarError, Grammars, apply_bitmask
+from flowllm.sampling.sampler import Sampler
 from flowllm.stages.guide import Guide, GuideError
 from flowllm.stages.services import EngineServices, build_services
 
@@ -203,7 +203,8 @@ def test_serving_modules_leave_xgrammar_to_the_first_constrained_request() -> No
     before the weights began to load (benchmarks/README.md, "Start-up")."""
     code = (
         "import sys\n"
-        "import flowllm.api.app, flowllm.async_engine, flowllm.server, flowllm.stages.services\n"
+        "import flowllm.api.app, flowllm.engine.async_engine, flowllm.server\n"
+        "import flowllm.stages.services\n"
         "print('xgrammar' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from flowllm.engine.sampler import (
+from flowllm.messages import SamplingParams, SeqStart
+from flowllm.sampling.sampler import (
     Sampler,
     SamplerError,
     _inverse_cdf,
@@ -25,7 +26,6 @@ from flowllm.engine.sampler import (
     _top_p_threshold,
     sibling_seed,
 )
-from flowllm.messages import SamplingParams, SeqStart
 
 EOS = 7
 

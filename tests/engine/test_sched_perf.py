@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 from flowllm.config import CacheConfig, SchedulerConfig
-from flowllm.engine.scheduler import Scheduler
 from flowllm.messages import SampledToken, SamplingParams, StepTokens, TokenizedRequest
+from flowllm.scheduling.scheduler import Scheduler
 
 
 def test_schedule_and_apply_at_256_decodes_is_fast() -> None:

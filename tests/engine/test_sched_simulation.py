@@ -20,8 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowllm.config import CacheConfig, SchedulerConfig
-from flowllm.engine.scheduler import Scheduler
-from flowllm.engine.stopping import check_stop
 from flowllm.messages import (
     FinishReason,
     SampledToken,
@@ -30,6 +28,8 @@ from flowllm.messages import (
     StepTokens,
     TokenizedRequest,
 )
+from flowllm.sampling.stopping import check_stop
+from flowllm.scheduling.scheduler import Scheduler
 
 VOCAB = 13  # small, so EOS (0) and stop token ids come up often
 EOS = 0

@@ -7,8 +7,6 @@ import msgspec
 import pytest
 
 from flowllm.config import CacheConfig, ConfigError, SchedulerConfig
-from flowllm.engine.scheduler import Scheduler, SchedulerError
-from flowllm.engine.sequence import SequenceStatus
 from flowllm.messages import (
     FinishReason,
     SampledToken,
@@ -17,6 +15,8 @@ from flowllm.messages import (
     StepTokens,
     TokenizedRequest,
 )
+from flowllm.scheduling.scheduler import Scheduler, SchedulerError
+from flowllm.scheduling.sequence import SequenceStatus
 
 
 def make_scheduler(

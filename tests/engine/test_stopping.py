@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flowllm.engine.stopping import StopChecker, check_stop
 from flowllm.messages import SamplingParams
+from flowllm.sampling.stopping import StopChecker, check_stop
 
 EOS = (50256,)
 

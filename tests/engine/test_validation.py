@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from flowllm.config import engine_config
-from flowllm.engine.validation import (
+from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams
+from flowllm.text.validation import (
     check_admission,
     check_context_length,
     show_number,
     validate_request,
 )
-from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams
 
 MODEL = "m"
 CONFIG = engine_config(max_logprobs=20, max_n=16)

@@ -24,7 +24,7 @@ from flowllm.stages.schedule import Schedule
 from flowllm.stages.tokenize import Tokenize
 from flowllm.stages.validate import Validate
 
-DEFAULT_GRAPH = Path(__file__).resolve().parents[2] / "flowllm" / "graph" / "default.yaml"
+DEFAULT_GRAPH = Path(__file__).resolve().parents[2] / "flowllm" / "engine" / "default.yaml"
 
 
 @dataclass

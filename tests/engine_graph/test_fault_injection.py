@@ -18,8 +18,8 @@ import anyio
 import pytest
 from fault_stages import FAULTS, Fault, InjectedFault, fault_graph
 
-from flowllm.async_engine import AsyncEngine
 from flowllm.config import engine_config
+from flowllm.engine.async_engine import AsyncEngine
 from flowllm.graph.spec import GraphSpec, ValidGraph
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import GenerateRequest, SamplingParams

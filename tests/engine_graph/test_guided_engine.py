@@ -12,14 +12,14 @@ import anyio
 import pytest
 import torch
 
-from flowllm.async_engine import AsyncEngine
 from flowllm.config import engine_config
+from flowllm.engine.async_engine import AsyncEngine
 from flowllm.graph.spec import GraphSpec, ValidGraph
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import Chunk, GenerateRequest, SamplingParams, StructuredOutputs
 from flowllm.stages.services import EngineServices, build_services
 
-DEFAULT_GRAPH = Path(__file__).resolve().parents[2] / "flowllm" / "graph" / "default.yaml"
+DEFAULT_GRAPH = Path(__file__).resolve().parents[2] / "flowllm" / "engine" / "default.yaml"
 CODE = StructuredOutputs(regex="[a-z]{3}-[0-9]{2}", param="guided_regex")
 
 

@@ -11,12 +11,12 @@ import anyio
 import pytest
 
 from flowllm.config import engine_config
-from flowllm.engine_client import Overloaded
+from flowllm.engine.client import Overloaded
 from flowllm.graph.channel import Channel
+from flowllm.graph.stage import Outbox, StageContext
 from flowllm.llm import LLM
 from flowllm.mailbox import Mailboxes, RequestFailed
 from flowllm.messages import Abort, GenerateRequest, SamplingParams
-from flowllm.stages.base import Outbox, StageContext
 from flowllm.stages.ingest import Ingest, IngestParams
 
 

@@ -86,7 +86,7 @@ def test_graph_drawings_are_what_graph_show_prints() -> None:
     status, shown, err = flowllm("graph", "show")
     assert status == 0, err
     text, _, _ = shown.partition("\nflowchart LR")
-    text = text.rstrip("\n").replace(str(DEFAULT_GRAPH), "flowllm/graph/default.yaml")
+    text = text.rstrip("\n").replace(str(DEFAULT_GRAPH), "flowllm/engine/default.yaml")
     assert block("show-text") == text
     assert block("show-mermaid") == flowllm("graph", "show", "--mermaid")[1].rstrip("\n")
 
@@ -148,7 +148,7 @@ def test_the_guides_new_stage_is_served(workdir: Path, start_server: Any) -> Non
     blocks = [body for name, body in guide_blocks() if name == "commands"]
     _write_stage_file(workdir)
     graph = workdir / "my-graph.yaml"
-    # Step 2 runs in the checkout (where flowllm/graph/default.yaml is) but writes here.
+    # Step 2 runs in the checkout (where flowllm/engine/default.yaml is) but writes here.
     run_commands(blocks[0], REPO, rename=("my-graph.yaml", str(graph)))
     graph.write_text(_edit_graph(graph.read_text()))
     assert run_commands(blocks[1], workdir) == ["flowllm serve MODEL --graph my-graph.yaml"]

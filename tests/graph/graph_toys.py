@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import anyio
 import msgspec
 
-from flowllm.stages.base import CLOSED, PerMessageStage, SourceStage, Stage, StageContext
+from flowllm.graph.stage import CLOSED, PerMessageStage, SourceStage, Stage, StageContext
 
 
 class Item(msgspec.Struct, frozen=True):

@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 import anyio
 import msgspec
 
+from flowllm.graph.stage import PerMessageStage, RequestInputError, Stage, StageContext
 from flowllm.messages import RequestError
-from flowllm.stages.base import PerMessageStage, RequestInputError, Stage, StageContext
 
 
 class Job(msgspec.Struct, frozen=True):

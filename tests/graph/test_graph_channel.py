@@ -13,7 +13,7 @@ from graph_toys import Item, Other
 
 from flowllm.graph.channel import BrokenChannelError, Channel, ChannelTypeError, type_name
 from flowllm.graph.spans import GraphMetrics, SpanRecorder
-from flowllm.stages.base import CLOSED, Outbox, StageContext
+from flowllm.graph.stage import CLOSED, Outbox, StageContext
 
 
 def test_capacity_must_be_finite_and_positive() -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from flowllm.graph.channel import ChannelTypeError
 from flowllm.graph.runtime import Graph, GraphStoppedError
 from flowllm.graph.spec import GraphSpec
-from flowllm.stages.base import StageNotRunningError
+from flowllm.graph.stage import StageNotRunningError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -9,7 +9,7 @@ import anyio
 import pytest
 from test_graph_runtime import make_graph, quiet_logger, run
 
-from flowllm.graph.commands import render_text
+from flowllm.graph.render import render_text
 from flowllm.graph.spec import GraphSpec, GraphValidationError
 
 JOBS = "supervision_toys:Jobs"

@@ -17,7 +17,7 @@ from test_loader_gguf import logits_of, tokens
 from test_model_equivalence import llama_reference
 
 from flowllm.config import ConfigError, ModelConfig
-from flowllm.engine_args import add_engine_arguments, config_from_args
+from flowllm.engine.args import add_engine_arguments, config_from_args
 from flowllm.kernels.quant_linear import int8_per_channel
 from flowllm.models.layers import Linear
 from flowllm.models.loader import load_model

@@ -15,7 +15,7 @@ from model_test_utils import Blocks, PagedSeq, schedule
 from transformers import GPT2Config, LlamaConfig
 
 from flowllm.config import engine_config
-from flowllm.engine_args import add_engine_arguments, config_from_args
+from flowllm.engine.args import add_engine_arguments, config_from_args
 from flowllm.kernels import fused
 from flowllm.kernels.reference import KernelInputError
 from flowllm.messages import ScheduledSeq

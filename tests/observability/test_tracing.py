@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from flowllm.api.app import create_app
-from flowllm.async_engine import AsyncEngine
 from flowllm.config import engine_config
+from flowllm.engine.async_engine import AsyncEngine
 from flowllm.stages.services import EngineServices, build_services
 from flowllm.tracing import RequestTracing, TracingError, traces_url
 
@@ -164,8 +164,8 @@ def test_without_the_flag_opentelemetry_is_not_imported() -> None:
     code = (
         "import sys\n"
         "from flowllm.cli import build_parser\n"
-        "from flowllm.commands import request_tracing\n"
-        "import flowllm.api.app, flowllm.async_engine, flowllm.server\n"
+        "from flowllm.cli.serve import request_tracing\n"
+        "import flowllm.api.app, flowllm.engine.async_engine, flowllm.server\n"
         "assert request_tracing(build_parser().parse_args(['serve'])) is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
     )

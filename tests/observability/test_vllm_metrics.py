@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flowllm.api.app import create_app
-from flowllm.async_engine import AsyncEngine
 from flowllm.cli import build_parser
 from flowllm.config import engine_config
+from flowllm.engine.async_engine import AsyncEngine
 from flowllm.graph.spans import GraphMetrics
 from flowllm.messages import GenerateRequest, SamplingParams
 from flowllm.metrics import VLLM_NAMES, EngineMetrics, MetricsView, buckets_1_2_5

@@ -108,7 +108,7 @@ def test_generate_cli_records_with_trace_flags(gpt2_tiny_dir: Path, tmp_path: Pa
 def test_recording_stops_when_the_writer_falls_behind(llm: LLM, tmp_path: Path) -> None:
     import anyio
 
-    from flowllm.async_engine import AsyncEngine
+    from flowllm.engine.async_engine import AsyncEngine
     from flowllm.traces.recorder import TraceRecorder
 
     recorder = TraceRecorder(tmp_path, max_backlog=1)

@@ -32,14 +32,14 @@ from collections import deque
 import msgspec
 
 from flowllm.config import CacheConfig, ConfigError, SchedulerConfig
-from flowllm.engine.kv_cache_manager import KVCacheManager, SeqBlocks
-from flowllm.engine.sequence import (
+from flowllm.messages import ScheduledSeq, SeqStart, StepBatch, StepTokens, TokenizedRequest
+from flowllm.scheduling.kv_cache_manager import KVCacheManager, SeqBlocks
+from flowllm.scheduling.sequence import (
     FINISH_STATUSES,
     FinishedSeq,
     Sequence,
     SequenceStatus,
 )
-from flowllm.messages import ScheduledSeq, SeqStart, StepBatch, StepTokens, TokenizedRequest
 
 
 class SchedulerError(ValueError):

@@ -12,25 +12,25 @@ from collections.abc import Sequence
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from flowllm.commands import serve_command
+    from flowllm.cli.serve import serve_command
 
     return serve_command(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from flowllm.commands import generate_command
+    from flowllm.cli.serve import generate_command
 
     return generate_command(args)
 
 
 def _graph_validate(args: argparse.Namespace) -> int:
-    from flowllm.graph.commands import validate_command
+    from flowllm.cli.graph import validate_command
 
     return validate_command(args.file)
 
 
 def _graph_show(args: argparse.Namespace) -> int:
-    from flowllm.graph.commands import show_command
+    from flowllm.cli.graph import show_command
 
     return show_command(args.file, mermaid_only=args.mermaid)
 
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from flowllm.commands import add_generate_arguments, add_serve_arguments
+    from flowllm.cli.serve import add_generate_arguments, add_serve_arguments
 
     serve = commands.add_parser("serve", help="serve a model over the OpenAI API")
     add_serve_arguments(serve)
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
 
-    from flowllm.traces.commands import add_trace_parser
+    from flowllm.cli.trace import add_trace_parser
 
     add_trace_parser(commands)
     return parser

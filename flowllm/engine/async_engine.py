@@ -17,8 +17,7 @@ import anyio
 import anyio.to_thread
 
 from flowllm.config import EngineConfig, RequestLimits
-from flowllm.engine_client import Overloaded
-from flowllm.graph.commands import DEFAULT_GRAPH
+from flowllm.engine.client import Overloaded
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSink
 from flowllm.graph.spec import ValidGraph
@@ -31,9 +30,12 @@ from flowllm.stages.services import EngineServices, build_services
 if TYPE_CHECKING:
     from flowllm.traces.recorder import TraceRecorder
 
+DEFAULT_GRAPH = Path(__file__).with_name("default.yaml")
+"""The graph every command runs unless given `--graph FILE` (docs/stages.md)."""
+
 
 class AsyncEngine:
-    """A started graph seen from outside (implements flowllm.engine_client.EngineClient)."""
+    """A started graph seen from outside (implements flowllm.engine.client.EngineClient)."""
 
     def __init__(self, graph: Graph, services: EngineServices) -> None:
         self.graph = graph

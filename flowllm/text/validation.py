@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from flowllm.config import EngineConfig, RequestLimits
-from flowllm.engine.grammar import constraint_kind, json_schema_text
 from flowllm.messages import GenerateRequest, RequestError, SamplingParams
+from flowllm.sampling.grammar import constraint_kind, json_schema_text
 
 # OpenAI clamps logit_bias values to this range and rejects values outside it.
 LOGIT_BIAS_LIMIT = 100.0

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flowllm.engine.grammar import apply_bitmask
-from flowllm.engine.stopping import StopChecker
 from flowllm.kernels.argmax import argmax_rows
 from flowllm.messages import SampledToken, SamplingParams, SeqStart, TokenLogprobs
+from flowllm.sampling.grammar import apply_bitmask
+from flowllm.sampling.stopping import StopChecker
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-LIMIT, LIMIT]
@@ -207,7 +207,7 @@ class Sampler:
         scratch buffer reused across steps, so an all-greedy batch without logits processors
         costs one argmax and no copy. num_output_tokens[i]: outputs of seq_ids[i] before
         this token. allowed: (rows, bitmask), the grammar masks of constrained rows
-        (flowllm.engine.grammar): their other tokens get -inf before anything else, so
+        (flowllm.sampling.grammar): their other tokens get -inf before anything else, so
         logprobs are those of the masked distribution.
         """
         if logits.dim() != 2 or logits.shape[0] != len(seq_ids):

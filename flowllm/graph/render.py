@@ -1,66 +1,11 @@
-"""`flowllm graph validate FILE` and `flowllm graph show [FILE]`."""
+"""A validated graph as text (`flowllm graph show`) and as a Mermaid flowchart."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from flowllm.graph.channel import type_name
-from flowllm.graph.spec import GraphSpec, GraphValidationError, ValidGraph
-
-DEFAULT_GRAPH = Path(__file__).with_name("default.yaml")
-
-
-def validate_command(path: str | Path, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Exit status 0 for a valid graph; otherwise print every problem and return 1."""
-    out = out or sys.stdout
-    err = err or sys.stderr
-    graph = _load(path, err)
-    if graph is None:
-        return 1
-    print(
-        f"{path}: graph {graph.name!r} is valid: {len(graph.stages)} stages, "
-        f"{len(graph.spec.edges)} edges, {len(graph.channels)} channels",
-        file=out,
-    )
-    return 0
-
-
-def show_command(
-    path: str | Path | None,
-    mermaid_only: bool = False,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-) -> int:
-    """Print a graph as a text listing and a Mermaid flowchart (the built-in one by default)."""
-    out = out or sys.stdout
-    err = err or sys.stderr
-    if path is None:
-        if not DEFAULT_GRAPH.is_file():
-            print(
-                f"flowllm has no built-in graph yet: {DEFAULT_GRAPH} does not exist. "
-                "Pass a graph file: flowllm graph show FILE",
-                file=err,
-            )
-            return 1
-        path = DEFAULT_GRAPH
-    graph = _load(path, err)
-    if graph is None:
-        return 1
-    if not mermaid_only:
-        print(render_text(graph), file=out)
-        print(file=out)
-    print(render_mermaid(graph), file=out)
-    return 0
-
-
-def _load(path: str | Path, err: TextIO) -> ValidGraph | None:
-    try:
-        return GraphSpec.load(path).validate()
-    except GraphValidationError as exc:
-        print(exc, file=err)
-        return None
+from flowllm.graph.spec import ValidGraph
 
 
 def _params_text(params: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flowllm.engine.block_pool import NO_PARENT, BlockHash, BlockPool, hash_blocks, salt_root
+from flowllm.scheduling.block_pool import NO_PARENT, BlockHash, BlockPool, hash_blocks, salt_root
 
 
 class SeqBlocks:

@@ -16,8 +16,8 @@ from typing import Any
 
 import anyio
 
+from flowllm.cli.graph import DEFAULT_GRAPH
 from flowllm.config import TOOL_CALL_PARSERS, ConfigError
-from flowllm.graph.commands import DEFAULT_GRAPH
 from flowllm.graph.spans import configure_logging
 from flowllm.graph.spec import GraphValidationError, load_graph
 
@@ -167,8 +167,8 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from flowllm.api.app import create_app
-    from flowllm.async_engine import AsyncEngine
-    from flowllm.engine_args import config_from_args
+    from flowllm.engine.args import config_from_args
+    from flowllm.engine.async_engine import AsyncEngine
     from flowllm.models.loader import ModelLoadError
     from flowllm.server import EXIT_ENGINE_FAILED, GracefulServer
     from flowllm.stages.services import build_services
@@ -275,7 +275,7 @@ def auto_tool_parser(args: argparse.Namespace) -> str | None:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from flowllm.engine_args import add_engine_arguments
+    from flowllm.engine.args import add_engine_arguments
 
     add_engine_arguments(parser, model_optional=True)
     parser.add_argument(
@@ -324,7 +324,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cors = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
     cors.add_argument(
-        "--allowed-origins", type=json_list, help='JSON list, e.g. \'["https://a.example"]\''
+        "--allowed-origins", type=json_list, help="JSON list, e.g. '[\"https://a.example\"]'"
     )
     cors.add_argument("--allowed-methods", type=json_list, help='JSON list (default ["*"])')
     cors.add_argument("--allowed-headers", type=json_list, help='JSON list (default ["*"])')
@@ -380,7 +380,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    from flowllm.engine_args import add_engine_arguments
+    from flowllm.engine.args import add_engine_arguments
 
     add_engine_arguments(parser, model_optional=False, log_level="warning")
     parser.add_argument("prompt", nargs="+", help="one or more prompts")
@@ -397,7 +397,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def generate_command(args: argparse.Namespace) -> int:
     """Generate for the prompts offline and print each choice's text."""
-    from flowllm.engine_args import config_from_args
+    from flowllm.engine.args import config_from_args
     from flowllm.llm import LLM
     from flowllm.mailbox import RequestFailed
     from flowllm.messages import SamplingParams
