@@ -155,15 +155,20 @@ class Finish(msgspec.Struct, frozen=True):
     stop_reason: str | int | None = None
 
 
+ErrorKind = Literal["invalid_request", "not_found", "unavailable", "internal"]
+"""Why a request cannot be served: the client's input, an unknown model, a server that
+cannot take it now (a retry may succeed), or the server's own failure. The HTTP layer
+alone turns a kind into a status code (flowllm/api/errors.py)."""
+
+
 class RequestError(msgspec.Struct, frozen=True, kw_only=True):
     """A request that cannot be served; format turns it into the OpenAI error response."""
 
     request_id: str
     message: str
-    type: str = "BadRequestError"
+    kind: ErrorKind = "invalid_request"
     param: str | None = None
     code: str | None = None
-    status_code: int = 400
 
 
 # ---------------------------------------------------------------------------------------

@@ -64,14 +64,14 @@ async def test_error_is_raised_after_pending_text_and_later_puts_are_ignored() -
     box = Mailbox("r", num_choices=1)
     box.put(chunk(0, "partial", (1,)))
     box.fail(
-        RequestError(request_id="r", message="boom", type="InternalServerError", status_code=500)
+        RequestError(request_id="r", message="boom", kind="internal")
     )
     box.put(chunk(0, "ignored", (2,)))
     it = box.__aiter__()
     assert (await it.__anext__()).text == "partial"
     with pytest.raises(RequestFailed) as failed:
         await it.__anext__()
-    assert failed.value.error.status_code == 500
+    assert failed.value.error.kind == "internal"
 
 
 @pytest.fixture

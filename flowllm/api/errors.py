@@ -17,9 +17,15 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
 from flowllm.api.protocol import UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
-from flowllm.messages import RequestError
+from flowllm.messages import ErrorKind, RequestError
 
 # The error `type` for each status, following vLLM's names.
+STATUS_OF_KIND: dict[ErrorKind, int] = {
+    "invalid_request": 400,
+    "not_found": 404,
+    "unavailable": 503,
+    "internal": 500,
+}
 _TYPES: dict[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -61,14 +67,14 @@ class ApiError(Exception):
 
     @classmethod
     def from_request_error(cls, error: RequestError) -> ApiError:
+        status = STATUS_OF_KIND[error.kind]
         return cls(
             error.message,
-            status_code=error.status_code,
-            type=error.type,
+            status_code=status,
             param=error.param,
             code=error.code,
             # The graph answers 503 to work a stop cut short: the client should come back.
-            headers={"Retry-After": "1"} if error.status_code == 503 else None,
+            headers={"Retry-After": "1"} if status == 503 else None,
         )
 
     @classmethod

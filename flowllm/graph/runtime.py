@@ -50,7 +50,7 @@ from flowllm.graph.spans import GraphMetrics, SpanRecorder, SpanSink, configure_
 from flowllm.graph.spec import GraphSpec, PortRef, ValidGraph, load_graph
 from flowllm.graph.stage import CLOSED, FailRequest, Outbox, RequestInputError, Stage, StageContext
 from flowllm.graph.supervision import RestartIntensity
-from flowllm.messages import RequestError
+from flowllm.messages import ErrorKind, RequestError
 
 
 class GraphBuildError(RuntimeError):
@@ -464,7 +464,7 @@ class Graph:
         request_ids = self._request_ids(task, group, message)
         if isinstance(error, RequestInputError):
             log.info("request refused by its own input", request_ids=request_ids, error=str(error))
-            await self._answer(task, request_ids, error, 400, message)
+            await self._answer(task, request_ids, error, "invalid_request", message)
             return True
         on_error = group.on_error
         if on_error != "escalate" and not group.intensity.admit():
@@ -486,7 +486,7 @@ class Graph:
         if on_error == "escalate":
             await self._escalate(task, error)
             return False
-        await self._answer(task, request_ids, error, 500, message)
+        await self._answer(task, request_ids, error, "internal", message)
         if on_error == "fail_request":
             return True
         group.restart_cause = error
@@ -500,13 +500,13 @@ class Graph:
         task: _Task,
         request_ids: tuple[str, ...],
         error: Exception,
-        status: int,
+        kind: ErrorKind,
         message: Any = None,
     ) -> None:
         """Answer each request with the failure, through the stage (bounded in time)."""
         if not request_ids:
             return
-        if status == 400:
+        if kind == "invalid_request":
             text = str(error)
         else:
             text = f"The {task.name} stage failed on this request: {type(error).__name__}"
@@ -514,8 +514,7 @@ class Graph:
             RequestError(
                 request_id=request_id,
                 message=text,
-                type="BadRequestError" if status == 400 else "InternalServerError",
-                status_code=status,
+                kind=kind,
             )
             for request_id in request_ids
         ]

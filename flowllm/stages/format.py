@@ -14,7 +14,7 @@ from typing import Any
 from flowllm.graph.runtime import GraphStoppedError
 from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.mailbox import Mailbox
-from flowllm.messages import Chunk, RequestError, TextDeltas
+from flowllm.messages import Chunk, ErrorKind, RequestError, TextDeltas
 from flowllm.stages.services import EngineServices
 
 
@@ -82,16 +82,11 @@ class Format(PerMessageStage):
 
     async def fail_inflight(self, error: BaseException) -> None:
         if isinstance(error, GraphStoppedError):  # a stop, not a fault: come back later
-            message, kind, status = (
-                "The server is shutting down before this request finished; retry it.",
-                "ServiceUnavailableError",
-                503,
-            )
+            message = "The server is shutting down before this request finished; retry it."
+            kind: ErrorKind = "unavailable"
         else:
             message = f"The engine failed: {type(error).__name__}: {error}"
-            kind, status = "InternalServerError", 500
+            kind = "internal"
         self._mailboxes.fail_all(
-            lambda request_id: RequestError(
-                request_id=request_id, message=message, type=kind, status_code=status
-            )
+            lambda request_id: RequestError(request_id=request_id, message=message, kind=kind)
         )

@@ -99,8 +99,7 @@ class Schedule(Stage):
                     request_id=request_id,
                     message="The engine's step loop failed and restarted; this request's "
                     "work was lost. Retrying it is safe.",
-                    type="InternalServerError",
-                    status_code=500,
+                    kind="internal",
                 ),
             )
         while intake_open or inflight or scheduler.has_unfinished():
@@ -149,7 +148,7 @@ class Schedule(Stage):
         except SchedulerError as e:
             await ctx.emit(
                 "errors",
-                RequestError(request_id=request.request_id, message=str(e), status_code=400),
+                RequestError(request_id=request.request_id, message=str(e)),
             )
 
     def _observe_started(self, batch: StepBatch) -> None:

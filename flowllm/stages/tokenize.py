@@ -149,8 +149,6 @@ def _bad_request(
     return RequestError(
         request_id=request_id,
         message=message,
-        type="BadRequestError",
         param=param,
         code=code,
-        status_code=400,
     )

@@ -2,7 +2,7 @@
 
 Plain functions over messages, free of I/O, so the graph's validate stage, the offline LLM
 and tests apply exactly the same rules. Every failure is a `RequestError` carrying what an
-OpenAI client expects to read: HTTP status, error type, the offending `param` and a `code`
+OpenAI client expects to read: its kind, the offending `param` and a `code`
 (OpenAI's codes, e.g. `decimal_above_max_value`, `context_length_exceeded`).
 """
 
@@ -349,10 +349,8 @@ def _bad_request(request_id: str, invalid: _Invalid) -> RequestError:
     return RequestError(
         request_id=request_id,
         message=invalid.message,
-        type="BadRequestError",
         param=invalid.param,
         code=invalid.code,
-        status_code=400,
     )
 
 
@@ -389,10 +387,9 @@ def model_not_found(request_id: str, model: str) -> RequestError:
     return RequestError(
         request_id=request_id,
         message=f"The model `{model}` does not exist.",
-        type="NotFoundError",
+        kind="not_found",
         param="model",
         code="model_not_found",
-        status_code=404,
     )
 
 
@@ -454,8 +451,6 @@ def _context_error(request_id: str, message: str) -> RequestError:
     return RequestError(
         request_id=request_id,
         message=message,
-        type="BadRequestError",
         param="input_tokens",
         code="context_length_exceeded",
-        status_code=400,
     )

@@ -237,7 +237,7 @@ class FakeEngine:
             if self.fail_after is not None and step == self.fail_after:
                 mailbox.fail(
                     self._error(
-                        request, "The engine failed.", type="InternalServerError", status_code=500
+                        request, "The engine failed.", kind="internal"
                     )
                 )
                 return

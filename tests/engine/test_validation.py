@@ -85,9 +85,8 @@ def test_valid_requests_pass(params: dict[str, Any]) -> None:
 def test_each_range_error(params: dict[str, Any], param: str, code: str) -> None:
     error = validate_request(request(params=params), CONFIG, MODEL)
     assert error is not None
-    assert (error.status_code, error.type, error.param, error.code) == (
-        400,
-        "BadRequestError",
+    assert (error.kind, error.param, error.code) == (
+        "invalid_request",
         param,
         code,
     )
@@ -116,8 +115,7 @@ def test_max_n_and_max_logprobs_come_from_the_config() -> None:
 def test_unknown_model_is_404_with_vllm_wording() -> None:
     error = validate_request(request(model="gpt-9"), CONFIG, MODEL)
     assert error is not None
-    assert error.status_code == 404
-    assert error.type == "NotFoundError"
+    assert error.kind == "not_found"
     assert error.message == "The model `gpt-9` does not exist."
     assert error.param == "model"
 
@@ -137,7 +135,7 @@ def test_unknown_model_is_404_with_vllm_wording() -> None:
 def test_prompt_shape_errors(kwargs: dict[str, Any], param: str) -> None:
     error = validate_request(request(**kwargs), CONFIG, MODEL)
     assert error is not None
-    assert (error.status_code, error.param) == (400, param)
+    assert (error.kind, error.param) == ("invalid_request", param)
 
 
 def test_token_ids_and_messages_are_valid_prompts() -> None:
@@ -148,7 +146,7 @@ def test_token_ids_and_messages_are_valid_prompts() -> None:
 
 def test_model_is_checked_before_parameters() -> None:
     error = validate_request(request(model="x", params={"n": 0}), CONFIG, MODEL)
-    assert error is not None and error.status_code == 404
+    assert error is not None and error.kind == "not_found"
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,9 +165,8 @@ def test_max_tokens_none_resolves_to_the_rest_of_the_context() -> None:
 def test_prompt_plus_max_tokens_too_long() -> None:
     resolved, error = check_context_length("r7", 100, 29, 128)
     assert resolved == 0 and error is not None
-    assert (error.status_code, error.type, error.code) == (
-        400,
-        "BadRequestError",
+    assert (error.kind, error.code) == (
+        "invalid_request",
         "context_length_exceeded",
     )
     assert error.request_id == "r7"
@@ -201,7 +198,7 @@ VOCAB = 1000
 def invalid(params: dict[str, Any], config: Any = CONFIG, **kwargs: Any) -> Any:
     error = validate_request(request(params=params, **kwargs), config, MODEL, VOCAB)
     assert error is not None, params
-    assert error.status_code == 400 and error.type == "BadRequestError"
+    assert error.kind == "invalid_request"
     assert len(error.message) < 300, error.message  # a 400-digit number is not echoed
     return error
 
@@ -318,7 +315,7 @@ def test_admission_accepts_what_fits() -> None:
 @pytest.mark.parametrize("n", [0, -HUGE, HUGE, 17, 30_000_000])
 def test_admission_checks_n_first(n: int) -> None:
     error = admission(generate_requests(2, n=n))
-    assert (error.status_code, error.param) == (400, "n")
+    assert (error.kind, error.param) == ("invalid_request", "n")
     assert len(error.message) < 300
 
 

@@ -138,6 +138,6 @@ def test_a_graph_without_guide_refuses_constraints_and_serves_the_rest(
         ],
         graph,
     )
-    assert refused.status_code == 400 and refused.param == "guided_regex"
+    assert refused.kind == "invalid_request" and refused.param == "guided_regex"
     assert "guide stage" in refused.message
     assert len(served[0].token_ids) == 4

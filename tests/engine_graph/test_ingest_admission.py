@@ -83,15 +83,15 @@ async def test_a_multi_prompt_request_is_admitted_whole_or_not_at_all() -> None:
 async def test_what_can_never_be_admitted_is_a_400_not_a_503() -> None:
     stage, channel = make_ingest(max_pending=8, capacity=4)
     error = refused(stage, prompts(5))  # more prompts than the channel holds
-    assert (error.status_code, error.param) == (400, "prompt")
+    assert (error.kind, error.param) == ("invalid_request", "prompt")
     error = refused(stage, prompts(1, n=9))  # more choices than max_pending
-    assert (error.status_code, error.param) == (400, "n")
+    assert (error.kind, error.param) == ("invalid_request", "n")
     error = refused(stage, prompts(3, n=3))
-    assert (error.status_code, error.param) == (400, "prompt")
+    assert (error.kind, error.param) == ("invalid_request", "prompt")
     error = refused(stage, prompts(1, n=30_000_000))  # out of range: checked first
-    assert (error.status_code, error.param) == (400, "n")
+    assert (error.kind, error.param) == ("invalid_request", "n")
     error = refused(stage, prompts(1, n=-(10**400)))
-    assert (error.status_code, error.param) == (400, "n")
+    assert (error.kind, error.param) == ("invalid_request", "n")
     assert channel.depth() == 0 and len(stage.services.mailboxes) == 0
 
 

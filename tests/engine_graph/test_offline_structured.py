@@ -75,7 +75,7 @@ def test_offline_errors_name_the_field(llm: LLM) -> None:
     bad = SamplingParams(structured_outputs=StructuredOutputs(regex="[a-", param="regex"))
     with pytest.raises(RequestFailed) as raised:
         llm.generate("x", bad)
-    assert raised.value.error.param == "regex" and raised.value.error.status_code == 400
+    assert raised.value.error.param == "regex" and raised.value.error.kind == "invalid_request"
     with pytest.raises(RequestFailed) as raised:
         llm.chat([{"role": "user", "content": "x"}], tools=[{"type": "function"}])
     assert raised.value.error.param == "tools[0]"

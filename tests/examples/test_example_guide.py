@@ -108,7 +108,8 @@ def test_the_supervision_snippet_is_the_default_graphs_own() -> None:
 def _type_text(tp: Any) -> str:
     text = tp.__name__ if isinstance(tp, type) else str(tp)
     text = text.replace("typing.", "").replace("flowllm.messages.", "")
-    return text.replace("Optional[Literal['stop', 'length', 'abort']]", "FinishReason | None")
+    text = text.replace("Optional[Literal['stop', 'length', 'abort']]", "FinishReason | None")
+    return text.replace(str(messages.ErrorKind).replace("typing.", ""), "ErrorKind")
 
 
 def test_message_tables_list_every_field_with_its_type() -> None:

@@ -49,7 +49,7 @@ def test_a_per_request_failure_fails_that_request_only() -> None:
     assert graph.failure is None
     assert sorted(services["failed"]) == ["r11", "r3"]
     error = services["failed"]["r3"]
-    assert error.status_code == 500 and error.type == "InternalServerError"
+    assert error.kind == "internal"
     assert "work" in error.message and "RuntimeError" in error.message
     assert sorted(services["completed"]) == sorted(set(jobs(20)) - {"r3", "r11"})
     assert metric(graph, "flowllm:stage_errors_total", {"stage": "work"}) == 2
@@ -67,7 +67,7 @@ def test_the_requests_own_input_is_a_400_and_does_not_count() -> None:
     run(graph)
     assert graph.failure is None  # seven refusals, yet within an intensity of one
     assert sorted(services["failed"]) == sorted(f"r{n}" for n in range(1, 8))
-    assert {e.status_code for e in services["failed"].values()} == {400}
+    assert {e.kind for e in services["failed"].values()} == {"invalid_request"}
     assert services["failed"]["r4"].message == "job 4 is malformed"
 
 
