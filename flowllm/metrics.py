@@ -13,13 +13,13 @@ vLLM's `model_name` label) at scrape time, so the `vllm:` series cost nothing pe
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from flowllm.graph.spans import LabelledHistogram
-from flowllm.scheduling.scheduler import SchedulerStats
 
 PREFIX = "flowllm:"
 VLLM_PREFIX = "vllm:"
@@ -36,6 +36,29 @@ _ITL_BUCKETS = (
 )  # fmt: skip
 # Tokens computed in one step (vLLM's iteration_tokens_total buckets).
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class SchedulerCounts(Protocol):
+    """What the scheduler reports each step (its SchedulerStats): gauges and cumulative
+    counters. A protocol, so that the metrics know nothing of the scheduler."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+    @property
+    def prefix_cache_queries(self) -> int: ...
+    @property
+    def prefix_cache_hits(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+
+
+class _NoCounts:
+    num_running = num_waiting = prefix_cache_queries = prefix_cache_hits = num_preemptions = 0
+    kv_cache_usage = 0.0
 
 
 def buckets_1_2_5(maximum: int) -> tuple[float, ...]:
@@ -153,16 +176,9 @@ class EngineMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens computed in one model step.", _ITERATION_BUCKETS
         )
-        self._last = SchedulerStats(
-            num_running=0,
-            num_waiting=0,
-            kv_cache_usage=0.0,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
-            num_preemptions=0,
-        )
+        self._last: SchedulerCounts = _NoCounts()
 
-    def observe_scheduler(self, stats: SchedulerStats) -> None:
+    def observe_scheduler(self, stats: SchedulerCounts) -> None:
         """Set the gauges and advance the counters by what changed since the last call."""
         last = self._last
         self.num_requests_running.set(stats.num_running)
