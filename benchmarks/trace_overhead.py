@@ -26,8 +26,9 @@ from model_fixtures import build_gpt2_dir
 
 from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
+from flowllm.engine.loading import build_services
 from flowllm.messages import GenerateRequest, SamplingParams
-from flowllm.stages.services import EngineServices, build_services
+from flowllm.stages.services import EngineServices
 from flowllm.traces.recorder import TraceRecorder
 
 SHAPES = {

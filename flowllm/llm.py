@@ -19,10 +19,11 @@ import msgspec
 
 from flowllm.config import EngineConfig, engine_config
 from flowllm.engine.async_engine import AsyncEngine
+from flowllm.engine.loading import build_services
 from flowllm.graph.spec import ValidGraph
 from flowllm.mailbox import Mailbox
 from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams, TokenLogprobs, ToolCall
-from flowllm.stages.services import EngineServices, build_services
+from flowllm.stages.services import EngineServices
 
 
 class CompletionOutput(msgspec.Struct, kw_only=True):

@@ -169,9 +169,9 @@ def serve_command(args: argparse.Namespace) -> int:
     from flowllm.api.app import create_app
     from flowllm.engine.args import config_from_args
     from flowllm.engine.async_engine import AsyncEngine
+    from flowllm.engine.loading import build_services
     from flowllm.models.loader import ModelLoadError
     from flowllm.server import EXIT_ENGINE_FAILED, GracefulServer
-    from flowllm.stages.services import build_services
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
     log = structlog.get_logger("flowllm.serve")

@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from flowllm.config import EngineConfig, RequestLimits
 from flowllm.engine.client import Overloaded
+from flowllm.engine.loading import build_services
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSink
 from flowllm.graph.spec import ValidGraph
@@ -25,7 +26,7 @@ from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest
 from flowllm.stages.guide import has_guide
 from flowllm.stages.ingest import Ingest
-from flowllm.stages.services import EngineServices, build_services
+from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
     from flowllm.traces.recorder import TraceRecorder

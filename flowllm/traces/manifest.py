@@ -29,10 +29,10 @@ class TraceSchemaError(ValueError):
 
 
 class ModelSource(msgspec.Struct, frozen=True, kw_only=True):
-    """How to recreate the model's directory: `builder(dest, **kwargs)`.
+    """How to recreate the model's directory: `MODEL_BUILDERS[builder](dest, **kwargs)`.
 
-    `builder` is `module:function`, looked up with the repository's `tests/` directory on
-    the import path (the seeded random GPT-2 of `tests/model_fixtures.py`).
+    Builders are named, never imported from a trace: a trace file cannot make replay run
+    code of its choosing.
     """
 
     builder: str

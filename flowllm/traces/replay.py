@@ -22,11 +22,9 @@ sample's unseeded generator from the engine config's seed.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import math
-import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -41,6 +39,7 @@ from flowllm.graph.spans import GraphMetrics, InputClosed, SpanRecorder
 from flowllm.graph.stage import Outbox, SourceStage, Stage, StageContext
 from flowllm.mailbox import Mailbox, Mailboxes
 from flowllm.messages import Chunk, RequestError
+from flowllm.models.random_gpt2 import CheckpointBuildError, build_gpt2_dir
 from flowllm.traces.codec import TensorDigest
 from flowllm.traces.manifest import ModelSource, weights_sha256
 from flowllm.traces.trace import Trace, load_trace, producer_of
@@ -48,6 +47,7 @@ from flowllm.traces.trace import Trace, load_trace, producer_of
 ATOL = 1e-4
 RTOL = 1e-4
 STAGE_TIMEOUT = 120.0
+MODEL_BUILDERS: dict[str, Callable[..., Path]] = {"random-gpt2": build_gpt2_dir}
 INPUT_END: Any = object()  # in a replayed input sequence: the port ended here
 
 
@@ -156,26 +156,18 @@ def build_model(source: ModelSource, sha: str | None, cache_dir: Path | None) ->
     dest = base / key
     if (dest / "config.json").is_file() and (sha is None or weights_sha256(dest) == sha):
         return dest
-    module_name, _, function = source.builder.partition(":")
-    tests_dir = Path(__file__).resolve().parents[2] / "tests"
-    added = False
-    if tests_dir.is_dir() and str(tests_dir) not in sys.path:
-        sys.path.insert(0, str(tests_dir))
-        added = True
-    try:
-        module = importlib.import_module(module_name)
-        builder = getattr(module, function)
-    except (ImportError, AttributeError) as e:
+    builder = MODEL_BUILDERS.get(source.builder)
+    if builder is None:
         raise ReplayError(
-            f"cannot rebuild the trace's model with {source.builder} (looked in {tests_dir}): "
-            f"{e}; pass --model DIR"
-        ) from e
-    finally:
-        if added:
-            sys.path.remove(str(tests_dir))
+            f"the trace's model comes from an unknown builder {source.builder!r} (known: "
+            f"{', '.join(MODEL_BUILDERS)}); pass --model DIR"
+        )
     tmp = base / f"{key}.partial"
     tmp.mkdir(parents=True, exist_ok=True)
-    builder(tmp, **source.kwargs)
+    try:
+        builder(tmp, **source.kwargs)
+    except (CheckpointBuildError, TypeError) as e:
+        raise ReplayError(f"cannot rebuild the trace's model: {e}; pass --model DIR") from e
     if dest.exists():
         import shutil
 
@@ -187,13 +179,12 @@ def build_model(source: ModelSource, sha: str | None, cache_dir: Path | None) ->
 def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> Any:
     """The services the recording engine had, loading `model_path` in place of its model.
 
-    `base`: services already holding that model (same path, dtype and quantization) whose model and
-    tokenizer are reused, so replaying many traces loads the model once.
+    `base`: services already holding that model (same path, dtype, quantization and chat
+    template) whose model and tokenizer are reused, so replaying many traces loads the
+    model once.
     """
-    from flowllm.config import ConfigError
-    from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
+    from flowllm.engine.loading import build_services, services_for_model
     from flowllm.stages.guide import has_guide
-    from flowllm.stages.services import EngineServices, build_services
 
     config = trace.manifest.engine_config
     model_config = msgspec.structs.replace(
@@ -207,31 +198,14 @@ def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> An
         and base.config.model.quantization == model_config.quantization
         and base.config.model.chat_template == model_config.chat_template
     )
-    if not same_model:
+    if same_model:
+        services = services_for_model(
+            config, base.model, base.tokenizer, base.eos_token_ids, base.device
+        )
+    else:
         services = build_services(config)
-        services.guided = has_guide(trace.graph)
-        return services
-    model = base.model
-    max_model_len = model.max_position_embeddings
-    if model_config.max_model_len is not None:
-        if model_config.max_model_len > max_model_len:
-            raise ConfigError(f"max_model_len={model_config.max_model_len} exceeds the model's")
-        max_model_len = model_config.max_model_len
-    spec = KVCacheSpec.for_model(model, config.cache.block_size)
-    num_blocks, kv_caches = allocate_kv_cache(
-        spec, base.device, config.cache.kv_cache_memory, config.cache.gpu_memory_utilization
-    )
-    return EngineServices(
-        config=config,
-        model=model,
-        tokenizer=base.tokenizer,
-        kv_caches=kv_caches,
-        num_blocks=num_blocks,
-        max_model_len=max_model_len,
-        eos_token_ids=base.eos_token_ids,
-        device=base.device,
-        guided=has_guide(trace.graph),
-    )
+    services.guided = has_guide(trace.graph)
+    return services
 
 
 # -- comparing --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from flowllm.traces.recorder import TraceRecorder
 from flowllm.traces.replay import build_model
 
 TINY_GPT2 = ModelSource(
-    builder="model_fixtures:build_gpt2_dir",
+    builder="random-gpt2",
     kwargs={"seed": 0, "n_layer": 2, "n_embd": 64, "n_head": 4},
 )
 MODEL_NAME = "gpt2-tiny"
@@ -269,7 +269,7 @@ def record_scenario(
     scenario: Scenario, out_dir: Path, model_dir: Path, *, digest_k: int = DIGEST_K
 ) -> Path:
     """Record one scenario into `out_dir` (replacing what was there)."""
-    from flowllm.stages.services import build_services
+    from flowllm.engine.loading import build_services
 
     model = BUNDLED_MODEL if scenario.bundled else str(model_dir)
     config = engine_config(

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flowllm.config import engine_config
+from flowllm.engine.loading import build_services
 from flowllm.messages import (
     SamplingParams,
     ScheduledSeq,
@@ -22,7 +23,7 @@ from flowllm.messages import (
 from flowllm.sampling.grammar import GrammarError, Grammars, apply_bitmask
 from flowllm.sampling.sampler import Sampler
 from flowllm.stages.guide import Guide, GuideError
-from flowllm.stages.services import EngineServices, build_services
+from flowllm.stages.services import EngineServices
 
 VOCAB = 50257
 EOS = 50256

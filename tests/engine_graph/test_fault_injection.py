@@ -20,10 +20,11 @@ from fault_stages import FAULTS, Fault, InjectedFault, fault_graph
 
 from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
+from flowllm.engine.loading import build_services
 from flowllm.graph.spec import GraphSpec, ValidGraph
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import GenerateRequest, SamplingParams
-from flowllm.stages.services import EngineServices, build_services
+from flowllm.stages.services import EngineServices
 
 HERE = Path(__file__).resolve().parent
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -14,10 +14,11 @@ import torch
 
 from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
+from flowllm.engine.loading import build_services
 from flowllm.graph.spec import GraphSpec, ValidGraph
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import Chunk, GenerateRequest, SamplingParams, StructuredOutputs
-from flowllm.stages.services import EngineServices, build_services
+from flowllm.stages.services import EngineServices
 
 DEFAULT_GRAPH = Path(__file__).resolve().parents[2] / "flowllm" / "engine" / "default.yaml"
 CODE = StructuredOutputs(regex="[a-z]{3}-[0-9]{2}", param="guided_regex")

@@ -20,7 +20,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from flowllm.api.app import create_app
 from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
-from flowllm.stages.services import EngineServices, build_services
+from flowllm.engine.loading import build_services
+from flowllm.stages.services import EngineServices
 from flowllm.tracing import RequestTracing, TracingError, traces_url
 
 CALLER_TRACE = 0x0AF7651916CD43DD8448EB211C80319C

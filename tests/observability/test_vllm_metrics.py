@@ -19,10 +19,11 @@ from flowllm.api.app import create_app
 from flowllm.cli import build_parser
 from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
+from flowllm.engine.loading import build_services
 from flowllm.graph.spans import GraphMetrics
 from flowllm.messages import GenerateRequest, SamplingParams
 from flowllm.metrics import VLLM_NAMES, EngineMetrics, MetricsView, buckets_1_2_5
-from flowllm.stages.services import EngineServices, build_services
+from flowllm.stages.services import EngineServices
 
 
 def families(registry: CollectorRegistry, prefix: str) -> dict[str, dict]:

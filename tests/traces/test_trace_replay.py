@@ -13,15 +13,16 @@ import pytest
 
 from flowllm.cli import main
 from flowllm.config import engine_config
+from flowllm.engine.loading import build_services
 from flowllm.messages import GenerateRequest, TextDeltas
 from flowllm.stages.execute import Execute
 from flowllm.stages.format import Format
 from flowllm.stages.guide import Guide
 from flowllm.stages.sample import Sample
-from flowllm.stages.services import EngineServices, build_services
+from flowllm.stages.services import EngineServices
 from flowllm.stages.tokenize import Tokenize
-from flowllm.traces.manifest import read_manifest
-from flowllm.traces.replay import ReplayError, replay_trace
+from flowllm.traces.manifest import ModelSource, read_manifest
+from flowllm.traces.replay import ReplayError, build_model, replay_trace
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = sorted(d.name for d in (REPO / "traces").iterdir() if d.is_dir())
@@ -293,11 +294,21 @@ def test_the_cli_replays_a_stage_and_refuses_another_schema(
 def test_the_manifest_names_how_to_rebuild_the_model() -> None:
     manifest = read_manifest(REPO / "traces" / "greedy")
     assert manifest.model.source is not None
-    assert manifest.model.source.builder == "model_fixtures:build_gpt2_dir"
+    assert manifest.model.source.builder == "random-gpt2"
     assert manifest.model.source.kwargs == {"seed": 0, "n_layer": 2, "n_embd": 64, "n_head": 4}
     assert manifest.dtype == "float32"
     assert manifest.digest_k > 0
     assert manifest.model.weights_sha256 is not None
+
+
+@pytest.mark.parametrize("builder", ["model_fixtures:build_gpt2_dir", "os:system"])
+def test_a_trace_cannot_name_code_to_run(builder: str, tmp_path: Path) -> None:
+    """Replay rebuilds a trace's model only with a builder it knows by name: a trace file
+    naming a module and function is refused, nothing imported."""
+    source = ModelSource(builder=builder, kwargs={"command": "touch pwned"})
+    with pytest.raises(ReplayError, match="unknown builder"):
+        build_model(source, None, tmp_path)
+    assert not any(tmp_path.rglob("*pwned*"))
 
 
 def test_floats_compare_within_the_tensor_tolerance() -> None:
