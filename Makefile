@@ -11,6 +11,7 @@ serve: $(STAMP)
 
 test: $(STAMP) system-packages
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 # The reliability suite (tests/reliability, docs/reliability.md) at full scale: 10,000 fuzz
@@ -40,6 +41,7 @@ ui-screenshots: $(STAMP) system-packages
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -1,4 +1,6 @@
-"""A request's mailbox: where `format` delivers its chunks and its caller reads them.
+"""A request's mailbox: where `format` delivers its chunks and its caller reads them; and
+the two ways a request fails to its caller: refused at admission (`Overloaded`) or
+answered with an error (`RequestFailed`).
 
 `put` never blocks and never grows without bound per choice: while the reader is slow,
 a choice's pending chunks merge into one, so a slow client costs memory proportional to
@@ -36,6 +38,14 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
         stop_reason=last.stop_reason,
         num_output_tokens=last.num_output_tokens,
     )
+
+
+class Overloaded(Exception):
+    """Admission refused: too many requests wait already. Retry after `retry_after` s."""
+
+    def __init__(self, retry_after: float = 1.0) -> None:
+        super().__init__("The server is overloaded; retry later.")
+        self.retry_after = retry_after
 
 
 class RequestFailed(Exception):

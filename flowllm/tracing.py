@@ -33,7 +33,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-import flowllm
 from flowllm.graph.spans import InputClosed
 from flowllm.messages import (
     Abort,
@@ -47,6 +46,7 @@ from flowllm.messages import (
     TokenizedRequest,
     ValidRequest,
 )
+from flowllm.version import __version__
 
 SCOPE_SPAN = "flowllm.otel_span"  # the request's root span, in the ASGI scope
 SCOPE_REQUESTS = "flowllm.otel_requests"  # the graph request ids bound to it
@@ -104,7 +104,7 @@ class RequestTracing:
     processor in production, an in-memory exporter in tests)."""
 
     def __init__(self, processor: SpanProcessor, *, max_links: int = 256) -> None:
-        resource: dict[str, str] = {"service.version": flowllm.__version__}
+        resource: dict[str, str] = {"service.version": __version__}
         if not os.environ.get("OTEL_SERVICE_NAME"):
             resource["service.name"] = "flowllm"
         self.provider = TracerProvider(
@@ -112,7 +112,7 @@ class RequestTracing:
             span_limits=SpanLimits(max_links=max(128, max_links)),
         )
         self.provider.add_span_processor(processor)
-        self.tracer = self.provider.get_tracer("flowllm", flowllm.__version__)
+        self.tracer = self.provider.get_tracer("flowllm", __version__)
         self._requests: dict[str, _RequestTrace] = {}
         self._seqs: dict[int, _RequestTrace] = {}
         self._step_links: dict[int, list[Link]] = {}

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import huggingface_hub  # noqa: F401
 import pytest
+import structlog
 
 # huggingface_hub reads HF_HUB_OFFLINE, HF_HOME, HF_ENDPOINT... once, when first imported.
 # Importing it here, before any test sets those variables, keeps its module constants equal to
@@ -29,6 +30,15 @@ from model_fixtures import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
+
+@pytest.fixture(autouse=True)
+def _structlog_configuration() -> Iterator[None]:
+    """Each test starts from the same logging configuration: a command run in one test
+    (`--log-level warning`) must not silence the log another test reads."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
 
 # The tiny GPT-2: 2 layers, 64 wide, 4 heads of 16, the real 50257-token vocabulary.
 TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4}

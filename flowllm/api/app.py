@@ -28,7 +28,6 @@ from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-import flowllm
 from flowllm.api.chat import ChatFormat, ChatStream
 from flowllm.api.completions import CompletionFormat, CompletionStream
 from flowllm.api.convert import (
@@ -57,6 +56,8 @@ from flowllm.api.protocol import (
     VersionResponse,
 )
 from flowllm.api.serving import ClientDisconnected, EventStream, Generation, until_disconnect
+from flowllm.api.ui_routes import AUTH_PATH, STATIC_PREFIX, live_feed_of
+from flowllm.api.ui_routes import ROUTES as UI_ROUTES
 from flowllm.engine.client import EngineClient
 from flowllm.messages import GenerateRequest
 from flowllm.metrics import MetricsView
@@ -66,9 +67,8 @@ from flowllm.text.chat_template import (
     TemplateBudget,
     render_chat,
 )
-from flowllm.text.validation import model_not_found, show_number
-from flowllm.ui.routes import AUTH_PATH, STATIC_PREFIX, live_feed_of
-from flowllm.ui.routes import ROUTES as UI_ROUTES
+from flowllm.validation import model_not_found, show_number
+from flowllm.version import __version__
 
 if TYPE_CHECKING:
     from flowllm.tracing import RequestTracing
@@ -434,7 +434,7 @@ async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
 @get("/version", opt={OPENAPI_OPT: OpenApi(response=VersionResponse, tag="Server")})
 async def version() -> VersionResponse:
     """flowllm's version. Needs no API key."""
-    return VersionResponse(version=flowllm.__version__)
+    return VersionResponse(version=__version__)
 
 
 @get("/metrics", opt={OPENAPI_OPT: OpenApi(media_type="text/plain", tag="Server")})
@@ -624,7 +624,7 @@ def create_app(
     app.state.openapi = openapi_document(
         app,
         title="flowllm",
-        version=flowllm.__version__,
+        version=__version__,
         public=is_public,
         api_key=api_key is not None,
     )

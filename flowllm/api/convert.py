@@ -2,7 +2,7 @@
 
 Only what the schema cannot express is checked here (prompt shapes, unsupported options,
 content parts); parameter ranges are the graph's validate stage's job
-(`flowllm.text.validation`), so the HTTP API and the offline API share one set of rules.
+(`flowllm.validation`), so the HTTP API and the offline API share one set of rules.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from flowllm.messages import (
     StructuredOutputs,
     ToolCall,
 )
-from flowllm.text.validation import show_number
+from flowllm.validation import show_number
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 GUIDED_BACKENDS = (None, "auto", "xgrammar")  # guided_decoding_backend values served
@@ -191,7 +191,7 @@ def split_prompts(prompt: str | list[Any]) -> list[str | tuple[int, ...]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise ApiError("The prompt cannot be empty.", param="prompt", code="empty_array")
+        return [()]  # one prompt of no tokens, refused as every empty prompt is
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):

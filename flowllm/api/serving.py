@@ -26,8 +26,8 @@ from litestar.types import Receive, Send
 
 from flowllm.api.errors import ApiError
 from flowllm.api.logprobs import TokenTexts
-from flowllm.engine.client import EngineClient, Overloaded
-from flowllm.mailbox import Mailbox, RequestFailed
+from flowllm.engine.client import EngineClient
+from flowllm.mailbox import Mailbox, Overloaded, RequestFailed
 from flowllm.messages import Chunk, GenerateRequest, RequestError
 
 T = TypeVar("T")

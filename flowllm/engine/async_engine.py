@@ -17,12 +17,11 @@ import anyio
 import anyio.to_thread
 
 from flowllm.config import EngineConfig, RequestLimits
-from flowllm.engine.client import Overloaded
 from flowllm.engine.loading import build_services
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSink
 from flowllm.graph.spec import ValidGraph
-from flowllm.mailbox import Mailbox
+from flowllm.mailbox import Mailbox, Overloaded
 from flowllm.messages import GenerateRequest
 from flowllm.stages.guide import has_guide
 from flowllm.stages.ingest import Ingest

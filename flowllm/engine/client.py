@@ -10,14 +10,6 @@ from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest
 
 
-class Overloaded(Exception):
-    """Admission refused: too many requests wait already. Retry after `retry_after` s."""
-
-    def __init__(self, retry_after: float = 1.0) -> None:
-        super().__init__("The server is overloaded; retry later.")
-        self.retry_after = retry_after
-
-
 class EngineClient(Protocol):
     """A running graph seen from outside: submit requests, read their mailboxes, abort."""
 

@@ -56,7 +56,7 @@ from pathlib import Path
 import structlog
 import torch  # loaded before the library: its libgomp is the one the kernels use
 
-from flowllm.cache import flowllm_cache_dir
+from flowllm.cache_dir import flowllm_cache_dir
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 MODULE_NAME = "flowllm_cpu_kernels"

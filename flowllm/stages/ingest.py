@@ -19,12 +19,11 @@ from collections.abc import Sequence
 import anyio
 import msgspec
 
-from flowllm.engine.client import Overloaded
 from flowllm.graph.stage import SourceStage, StageContext
-from flowllm.mailbox import Mailbox, RequestFailed
+from flowllm.mailbox import Mailbox, Overloaded, RequestFailed
 from flowllm.messages import Abort, GenerateRequest
 from flowllm.stages.services import EngineServices
-from flowllm.text.validation import check_admission
+from flowllm.validation import check_admission
 
 
 class IngestParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

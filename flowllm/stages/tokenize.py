@@ -28,7 +28,7 @@ from flowllm.messages import (
 from flowllm.stages.services import EngineServices
 from flowllm.text.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
 from flowllm.text.tool_prompt import PROBE_MESSAGES, renders_tools, template_messages
-from flowllm.text.validation import check_context_length
+from flowllm.validation import check_context_length
 
 
 class PromptError(ValueError):
@@ -138,8 +138,9 @@ class Tokenize(PerMessageStage):
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         else:
             ids = tuple(tokenizer.encode(request.prompt or ""))
-        if not ids:
-            raise PromptError("The prompt is empty: it must contain at least one token.", "prompt")
+        if not ids:  # the one check of an empty prompt, whatever form it came in
+            empty = "empty_array" if request.prompt_token_ids is not None else "empty_string"
+            raise PromptError("The prompt cannot be empty.", "prompt", empty)
         return ids
 
 

@@ -15,7 +15,7 @@ from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import Abort, GenerateRequest, RequestError, StructuredOutputs, ValidRequest
 from flowllm.sampling.grammar import GrammarError
 from flowllm.stages.services import EngineServices
-from flowllm.text.validation import validate_request
+from flowllm.validation import validate_request
 
 
 class Validate(PerMessageStage):

@@ -18,7 +18,6 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-import flowllm
 from flowllm.graph.channel import type_name
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import InputClosed, message_fields
@@ -34,6 +33,7 @@ from flowllm.traces.manifest import (
     weights_sha256,
     write_manifest,
 )
+from flowllm.version import __version__
 
 
 class TraceError(RuntimeError):
@@ -156,7 +156,7 @@ class TraceRecorder:
                 dtype = str(first.dtype).removeprefix("torch.")
         return Manifest(
             schema_version=SCHEMA_VERSION,
-            flowllm_version=flowllm.__version__,
+            flowllm_version=__version__,
             model=ModelInfo(
                 name=config.model.name,
                 path=str(config.model.model),

@@ -149,7 +149,7 @@ def resolve_model(trace: Trace, model: str | Path | None, cache_dir: Path | None
 
 def build_model(source: ModelSource, sha: str | None, cache_dir: Path | None) -> Path:
     """Run the source's builder into the cache (once per weights hash) and return the dir."""
-    from flowllm.cache import flowllm_cache_dir
+    from flowllm.cache_dir import flowllm_cache_dir
 
     base = (cache_dir or flowllm_cache_dir()) / "trace-models"
     key = hashlib.sha256(msgspec.json.encode(source)).hexdigest()[:24]

@@ -20,11 +20,10 @@ from prometheus_client import CollectorRegistry, Counter
 
 from flowllm.api.app import create_app
 from flowllm.config import EngineConfig, RequestLimits
-from flowllm.engine.client import Overloaded
-from flowllm.mailbox import Mailbox, RequestFailed
+from flowllm.mailbox import Mailbox, Overloaded, RequestFailed
 from flowllm.messages import Chunk, GenerateRequest, RequestError, TokenLogprobs
 from flowllm.text.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
-from flowllm.text.validation import check_admission, check_context_length, validate_request
+from flowllm.validation import check_admission, check_context_length, validate_request
 
 MODEL = "fake-model"
 

@@ -11,11 +11,10 @@ import anyio
 import pytest
 
 from flowllm.config import engine_config
-from flowllm.engine.client import Overloaded
 from flowllm.graph.channel import Channel
 from flowllm.graph.stage import Outbox, StageContext
 from flowllm.llm import LLM
-from flowllm.mailbox import Mailboxes, RequestFailed
+from flowllm.mailbox import Mailboxes, Overloaded, RequestFailed
 from flowllm.messages import Abort, GenerateRequest, SamplingParams
 from flowllm.stages.ingest import Ingest, IngestParams
 

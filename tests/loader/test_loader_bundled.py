@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowllm.cache import flowllm_cache_dir
+from flowllm.cache_dir import flowllm_cache_dir
 from flowllm.config import BUNDLED_MODEL
 from flowllm.models import bundled
 from flowllm.models.loader import BundledModelLoadError, load_model, resolve_model

@@ -370,11 +370,8 @@ def _check_prompt(request: GenerateRequest, vocab_size: int | None) -> None:
             f"{', '.join(given) if given else 'none'}.",
             "prompt",
         )
-    if request.prompt is not None and request.prompt == "":
-        raise _Invalid("The prompt cannot be empty.", "prompt", "empty_string")
+    # An empty prompt is refused by tokenize, which sees every prompt as tokens.
     if request.prompt_token_ids is not None:
-        if not request.prompt_token_ids:
-            raise _Invalid("The prompt cannot be empty.", "prompt", "empty_array")
         _token_ids("prompt", request.prompt_token_ids, vocab_size)
     if request.messages is not None and not request.messages:
         raise _Invalid(
