@@ -20,9 +20,16 @@ import msgspec
 from flowllm.config import EngineConfig, engine_config
 from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.loading import build_services
-from flowllm.graph.spec import ValidGraph
+from flowllm.graph.validator import ValidGraph
 from flowllm.mailbox import Mailbox
-from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams, TokenLogprobs, ToolCall
+from flowllm.messages import (
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    TokenLogprobs,
+    ToolCall,
+    merge_by_choice,
+)
 from flowllm.stages.services import EngineServices
 
 
@@ -139,9 +146,7 @@ class LLM:
         `tool` turns a `tool_call_id`. The output is the model's text: constrain it with
         `SamplingParams(structured_outputs=...)` to have it call a tool.
         """
-        conversations = (
-            [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        )
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
@@ -230,16 +235,15 @@ async def _collect(box: Mailbox, request: GenerateRequest) -> RequestOutput:
         outputs=choices,
     )
     want_logprobs = request.params.logprobs is not None
-    async for chunk in box:
+    for index, chunk in merge_by_choice([chunk async for chunk in box]).items():
         if chunk.prompt_token_ids:
             result.prompt_token_ids = list(chunk.prompt_token_ids)
             if request.params.prompt_logprobs is not None:
                 result.prompt_logprobs = list(chunk.prompt_logprobs)
-        out = choices[chunk.index]
-        out.text += chunk.text
-        out.token_ids.extend(chunk.token_ids)
-        if want_logprobs:
-            out.logprobs = (out.logprobs or []) + list(chunk.logprobs)
+        out = choices[index]
+        out.text = chunk.text
+        out.token_ids = list(chunk.token_ids)
+        out.logprobs = list(chunk.logprobs) if want_logprobs else None
         out.finish_reason = chunk.finish_reason
         out.stop_reason = chunk.stop_reason
     return result

@@ -14,30 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from itertools import chain
 
 import anyio
-import msgspec
 
-from flowllm.messages import Chunk, RequestError
+from flowllm.messages import Chunk, RequestError, merge_chunks
 
 MERGE_BATCH = 64  # unread chunks of one choice kept apart before they merge into one
-
-
-def merge_chunks(chunks: list[Chunk]) -> Chunk:
-    """The chunks of one choice, in order, as one: `Chunk.merge` folded over them."""
-    if len(chunks) == 1:
-        return chunks[0]
-    last = chunks[-1]
-    return msgspec.structs.replace(
-        chunks[0],
-        text="".join([c.text for c in chunks]),
-        token_ids=tuple(chain.from_iterable([c.token_ids for c in chunks])),
-        logprobs=tuple(chain.from_iterable([c.logprobs for c in chunks])),
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        num_output_tokens=last.num_output_tokens,
-    )
 
 
 class Overloaded(Exception):

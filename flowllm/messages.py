@@ -20,12 +20,14 @@ it when it appears in `StepBatch.released`.
 The structs made once per sequence per step (`ScheduledSeq`, `SampledToken`,
 `TokenLogprobs`, `Chunk`) hold only numbers, strings and tuples of such, so they can never
 be part of a reference cycle: they are declared `gc=False`, which keeps the cyclic garbage
-collector from tracking the ~770 of them a step makes at 256 sequences (it ran twice as
-often before, ~115 µs a step instead of ~60).
+collector from tracking them, and from running as often as hundreds of new objects a step
+would make it (benchmarks/README.md, "Pipeline overhead").
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import Any, Literal
 
 import msgspec
@@ -260,7 +262,7 @@ class Chunk(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """New output of one choice since its previous chunk: what a request's mailbox yields.
 
     The first chunk of a choice carries the prompt (for echo and prompt logprobs); the last
-    carries its finish_reason. Pending chunks of a slow reader merge (see `merge`).
+    carries its finish_reason. Pending chunks of a slow reader merge (`merge_chunks`).
     """
 
     request_id: str
@@ -277,17 +279,31 @@ class Chunk(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
     scheduled_time: float = 0.0  # on a choice's first chunk: SeqStart.scheduled_time
 
-    def merge(self, later: Chunk) -> Chunk:
-        """This chunk followed by `later`, as one chunk (same request and choice)."""
-        return msgspec.structs.replace(
-            self,
-            text=self.text + later.text,
-            token_ids=self.token_ids + later.token_ids,
-            logprobs=self.logprobs + later.logprobs,
-            finish_reason=later.finish_reason,
-            stop_reason=later.stop_reason,
-            num_output_tokens=later.num_output_tokens,
-        )
+
+def merge_chunks(chunks: Sequence[Chunk]) -> Chunk:
+    """Consecutive chunks of one choice, in order, as one: the first's prompt fields, the
+    texts, tokens and logprobs of all, the last's finish. Every reader that gathers a
+    choice's output (a slow mailbox, a non-streaming response, the offline API) uses this."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    return msgspec.structs.replace(
+        chunks[0],
+        text="".join([c.text for c in chunks]),
+        token_ids=tuple(chain.from_iterable([c.token_ids for c in chunks])),
+        logprobs=tuple(chain.from_iterable([c.logprobs for c in chunks])),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_output_tokens=last.num_output_tokens,
+    )
+
+
+def merge_by_choice(chunks: Iterable[Chunk]) -> dict[int, Chunk]:
+    """A request's chunks, in arrival order, merged per choice index."""
+    by_index: dict[int, list[Chunk]] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk.index, []).append(chunk)
+    return {index: merge_chunks(parts) for index, parts in by_index.items()}
 
 
 class TextDeltas(msgspec.Struct, kw_only=True):

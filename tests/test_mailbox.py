@@ -3,8 +3,8 @@
 import anyio
 import pytest
 
-from flowllm.mailbox import MERGE_BATCH, Mailbox, Mailboxes, RequestFailed, merge_chunks
-from flowllm.messages import Chunk, RequestError, TokenLogprobs
+from flowllm.mailbox import MERGE_BATCH, Mailbox, Mailboxes, RequestFailed
+from flowllm.messages import Chunk, RequestError, TokenLogprobs, merge_by_choice, merge_chunks
 
 
 def chunk(index: int, text: str, ids: tuple[int, ...], finish: str | None = None) -> Chunk:
@@ -63,9 +63,7 @@ async def test_reader_waits_for_chunks_and_ends_when_all_choices_finish() -> Non
 async def test_error_is_raised_after_pending_text_and_later_puts_are_ignored() -> None:
     box = Mailbox("r", num_choices=1)
     box.put(chunk(0, "partial", (1,)))
-    box.fail(
-        RequestError(request_id="r", message="boom", kind="internal")
-    )
+    box.fail(RequestError(request_id="r", message="boom", kind="internal"))
     box.put(chunk(0, "ignored", (2,)))
     it = box.__aiter__()
     assert (await it.__anext__()).text == "partial"
@@ -79,14 +77,24 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def test_merge_chunks_is_chunk_merge_folded() -> None:
+def test_merge_chunks_joins_a_choices_output_and_keeps_the_last_finish() -> None:
     parts = [chunk(0, t, (i,)) for i, t in enumerate(("a", "bc", "", "d"))]
     parts.append(chunk(0, "e", (9,), finish="length"))
-    want = parts[0]
-    for later in parts[1:]:
-        want = want.merge(later)
-    assert merge_chunks(parts) == want
+    merged = merge_chunks(parts)
+    assert (merged.text, merged.token_ids) == ("abcde", (0, 1, 2, 3, 9))
+    assert [lp.token_id for lp in merged.logprobs] == [0, 1, 2, 3, 9]
+    assert (merged.finish_reason, merged.num_output_tokens) == ("length", 1)
     assert merge_chunks(parts[:1]) is parts[0]
+
+
+def test_merge_by_choice_keeps_choices_apart() -> None:
+    arrived = [chunk(1, "x", (1,)), chunk(0, "a", (2,)), chunk(1, "y", (3,), finish="stop")]
+    merged = merge_by_choice(arrived)
+    assert {i: (c.text, c.token_ids) for i, c in merged.items()} == {
+        1: ("xy", (1, 3)),
+        0: ("a", (2,)),
+    }
+    assert merged[1].finish_reason == "stop" and merged[0].finish_reason is None
 
 
 @pytest.mark.anyio

@@ -28,7 +28,7 @@ from flowllm.api.errors import ApiError
 from flowllm.api.logprobs import TokenTexts
 from flowllm.engine.client import EngineClient
 from flowllm.mailbox import Mailbox, Overloaded, RequestFailed
-from flowllm.messages import Chunk, GenerateRequest, RequestError
+from flowllm.messages import Chunk, GenerateRequest, RequestError, merge_by_choice
 
 T = TypeVar("T")
 
@@ -124,17 +124,13 @@ class Generation:
         """Every sub-request's output, its chunks merged per choice index."""
         results: list[dict[int, Chunk]] = []
         for i, mailbox in enumerate(self.mailboxes):
-            merged: dict[int, Chunk] = {}
             first = self.first_chunks[i]
-            if first is not None:
-                merged[first.index] = first
+            chunks = [] if first is None else [first]
             try:
-                async for chunk in mailbox:
-                    earlier = merged.get(chunk.index)
-                    merged[chunk.index] = chunk if earlier is None else earlier.merge(chunk)
+                chunks += [chunk async for chunk in mailbox]
             except RequestFailed as failed:
                 raise ApiError.from_request_error(failed.error) from failed
-            results.append(merged)
+            results.append(merge_by_choice(chunks))
         return results
 
     def start_pumps(self, task_group: TaskGroup) -> AsyncIterator[tuple[int, Chunk | RequestError]]:

@@ -10,12 +10,19 @@ from flowllm.config import (
     BUNDLED_MODEL,
     DTYPES,
     QUANTIZATIONS,
+    CacheConfig,
     EngineConfig,
+    ModelConfig,
     RequestLimits,
+    SchedulerConfig,
     engine_config,
 )
 
-_LIMITS = RequestLimits()  # the defaults of the request limits, defined in flowllm.config
+# The flags' defaults are the configs' own (flowllm/config.py), written once there.
+_MODEL = ModelConfig()
+_CACHE = CacheConfig()
+_SCHEDULER = SchedulerConfig()
+_LIMITS = RequestLimits()
 
 # Each request limit's flag help: what it bounds, and why the default is what it is.
 _LIMIT_HELP = {
@@ -27,9 +34,8 @@ _LIMIT_HELP = {
     "channel's capacity: a request is admitted whole, so more could never be admitted)",
     "max_stop_strings": "stop strings per request (%(default)s; OpenAI allows 4, vLLM any "
     "number; each is searched for in every choice's new text)",
-    "max_stop_string_length": "characters in one stop string (%(default)s; measured at "
-    "16 strings of this length and n=16: ~3 ms once to build detokenize's tables, ~0.04 ms "
-    "a step; a 40,000-character stop string took 3 s before these bounds)",
+    "max_stop_string_length": "characters in one stop string (%(default)s; detokenize "
+    "searches every new text for each, so their length bounds a step's work)",
     "max_stop_token_ids": "entries of `stop_token_ids` (%(default)s; each sequence "
     "keeps them in a set and a tensor)",
     "max_logit_bias": "entries of `logit_bias` (%(default)s, OpenAI's limit)",
@@ -37,7 +43,7 @@ _LIMIT_HELP = {
     "API's deepest field is ~5 levels, and deep nesting costs the JSON decoder's stack)",
     "max_structured_output_chars": "characters of a JSON schema (as JSON text), regex or "
     "grammar constraint, choices together, or `tools` (%(default)s; checked before "
-    "compiling: a 64k-character schema compiles in well under a second)",
+    "compiling, whose time grows with the constraint)",
     "max_choices": "entries of a `choice` constraint (%(default)s)",
     "max_tools": "functions in `tools` (%(default)s, OpenAI's limit)",
     "max_request_tokens": "prompts x n x max_tokens of one request, max_tokens unset "
@@ -72,11 +78,11 @@ def add_engine_arguments(
         f"the bundled {BUNDLED_MODEL} (default)",
     )
     parser.add_argument("--served-model-name", help="the name clients use (default: MODEL)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--dtype", choices=DTYPES, default=_MODEL.dtype)
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
-        default="auto",
+        default=_MODEL.quantization,
         help="auto: a GGUF file's quantized weights (the bundled model's Q4_1) are served "
         "quantized; none: dequantized at load, as the float model; int8: a float checkpoint's "
         "linear layers quantized to int8 per output channel (weights only)",
@@ -86,24 +92,34 @@ def add_engine_arguments(
         help="a directory (or Hub id) whose tokenizer to use, for GGUF files without one",
     )
     parser.add_argument("--max-model-len", type=int, help="context length (default: model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=_SCHEDULER.max_num_seqs)
     parser.add_argument(
-        "--kv-cache-memory", type=_bytes, default=2 * 2**30, help="KV cache bytes on CPU (2GiB)"
+        "--max-num-batched-tokens", type=int, default=_SCHEDULER.max_num_batched_tokens
+    )
+    parser.add_argument("--block-size", type=int, default=_CACHE.block_size)
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=_bytes,
+        default=_CACHE.kv_cache_memory,
+        help="KV cache bytes on CPU (%(default)s; 2GiB, 512MiB... accepted)",
     )
     parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9, help="KV cache share of a GPU"
+        "--gpu-memory-utilization",
+        type=float,
+        default=_CACHE.gpu_memory_utilization,
+        help="KV cache share of a GPU",
     )
     parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_CACHE.enable_prefix_caching,
     )
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="never replay recorded decode steps; run every step op by op",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=_MODEL.seed)
     for name, text in _LIMIT_HELP.items():
         parser.add_argument(
             "--" + name.replace("_", "-"), type=int, default=getattr(_LIMITS, name), help=text

@@ -15,9 +15,16 @@ import torch
 from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.loading import build_services
-from flowllm.graph.spec import GraphSpec, ValidGraph
+from flowllm.graph.spec import GraphSpec
+from flowllm.graph.validator import ValidGraph
 from flowllm.mailbox import Mailbox, RequestFailed
-from flowllm.messages import Chunk, GenerateRequest, SamplingParams, StructuredOutputs
+from flowllm.messages import (
+    Chunk,
+    GenerateRequest,
+    SamplingParams,
+    StructuredOutputs,
+    merge_by_choice,
+)
 from flowllm.stages.services import EngineServices
 
 DEFAULT_GRAPH = Path(__file__).resolve().parents[2] / "flowllm" / "engine" / "default.yaml"
@@ -42,10 +49,7 @@ def request(services: EngineServices, rid: str, prompt: str, **params: Any) -> G
 
 
 async def choices(box: Mailbox) -> dict[int, Chunk]:
-    merged: dict[int, Chunk] = {}
-    async for chunk in box:
-        merged[chunk.index] = merged[chunk.index].merge(chunk) if chunk.index in merged else chunk
-    return merged
+    return merge_by_choice([chunk async for chunk in box])
 
 
 def run(
