@@ -30,7 +30,8 @@ def nesting_depth(body: bytes) -> int:
 
     Read as JSON up to the first syntax error, which is as far as a decoder goes: within
     valid JSON a backslash occurs only inside strings, where it escapes the next byte.
-    ~10 ms per MB; numpy releases the GIL, so callers may run it in a worker thread.
+    Linear in the body's size; numpy releases the GIL, so callers may run it in a worker
+    thread.
     """
     data = np.frombuffer(body, dtype=np.uint8)
     if data.size == 0:

@@ -18,8 +18,9 @@ import anyio
 
 from flowllm.cli.graph import DEFAULT_GRAPH
 from flowllm.config import TOOL_CALL_PARSERS, ConfigError
+from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.spans import configure_logging
-from flowllm.graph.spec import GraphValidationError, load_graph
+from flowllm.graph.validator import load_graph
 
 
 def serving_threads(
@@ -28,10 +29,10 @@ def serving_threads(
     """Torch's intra-op CPU threads for `flowllm serve`: all cores but one unless asked.
 
     The server's event loop (HTTP, tokenize, schedule, detokenize, format) needs a core of
-    its own beside the model's threads. On the 2-core development machine, one torch thread
-    instead of two served SmolLM2 bf16 at 25–38 vs 19 tok/s at concurrency 1 and 235–260
-    vs 215 tok/s at concurrency 32 (offline batches, with no event loop to feed, keep every
-    core). None: leave torch's setting (OMP_NUM_THREADS chose it)."""
+    its own beside the model's threads, or the model's threads and the loop preempt each
+    other every step (benchmarks/README.md, "Serving: flowllm vs transformers serve";
+    offline batches, with no event loop to feed, keep every core). None: leave torch's
+    setting (OMP_NUM_THREADS chose it)."""
     if requested is not None:
         return max(1, requested)
     if "OMP_NUM_THREADS" in env:

@@ -4,9 +4,9 @@ per step shape.
 A decode-only step (one query per sequence) of a given number of sequences and block-table
 width makes the same native calls on the same buffers every time. The runner records a
 model's layers for such a shape the second time it sees it (a shape seen once may never
-come back, and recording costs an eager step) and replays the plan from then on: at batch
-1 that removes ~80 µs of Python a layer. Everything else in the step (embedding, logits,
-input building) stays eager.
+come back, and recording costs an eager step) and replays the plan from then on, which
+removes the Python of every layer (benchmarks/README.md, "Model step"). Everything else in
+the step (embedding, logits, input building) stays eager.
 
 Memory: a plan keeps its activations, ~17 KB a layer and sequence for SmolLM2 in bf16
 (~130 MB at 256 sequences). Plans beyond `memory_limit` bytes are dropped, least recently

@@ -2,16 +2,15 @@
 
 `anyio.to_thread.run_sync` hands each call to a pooled thread through a capacity limiter
 and a cancel scope, and successive calls may land on different pool threads (each with its
-own OpenMP team for torch). At one call per step that machinery showed: in
-benchmarks/pipeline_overhead.py a step at 256 sequences took ~1.42 ms with it and
-~1.22-1.29 ms with one lasting thread per stage. So such a stage keeps a thread of its own
+own OpenMP team for torch); at one call per step that machinery shows in the step time
+(benchmarks/README.md, "Pipeline overhead"). So such a stage keeps a thread of its own
 (`EngineServices.worker_thread`): a call is one queue put there and one
 `call_soon_threadsafe` back. The thread lives as long as the model's services, not one
-graph run: new threads for every run made the step time vary by up to 40% between runs.
+graph run, so that every run's steps get the same warm thread and OpenMP team.
 
-A caller cancelled while its call runs stops waiting at once (a shielding cancel scope
-per call cost ~5-10% of a step at 256 sequences); the call runs to its end and its result
-is dropped. The thread runs calls in order, so the next graph run's first step cannot
+A caller cancelled while its call runs stops waiting at once, without a shielding cancel
+scope per call (which costs a noticeable share of a step); the call runs to its end and
+its result is dropped. The thread runs calls in order, so the next graph run's first step cannot
 touch the KV cache before that call is done. The graph runs on anyio's asyncio backend,
 which this relies on.
 """
