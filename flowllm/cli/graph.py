@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import TextIO
 
 from flowllm.engine.async_engine import DEFAULT_GRAPH
+from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.render import render_mermaid, render_text
-from flowllm.graph.spec import GraphSpec, GraphValidationError, ValidGraph
+from flowllm.graph.spec import GraphSpec
+from flowllm.graph.validator import ValidGraph
 
 
 def validate_command(path: str | Path, out: TextIO | None = None, err: TextIO | None = None) -> int:

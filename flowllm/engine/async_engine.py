@@ -20,7 +20,7 @@ from flowllm.config import EngineConfig, RequestLimits
 from flowllm.engine.loading import build_services
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSink
-from flowllm.graph.spec import ValidGraph
+from flowllm.graph.validator import ValidGraph
 from flowllm.mailbox import Mailbox, Overloaded
 from flowllm.messages import GenerateRequest
 from flowllm.stages.guide import has_guide

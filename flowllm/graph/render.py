@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from flowllm.graph.channel import type_name
-from flowllm.graph.spec import ValidGraph
+from flowllm.graph.validator import ValidGraph
 
 
 def _params_text(params: dict[str, Any]) -> str:

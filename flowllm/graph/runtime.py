@@ -47,9 +47,10 @@ from prometheus_client import CollectorRegistry
 
 from flowllm.graph.channel import Channel
 from flowllm.graph.spans import GraphMetrics, SpanRecorder, SpanSink, configure_logging
-from flowllm.graph.spec import GraphSpec, PortRef, ValidGraph, load_graph
+from flowllm.graph.spec import GraphSpec, PortRef
 from flowllm.graph.stage import CLOSED, FailRequest, Outbox, RequestInputError, Stage, StageContext
 from flowllm.graph.supervision import RestartIntensity
+from flowllm.graph.validator import ValidGraph, load_graph
 from flowllm.messages import ErrorKind, RequestError
 
 
@@ -451,9 +452,7 @@ class Graph:
                 self.log.warning("request_ids raised", stage=member.name, exc_info=exc)
         return tuple(ids)
 
-    async def _on_failure(
-        self, task: _Task, group: _Group, error: Exception, message: Any
-    ) -> bool:
+    async def _on_failure(self, task: _Task, group: _Group, error: Exception, message: Any) -> bool:
         """Apply the group's policy to one failure; True when the member runs on."""
         self.metrics.stage_errors.labels(task.name).inc()
         log = self.log.bind(stage=task.name, replica=task.replica)
@@ -480,9 +479,7 @@ class Graph:
         elif self._stopping or (on_error == "restart" and any(t.finished for t in group.tasks)):
             on_error = "escalate"  # a group that is draining cannot start over
         else:
-            log.error(
-                "stage failed", on_error=on_error, request_ids=request_ids, exc_info=error
-            )
+            log.error("stage failed", on_error=on_error, request_ids=request_ids, exc_info=error)
         if on_error == "escalate":
             await self._escalate(task, error)
             return False

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowllm.graph.spec import ValidGraph
 from flowllm.graph.stage import PerMessageStage, StageContext
+from flowllm.graph.validator import ValidGraph
 from flowllm.messages import ScheduledSeq, StepBatch, StepMasks
 from flowllm.sampling.grammar import Grammars, Matcher
 from flowllm.stages.services import EngineServices

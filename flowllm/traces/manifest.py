@@ -17,7 +17,8 @@ import msgspec
 import yaml
 
 from flowllm.config import EngineConfig
-from flowllm.graph.spec import GraphSpec, ValidGraph
+from flowllm.graph.spec import GraphSpec
+from flowllm.graph.validator import ValidGraph
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from flowllm.graph.spec import ValidGraph
+from flowllm.graph.validator import ValidGraph
 from flowllm.traces.codec import Entry, MessageCodec, iter_frames, read_channel
 from flowllm.traces.manifest import SPANS_FILE, Manifest, read_manifest
 from flowllm.traces.recorder import SpanRecord

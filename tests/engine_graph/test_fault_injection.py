@@ -21,7 +21,8 @@ from fault_stages import FAULTS, Fault, InjectedFault, fault_graph
 from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.loading import build_services
-from flowllm.graph.spec import GraphSpec, ValidGraph
+from flowllm.graph.spec import GraphSpec
+from flowllm.graph.validator import ValidGraph
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import GenerateRequest, SamplingParams
 from flowllm.stages.services import EngineServices

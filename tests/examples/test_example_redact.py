@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_process import ServerProcess
 
-from flowllm.graph.spec import GraphSpec, GraphValidationError
+from flowllm.graph.problems import GraphValidationError
+from flowllm.graph.spec import GraphSpec
 from flowllm.messages import Chunk, TextDeltas
 
 REDACT_YAML = EXAMPLES / "graphs" / "redact.yaml"

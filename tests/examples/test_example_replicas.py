@@ -9,7 +9,7 @@ from typing import Any
 from example_server import EXAMPLES, MODEL_NAME
 from server_process import ServerProcess
 
-from flowllm.graph.spec import load_graph
+from flowllm.graph.validator import load_graph
 
 TWO_TOKENIZERS_YAML = EXAMPLES / "graphs" / "two-tokenizers.yaml"
 PROMPTS = [

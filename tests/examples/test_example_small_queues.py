@@ -12,7 +12,7 @@ import openai
 from example_server import EXAMPLES, MODEL_NAME
 from server_process import ServerProcess
 
-from flowllm.graph.spec import load_graph
+from flowllm.graph.validator import load_graph
 
 SMALL_QUEUES_YAML = EXAMPLES / "graphs" / "small-queues.yaml"
 BURST = 200

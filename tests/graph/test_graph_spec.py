@@ -7,13 +7,9 @@ from pathlib import Path
 import pytest
 from graph_toys import Collect, Count, Item, Loop
 
-from flowllm.graph.spec import (
-    DEFAULT_CAPACITY,
-    GraphSpec,
-    GraphValidationError,
-    PortRef,
-    load_graph,
-)
+from flowllm.graph.problems import GraphValidationError
+from flowllm.graph.spec import DEFAULT_CAPACITY, GraphSpec, PortRef
+from flowllm.graph.validator import load_graph
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

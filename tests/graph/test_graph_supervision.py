@@ -9,8 +9,9 @@ import anyio
 import pytest
 from test_graph_runtime import make_graph, quiet_logger, run
 
+from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.render import render_text
-from flowllm.graph.spec import GraphSpec, GraphValidationError
+from flowllm.graph.spec import GraphSpec
 
 JOBS = "supervision_toys:Jobs"
 FLAKY = "supervision_toys:Flaky"

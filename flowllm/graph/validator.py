@@ -1,0 +1,435 @@
+"""A `GraphSpec` bound and checked into a `ValidGraph`, reporting every problem at once.
+
+Validation reports every problem in one pass, each naming the stage, port and types
+involved: malformed YAML (with its line), malformed entries, duplicate stage names,
+unknown import paths, classes that are not Stages, bad `with:` params (unknown key, wrong
+type, missing required param), unknown ports (with the nearest port name), unconnected
+ports, edges whose producer type the consumer does not accept, and cycles that are not
+credit-bounded.
+
+The credit rule (docs/stages.md). A cycle of bounded channels can deadlock: every stage on it
+may block sending into a full channel whose consumer is itself blocked sending. A cycle is
+accepted only when some stage on it declares a credit bound B (`Stage.credit_param`, e.g.
+`schedule`'s `max_inflight_steps`: it never has more than B messages in flight around the
+loop; with `replicas: N` the bound is N x B) and every channel on the cycle has capacity
+>= B, so no send on the cycle can block.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import msgspec
+
+from flowllm.graph.channel import type_members, type_name
+from flowllm.graph.cycles import simple_cycles
+from flowllm.graph.problems import GraphValidationError, Problem, known, suggest
+from flowllm.graph.spec import EdgeSpec, GraphSpec, PortRef, StageSpec
+from flowllm.graph.stage import Stage
+from flowllm.graph.stage_import import StageImportError, describe_import_error, import_file
+from flowllm.graph.supervision import SupervisionPlan, parse_supervision, plan_groups
+
+
+@dataclass(frozen=True)
+class BoundStage:
+    """A stage spec with its class and built params."""
+
+    spec: StageSpec
+    cls: type[Stage]
+    params: msgspec.Struct
+    supervision: SupervisionPlan
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def credit_bound(self) -> int | None:
+        """Messages in flight around a cycle through this stage, over all its replicas."""
+        bound = self.cls.credit_bound(self.params)
+        return None if bound is None else bound * self.spec.replicas
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """One input port's channel: its type is the consumer port's declared type."""
+
+    name: str
+    dst: PortRef
+    message_type: Any
+    capacity: int
+    producers: tuple[PortRef, ...]
+
+
+@dataclass(frozen=True)
+class ValidGraph:
+    """A graph that passed validation: what the runtime builds."""
+
+    spec: GraphSpec
+    stages: dict[str, BoundStage]
+    channels: dict[str, ChannelSpec]  # by input port "stage.port"
+    fanout: dict[PortRef, tuple[str, ...]]  # output port -> the channels it feeds
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class _Validator:
+    def __init__(self, spec: GraphSpec) -> None:
+        self.spec = spec
+        self.problems: list[Problem] = list(spec.problems)
+
+    def problem(self, message: str, line: int | None) -> None:
+        self.problems.append(Problem(message, line, self.spec.source))
+
+    def validate(self) -> ValidGraph:
+        stages = self.check_stages()
+        edges = self.check_edges(stages)
+        self.check_unconnected(stages, edges)
+        channels, fanout = self.build_channels(stages, edges)
+        self.check_cycles(stages, edges, channels)
+        if self.problems:
+            # In file order; problems without a line (file-level) first. sorted() is stable.
+            raise GraphValidationError(sorted(self.problems, key=lambda p: p.line or 0))
+        return ValidGraph(self.spec, stages, channels, fanout)
+
+    # -- stages ---------------------------------------------------------------------------
+
+    def check_stages(self) -> dict[str, BoundStage]:
+        resolved: dict[str, tuple[StageSpec, type[Stage], msgspec.Struct, Any]] = {}
+        first_line: dict[str, int | None] = {}
+        for stage in self.spec.stages:
+            if stage.name in first_line:
+                self.problem(
+                    f"stage {stage.name!r} is defined twice "
+                    f"(first at line {first_line[stage.name]})",
+                    stage.line,
+                )
+                continue
+            first_line[stage.name] = stage.line
+            cls = self.resolve(stage)
+            if cls is None or not self.check_ports(stage, cls):
+                continue
+            params = self.check_params(stage, cls)
+            try:
+                supervision = parse_supervision(stage.supervision)
+            except ValueError as exc:
+                self.problem(f"stage {stage.name!r}: invalid supervision: {exc}", stage.line)
+                continue
+            if params is not None:
+                resolved[stage.name] = (stage, cls, params, supervision)
+        self.known_names = list(first_line)
+        plans, problems = plan_groups(
+            {name: (sup, cls.on_error) for name, (_, cls, _, sup) in resolved.items()}
+        )
+        for name, message in problems:
+            self.problem(f"stage {name!r}: supervision: {message}", resolved[name][0].line)
+        return {
+            name: BoundStage(stage, cls, params, plans[name])
+            for name, (stage, cls, params, _) in resolved.items()
+        }
+
+    def resolve(self, stage: StageSpec) -> type[Stage] | None:
+        module_part, sep, attr = stage.use.rpartition(":")
+        where = f"stage {stage.name!r}"
+        if not sep or not module_part or not attr:
+            self.problem(
+                f"{where}: use: {stage.use!r} must be 'pkg.module:Class' or 'path/file.py:Class'",
+                stage.line,
+            )
+            return None
+        try:
+            module = self.import_module(module_part)
+        except StageImportError as exc:
+            self.problem(f"{where}: cannot import {module_part!r}: {exc}", stage.line)
+            return None
+        obj = getattr(module, attr, None)
+        if obj is None:
+            names = [n for n, v in vars(module).items() if isinstance(v, type)]
+            self.problem(
+                f"{where}: {module_part!r} has no attribute {attr!r}{suggest(attr, names)}",
+                stage.line,
+            )
+            return None
+        if not (isinstance(obj, type) and issubclass(obj, Stage)):
+            what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+            self.problem(
+                f"{where}: {stage.use!r} is a {what}, not a Stage "
+                "(subclass flowllm.graph.stage.Stage)",
+                stage.line,
+            )
+            return None
+        return obj
+
+    def import_module(self, module_part: str) -> ModuleType:
+        if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+            return import_file(self.spec.base_dir / module_part)
+        try:
+            return importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise StageImportError(f"no module named {exc.name!r}") from None
+        except Exception as exc:
+            raise StageImportError(describe_import_error(exc)) from None
+
+    def check_ports(self, stage: StageSpec, cls: type[Stage]) -> bool:
+        ok = True
+        for kind in ("inputs", "outputs"):
+            ports = getattr(cls, kind, None)
+            if not isinstance(ports, dict):
+                self.problem(
+                    f"stage {stage.name!r}: {cls.__name__}.{kind} must be a dict of port -> type",
+                    stage.line,
+                )
+                ok = False
+                continue
+            for port, tp in ports.items():
+                try:
+                    type_members(tp)
+                except TypeError:
+                    self.problem(
+                        f"stage {stage.name!r}: {cls.__name__}.{kind}[{port!r}] = {tp!r} "
+                        "is not a message type",
+                        stage.line,
+                    )
+                    ok = False
+        return ok
+
+    def check_params(self, stage: StageSpec, cls: type[Stage]) -> msgspec.Struct | None:
+        where = f"stage {stage.name!r} ({cls.__name__})"
+        ptype = cls.Params
+        if not (isinstance(ptype, type) and issubclass(ptype, msgspec.Struct)):
+            self.problem(f"{where}: {cls.__name__}.Params must be a msgspec Struct", stage.line)
+            return None
+        fields = {f.name: f for f in msgspec.structs.fields(ptype)}
+        ok = True
+        for key, value in stage.params.items():
+            info = fields.get(key)
+            if info is None:
+                listed = f"; known params: {known(fields)}" if fields else "; it takes no params"
+                self.problem(
+                    f"{where}: unknown param {key!r}{suggest(str(key), list(fields))}{listed}",
+                    stage.line,
+                )
+                ok = False
+                continue
+            try:
+                msgspec.convert(value, info.type)
+            except (msgspec.ValidationError, TypeError) as exc:
+                self.problem(
+                    f"{where}: param {key!r} must be {type_name_of(info.type)}, "
+                    f"got {value!r} ({type(value).__name__}): {exc}",
+                    stage.line,
+                )
+                ok = False
+        for name, info in fields.items():
+            if info.required and name not in stage.params:
+                self.problem(
+                    f"{where}: missing required param {name!r} ({type_name_of(info.type)})",
+                    stage.line,
+                )
+                ok = False
+        if not ok:
+            return None
+        try:
+            return msgspec.convert(stage.params, ptype)
+        except (msgspec.ValidationError, TypeError, ValueError) as exc:
+            self.problem(f"{where}: invalid params: {exc}", stage.line)
+            return None
+
+    # -- edges ----------------------------------------------------------------------------
+
+    def check_edges(self, stages: dict[str, BoundStage]) -> list[EdgeSpec]:
+        """The edges whose ends resolve; problems for the rest and for type mismatches."""
+        good: list[EdgeSpec] = []
+        seen: dict[tuple[PortRef, PortRef], int | None] = {}
+        for edge in self.spec.edges:
+            key = (edge.src, edge.dst)
+            if key in seen:
+                self.problem(
+                    f"edge '{edge}' is listed twice (first at line {seen[key]})", edge.line
+                )
+                continue
+            seen[key] = edge.line
+            src_type = self.port_type(edge, edge.src, "outputs", stages)
+            dst_type = self.port_type(edge, edge.dst, "inputs", stages)
+            if src_type is _MISSING or dst_type is _MISSING:
+                continue
+            self.check_types(edge, src_type, dst_type)
+            good.append(edge)
+        return good
+
+    def port_type(
+        self, edge: EdgeSpec, ref: PortRef, kind: str, stages: dict[str, BoundStage]
+    ) -> Any:
+        bound = stages.get(ref.stage)
+        if bound is None:
+            if ref.stage not in self.known_names:
+                self.problem(
+                    f"edge '{edge}': unknown stage {ref.stage!r}"
+                    f"{suggest(ref.stage, self.known_names)}",
+                    edge.line,
+                )
+            return _MISSING  # a known stage that failed to resolve was reported already
+        ports: dict[str, Any] = getattr(bound.cls, kind)
+        if ref.port in ports:
+            return ports[ref.port]
+        other_kind = "inputs" if kind == "outputs" else "outputs"
+        role = "output" if kind == "outputs" else "input"
+        if ref.port in getattr(bound.cls, other_kind):
+            hint = (
+                f"; {ref} is an {'input' if role == 'output' else 'output'} port, and edges "
+                "go from an output port to an input port"
+            )
+        else:
+            hint = suggest(ref.port, list(ports)) + f"; its {role} ports: {known(ports)}"
+        self.problem(
+            f"edge '{edge}': stage {ref.stage!r} ({bound.cls.__name__}) has no {role} port "
+            f"{ref.port!r}{hint}",
+            edge.line,
+        )
+        return _MISSING
+
+    def check_types(self, edge: EdgeSpec, src_type: Any, dst_type: Any) -> None:
+        accepted = type_members(dst_type)
+        if accepted is None:
+            return
+        sent = type_members(src_type)
+        if sent is None:
+            rejected = ["Any"]
+        else:
+            rejected = [
+                "None" if t is type(None) else t.__name__
+                for t in sent
+                if not any(issubclass(t, a) for a in accepted)
+            ]
+        if rejected:
+            self.problem(
+                f"edge '{edge}': type mismatch: {edge.src} sends {type_name(src_type)} but "
+                f"{edge.dst} accepts {type_name(dst_type)} ({', '.join(rejected)} not accepted)",
+                edge.line,
+            )
+
+    def check_unconnected(self, stages: dict[str, BoundStage], edges: list[EdgeSpec]) -> None:
+        connected = {e.src for e in edges} | {e.dst for e in edges}
+        # A port named by an edge that failed for another reason is not reported twice, nor
+        # is the port a mistyped name suggests: that edge's problem already points at it.
+        named = {e.src for e in self.spec.edges} | {e.dst for e in self.spec.edges}
+        for edge in self.spec.edges:
+            for ref, kind in ((edge.src, "outputs"), (edge.dst, "inputs")):
+                bound = stages.get(ref.stage)
+                ports = list(getattr(bound.cls, kind)) if bound is not None else []
+                if ports and ref.port not in ports:
+                    close = difflib.get_close_matches(ref.port, ports, n=1, cutoff=0.6)
+                    named.update(PortRef(ref.stage, port) for port in close)
+        for bound in stages.values():
+            for kind, role in (("inputs", "input"), ("outputs", "output")):
+                for port, tp in getattr(bound.cls, kind).items():
+                    ref = PortRef(bound.name, port)
+                    if ref in connected or ref in named:
+                        continue
+                    if kind == "inputs" and port in bound.cls.optional_inputs:
+                        continue
+                    direction = "from" if role == "output" else "into"
+                    self.problem(
+                        f"stage {bound.name!r}: {role} port {port!r} ({type_name(tp)}) is not "
+                        f"connected; add an edge {direction} {ref}",
+                        bound.spec.line,
+                    )
+
+    def build_channels(
+        self, stages: dict[str, BoundStage], edges: list[EdgeSpec]
+    ) -> tuple[dict[str, ChannelSpec], dict[PortRef, tuple[str, ...]]]:
+        by_dst: dict[PortRef, list[EdgeSpec]] = {}
+        for edge in edges:
+            by_dst.setdefault(edge.dst, []).append(edge)
+        channels: dict[str, ChannelSpec] = {}
+        for dst, into in by_dst.items():
+            # Only edges between resolved stages reach here (check_edges dropped the rest).
+            channels[str(dst)] = ChannelSpec(
+                str(dst),
+                dst,
+                stages[dst.stage].cls.inputs[dst.port],
+                max(e.capacity for e in into),
+                tuple(e.src for e in into),
+            )
+        fanout: dict[PortRef, list[str]] = {}
+        for edge in edges:
+            fanout.setdefault(edge.src, []).append(str(edge.dst))
+        return channels, {src: tuple(names) for src, names in fanout.items()}
+
+    # -- cycles ---------------------------------------------------------------------------
+
+    def check_cycles(
+        self,
+        stages: dict[str, BoundStage],
+        edges: list[EdgeSpec],
+        channels: dict[str, ChannelSpec],
+    ) -> None:
+        order = [s.name for s in self.spec.stages if s.name in stages]
+        succ: dict[str, dict[str, list[EdgeSpec]]] = {name: {} for name in order}
+        for edge in edges:
+            if edge.src.stage in succ and edge.dst.stage in succ:
+                succ[edge.src.stage].setdefault(edge.dst.stage, []).append(edge)
+        for cycle in simple_cycles(order, {n: list(s) for n, s in succ.items()}):
+            on_cycle: list[EdgeSpec] = []
+            for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
+                on_cycle.extend(succ[a][b])
+            path = " -> ".join([*cycle, cycle[0]])
+            line = min((e.line for e in on_cycle if e.line is not None), default=None)
+            bounds = {n: stages[n].credit_bound for n in cycle}
+            credited = {n: b for n, b in bounds.items() if b is not None}
+            if not credited:
+                self.problem(
+                    f"cycle {path} is not credit-bounded: no stage on it declares a credit "
+                    "bound (a Stage with credit_param, like schedule's max_inflight_steps), so "
+                    "its bounded channels can deadlock",
+                    line,
+                )
+                continue
+            holder, bound = min(credited.items(), key=lambda item: item[1])
+            param = stages[holder].cls.credit_param
+            replicas = stages[holder].spec.replicas
+            if replicas > 1:
+                param = f"{param} x {replicas} replicas"
+            if bound < 1:
+                self.problem(
+                    f"cycle {path}: stage {holder!r} has credit bound {bound} ({param}); "
+                    "it must be >= 1 for work to flow",
+                    stages[holder].spec.line,
+                )
+                continue
+            for channel_name in dict.fromkeys(str(e.dst) for e in on_cycle):
+                capacity = channels[channel_name].capacity
+                if capacity < bound:
+                    self.problem(
+                        f"cycle {path}: channel {channel_name!r} has capacity {capacity}, below "
+                        f"the credit bound {bound} of stage {holder!r} ({param}); give it "
+                        f"capacity >= {bound}",
+                        line,
+                    )
+
+
+_MISSING: Any = object()
+
+
+def type_name_of(tp: Any) -> str:
+    """A param type's name for messages: `int`, `float | None`, `tuple[str, ...]`."""
+    if isinstance(tp, type) and not hasattr(tp, "__origin__"):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def validate_graph(spec: GraphSpec) -> ValidGraph:
+    """Resolve `spec`'s classes and params and check its wiring; raises with every problem."""
+    return _Validator(spec).validate()
+
+
+def load_graph(path: str | Path) -> ValidGraph:
+    """Load and validate a graph file in one step."""
+    return validate_graph(GraphSpec.load(path))
