@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from flowllm.graph.spans import LabelledHistogram
+from flowllm.graph.metrics import LabelledHistogram
 
 PREFIX = "flowllm:"
 VLLM_PREFIX = "vllm:"

@@ -19,8 +19,8 @@ import anyio
 from flowllm.cli.graph import DEFAULT_GRAPH
 from flowllm.config import TOOL_CALL_PARSERS, ConfigError
 from flowllm.graph.problems import GraphValidationError
-from flowllm.graph.spans import configure_logging
 from flowllm.graph.validator import load_graph
+from flowllm.logging_config import configure_logging
 
 
 def serving_threads(

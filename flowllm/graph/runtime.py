@@ -46,11 +46,13 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
 from flowllm.graph.channel import Channel
-from flowllm.graph.spans import GraphMetrics, SpanRecorder, SpanSink, configure_logging
+from flowllm.graph.metrics import GraphMetrics
+from flowllm.graph.spans import SpanRecorder, SpanSink
 from flowllm.graph.spec import GraphSpec, PortRef
 from flowllm.graph.stage import CLOSED, FailRequest, Outbox, RequestInputError, Stage, StageContext
 from flowllm.graph.supervision import RestartIntensity
 from flowllm.graph.validator import ValidGraph, load_graph
+from flowllm.logging_config import configure_logging
 from flowllm.messages import ErrorKind, RequestError
 
 

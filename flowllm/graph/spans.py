@@ -1,123 +1,19 @@
-"""Observability for the graph: structlog setup, one span per handled message, metrics.
+"""One span per message a stage handles: its duration and queue wait into the graph's
+metrics, and a structlog `debug` event.
 
 Spans are cheap by construction: two `perf_counter()` calls, two histogram updates,
 and a structlog `debug` event that the filtering logger drops for nothing unless the level
-is DEBUG (`FLOWLLM_LOG_LEVEL=debug`). Metrics live in a `CollectorRegistry` owned by each
-graph, never the process-wide default, so many graphs can run in one process (tests) and
-`/metrics` renders exactly one graph's registry.
+is DEBUG (`FLOWLLM_LOG_LEVEL=debug`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
-from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Any, TextIO
+from typing import Any
 
-import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import HistogramMetricFamily
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
-
-from flowllm.graph.channel import Channel
-
-LOG_FORMATS = ("auto", "console", "json")
-
-# Stage durations span from a few µs (a relay) to seconds (a prefill on CPU).
-DURATION_BUCKETS = (
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-
-
-def configure_logging(
-    *,
-    fmt: str | None = None,
-    level: str | int | None = None,
-    stream: TextIO | None = None,
-    force: bool = False,
-    capture_stdlib: bool = False,
-) -> None:
-    """Set structlog up once: console on a TTY, JSON lines otherwise.
-
-    `fmt` ("auto", "console", "json") and `level` default to the environment variables
-    FLOWLLM_LOG_FORMAT and FLOWLLM_LOG_LEVEL, then to "auto" and "info". Without `force`, an
-    existing structlog configuration (the application's own) is left alone.
-    `capture_stdlib` (the server) also renders the standard library's log records, such as
-    uvicorn's access and error logs, and Python's warnings, the same way, so that every
-    line of the process is one format.
-    """
-    if structlog.is_configured() and not force:
-        return
-    out = stream if stream is not None else sys.stderr
-    fmt = (fmt or os.environ.get("FLOWLLM_LOG_FORMAT") or "auto").lower()
-    if fmt not in LOG_FORMATS:
-        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
-    if fmt == "auto":
-        fmt = "console" if out.isatty() else "json"
-    raw_level = level if level is not None else os.environ.get("FLOWLLM_LOG_LEVEL", "info")
-    numeric = raw_level if isinstance(raw_level, int) else logging.getLevelName(raw_level.upper())
-    if not isinstance(numeric, int):
-        raise ValueError(f"unknown log level {raw_level!r}")
-    shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
-    renderer: list[Any] = (
-        [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
-        if fmt == "json"
-        else [structlog.dev.ConsoleRenderer(colors=out.isatty())]
-    )
-    structlog.configure(
-        processors=shared + renderer,
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(out),
-        cache_logger_on_first_use=False,
-    )
-    if capture_stdlib:
-        _capture_stdlib(shared, renderer, numeric, out)
-
-
-class _StructlogHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The root handler `configure_logging` installs (replaced when it runs again)."""
-
-
-def _capture_stdlib(shared: list[Any], renderer: list[Any], level: int, out: TextIO) -> None:
-    handler = _StructlogHandler(out)
-    handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, _access_fields],
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
-            pass_foreign_args=True,
-        )
-    )
-    root = logging.getLogger()
-    for old in [h for h in root.handlers if isinstance(h, _StructlogHandler)]:
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(level)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logger = logging.getLogger(name)
-        logger.handlers.clear()
-        logger.propagate = True
-    logging.captureWarnings(True)
-
-
-def _access_fields(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
-    """uvicorn's access line as fields too (client, method, path, status)."""
-    args = event.pop("positional_args", None)
-    record = event.get("_record")
-    if record is not None and record.name == "uvicorn.access" and len(args or ()) == 5:
-        client, http_method, path, version, status = args
-        event.update(
-            client=client, method=http_method, path=path, http_version=version, status=status
-        )
-    return event
+from flowllm.graph.metrics import GraphMetrics
 
 
 def message_fields(message: Any) -> dict[str, Any]:
@@ -146,123 +42,6 @@ def message_fields(message: Any) -> dict[str, Any]:
             return fields
     return fields
 
-
-class HistogramSeries:
-    """One label value's histogram: a bisect and two additions per observation."""
-
-    __slots__ = ("_bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self._bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; last is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self._bounds, value)] += 1
-        self.sum += value
-
-
-class LabelledHistogram(Collector):
-    """A Prometheus histogram with one label (or none: `label` None, one series under
-    `labels("")`), cheap enough to observe per message.
-
-    prometheus_client's own Histogram takes a lock and walks its buckets on every
-    observation, which costs more than a channel hop; this one is updated from the event
-    loop only and turned into cumulative buckets when the registry is scraped.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        label: str | None,
-        buckets: tuple[float, ...],
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.label = label
-        self.buckets = tuple(sorted(buckets))
-        self._series: dict[str, HistogramSeries] = {}
-        registry.register(self)
-
-    def labels(self, value: str) -> HistogramSeries:
-        series = self._series.get(value)
-        if series is None:
-            series = self._series[value] = HistogramSeries(self.buckets)
-        return series
-
-    def describe(self) -> Iterator[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self.name, self.documentation, labels=self._label_names)
-
-    @property
-    def _label_names(self) -> list[str]:
-        return [self.label] if self.label is not None else []
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self._label_names)
-        for value, series in list(self._series.items()):
-            cumulative, total = [], 0
-            for bound, count in zip((*self.buckets, float("inf")), series.counts, strict=True):
-                total += count
-                cumulative.append((floatToGoString(bound), total))
-            labels = [value] if self.label is not None else []
-            family.add_metric(labels, cumulative, sum_value=series.sum)
-        yield family
-
-
-class GraphMetrics:
-    """The Prometheus metrics of one graph, in a registry the graph owns."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.stage_duration = LabelledHistogram(
-            "flowllm:stage_duration_seconds",
-            "Time a stage spends handling one message.",
-            "stage",
-            DURATION_BUCKETS,
-            self.registry,
-        )
-        self.stage_queue_wait = LabelledHistogram(
-            "flowllm:stage_queue_wait_seconds",
-            "Time a message waits in a stage's input channel.",
-            "stage",
-            DURATION_BUCKETS,
-            self.registry,
-        )
-        self.channel_depth = Gauge(
-            "flowllm:channel_depth",
-            "Messages buffered in a channel (sampled when scraped).",
-            ["channel"],
-            registry=self.registry,
-        )
-        self.stage_errors = Counter(
-            "flowllm:stage_errors_total",
-            "Exceptions raised by a stage.",
-            ["stage"],
-            registry=self.registry,
-        )
-        self.stage_restarts = Counter(
-            "flowllm:stage_restarts_total",
-            "Restarts of a supervision group after a failure.",
-            ["group"],
-            registry=self.registry,
-        )
-        self.live_sequences = Gauge(
-            "flowllm:live_sequences",
-            "Sequences whose state a stage holds (sampled when scraped).",
-            ["stage"],
-            registry=self.registry,
-        )
-        self.graph_healthy = Gauge(
-            "flowllm:graph_healthy",
-            "1 while the graph runs and serves: no group restarting, no stage overdue.",
-            registry=self.registry,
-        )
-
-    def watch_channel(self, channel: Channel[Any]) -> None:
-        """Sample the channel's depth at scrape time (no cost per message)."""
-        self.channel_depth.labels(channel.name).set_function(channel.depth)
 
 
 SpanSink = Callable[[str, Any, float, float, float], None]

@@ -35,7 +35,8 @@ import structlog
 import torch
 
 from flowllm.graph.channel import Channel
-from flowllm.graph.spans import GraphMetrics, InputClosed, SpanRecorder
+from flowllm.graph.metrics import GraphMetrics
+from flowllm.graph.spans import InputClosed, SpanRecorder
 from flowllm.graph.stage import Outbox, SourceStage, Stage, StageContext
 from flowllm.mailbox import Mailbox, Mailboxes
 from flowllm.messages import Chunk, RequestError

@@ -12,7 +12,8 @@ import structlog
 from graph_toys import Item, Other
 
 from flowllm.graph.channel import BrokenChannelError, Channel, ChannelTypeError, type_name
-from flowllm.graph.spans import GraphMetrics, SpanRecorder
+from flowllm.graph.metrics import GraphMetrics
+from flowllm.graph.spans import SpanRecorder
 from flowllm.graph.stage import CLOSED, Outbox, StageContext
 
 

@@ -14,15 +14,11 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from flowllm.graph.metrics import DURATION_BUCKETS, GraphMetrics, LabelledHistogram
 from flowllm.graph.runtime import Graph
-from flowllm.graph.spans import (
-    DURATION_BUCKETS,
-    GraphMetrics,
-    LabelledHistogram,
-    configure_logging,
-    message_fields,
-)
+from flowllm.graph.spans import message_fields
 from flowllm.graph.spec import GraphSpec
+from flowllm.logging_config import configure_logging
 from flowllm.messages import Chunk, StepBatch, TextDeltas, ValidRequest
 
 FIXTURES = Path(__file__).parent / "fixtures"

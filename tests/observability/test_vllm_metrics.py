@@ -20,7 +20,7 @@ from flowllm.cli import build_parser
 from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.loading import build_services
-from flowllm.graph.spans import GraphMetrics
+from flowllm.graph.metrics import GraphMetrics
 from flowllm.messages import GenerateRequest, SamplingParams
 from flowllm.metrics import VLLM_NAMES, EngineMetrics, MetricsView, buckets_1_2_5
 from flowllm.stages.services import EngineServices
