@@ -79,12 +79,13 @@ def replay_command(args: argparse.Namespace) -> int:
     from flowllm.traces.codec import TraceFormatError
     from flowllm.traces.manifest import TraceSchemaError
     from flowllm.traces.replay import ReplayError, replay_trace
+    from flowllm.traces.trace_model import TraceModelError
 
     try:
         report = replay_trace(
             args.dir, args.stage, model=args.model, atol=args.atol, rtol=args.rtol
         )
-    except (TraceSchemaError, TraceFormatError, ReplayError) as e:
+    except (TraceSchemaError, TraceFormatError, ReplayError, TraceModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.format())

@@ -21,10 +21,7 @@ sample's unseeded generator from the engine config's seed.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -32,7 +29,6 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-import torch
 
 from flowllm.graph.channel import Channel
 from flowllm.graph.metrics import GraphMetrics
@@ -40,20 +36,19 @@ from flowllm.graph.spans import InputClosed, SpanRecorder
 from flowllm.graph.stage import Outbox, SourceStage, Stage, StageContext
 from flowllm.mailbox import Mailbox, Mailboxes
 from flowllm.messages import Chunk, RequestError
-from flowllm.models.random_gpt2 import CheckpointBuildError, build_gpt2_dir
 from flowllm.traces.codec import TensorDigest
-from flowllm.traces.manifest import ModelSource, weights_sha256
+from flowllm.traces.compare import Comparer, show
 from flowllm.traces.trace import Trace, load_trace, producer_of
+from flowllm.traces.trace_model import build_replay_services, resolve_model
 
 ATOL = 1e-4
 RTOL = 1e-4
 STAGE_TIMEOUT = 120.0
-MODEL_BUILDERS: dict[str, Callable[..., Path]] = {"random-gpt2": build_gpt2_dir}
 INPUT_END: Any = object()  # in a replayed input sequence: the port ended here
 
 
 class ReplayError(RuntimeError):
-    """A trace cannot be replayed here (its model cannot be rebuilt, a stage is unknown)."""
+    """A trace cannot be replayed here (a stage it names is unknown, or not in the trace)."""
 
 
 class Difference(msgspec.Struct, kw_only=True):
@@ -122,201 +117,6 @@ class ReplayReport(msgspec.Struct, kw_only=True):
                 )
                 lines.append(d.side_by_side())
         return "\n".join(lines)
-
-
-# -- the model ------------------------------------------------------------------------------
-
-
-def resolve_model(trace: Trace, model: str | Path | None, cache_dir: Path | None) -> str:
-    """The model to load: `model` if given, else rebuilt from the manifest's source, else
-    the path or name recorded. A rebuilt or given directory must match the recorded
-    weights' sha256."""
-    info = trace.manifest.model
-    if model is not None:
-        chosen = Path(model)
-    elif info.source is not None:
-        chosen = build_model(info.source, info.weights_sha256, cache_dir)
-    else:
-        return info.path
-    if info.weights_sha256 is not None and chosen.is_dir():
-        found = weights_sha256(chosen)
-        if found != info.weights_sha256:
-            raise ReplayError(
-                f"model {chosen} has weights sha256 {found}, but the trace was recorded with "
-                f"{info.weights_sha256}"
-            )
-    return str(chosen)
-
-
-def build_model(source: ModelSource, sha: str | None, cache_dir: Path | None) -> Path:
-    """Run the source's builder into the cache (once per weights hash) and return the dir."""
-    from flowllm.cache_dir import flowllm_cache_dir
-
-    base = (cache_dir or flowllm_cache_dir()) / "trace-models"
-    key = hashlib.sha256(msgspec.json.encode(source)).hexdigest()[:24]
-    dest = base / key
-    if (dest / "config.json").is_file() and (sha is None or weights_sha256(dest) == sha):
-        return dest
-    builder = MODEL_BUILDERS.get(source.builder)
-    if builder is None:
-        raise ReplayError(
-            f"the trace's model comes from an unknown builder {source.builder!r} (known: "
-            f"{', '.join(MODEL_BUILDERS)}); pass --model DIR"
-        )
-    tmp = base / f"{key}.partial"
-    tmp.mkdir(parents=True, exist_ok=True)
-    try:
-        builder(tmp, **source.kwargs)
-    except (CheckpointBuildError, TypeError) as e:
-        raise ReplayError(f"cannot rebuild the trace's model: {e}; pass --model DIR") from e
-    if dest.exists():
-        import shutil
-
-        shutil.rmtree(dest)
-    tmp.rename(dest)
-    return dest
-
-
-def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> Any:
-    """The services the recording engine had, loading `model_path` in place of its model.
-
-    `base`: services already holding that model (same path, dtype, quantization and chat
-    template) whose model and tokenizer are reused, so replaying many traces loads the
-    model once.
-    """
-    from flowllm.engine.loading import build_services, services_for_model
-    from flowllm.stages.guide import has_guide
-
-    config = trace.manifest.engine_config
-    model_config = msgspec.structs.replace(
-        config.model, model=model_path, served_model_name=config.model.name
-    )
-    config = msgspec.structs.replace(config, model=model_config)
-    same_model = (
-        base is not None
-        and base.config.model.model == model_path
-        and base.config.model.dtype == model_config.dtype
-        and base.config.model.quantization == model_config.quantization
-        and base.config.model.chat_template == model_config.chat_template
-    )
-    if same_model:
-        services = services_for_model(
-            config, base.model, base.tokenizer, base.eos_token_ids, base.device
-        )
-    else:
-        services = build_services(config)
-    services.guided = has_guide(trace.graph)
-    return services
-
-
-# -- comparing --------------------------------------------------------------------------
-
-
-class _Comparer:
-    """Walks two messages side by side; remembers the request-id bijection across calls."""
-
-    def __init__(self, atol: float, rtol: float) -> None:
-        self.atol = atol
-        self.rtol = rtol
-        self._ids: dict[str, str] = {}
-        self._ids_back: dict[str, str] = {}
-
-    def diff(self, rec: Any, rep: Any, path: str = "") -> str | None:
-        """The path of the first difference, or None."""
-        if isinstance(rec, (TensorDigest, torch.Tensor)):
-            return self._tensor(rec, rep, path)
-        if type(rec) is not type(rep) and not (
-            isinstance(rec, (int, float)) and isinstance(rep, (int, float))
-        ):
-            return f"{path} (type {type(rec).__name__} vs {type(rep).__name__})"
-        if isinstance(rec, msgspec.Struct):
-            for name in rec.__struct_fields__:
-                if name.endswith("_time"):
-                    continue
-                a, b = getattr(rec, name), getattr(rep, name)
-                if name == "request_id" and isinstance(a, str) and isinstance(b, str):
-                    if self._ids.setdefault(a, b) != b or self._ids_back.setdefault(b, a) != a:
-                        return f"{path}.{name}"
-                    continue
-                found = self.diff(a, b, f"{path}.{name}")
-                if found is not None:
-                    return found
-            return None
-        if isinstance(rec, (tuple, list)):
-            if len(rec) != len(rep):
-                return f"{path} (length {len(rec)} vs {len(rep)})"
-            for i, (a, b) in enumerate(zip(rec, rep, strict=True)):
-                found = self.diff(a, b, f"{path}[{i}]")
-                if found is not None:
-                    return found
-            return None
-        if isinstance(rec, dict):
-            if set(rec) != set(rep):
-                return f"{path} (keys {sorted(rec)} vs {sorted(rep)})"
-            for key in rec:
-                found = self.diff(rec[key], rep[key], f"{path}[{key!r}]")
-                if found is not None:
-                    return found
-            return None
-        if isinstance(rec, float) and isinstance(rep, float) and rec != rep:
-            if math.isnan(rec) or math.isnan(rep) or math.isinf(rec) or math.isinf(rep):
-                return None if math.isnan(rec) and math.isnan(rep) else path
-            return None if abs(rep - rec) <= self.atol + self.rtol * abs(rec) else path
-        return None if rec == rep else path
-
-    def _tensor(self, rec: Any, rep: Any, path: str) -> str | None:
-        if not isinstance(rep, torch.Tensor):
-            return f"{path} (tensor vs {type(rep).__name__})"
-        if isinstance(rec, torch.Tensor):
-            if tuple(rec.shape) != tuple(rep.shape):
-                return f"{path} (shape {tuple(rec.shape)} vs {tuple(rep.shape)})"
-            a, b = rec.to(torch.float64), rep.detach().cpu().to(torch.float64)
-            ok = torch.allclose(b, a, atol=self.atol, rtol=self.rtol, equal_nan=True)
-            return None if ok else f"{path} (max abs difference {(a - b).abs().max():.3g})"
-        if tuple(rec.shape) != tuple(rep.shape):
-            return f"{path} (shape {tuple(rec.shape)} vs {tuple(rep.shape)})"
-        flat = rep.detach().cpu().to(torch.float64)
-        rows = flat.reshape(1, -1) if flat.dim() < 2 else flat.flatten(1)  # [rows, cols]
-        for r, (indices, values) in enumerate(zip(rec.indices, rec.values, strict=True)):
-            got = rows[r, torch.tensor(indices, dtype=torch.int64)]
-            want = torch.tensor(values, dtype=torch.float64)
-            if not torch.allclose(got, want, atol=self.atol, rtol=self.rtol):
-                return f"{path}[{r}] (top-k logits differ)"
-            top = torch.topk(rows[r], len(values)).values
-            if not torch.allclose(top, want, atol=self.atol, rtol=self.rtol):
-                return f"{path}[{r}] (top-k set differs)"
-        cols = rows.shape[1]
-        sums = rows.sum(dim=1).tolist()
-        sumsqs = (rows * rows).sum(dim=1).tolist()
-        for r in range(rows.shape[0]):
-            if abs(sums[r] - rec.sums[r]) > self.atol * cols + self.rtol * abs(rec.sums[r]):
-                return f"{path}[{r}] (row sum {rec.sums[r]:.6g} vs {sums[r]:.6g})"
-            # |sum(b^2 - a^2)| <= sum(|b - a| * |b + a|), with |b - a| <= atol + rtol * |a|
-            bound = 2 * self.atol * math.sqrt(cols * rec.sumsqs[r]) + 2 * self.rtol * rec.sumsqs[r]
-            if abs(sumsqs[r] - rec.sumsqs[r]) > bound:
-                return f"{path}[{r}] (row sum of squares {rec.sumsqs[r]:.6g} vs {sumsqs[r]:.6g})"
-        return None
-
-
-def show(message: Any) -> str:
-    """A message as indented JSON (tensors summarised)."""
-    if message is None:
-        return "(no message)"
-
-    def hook(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            flat = obj.detach().cpu().reshape(-1)[:4].tolist()
-            return f"tensor{tuple(obj.shape)} {str(obj.dtype)[6:]} {[round(x, 4) for x in flat]}…"
-        raise NotImplementedError
-
-    data = msgspec.to_builtins(message, enc_hook=hook, str_keys=True)
-    if isinstance(message, msgspec.Struct):
-        data = {"type": type(message).__name__, **data} if isinstance(data, dict) else data
-    logits = getattr(message, "logits", None)
-    if isinstance(data, dict) and isinstance(logits, TensorDigest):
-        tops = [round(row[0], 4) if row else None for row in logits.values]
-        data["logits"] = f"digest{tuple(logits.shape)} row maxima {tops}"
-    return json.dumps(data, indent=1, ensure_ascii=False, default=str)
 
 
 # -- running one stage ------------------------------------------------------------------
@@ -639,7 +439,7 @@ class Replayer:
         error = anyio.run(_run_harness, harness, inputs, one_at_a_time, sources)
         self._emitted[name] = harness.emitted
         n_out = sum(len(v) for v in harness.emitted.values())
-        comparer = _Comparer(self.atol, self.rtol)
+        comparer = Comparer(self.atol, self.rtol)
         truncated = trace.manifest.truncated
         compared = 0
         for port, want in recorded.items():

@@ -26,7 +26,7 @@ from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import ChatMessage, GenerateRequest, SamplingParams, StructuredOutputs
 from flowllm.traces.manifest import ModelSource, weights_sha256
 from flowllm.traces.recorder import TraceRecorder
-from flowllm.traces.replay import build_model
+from flowllm.traces.trace_model import build_model
 
 TINY_GPT2 = ModelSource(
     builder="random-gpt2",

@@ -22,7 +22,8 @@ from flowllm.stages.sample import Sample
 from flowllm.stages.services import EngineServices
 from flowllm.stages.tokenize import Tokenize
 from flowllm.traces.manifest import ModelSource, read_manifest
-from flowllm.traces.replay import ReplayError, build_model, replay_trace
+from flowllm.traces.replay import replay_trace
+from flowllm.traces.trace_model import TraceModelError, build_model
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = sorted(d.name for d in (REPO / "traces").iterdir() if d.is_dir())
@@ -268,7 +269,7 @@ def test_replay_refuses_a_model_with_other_weights(tmp_path: Path, gpt2_tiny_dir
     other = tmp_path / "other"
     shutil.copytree(gpt2_tiny_dir, other)
     (other / "model.safetensors").write_bytes(b"not the weights")
-    with pytest.raises(ReplayError, match="weights sha256"):
+    with pytest.raises(TraceModelError, match="weights sha256"):
         replay_trace(REPO / "traces" / "greedy", model=other)
 
 
@@ -306,7 +307,7 @@ def test_a_trace_cannot_name_code_to_run(builder: str, tmp_path: Path) -> None:
     """Replay rebuilds a trace's model only with a builder it knows by name: a trace file
     naming a module and function is refused, nothing imported."""
     source = ModelSource(builder=builder, kwargs={"command": "touch pwned"})
-    with pytest.raises(ReplayError, match="unknown builder"):
+    with pytest.raises(TraceModelError, match="unknown builder"):
         build_model(source, None, tmp_path)
     assert not any(tmp_path.rglob("*pwned*"))
 
@@ -314,9 +315,9 @@ def test_a_trace_cannot_name_code_to_run(builder: str, tmp_path: Path) -> None:
 def test_floats_compare_within_the_tensor_tolerance() -> None:
     """Logprobs come from logits this machine's kernels may sum in another order: they
     match within atol + rtol * |recorded|, infinities and NaNs only themselves."""
-    from flowllm.traces.replay import _Comparer
+    from flowllm.traces.compare import Comparer
 
-    diff = _Comparer(atol=1e-4, rtol=1e-4).diff
+    diff = Comparer(atol=1e-4, rtol=1e-4).diff
     assert diff(-2.5, -2.5 + 2e-4) is None
     assert diff(-2.5, -2.5 + 1e-3) == ""
     assert diff(float("-inf"), float("-inf")) is None
