@@ -63,7 +63,10 @@ class Tokenize(PerMessageStage):
             else:
                 prompt_ids = await anyio.to_thread.run_sync(self.prompt_token_ids, request)
         except PromptError as e:
-            await ctx.emit("errors", _bad_request(request.request_id, str(e), e.param, e.code))
+            refusal = RequestError(
+                request_id=request.request_id, message=str(e), param=e.param, code=e.code
+            )
+            await ctx.emit("errors", refusal)
             return
         max_tokens, error = check_context_length(
             request.request_id, len(prompt_ids), request.params.max_tokens, self._max_model_len
@@ -142,14 +145,3 @@ class Tokenize(PerMessageStage):
             empty = "empty_array" if request.prompt_token_ids is not None else "empty_string"
             raise PromptError("The prompt cannot be empty.", "prompt", empty)
         return ids
-
-
-def _bad_request(
-    request_id: str, message: str, param: str, code: str | None = None
-) -> RequestError:
-    return RequestError(
-        request_id=request_id,
-        message=message,
-        param=param,
-        code=code,
-    )
