@@ -2,13 +2,13 @@
 
 Everything but the model forward runs for real — ingest, validate, tokenize (GPT-2
 tokenizer), the scheduler with its block pool, input building, the sampler (greedy), the
-incremental detokenizer, format and the mailboxes — so the time per step is what the graph
+incremental detokenizer, deliver and the mailboxes — so the time per step is what the graph
 adds around a model step. Run:
 
     .venv/bin/python benchmarks/pipeline_overhead.py [--vocab 1024] [--steps 64] [--repeats 3]
 
 `--stage-bench` instead drives the step path's objects (scheduler, execute's runner, the
-sampler, the scheduler's apply, detokenize and format) one after another on one thread,
+sampler, the scheduler's apply, detokenize and deliver) one after another on one thread,
 torch on one intra-op thread, and prints each one's median CPU µs per decode step: a
 figure that moves far less with the machine's load than the graph's wall time.
 """
@@ -35,9 +35,9 @@ from flowllm.graph.stage import NoParams
 from flowllm.llm import LLM
 from flowllm.messages import SamplingParams, StepLogits, TokenizedRequest
 from flowllm.models.tokenizer import load_tokenizer
+from flowllm.stages.deliver import Deliver
 from flowllm.stages.detokenize import Detokenize
 from flowllm.stages.execute import Execute
-from flowllm.stages.format import Format
 from flowllm.stages.sample import Sample
 from flowllm.stages.schedule import Schedule, ScheduleParams
 from flowllm.stages.services import EngineServices
@@ -85,7 +85,7 @@ def services(vocab_size: int, tokenizer: Any, fresh_logits: bool = False) -> Eng
     )
 
 
-STAGES = ("schedule", "execute", "sample", "detokenize", "format")
+STAGES = ("schedule", "execute", "sample", "detokenize", "deliver")
 
 
 def cpu_and_faults() -> tuple[float, int]:
@@ -146,14 +146,14 @@ class _Outbox:
         self.sent.setdefault(port, []).append(message)
 
 
-PARTS = ("schedule", "execute", "sample", "apply", "detokenize", "format")
+PARTS = ("schedule", "execute", "sample", "apply", "detokenize", "deliver")
 
 
 async def stage_bench(svc: EngineServices, num_seqs: int, steps: int) -> dict[str, float]:
     """Median CPU seconds per decode step of each step-path part, after 8 warm-up steps."""
     scheduler = Schedule(ScheduleParams(), svc).scheduler
     execute, sample = Execute(NoParams(), svc), Sample(NoParams(), svc)
-    detokenize, format_ = Detokenize(NoParams(), svc), Format(NoParams(), svc)
+    detokenize, deliver = Detokenize(NoParams(), svc), Deliver(NoParams(), svc)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 9, ignore_eos=True)
     boxes = []
     for i in range(num_seqs):
@@ -186,7 +186,7 @@ async def stage_bench(svc: EngineServices, num_seqs: int, steps: int) -> dict[st
         await detokenize.handle(tokens, ctx)  # type: ignore[arg-type]
         t5 = clock()
         for message in ctx.sent.get("out", ()):
-            await format_.handle(message, ctx)  # type: ignore[arg-type]
+            await deliver.handle(message, ctx)  # type: ignore[arg-type]
         t6 = clock()
         for box in boxes:  # a reader keeping up, outside the timing
             while box._pending:

@@ -56,7 +56,7 @@ MODELS = ("gpt2-124m", "smollm2-135m")
 DTYPES = ("float32", "bfloat16")
 BASELINES = ("one", "static16")
 STATIC_BATCH = 16
-STAGES = ("schedule", "execute", "sample", "detokenize", "format")
+STAGES = ("schedule", "execute", "sample", "detokenize", "deliver")
 
 
 class BenchmarkError(RuntimeError):

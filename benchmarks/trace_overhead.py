@@ -62,8 +62,8 @@ def run_once(
     elif mode == "no-logits":
         channels = [
             "validate.in", "tokenize.in", "schedule.requests", "execute.in",
-            "schedule.step_results", "detokenize.in", "schedule.finishes", "format.in",
-            "format.errors",
+            "schedule.step_results", "detokenize.in", "schedule.finishes", "deliver.in",
+            "deliver.errors",
         ]  # fmt: skip
         recorder = TraceRecorder(trace_dir, channels=channels)
     started = time.perf_counter()

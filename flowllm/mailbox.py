@@ -1,4 +1,4 @@
-"""A request's mailbox: where `format` delivers its chunks and its caller reads them; and
+"""A request's mailbox: where `deliver` puts its chunks and its caller reads them; and
 the two ways a request fails to its caller: refused at admission (`Overloaded`) or
 answered with an error (`RequestFailed`).
 
@@ -53,7 +53,7 @@ class Mailbox:
         self._woken = False  # `_wakeup` is set (a flag: cheaper than asking the event)
         self.arrival_time = 0.0  # set by the registry; read for latency metrics
         self.first_chunk_time: float | None = None
-        # Format's clocks for the latency metrics: when the first choice was first
+        # Deliver's clocks for the latency metrics: when the first choice was first
         # scheduled, and when its latest chunk was delivered.
         self.scheduled_time = 0.0
         self.last_chunk_time = 0.0
@@ -110,7 +110,7 @@ class Mailbox:
 
 
 class Mailboxes:
-    """Every open request's mailbox, by request id: ingest opens, format delivers.
+    """Every open request's mailbox, by request id: ingest opens, deliver fills them.
 
     A request is *pending* from `open` until its first chunk (or its end). Admission
     control bounds the pending *choices* (a request with n = 4 counts 4): the sequences
@@ -121,7 +121,7 @@ class Mailboxes:
         self._boxes: dict[str, Mailbox] = {}
         self._pending: dict[str, int] = {}  # request id -> its choices, until its first chunk
         self._pending_choices = 0
-        # request id -> its mailbox, None once closed (the dict's own lookup: format calls
+        # request id -> its mailbox, None once closed (the dict's own lookup: deliver calls
         # it for every chunk)
         self.get: Callable[[str], Mailbox | None] = self._boxes.get
 

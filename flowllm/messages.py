@@ -7,9 +7,9 @@ the same at batch 1 and batch 256.
     ingest ─GenerateRequest─▶ validate ─ValidRequest─▶ tokenize ─TokenizedRequest─▶ schedule
     schedule ─StepBatch─▶ execute ─StepLogits─▶ sample ─StepTokens─▶ schedule, detokenize
     schedule ─StepBatch─▶ guide ─StepMasks─▶ sample   (beside execute: constrained outputs)
-    detokenize ─TextDeltas─▶ format ─Chunk─▶ the request's mailbox (flowllm/mailbox.py)
+    detokenize ─TextDeltas─▶ deliver ─Chunk─▶ the request's mailbox (flowllm/mailbox.py)
     detokenize ─Finish─▶ schedule            (a stop string ended a sequence)
-    any stage ─RequestError─▶ format        (the request leaves the graph there)
+    any stage ─RequestError─▶ deliver       (the request leaves the graph there)
     ingest ─Abort─▶ ... ─▶ schedule          (client gone, API cancel)
 
 A sequence is one generated choice: a request with `n = 2` has two sequences, which share
@@ -164,7 +164,7 @@ alone turns a kind into a status code (flowllm/api/errors.py)."""
 
 
 class RequestError(msgspec.Struct, frozen=True, kw_only=True):
-    """A request that cannot be served; format turns it into the OpenAI error response."""
+    """A request that cannot be served; deliver turns it into the OpenAI error response."""
 
     request_id: str
     message: str
@@ -174,7 +174,7 @@ class RequestError(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # ---------------------------------------------------------------------------------------
-# Per step: schedule -> execute -> sample -> (schedule, detokenize) -> format
+# Per step: schedule -> execute -> sample -> (schedule, detokenize) -> deliver
 
 
 class SeqStart(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,7 +1,7 @@
 """The serving metrics vLLM users chart: recorded as `flowllm:`, exposed as vLLM names too.
 
 They live in the graph's own CollectorRegistry beside the runtime's per-stage metrics. The
-schedule stage updates the engine gauges and the iteration histogram once per step; format
+schedule stage updates the engine gauges and the iteration histogram once per step; deliver
 observes the per-request latencies and token counts when a request's output arrives and
 ends.
 

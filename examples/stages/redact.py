@@ -1,6 +1,6 @@
-"""redact: mask listed words in generated text, between detokenize and format.
+"""redact: mask listed words in generated text, between detokenize and deliver.
 
-Insert it on the `detokenize.out -> format.in` edge (examples/graphs/redact.yaml):
+Insert it on the `detokenize.out -> deliver.in` edge (examples/graphs/redact.yaml):
 
     - {name: redact, use: ../stages/redact.py:Redact, with: {words: [secret, password]}}
 
@@ -15,7 +15,7 @@ word is sent at once, so text without listed words is delayed by nothing.
 Every chunk goes out with its token ids, logprobs, counts and finish reason unchanged, so
 usage is what it would be without this stage; only `text` changes (it is empty while a
 whole chunk is held back). Errors and aborts do not travel on this edge: errors go to
-`format.errors` directly and aborts to `schedule`, so they pass untouched. The echoed
+`deliver.errors` directly and aborts to `schedule`, so they pass untouched. The echoed
 prompt (`echo`) is the client's own text and is left as it is. Token-level data is not
 masked: a client that asks for logprobs sees each token's text, listed or not.
 """
@@ -165,7 +165,7 @@ class Redact(PerMessageStage):
 
     def forget_departed(self) -> None:
         """Drop the state of requests that left without a last chunk (aborted, failed):
-        their mailbox is gone, and format drops any chunk still on its way."""
+        their mailbox is gone, and deliver drops any chunk still on its way."""
         if self._mailboxes is None:
             return
         gone = [key for key in self._streams if self._mailboxes.get(key[0]) is None]

@@ -28,7 +28,7 @@ def serving_threads(
 ) -> int | None:
     """Torch's intra-op CPU threads for `flowllm serve`: all cores but one unless asked.
 
-    The server's event loop (HTTP, tokenize, schedule, detokenize, format) needs a core of
+    The server's event loop (HTTP, tokenize, schedule, detokenize, deliver) needs a core of
     its own beside the model's threads, or the model's threads and the loop preempt each
     other every step (benchmarks/README.md, "Serving: flowllm vs transformers serve";
     offline batches, with no event loop to feed, keep every core). None: leave torch's

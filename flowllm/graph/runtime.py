@@ -321,7 +321,7 @@ class Graph:
             return self.failure is None
         self.log.warning("graph did not drain in time; cancelling", timeout_s=timeout)
         if self.failure is None:
-            # Answer what is still in flight (format sends each open request an error)
+            # Answer what is still in flight (deliver sends each open request an error)
             # instead of leaving its clients waiting on a graph that no longer runs.
             await self._fail_all_inflight(
                 GraphStoppedError(

@@ -142,7 +142,7 @@ class StageContext:
         self.busy_since = 0.0
         self.busy_message: Any = None
         # The graph owner's way to answer a request directly (the engine hands it to
-        # format), for stages without an `errors` port.
+        # deliver), for stages without an `errors` port.
         self.fail_request = fail_request
         self._inboxes = dict(inboxes)
         self._outboxes = dict(outboxes)
@@ -325,7 +325,7 @@ class Stage:
     async def fail_inflight(self, error: BaseException) -> None:
         """A stage failed: fail every piece of work this stage can still answer.
 
-        Called on every stage before the graph shuts down; `format` answers each open
+        Called on every stage before the graph shuts down; `deliver` answers each open
         request with a 500 here. Must not wait on channels (they may be stuck).
         """
 

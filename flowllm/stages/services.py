@@ -2,7 +2,7 @@
 flowllm/engine/loading.py).
 
 The runtime hands this object to every stage constructor. Each piece still has exactly one
-stage that edits it: the mailboxes belong to ingest (open) and format (deliver), the KV
+stage that edits it: the mailboxes belong to ingest (open) and deliver, the KV
 cache tensors to execute; the rest is read-only.
 """
 

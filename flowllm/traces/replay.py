@@ -2,7 +2,7 @@
 
 Each stage is built from the trace's own graph and engine config (`StageClass(params,
 services)`), then fed its recorded inputs in the order it received them when recording:
-for a stage with one input, send order; for several (schedule, format), the order of its
+for a stage with one input, send order; for several (schedule, deliver), the order of its
 recorded spans, one message at a time, the next sent once the stage has recorded the
 previous one's span (which it does before taking its next input, so its decisions between
 inputs are the same as when recording). Its outputs are compared with the recorded ones
@@ -427,7 +427,7 @@ class Replayer:
         n_in = sum(1 for _, m in inputs if m is not INPUT_END)
         services = self.services.fresh()
         mailboxes = _RecordingMailboxes()
-        if not cls.outputs:  # a sink (format): check what it delivers to mailboxes
+        if not cls.outputs:  # a sink (deliver): check what it delivers to mailboxes
             services.mailboxes = mailboxes
             mailboxes.open_for(m for _, m in inputs if m is not INPUT_END)
         try:

@@ -5,7 +5,7 @@ and step ids, its queue wait), a counter per recorded channel with its depth (se
 receives), and per request an async slice from its arrival to its last span.
 
 Summary: for each request, its end-to-end time split along its critical path. Starting
-from the last span that served it (format delivering its final chunk, or its error), walk
+from the last span that served it (deliver delivering its final chunk, or its error), walk
 back: a span's stage gets the time from the span's start to the send of the message that
 continued the request's path; the message's channel gets its queue wait; the message's
 producer is the producer span about the same request that was open (or last began) when

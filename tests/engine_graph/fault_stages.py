@@ -14,9 +14,9 @@ from typing import Any
 
 import anyio
 
+from flowllm.stages.deliver import Deliver
 from flowllm.stages.detokenize import Detokenize
 from flowllm.stages.execute import Execute
-from flowllm.stages.format import Format
 from flowllm.stages.guide import Guide
 from flowllm.stages.ingest import Ingest
 from flowllm.stages.sample import Sample
@@ -119,9 +119,9 @@ class FaultyDetokenize(Detokenize):
         await super().handle(message, ctx)
 
 
-class FaultyFormat(Format):
+class FaultyDeliver(Deliver):
     async def handle(self, message: Any, ctx: Any) -> None:
-        await strike("format")
+        await strike("deliver")
         await super().handle(message, ctx)
 
 

@@ -111,7 +111,7 @@ CASES = [
     ("sample", "raise"),
     ("sample", "slow"),
     ("detokenize", "raise"),
-    ("format", "hang"),
+    ("deliver", "hang"),
 ]
 
 

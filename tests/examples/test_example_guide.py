@@ -155,8 +155,8 @@ def test_the_guides_new_stage_is_served(workdir: Path, start_server: Any) -> Non
     assert run_commands(blocks[1], workdir) == ["flowllm serve MODEL --graph my-graph.yaml"]
     shown = flowllm("graph", "show", str(graph))[1]
     assert "blocklist.py:Blocklist" in shown
-    # fan-in: the new errors port joins the one format.errors channel
-    (errors_channel,) = [line for line in shown.splitlines() if "-> format.errors" in line]
+    # fan-in: the new errors port joins the one deliver.errors channel
+    (errors_channel,) = [line for line in shown.splitlines() if "-> deliver.errors" in line]
     assert "blocklist.errors" in errors_channel and "validate.errors" in errors_channel
 
     server = start_server(graph, cwd=workdir)
@@ -188,7 +188,7 @@ def test_the_guides_validation_messages(workdir: Path) -> None:
     stage_line = block("my-graph-stage")
     variants = [
         base.replace("to: tokenize.in,", "to: tokenize.inn,"),
-        base.replace("{from: detokenize.out, to: format.in", "{from: sample.out, to: format.in"),
+        base.replace("{from: detokenize.out, to: deliver.in", "{from: sample.out, to: deliver.in"),
         base.replace("with: {phrases: [forbidden fruit]}", "with: {}"),
         base.replace("with: {phrases: [forbidden fruit]}", "with: {phrase: [x]}"),
         base.replace("blocklist.py:Blocklist", "blocklist.py:BlockList"),

@@ -127,7 +127,7 @@ class Feeder(SourceStage):
 
 
 class Pending(PerMessageStage):
-    """Holds every message as in-flight work until the graph fails (a stand-in for format)."""
+    """Holds every message as in-flight work until the graph fails (a stand-in for deliver)."""
 
     inputs: ClassVar[dict[str, Any]] = {"in": Item}
 

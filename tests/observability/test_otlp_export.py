@@ -62,7 +62,7 @@ def test_a_request_is_a_trace_under_the_callers_span(
         if any(link.trace_id == trace_id and link.span_id == root.span_id for link in s.links)
     ]  # fmt: skip
     assert {s.name for s in linked} >= {
-        "step execute", "step sample", "step detokenize", "step format", "step schedule"
+        "step execute", "step sample", "step detokenize", "step deliver", "step schedule"
     }  # fmt: skip
     assert all(s.trace_id != trace_id for s in linked)
     assert all(attributes(s)["flowllm.step_id"] >= 0 for s in linked)

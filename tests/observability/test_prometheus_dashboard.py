@@ -137,7 +137,7 @@ def test_every_panel_of_the_dashboard_returns_data(
         "/api/v1/query",
         query=f"sum by (stage) (rate(flowllm:stage_duration_seconds_sum[{RATE_INTERVAL}]))",
     )["result"]
-    assert {s["metric"]["stage"] for s in stages} >= {"execute", "schedule", "format"}
+    assert {s["metric"]["stage"] for s in stages} >= {"execute", "schedule", "deliver"}
     finished = prometheus_get(
         prometheus, "/api/v1/query", query="sum(vllm:request_success_total)"
     )["result"]

@@ -34,7 +34,7 @@ PER_STEP = {
     "step guide",
     "step sample",
     "step detokenize",
-    "step format",
+    "step deliver",
 }
 
 

@@ -38,7 +38,7 @@ def test_recording_every_channel(llm: LLM, tmp_path: Path) -> None:
     for name, info in manifest.channels.items():
         entries = read_channel(tmp_path / info.file)
         assert len(entries) == info.count, name
-        assert info.count > 0 or name in ("schedule.finishes", "format.errors"), name
+        assert info.count > 0 or name in ("schedule.finishes", "deliver.errors"), name
         times = [e.send_time for e in entries]
         assert times == sorted(times), f"{name} is not in send order"
     requests = read_channel(tmp_path / "validate.in.msgpack")
@@ -95,14 +95,14 @@ def test_generate_cli_records_with_trace_flags(gpt2_tiny_dir: Path, tmp_path: Pa
         [
             "generate", str(gpt2_tiny_dir), "--dtype", "float32", "--kv-cache-memory", "1MiB",
             "--max-tokens", "3", "--temperature", "0", "--trace-dir", str(tmp_path),
-            "--trace-channels", "validate.in,format.in", "--trace-max-bytes", "1MiB", "Hi",
+            "--trace-channels", "validate.in,deliver.in", "--trace-max-bytes", "1MiB", "Hi",
         ]
     )  # fmt: skip
     assert code == 0
     manifest = read_manifest(tmp_path)
-    assert set(manifest.channels) == {"validate.in", "format.in"}
+    assert set(manifest.channels) == {"validate.in", "deliver.in"}
     assert manifest.max_bytes == 1 << 20
-    assert manifest.channels["format.in"].count == 3
+    assert manifest.channels["deliver.in"].count == 3
 
 
 def test_recording_stops_when_the_writer_falls_behind(llm: LLM, tmp_path: Path) -> None:

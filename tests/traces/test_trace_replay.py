@@ -15,8 +15,8 @@ from flowllm.cli import main
 from flowllm.config import engine_config
 from flowllm.engine.loading import build_services
 from flowllm.messages import GenerateRequest, TextDeltas
+from flowllm.stages.deliver import Deliver
 from flowllm.stages.execute import Execute
-from flowllm.stages.format import Format
 from flowllm.stages.guide import Guide
 from flowllm.stages.sample import Sample
 from flowllm.stages.services import EngineServices
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 TRACES = sorted(d.name for d in (REPO / "traces").iterdir() if d.is_dir())
 STAGES = [
     "ingest", "validate", "tokenize", "schedule", "execute", "guide", "sample", "detokenize",
-    "format",
+    "deliver",
 ]  # fmt: skip
 
 
@@ -66,7 +66,7 @@ def test_every_stage_replays_every_committed_trace(
     assert [r.stage for r in report.results] == STAGES
     for result in report.results:
         assert result.status == "pass", report.format()
-        if result.stage not in ("ingest", "format"):
+        if result.stage not in ("ingest", "deliver"):
             assert result.inputs > 0 and result.outputs > 0, report.format()
 
 
@@ -75,13 +75,13 @@ def test_committed_traces_exercise_what_they_are_named_for() -> None:
 
     def chunks(name: str) -> list[Any]:
         trace = load_trace(REPO / "traces" / name)
-        return [c for e in trace.entries["format.in"] for c in e.message.chunks]
+        return [c for e in trace.entries["deliver.in"] for c in e.message.chunks]
 
     assert "".join(c.text for c in chunks("chat")) == "The capital of France is Paris."
     stops = [c for c in chunks("stop") if c.finish_reason == "stop"]
     assert {c.stop_reason for c in stops} == {"tron~ sil"}
     assert {c.index for c in chunks("n2")} == {0, 1}
-    errors = load_trace(REPO / "traces" / "errors").entries["format.errors"]
+    errors = load_trace(REPO / "traces" / "errors").entries["deliver.errors"]
     assert {e.message.request_id for e in errors} == {"bad-top-p", "too-long", "bad-model"}
     stream = load_trace(REPO / "traces" / "stream").entries["schedule.requests"]
     assert any(type(e.message).__name__ == "Abort" for e in stream)
@@ -101,7 +101,7 @@ def test_the_guided_trace_keeps_its_constraints_through_a_preemption() -> None:
     trace = load_trace(REPO / "traces" / "guided")
     texts: dict[tuple[str, int], str] = {}
     finish: dict[tuple[str, int], str | None] = {}
-    for entry in trace.entries["format.in"]:
+    for entry in trace.entries["deliver.in"]:
         for c in entry.message.chunks:
             texts[c.request_id, c.index] = texts.get((c.request_id, c.index), "") + c.text
             finish[c.request_id, c.index] = c.finish_reason
@@ -238,8 +238,8 @@ def test_logits_off_by_more_than_the_tolerance_fail_replay(
     assert "digest" in result.difference.recorded
 
 
-class MisroutingFormat(Format):
-    """A format that delivers a request's chunks to the mailbox of choice 0 always."""
+class MisroutingDeliver(Deliver):
+    """A deliver stage that puts a request's chunks to the mailbox of choice 0 always."""
 
     async def handle(self, message: Any, ctx: Any) -> None:
         if isinstance(message, TextDeltas):
@@ -255,12 +255,12 @@ def test_a_format_misrouting_choices_fails_replay(
 ) -> None:
     report = replay_trace(
         REPO / "traces" / "n2",
-        "format",
+        "deliver",
         model=gpt2_tiny_dir,
         services=tiny_services,
-        stage_overrides={"format": MisroutingFormat},
+        stage_overrides={"deliver": MisroutingDeliver},
     )
-    result = report.result("format")
+    result = report.result("deliver")
     assert result.status == "fail", report.format()
     assert result.difference is not None and result.difference.port == "(mailboxes)"
 

@@ -96,7 +96,7 @@ def test_summary_adds_up_to_each_requests_latency(run_16: Path) -> None:
         assert s.unattributed <= 0.05 * s.e2e, s
         for stage in ("validate", "tokenize", "schedule", "execute", "sample", "detokenize"):
             assert s.stages.get(stage, 0.0) > 0, (stage, s)
-        assert s.stages.get("format", 0.0) > 0
+        assert s.stages.get("deliver", 0.0) > 0
         assert all(v >= 0 for v in (*s.stages.values(), *s.waits.values())), s
     # Independent of the walk: a request's lifetime covers every step that computed it.
     steps = {e.message.step_id: e.send_time for e in trace.entries["execute.in"]}

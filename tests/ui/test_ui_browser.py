@@ -189,7 +189,7 @@ def test_request_timeline(page: Any, ui_server: ServerProcess, tmp_path: Path) -
     stages = httpx.get(f"{ui_server.url}/ui/graph").json()["stages"]
     expect(lanes).to_have_count(len(stages))  # every stage handled the request or its steps
     assert page.locator('#timeline .lane[data-stage="execute"] .span:not(.wait)').count() == 5
-    assert page.locator('#timeline .lane[data-stage="format"] .span:not(.wait)').count() >= 1
+    assert page.locator('#timeline .lane[data-stage="deliver"] .span:not(.wait)').count() >= 1
     screenshot(page, "timeline")
     # A file `flowllm trace view -o` wrote: the same view, its requests to choose from.
     exported = write_chrome_trace(load_trace(REPO / "traces" / "greedy"), tmp_path / "t.json")

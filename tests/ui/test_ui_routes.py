@@ -29,7 +29,7 @@ STAGES = [
     "guide",
     "sample",
     "detokenize",
-    "format",
+    "deliver",
 ]
 
 
@@ -85,7 +85,7 @@ def test_graph_shape_is_the_yaml(ui_server: ServerProcess) -> None:
     edges = {(e["from"], e["port"], e["to"], e["in"], e["capacity"]) for e in shape["edges"]}
     assert ("schedule", "out", "execute", "in", 2) in edges
     assert ("sample", "out", "schedule", "step_results", 2) in edges  # the step loop
-    assert ("tokenize", "errors", "format", "errors", 64) in edges  # fan-in
+    assert ("tokenize", "errors", "deliver", "errors", 64) in edges  # fan-in
     assert ("schedule", "out", "guide", "in", 2) in edges  # fan-out beside execute
     assert ("guide", "out", "sample", "masks", 2) in edges  # joined in sample
     assert len(edges) == 14
@@ -127,7 +127,7 @@ def test_feed_numbers_follow_the_work(ui_server: ServerProcess) -> None:
     assert last["stages"]["validate"]["messages"] > before["stages"]["validate"]["messages"]
     time.sleep(INTERVAL_S)  # past the snapshot the last subscriber shared
     after = feed_events(ui_server.url, 1)[0]
-    # Every request sent went through validate once and format delivered its tokens.
+    # Every request sent went through validate once and deliver delivered its tokens.
     sent = len(results)
     validated = after["stages"]["validate"]["messages"] - before["stages"]["validate"]["messages"]
     assert validated == sent

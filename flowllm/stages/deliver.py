@@ -1,4 +1,4 @@
-"""format: the end of the graph. Delivers chunks and errors to the requests' mailboxes.
+"""deliver: the end of the graph. Delivers chunks and errors to the requests' mailboxes.
 
 Delivery never blocks (a mailbox merges what its reader has not taken), so a slow client
 cannot stall the graph. It also observes the per-request latency metrics, and when any
@@ -18,7 +18,7 @@ from flowllm.messages import Chunk, ErrorKind, RequestError, TextDeltas
 from flowllm.stages.services import EngineServices
 
 
-class Format(PerMessageStage):
+class Deliver(PerMessageStage):
     inputs = {"in": TextDeltas, "errors": RequestError}
     outputs = {}
 
