@@ -1,0 +1,81 @@
+"""`flowllm serve --distributed-executor-backend ray` with 2 replicas of the tiny GPT-2.
+
+Each server is the real command in a subprocess: it starts its own Ray cluster on this
+machine (2 logical CPUs, one per replica), and its finalizer's SIGTERM shuts Serve and
+the cluster down. Servers are module-scoped, so that at most one cluster runs at a time.
+The end-to-end API tests (tests/e2e) run against them unchanged: the fixtures here have
+the names theirs have.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_helpers, e2e tests
+
+from e2e_helpers import API_KEY, CHAT_TEMPLATE, FLOOD_MAX_PENDING, start_server
+from server_process import TINY_FLAGS, ServerProcess, small_pending_graph
+
+pytest.importorskip("ray.serve", reason="tests/scale_out need flowllm[ray] (make test installs it)")
+
+REPLICAS = 2
+RAY_FLAGS = (
+    "--distributed-executor-backend", "ray", "--data-parallel-size", str(REPLICAS),
+    "--cpus-per-replica", "1", "--cpu-threads", "1",
+)  # fmt: skip
+
+
+def start_ray_server(model: Path, flags: tuple[str, ...] = (), **kwargs: object) -> ServerProcess:
+    return start_server(str(model), [*TINY_FLAGS, *RAY_FLAGS, *flags], **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def chat_template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ray-template") / "chatml.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(gpt2_tiny_dir: Path, chat_template_file: Path) -> Iterator[ServerProcess]:
+    """Two replicas behind the ingress, no API key, a ChatML template for chat."""
+    proc = start_ray_server(gpt2_tiny_dir, ("--chat-template", str(chat_template_file)))
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def auth_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
+    """Two replicas behind `--api-key`."""
+    proc = start_ray_server(gpt2_tiny_dir, ("--api-key", API_KEY))
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def flood_server(
+    gpt2_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """Two replicas whose ingest admits `FLOOD_MAX_PENDING` requests without output, and
+    at most 2 sequences a step."""
+    graph = small_pending_graph(
+        tmp_path_factory.mktemp("ray-graph") / "small-pending.yaml", FLOOD_MAX_PENDING
+    )
+    proc = start_ray_server(gpt2_tiny_dir, ("--max-num-seqs", "2"), graph=graph)
+    try:
+        yield proc
+    finally:
+        proc.stop()
