@@ -106,7 +106,8 @@ def build_application(args: argparse.Namespace) -> Any:
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
-    """Run the application until SIGINT/SIGTERM; 0 after a clean stop, 1 on a bad flag."""
+    """Run the application until SIGINT/SIGTERM; 0 after a clean stop, 1 on a bad flag or
+    when the application does not start."""
     from flowllm.commands import ServeError, auto_tool_parser, cors_config, resolve_api_key
     from flowllm.engine_args import config_from_args
     from flowllm.graph.commands import DEFAULT_GRAPH
@@ -145,6 +146,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
             signal.signal(sig, on_signal)
 
     take_signals()
+    status = 0
     started_here = args.ray_address is None
     needed = args.data_parallel_size * args.cpus_per_replica
     try:
@@ -167,6 +169,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         stop.wait()
     except KeyboardInterrupt:
         pass
+    except RuntimeError as e:  # serve.run: a deployment failed to start (its log says why)
+        print(f"error: {e}", file=sys.stderr)
+        status = 1
     finally:
         serving.set()  # from here a signal no longer interrupts: the shutdown completes
         try:
@@ -174,4 +179,4 @@ def serve_on_ray(args: argparse.Namespace) -> int:
                 serve.shutdown()
         finally:
             ray.shutdown()
-    return 0
+    return status
