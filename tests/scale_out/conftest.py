@@ -18,7 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_helpers, e2e tests
 
 from e2e_helpers import API_KEY, CHAT_TEMPLATE, FLOOD_MAX_PENDING, start_server
-from server_process import TINY_FLAGS, ServerProcess, small_pending_graph
+from ray_helpers import alive, descendants
+from server_process import TINY_FLAGS, ServerProcess, small_pending_graph, wait_until
 
 pytest.importorskip("ray.serve", reason="tests/scale_out need flowllm[ray] (make test installs it)")
 
@@ -31,6 +32,14 @@ RAY_FLAGS = (
 
 def start_ray_server(model: Path, flags: tuple[str, ...] = (), **kwargs: object) -> ServerProcess:
     return start_server(str(model), [*TINY_FLAGS, *RAY_FLAGS, *flags], **kwargs)  # type: ignore[arg-type]
+
+
+def stop_leaving_nothing(proc: ServerProcess) -> None:
+    """SIGTERM the server: it exits 0, and every process it started (Ray's) is gone."""
+    started = descendants(proc.process.pid)
+    code = proc.stop()
+    assert code == 0, f"flowllm serve exited with {code}"
+    assert wait_until(lambda: not alive(started), 20.0), alive(started)
 
 
 @pytest.fixture
@@ -52,7 +61,7 @@ def server(gpt2_tiny_dir: Path, chat_template_file: Path) -> Iterator[ServerProc
     try:
         yield proc
     finally:
-        proc.stop()
+        stop_leaving_nothing(proc)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +71,7 @@ def auth_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
     try:
         yield proc
     finally:
-        proc.stop()
+        stop_leaving_nothing(proc)
 
 
 @pytest.fixture(scope="module")
@@ -78,4 +87,4 @@ def flood_server(
     try:
         yield proc
     finally:
-        proc.stop()
+        stop_leaving_nothing(proc)

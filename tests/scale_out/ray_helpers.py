@@ -52,3 +52,34 @@ def replica_pid(server: ServerProcess, deployment: str) -> int:
                 return int(entry)
             ancestor = _parent(ancestor)  # type: ignore[arg-type]
     raise LookupError(f"no process of replica {deployment} under pid {server.process.pid}")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process under `pid` (Ray's own processes and its workers included)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            parent = _parent(int(entry))
+            if parent is not None:
+                children.setdefault(parent, []).append(int(entry))
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of `pids` still running (zombies count as gone)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
