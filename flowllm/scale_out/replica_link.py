@@ -21,6 +21,7 @@ class ReplicaLink:
         self.index = index
         self.name = name
         self.handle = handle  # ray.serve.handle.DeploymentHandle
+        self.streaming = handle.options(stream=True) if handle is not None else None
         self.healthy = True
         self.in_flight = 0  # API requests sent and not yet finished
         self.pid: int | None = None

@@ -206,8 +206,8 @@ class RoutedEngine:
             box = Mailbox(request.request_id, max(1, request.params.n))
             box.arrival_time = request.arrival_time
             boxes.append(box)
-        stream = link.handle.options(stream=True).generate
-        call = RemoteCall(link, boxes, stream.remote(encode_submission(requests)))
+        response = link.streaming.generate.remote(encode_submission(requests))
+        call = RemoteCall(link, boxes, response)
         for box in boxes:
             self._calls[box.request_id] = call
         link.in_flight += 1

@@ -1,10 +1,11 @@
 """`flowllm serve --distributed-executor-backend ray` with 2 replicas of the tiny GPT-2.
 
-Each server is the real command in a subprocess: it starts its own Ray cluster on this
-machine (2 logical CPUs, one per replica), and its finalizer's SIGTERM shuts Serve and
-the cluster down. Servers are module-scoped, so that at most one cluster runs at a time.
-The end-to-end API tests (tests/e2e) run against them unchanged: the fixtures here have
-the names theirs have.
+Each server is the real command in a subprocess. Most join one Ray cluster that this
+session starts once (`--ray-address`; 2 logical CPUs, one per replica) and shut their Serve
+application down when they get SIGTERM; the fault test's server starts a cluster of its
+own, as `flowllm serve` does without `--ray-address`, and must leave no process behind.
+Servers are module-scoped, so one runs at a time. The end-to-end API tests (tests/e2e)
+run against them unchanged: the fixtures here have the names theirs have.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_helpers, e2e tests
 
+import ray  # flowllm[ray]: `make test` installs it, and these tests are never skipped
 from e2e_helpers import API_KEY, CHAT_TEMPLATE, FLOOD_MAX_PENDING, start_server
 from ray_helpers import alive, descendants
 from server_process import TINY_FLAGS, ServerProcess, small_pending_graph, wait_until
-
-pytest.importorskip("ray.serve", reason="tests/scale_out need flowllm[ray] (make test installs it)")
 
 REPLICAS = 2
 RAY_FLAGS = (
@@ -30,8 +30,21 @@ RAY_FLAGS = (
 )  # fmt: skip
 
 
+CLUSTER_CPUS = 2  # logical CPUs: one per replica; the ingress reserves none
+
+
 def start_ray_server(model: Path, flags: tuple[str, ...] = (), **kwargs: object) -> ServerProcess:
     return start_server(str(model), [*TINY_FLAGS, *RAY_FLAGS, *flags], **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """The address of a Ray cluster on this machine, for the session; shut down after."""
+    ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
 
 
 def stop_leaving_nothing(proc: ServerProcess) -> None:
@@ -55,9 +68,14 @@ def chat_template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(gpt2_tiny_dir: Path, chat_template_file: Path) -> Iterator[ServerProcess]:
+def server(
+    gpt2_tiny_dir: Path, chat_template_file: Path, ray_address: str
+) -> Iterator[ServerProcess]:
     """Two replicas behind the ingress, no API key, a ChatML template for chat."""
-    proc = start_ray_server(gpt2_tiny_dir, ("--chat-template", str(chat_template_file)))
+    proc = start_ray_server(
+        gpt2_tiny_dir,
+        ("--chat-template", str(chat_template_file), "--ray-address", ray_address),
+    )
     try:
         yield proc
     finally:
@@ -65,9 +83,9 @@ def server(gpt2_tiny_dir: Path, chat_template_file: Path) -> Iterator[ServerProc
 
 
 @pytest.fixture(scope="module")
-def auth_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
+def auth_server(gpt2_tiny_dir: Path, ray_address: str) -> Iterator[ServerProcess]:
     """Two replicas behind `--api-key`."""
-    proc = start_ray_server(gpt2_tiny_dir, ("--api-key", API_KEY))
+    proc = start_ray_server(gpt2_tiny_dir, ("--api-key", API_KEY, "--ray-address", ray_address))
     try:
         yield proc
     finally:
@@ -76,14 +94,26 @@ def auth_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def flood_server(
-    gpt2_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    gpt2_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, ray_address: str
 ) -> Iterator[ServerProcess]:
     """Two replicas whose ingest admits `FLOOD_MAX_PENDING` requests without output, and
     at most 2 sequences a step."""
     graph = small_pending_graph(
         tmp_path_factory.mktemp("ray-graph") / "small-pending.yaml", FLOOD_MAX_PENDING
     )
-    proc = start_ray_server(gpt2_tiny_dir, ("--max-num-seqs", "2"), graph=graph)
+    proc = start_ray_server(
+        gpt2_tiny_dir, ("--max-num-seqs", "2", "--ray-address", ray_address), graph=graph
+    )
+    try:
+        yield proc
+    finally:
+        stop_leaving_nothing(proc)
+
+
+@pytest.fixture(scope="module")
+def own_cluster_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
+    """Two replicas on a Ray cluster the server starts itself (no `--ray-address`)."""
+    proc = start_ray_server(gpt2_tiny_dir)
     try:
         yield proc
     finally:

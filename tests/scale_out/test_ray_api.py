@@ -12,6 +12,7 @@ from test_e2e_chat import *  # noqa: F403  (the same tests, on this module's `se
 from test_e2e_completions import *  # noqa: F403
 from test_e2e_errors import *  # noqa: F403
 from test_e2e_errors import test_auth_on
+from test_e2e_load import test_64_concurrent_streams_complete  # noqa: F401
 
 del test_auth_on  # runs in test_ray_auth.py, on a server with a key
 

@@ -42,8 +42,9 @@ async def _stream(client: httpx.AsyncClient, prompt: str, first: asyncio.Event) 
 
 @pytest.mark.anyio
 async def test_killed_replica_fails_only_its_requests_and_service_resumes(
-    server: ServerProcess,
+    own_cluster_server: ServerProcess,
 ) -> None:
+    server = own_cluster_server
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
         # Three streams with one prefix land on one replica; the fourth, with the others'
         # replica busier, on the other one (the less loaded of the two).
