@@ -151,7 +151,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     needed = args.data_parallel_size * args.cpus_per_replica
     try:
         ray.init(
-            address=args.ray_address,
+            # "local": a new cluster, never one some other program started here
+            address=args.ray_address if not started_here else "local",
             num_cpus=max(os.cpu_count() or 1, math.ceil(needed)) if started_here else None,
             include_dashboard=False,
             logging_level=logging.WARNING,
