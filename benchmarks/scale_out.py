@@ -10,7 +10,8 @@ Two measurements, each side by side in one run, servers one at a time on 127.0.0
    replicas' prefix-cache hit rate (hits / queries, from /metrics, summed over replicas)
    and the median time to first token seen by the client. Each replica's KV cache
    (`--kv-cache-memory`) holds about half the prefixes at once: the case routing is for,
-   where the replicas' caches together hold what one cannot.
+   where the replicas' caches together hold what one cannot. `--imbalance-bound` is the
+   servers' `--routing-imbalance-bound`.
 2. **Throughput.** 2 replicas x 1 torch thread (Ray) against 1 plain server x 2 threads,
    on distinct prompts (`--throughput-requests` of them, `--output-len` tokens each, at
    `--concurrency`): output tokens per second, median of `--rounds` alternating rounds.
@@ -189,6 +190,7 @@ def measure_routing(args: argparse.Namespace, policy: str) -> dict[str, float]:
     flags = [
         *args.server_flags, "--distributed-executor-backend", "ray",
         "--data-parallel-size", "2", "--cpu-threads", "1", "--routing", policy,
+        "--routing-imbalance-bound", str(args.imbalance_bound),
     ]  # fmt: skip
     with Server(args.model, flags) as server:
         asyncio.run(_run(server.url, ["Warm up."], 4, 1))
@@ -243,9 +245,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-memory", default="64MiB")
+    parser.add_argument("--imbalance-bound", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
-    args.server_flags = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "1024"]
+    args.server_flags = [
+        "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)
+    ]  # fmt: skip
 
     routing: dict[str, list[dict[str, float]]] = {"prefix_aware": [], "round_robin": []}
     for round_index in range(args.rounds):
