@@ -108,7 +108,13 @@ def build_application(args: argparse.Namespace) -> Any:
 def serve_on_ray(args: argparse.Namespace) -> int:
     """Run the application until SIGINT/SIGTERM; 0 after a clean stop, 1 on a bad flag or
     when the application does not start."""
-    from flowllm.commands import ServeError, auto_tool_parser, cors_config, resolve_api_key
+    from flowllm.commands import (
+        ServeError,
+        auto_tool_parser,
+        cors_config,
+        exposure_warning,
+        resolve_api_key,
+    )
     from flowllm.engine_args import config_from_args
     from flowllm.graph.commands import DEFAULT_GRAPH
     from flowllm.graph.spec import load_graph
@@ -133,6 +139,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
+    warning = exposure_warning(args.host, args.api_key)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     stop = threading.Event()
     serving = threading.Event()
 
