@@ -10,6 +10,7 @@ run against them unchanged: the fixtures here have the names theirs have.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,9 @@ RAY_FLAGS = (
 
 
 CLUSTER_CPUS = 2  # logical CPUs: one per replica; the ingress reserves none
+# Ray kills workers when the machine's memory is 95 % used, which a machine shared with
+# other test runs reaches without any danger to these small replicas: the kernel decides.
+NO_RAY_OOM_KILLER = {"RAY_memory_monitor_refresh_ms": "0"}
 
 
 def start_ray_server(model: Path, flags: tuple[str, ...] = (), **kwargs: object) -> ServerProcess:
@@ -40,11 +44,18 @@ def start_ray_server(model: Path, flags: tuple[str, ...] = (), **kwargs: object)
 @pytest.fixture(scope="session")
 def ray_address() -> Iterator[str]:
     """The address of a Ray cluster on this machine, for the session; shut down after."""
-    ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False)
+    saved = {name: os.environ.get(name) for name in NO_RAY_OOM_KILLER}
+    os.environ.update(NO_RAY_OOM_KILLER)  # read by the raylet ray.init starts
     try:
+        ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False)
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def stop_leaving_nothing(proc: ServerProcess) -> None:
@@ -113,7 +124,7 @@ def flood_server(
 @pytest.fixture(scope="module")
 def own_cluster_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
     """Two replicas on a Ray cluster the server starts itself (no `--ray-address`)."""
-    proc = start_ray_server(gpt2_tiny_dir)
+    proc = start_ray_server(gpt2_tiny_dir, env=NO_RAY_OOM_KILLER)
     try:
         yield proc
     finally:
