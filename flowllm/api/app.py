@@ -425,10 +425,13 @@ async def list_models(request: Request[Any, Any, Any]) -> ModelList:
 
 @get("/health", opt={OPENAPI_OPT: OpenApi(media_type="text/plain", tag="Server")})
 async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
-    """Health: 200 while the engine runs, 503 when it failed. Needs no API key."""
-    if not _state(request).engine.healthy:
+    """Health: 200 while the engine runs, 503 when it failed. Needs no API key. An engine
+    of several replicas that serves with some down says so in the body."""
+    engine = _state(request).engine
+    if not engine.healthy:
         raise ApiError("The engine is unhealthy.", status_code=503, code="engine_unhealthy")
-    return Response(b"", status_code=200, media_type="text/plain")
+    detail: str = getattr(engine, "health_detail", "")
+    return Response(detail.encode(), status_code=200, media_type="text/plain")
 
 
 @get("/version", opt={OPENAPI_OPT: OpenApi(response=VersionResponse, tag="Server")})

@@ -164,6 +164,15 @@ def request_tracing(args: argparse.Namespace) -> Any:
 
 def serve_command(args: argparse.Namespace) -> int:
     """Load the model, then serve the OpenAI API until SIGINT/SIGTERM; exit 0 after a drain."""
+    if args.distributed_executor_backend == "ray":
+        from flowllm.scale_out.launch import serve_on_ray
+
+        return serve_on_ray(args)
+    if args.data_parallel_size != 1:
+        print(
+            "error: --data-parallel-size needs --distributed-executor-backend ray", file=sys.stderr
+        )
+        return 1
     import structlog
     import uvicorn
 
@@ -277,6 +286,7 @@ def auto_tool_parser(args: argparse.Namespace) -> str | None:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from flowllm.engine.args import add_engine_arguments
+    from flowllm.scale_out.arguments import add_scale_out_arguments
 
     add_engine_arguments(parser, model_optional=True)
     parser.add_argument(
@@ -378,6 +388,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no access log line per HTTP request",
     )
+    add_scale_out_arguments(parser)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,94 @@
+"""The ingress deployment: flowllm's own Litestar app, served by Ray Serve's HTTP proxy.
+
+It is the app `flowllm serve` runs (`create_app`), over a `RoutedEngine` instead of a
+local graph, so routes, validation errors, the API key and the 503s are the same. The app
+is built in the replica (Serve's late-bound ingress), where the tokenizer loads.
+
+Serve's proxy gives every request an X-Request-Id (the client's, or one it makes) before
+the app sees it, and appends that id to the response itself: the app, which echoes the
+same id, leaves the header to the proxy (`WithoutEchoedRequestId`), so it appears once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from ray import serve
+
+from flowllm.scale_out.routed_engine import RoutedEngine
+
+
+class WithoutEchoedRequestId:
+    """`app` without the X-Request-Id response header (Serve's proxy adds it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_without_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [
+                    (k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"
+                ]
+                message = {**message, "headers": headers}  # type: ignore[typeddict-item]
+            await send(message)
+
+        await self.app(scope, receive, send_without_id)
+
+
+@serve.ingress()
+class Ingress:
+    """`args`: `flowllm serve`'s; `replicas`: (deployment name, handle) of each engine
+    replica (Serve passes handles for the bound deployments)."""
+
+    def __init__(self, args: argparse.Namespace, replicas: Sequence[tuple[str, Any]]) -> None:
+        self._args = args
+        self._replicas = list(replicas)
+
+    def __serve_build_asgi_app__(self) -> WithoutEchoedRequestId:
+        from flowllm.api.app import create_app
+        from flowllm.cli.serve import auto_tool_parser, cors_config, resolve_api_key
+        from flowllm.engine.args import config_from_args
+        from flowllm.logging_config import configure_logging
+        from flowllm.models.loader import resolve_model
+        from flowllm.models.tokenizer import load_tokenizer
+
+        args = self._args
+        configure_logging(fmt=args.log_format, level=args.log_level, force=True)
+        config = config_from_args(args)
+        tokenizer = load_tokenizer(
+            resolve_model(config.model.model).path, config.model.chat_template
+        )
+        replicas = self._replicas
+
+        @asynccontextmanager
+        async def engine() -> AsyncIterator[RoutedEngine]:
+            async with RoutedEngine.start(
+                replicas,
+                routing=args.routing,
+                imbalance_bound=args.routing_imbalance_bound,
+                tokenizer=tokenizer,
+                limits=config.limits,
+            ) as routed:
+                yield routed
+
+        app = create_app(
+            engine,
+            api_key=resolve_api_key(args.api_key, {}),
+            served_model_name=config.model.name,
+            trust_request_chat_template=args.trust_request_chat_template,
+            cors=cors_config(args),
+            tool_call_parser=auto_tool_parser(args),
+            metrics_prefix=args.metrics_prefix,
+            log_requests=args.log_requests,
+            ui=not args.disable_ui,
+        )
+        return WithoutEchoedRequestId(app)

@@ -1,0 +1,192 @@
+"""`flowllm serve --distributed-executor-backend ray`: the application on a Ray cluster.
+
+Starts a Ray cluster on this machine (or joins `--ray-address`), runs Serve's HTTP proxy
+on --host/--port, and deploys one application: the ingress and `--data-parallel-size`
+engine replicas, each replica a Serve deployment of its own so that the ingress routes to
+a known replica (and labels its metrics with it). SIGINT or SIGTERM shuts Serve down
+(replicas finish their requests for up to --shutdown-timeout) and then Ray: a cluster this
+command started leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+APP_NAME = "flowllm"
+INGRESS_NAME = "ingress"
+# Requests Serve lets a deployment hold at once; flowllm's admission (503s) is the bound
+# that matters, so Serve's own must be above it and never queue what admission would take.
+MAX_ONGOING_REQUESTS = 4096
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
+class ScaleOutError(ValueError):
+    """A flag combination the Ray backend cannot serve; printed as one line."""
+
+
+def replica_name(index: int) -> str:
+    return f"engine-{index}"
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse what cannot work, before Ray starts."""
+    if args.data_parallel_size < 1:
+        raise ScaleOutError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.cpus_per_replica <= 0:
+        raise ScaleOutError(f"--cpus-per-replica must be > 0, got {args.cpus_per_replica}")
+    if args.routing_imbalance_bound < 0:
+        raise ScaleOutError(
+            f"--routing-imbalance-bound must be >= 0, got {args.routing_imbalance_bound}"
+        )
+    unsupported = [
+        flag
+        for flag, value in (
+            ("--trace-dir", args.trace_dir),
+            ("--otlp-traces-endpoint", args.otlp_traces_endpoint),
+            ("--ssl-keyfile", args.ssl_keyfile),
+            ("--ssl-certfile", args.ssl_certfile),
+        )
+        if value
+    ]
+    if unsupported:
+        raise ScaleOutError(
+            f"{', '.join(unsupported)} not supported with --distributed-executor-backend ray"
+        )
+
+
+def replica_threads(args: argparse.Namespace) -> int:
+    """Torch threads of one replica: --cpu-threads, else its Ray CPUs (at least 1)."""
+    if args.cpu_threads is not None:
+        return max(1, args.cpu_threads)
+    return max(1, math.floor(args.cpus_per_replica))
+
+
+def build_application(args: argparse.Namespace) -> Any:
+    """The Serve application: the ingress bound to its engine replicas."""
+    from ray import serve
+
+    from flowllm.scale_out.ingress import Ingress
+    from flowllm.scale_out.replica import EngineReplica
+
+    common: dict[str, Any] = {
+        "num_replicas": 1,
+        "max_ongoing_requests": MAX_ONGOING_REQUESTS,
+        "graceful_shutdown_timeout_s": args.shutdown_timeout,
+        # Serve's line per call would log every probe; --log-requests is flowllm's own.
+        "logging_config": {"enable_access_log": False},
+    }
+    threads = replica_threads(args)
+    replicas = [
+        (
+            replica_name(i),
+            serve.deployment(EngineReplica)
+            .options(
+                name=replica_name(i),
+                ray_actor_options={"num_cpus": args.cpus_per_replica},
+                health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                **common,
+            )
+            .bind(args, threads),
+        )
+        for i in range(args.data_parallel_size)
+    ]
+    # The ingress waits on the replicas and the network: it reserves no CPU of its own.
+    ingress = serve.deployment(Ingress).options(
+        name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}, **common
+    )
+    return ingress.bind(args, replicas)
+
+
+def serve_on_ray(args: argparse.Namespace) -> int:
+    """Run the application until SIGINT/SIGTERM; 0 after a clean stop, 1 on a bad flag or
+    when the application does not start."""
+    from flowllm.cli.serve import (
+        ServeError,
+        auto_tool_parser,
+        cors_config,
+        exposure_warning,
+        resolve_api_key,
+    )
+    from flowllm.engine.args import config_from_args
+    from flowllm.engine.async_engine import DEFAULT_GRAPH
+    from flowllm.graph.validator import load_graph
+
+    try:
+        check_arguments(args)
+        args.api_key = resolve_api_key(args.api_key, dict(os.environ))
+        cors_config(args)
+        auto_tool_parser(args)
+        config_from_args(args)
+        load_graph(args.graph or DEFAULT_GRAPH)
+        import ray
+        from ray import serve
+    except ImportError as e:
+        print(
+            f"error: --distributed-executor-backend ray needs Ray ({e.name} is missing): "
+            "pip install 'flowllm[ray]'",
+            file=sys.stderr,
+        )
+        return 1
+    except (ScaleOutError, ServeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    warning = exposure_warning(args.host, args.api_key)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
+    stop = threading.Event()
+    serving = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+        if not serving.is_set():
+            raise KeyboardInterrupt  # still starting: unwind, and shut down what started
+
+    def take_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    take_signals()
+    status = 0
+    started_here = args.ray_address is None
+    needed = args.data_parallel_size * args.cpus_per_replica
+    try:
+        ray.init(
+            # "local": a new cluster, never one some other program started here
+            address=args.ray_address if not started_here else "local",
+            num_cpus=max(os.cpu_count() or 1, math.ceil(needed)) if started_here else None,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+        take_signals()  # Ray's core installs its own SIGTERM handler, which exits at once
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(args), name=APP_NAME, route_prefix="/")
+        serving.set()
+        print(
+            f"flowllm serving {args.data_parallel_size} replicas of {args.model} at "
+            f"http://{args.host}:{args.port}/v1 (routing: {args.routing})",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as e:  # serve.run: a deployment failed to start (its log says why)
+        print(f"error: {e}", file=sys.stderr)
+        status = 1
+    finally:
+        serving.set()  # from here a signal no longer interrupts: the shutdown completes
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    return status

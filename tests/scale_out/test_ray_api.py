@@ -1,0 +1,121 @@
+"""The end-to-end API tests through the Ray ingress with 2 replicas, and what only a
+replicated server has: labelled metrics, routing, aborts reaching the replica."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+from ray_helpers import labelled
+from server_process import ServerProcess, wait_until
+from test_e2e_chat import *  # noqa: F403  (the same tests, on this module's `server`)
+from test_e2e_completions import *  # noqa: F403
+from test_e2e_errors import *  # noqa: F403
+from test_e2e_errors import test_auth_on
+from test_e2e_load import test_64_concurrent_streams_complete  # noqa: F401
+
+del test_auth_on  # runs in test_ray_auth.py, on a server with a key
+
+# Three blocks' worth of shared text, then a different tail each.
+SHARED = "Once upon a time in a land far away there lived a king who had three daughters. " * 2
+RUNNING = "flowllm:num_requests_running"
+KV_USAGE = "flowllm:kv_cache_usage_perc"
+PROBE_WAIT_S = 5.0  # replica metrics reach the ingress with its next probe (every second)
+
+
+def _complete(server: ServerProcess, prompt: str, max_tokens: int = 4) -> dict:
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def test_metrics_label_every_replica_and_count_routing(server: ServerProcess) -> None:
+    before = labelled(server, "flowllm:routing_requests_total", "decision")
+    for i in range(6):
+        _complete(server, f"Metrics request {i}:")
+    after = labelled(server, "flowllm:routing_requests_total", "decision")
+    assert sum(after.values()) - sum(before.values()) == 6
+    assert set(after) == {"prefix_match", "no_match", "imbalanced", "round_robin"}
+    assert after["round_robin"] == 0  # this server routes by prefix
+    # Every replica's own series, told apart by the label, under both names.
+    for name in ("flowllm:request_success_total", "vllm:request_success_total"):
+        assert wait_until(
+            lambda name=name: set(labelled(server, name, "replica")) == {"0", "1"}, PROBE_WAIT_S
+        )
+    assert labelled(server, "flowllm:replica_up", "replica") == {"0": 1.0, "1": 1.0}
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert (health.status_code, health.text) == (200, "")
+
+
+def test_shared_prefix_goes_to_the_replica_that_cached_it(server: ServerProcess) -> None:
+    first = _complete(server, SHARED + "The first daughter")
+    assert first["usage"]["prompt_tokens"] >= 32  # at least two full KV blocks
+    assert wait_until(
+        lambda: (
+            set(labelled(server, "flowllm:prefix_cache_queries_total", "replica")) == {"0", "1"}
+        ),
+        PROBE_WAIT_S,
+    )
+    hits_before = labelled(server, "flowllm:prefix_cache_hits_total", "replica")
+    routed_before = labelled(server, "flowllm:routing_prefix_hit_blocks_total", "decision")
+    for tail in ("The second daughter", "The third daughter", "The king"):
+        _complete(server, SHARED + tail)
+    routed = labelled(server, "flowllm:routing_prefix_hit_blocks_total", "decision")
+    assert routed["prefix_match"] - routed_before["prefix_match"] >= 3 * 2
+
+    def hits_grew() -> bool:
+        hits = labelled(server, "flowllm:prefix_cache_hits_total", "replica")
+        grown = [r for r in hits if hits[r] > hits_before.get(r, 0.0)]
+        return len(grown) == 1 and hits[grown[0]] - hits_before.get(grown[0], 0.0) >= 3 * 32
+
+    # All three found the shared blocks cached, on one replica: the one that had them.
+    assert wait_until(hits_grew, PROBE_WAIT_S)
+
+
+def _idle(server: ServerProcess) -> bool:
+    running = labelled(server, RUNNING, "replica")
+    usage = labelled(server, KV_USAGE, "replica")
+    return sum(running.values()) == 0 and sum(usage.values()) == 0
+
+
+def _generated(server: ServerProcess) -> float:
+    return sum(labelled(server, "flowllm:generation_tokens_total", "replica").values())
+
+
+def test_client_disconnect_frees_the_replicas_blocks(server: ServerProcess) -> None:
+    """The abort reaches the replica: its sequences stop (far short of what was asked) and
+    its blocks are freed, for a stream cut and for a non-streamed request given up on."""
+    body = {"prompt": "Tell me a long story.", "max_tokens": 480, "ignore_eos": True, "n": 8}
+    asked = 8 * 480
+    for stream in (True, False):
+        assert wait_until(lambda: _idle(server), 10)
+        before = _generated(server)
+        with httpx.Client(timeout=60) as client:
+            if stream:
+                with client.stream(
+                    "POST", f"{server.url}/v1/completions", json={**body, "stream": True}
+                ) as response:
+                    assert response.status_code == 200
+                    lines = response.iter_lines()  # kept open: reading on keeps it running
+
+                    def running_there(lines: Iterator[str] = lines) -> bool:
+                        next(lines)
+                        return sum(labelled(server, RUNNING, "replica").values()) == 8
+
+                    # Mid-stream, one replica runs it and holds its blocks.
+                    assert wait_until(running_there, PROBE_WAIT_S)
+                    assert sum(labelled(server, KV_USAGE, "replica").values()) > 0
+                # Leaving the `with` closes the connection with the stream unfinished.
+            else:
+                try:
+                    client.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+                except httpx.ReadTimeout:
+                    pass
+                else:
+                    raise AssertionError("8 choices of 480 tokens finished within 1 s")
+        assert wait_until(lambda: _idle(server), PROBE_WAIT_S)
+        assert _generated(server) - before < asked / 2

@@ -1,0 +1,36 @@
+"""The scale-out flags' errors: one line and exit 1, before any Ray process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowllm.cli import main
+
+RAY = ["--distributed-executor-backend", "ray"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--data-parallel-size", "2"], "--data-parallel-size needs --distributed-executor"),
+        ([*RAY, "--data-parallel-size", "0"], "must be >= 1"),
+        ([*RAY, "--cpus-per-replica", "0"], "must be > 0"),
+        ([*RAY, "--routing-imbalance-bound", "-1"], "must be >= 0"),
+        ([*RAY, "--trace-dir", "t"], "--trace-dir not supported"),
+        ([*RAY, "--api-key", ""], "--api-key is empty"),
+        ([*RAY, "--enable-auto-tool-choice"], "needs --tool-call-parser"),
+        ([*RAY, "--max-model-len", "0"], "max_model_len"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_routing_must_be_known(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", *RAY, "--routing", "random"])
+    assert "invalid choice: 'random'" in capsys.readouterr().err
