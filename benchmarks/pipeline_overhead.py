@@ -174,6 +174,7 @@ async def stage_bench(svc: EngineServices, num_seqs: int, steps: int) -> dict[st
         ctx = _Outbox()
         t0 = clock()
         batch = scheduler.schedule()
+        events = scheduler.choice_events()
         t1 = clock()
         if batch is None:
             raise RuntimeError("the scheduler ran out of work")
@@ -183,6 +184,8 @@ async def stage_bench(svc: EngineServices, num_seqs: int, steps: int) -> dict[st
         t3 = clock()
         scheduler.apply(tokens)
         t4 = clock()
+        if events is not None:
+            await detokenize.handle(events, ctx)  # type: ignore[arg-type]
         await detokenize.handle(tokens, ctx)  # type: ignore[arg-type]
         t5 = clock()
         for message in ctx.sent.get("out", ()):

@@ -266,6 +266,16 @@ class ChoiceStart(msgspec.Struct, frozen=True, kw_only=True):
     prompt_text: str | None = None  # set when the request asked for echo
     scheduled_time: float = 0.0  # time.monotonic() of the step it first ran in
 
+    @property
+    def seq_id(self) -> int:
+        """`seq.seq_id`: a `started` entry names its sequence, whichever list it is in."""
+        return self.seq.seq_id
+
+    @property
+    def request_id(self) -> str:
+        """`seq.request_id`, likewise."""
+        return self.seq.request_id
+
 
 class ChoiceEvents(msgspec.Struct, kw_only=True):
     """schedule -> detokenize, before the step's batch: choices starting in step `step_id`,
