@@ -567,7 +567,8 @@ def test_cache_salt_isolates_prefix_hits_between_requests() -> None:
 def test_hand_over_requeues_what_never_ran_and_names_what_was_lost() -> None:
     """After a failed step loop: requests none of whose sequences started run on a fresh
     scheduler as they are (salt included); started ones are lost; ids keep counting up and
-    every started sequence is released downstream in the fresh scheduler's first batch."""
+    every started sequence is released downstream in the fresh scheduler's first batch,
+    and ended for detokenize (no finishing token will come for them)."""
     old = make_scheduler(max_num_seqs=2)
     old.add_request(request("ran", range(1, 5), n=2))
     step(old)  # both "ran" sequences start
@@ -580,12 +581,16 @@ def test_hand_over_requeues_what_never_ran_and_names_what_was_lost() -> None:
     assert handover.requeue[1].cache_salt == "tenant"
     assert handover.requeue[1].params.n == 3
     assert set(handover.released) == {0, 1}
+    assert set(handover.ended) == {0, 1}
     fresh = make_scheduler(max_num_seqs=8)
     fresh.take_over(handover)
     assert fresh.num_sequences == 4  # "waits" and the three "salted"
     batch = fresh.schedule()
     assert batch is not None
     assert set(batch.released) == {0, 1}
+    events = fresh.choice_events()
+    assert events is not None and set(events.ended) == {0, 1}
+    assert {c.seq_id for c in events.started} == {s.seq_id for s in batch.started}
     new_ids = {s.seq_id for s in batch.seqs}
     assert min(new_ids) >= handover.next_seq_id  # no id is used twice
     assert batch.step_id >= handover.next_step_id
