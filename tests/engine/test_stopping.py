@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowllm.messages import SamplingParams
-from flowllm.sampling.stopping import StopRule, output_limit
+from flowllm.sampling.stopping import StopRule, StopStrings, output_limit
 
 EOS = (50256,)
 
@@ -125,3 +125,18 @@ def test_stop_rule_equals_the_stated_rules_everywhere() -> None:
                                         params, token, eos, n_out, prompt_len + n_out, max_len
                                     )
                                     assert rule(token, n_out) == want
+
+
+def test_stop_strings_match_the_first_to_complete_and_hold_back_possible_starts() -> None:
+    stops = StopStrings(("", "world", "lo w", "xyz"))
+    assert stops.strings == ("world", "lo w", "xyz") and stops
+    assert not StopStrings(("",))
+    assert stops.first_match("hello world") == (3, "lo w")  # completes before "world"
+    assert stops.first_match("hello") is None
+    texts = ["hel", "hello ", "hello wor", "x", "xy", "abc", "", "wo"]
+    for text in texts:  # against every proper prefix of every stop string
+        want = max(
+            (k for s in stops.strings for k in range(1, len(s)) if text.endswith(s[:k])),
+            default=0,
+        )
+        assert stops.held_back(text) == want, text
