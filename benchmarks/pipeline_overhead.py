@@ -107,7 +107,8 @@ class Run(NamedTuple):
 
 def run(llm: LLM, num_seqs: int, steps: int) -> Run:
     """Time one generate of `steps` greedy tokens for each of `num_seqs` prompts."""
-    prompts = [[(i * 7 + k) % 50000 for k in range(16)] for i in range(num_seqs)]
+    vocab = llm.services.model.vocab_size  # prompt ids must be in the vocabulary
+    prompts = [[(i * 7 + k) % vocab for k in range(16)] for i in range(num_seqs)]
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     cpu_started, faults_started = cpu_and_faults()
     started = time.perf_counter()
@@ -158,7 +159,7 @@ async def stage_bench(svc: EngineServices, num_seqs: int, steps: int) -> dict[st
     boxes = []
     for i in range(num_seqs):
         boxes.append(svc.mailboxes.open(f"r{i}", 1, time.monotonic()))
-        prompt = tuple((i * 7 + k) % 50000 for k in range(16))
+        prompt = tuple((i * 7 + k) % svc.model.vocab_size for k in range(16))
         scheduler.add_request(
             TokenizedRequest(
                 request_id=f"r{i}",
@@ -174,15 +175,19 @@ async def stage_bench(svc: EngineServices, num_seqs: int, steps: int) -> dict[st
         ctx = _Outbox()
         t0 = clock()
         batch = scheduler.schedule()
+        events = scheduler.choice_events()
         t1 = clock()
         if batch is None:
             raise RuntimeError("the scheduler ran out of work")
         logits, prompt_logits = execute.runner.run(batch.seqs)
         t2 = clock()
-        tokens = sample._sample(StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits))
+        step_logits = StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits)
+        tokens = sample._sample(step_logits, None)
         t3 = clock()
         scheduler.apply(tokens)
         t4 = clock()
+        if events is not None:
+            await detokenize.handle(events, ctx)  # type: ignore[arg-type]
         await detokenize.handle(tokens, ctx)  # type: ignore[arg-type]
         t5 = clock()
         for message in ctx.sent.get("out", ()):

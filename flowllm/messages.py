@@ -7,15 +7,20 @@ the same at batch 1 and batch 256.
     ingest ─GenerateRequest─▶ validate ─ValidRequest─▶ tokenize ─TokenizedRequest─▶ schedule
     schedule ─StepBatch─▶ execute ─StepLogits─▶ sample ─StepTokens─▶ schedule, detokenize
     schedule ─StepBatch─▶ guide ─StepMasks─▶ sample   (beside execute: constrained outputs)
+    schedule ─ChoiceEvents─▶ detokenize       (a choice starts, or ends unseen by detokenize)
     detokenize ─TextDeltas─▶ deliver ─Chunk─▶ the request's mailbox (flowllm/mailbox.py)
     detokenize ─Finish─▶ schedule            (a stop string ended a sequence)
     any stage ─RequestError─▶ deliver       (the request leaves the graph there)
     ingest ─Abort─▶ ... ─▶ schedule          (client gone, API cancel)
 
 A sequence is one generated choice: a request with `n = 2` has two sequences, which share
-the prompt's KV blocks. Sequences are numbered by `schedule` (`seq_id`); downstream stages
-learn a sequence's parameters from `StepBatch.started` the first step it runs and forget
-it when it appears in `StepBatch.released`.
+the prompt's KV blocks. Sequences are numbered by `schedule` (`seq_id`), which owns them;
+each other stage that keeps per-sequence state holds a read-only copy of what it uses,
+delivered by schedule on a route that passes only through stages that use it (docs/stages.md,
+"Who owns a sequence's state"): the step loop's stages (guide, sample) from
+`StepBatch.started` the first step a sequence runs, dropped when it appears in
+`StepBatch.released`; detokenize from `ChoiceEvents`, sent on its own channel before the
+batch, so it always arrives before the sequence's first token.
 
 The structs made once per sequence per step (`ScheduledSeq`, `SampledToken`,
 `TokenLogprobs`, `Chunk`) hold only numbers, strings and tuples of such, so they can never
@@ -178,7 +183,12 @@ class RequestError(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SeqStart(msgspec.Struct, frozen=True, kw_only=True):
-    """What downstream stages keep about a sequence, sent the first step it runs."""
+    """What the step loop keeps about a sequence, on the batch of the first step it runs.
+
+    sample reads the parameters, the prompt (penalties, prompt logprobs, the length limit)
+    and the EOS ids (the stop rule, min_tokens); guide the constraint and the prompt's
+    length; readers of the batch (tracing, trace timelines) map the sequence to its request.
+    """
 
     seq_id: int
     request_id: str
@@ -186,8 +196,6 @@ class SeqStart(msgspec.Struct, frozen=True, kw_only=True):
     params: SamplingParams
     prompt_token_ids: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
-    prompt_text: str | None = None
-    scheduled_time: float = 0.0  # time.monotonic() of the step it first ran in
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -208,6 +216,7 @@ class StepBatch(msgspec.Struct, kw_only=True):
     seqs: tuple[ScheduledSeq, ...]
     started: tuple[SeqStart, ...] = ()
     released: tuple[int, ...] = ()  # seq ids that left since the previous step
+    prompt_logits_for: tuple[int, ...] = ()  # seqs whose prompt logits execute returns
 
 
 class StepLogits(msgspec.Struct, kw_only=True):
@@ -253,9 +262,37 @@ class StepTokens(msgspec.Struct, kw_only=True):
 
     step_id: int
     tokens: tuple[SampledToken, ...]
-    started: tuple[SeqStart, ...] = ()
-    released: tuple[int, ...] = ()
     prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
+
+
+class ChoiceStart(msgspec.Struct, frozen=True, kw_only=True):
+    """What detokenize keeps about a sequence: the step loop's `SeqStart` (the same object)
+    and what only the text needs."""
+
+    seq: SeqStart
+    prompt_text: str | None = None  # set when the request asked for echo
+    scheduled_time: float = 0.0  # time.monotonic() of the step it first ran in
+
+    @property
+    def seq_id(self) -> int:
+        """`seq.seq_id`: a `started` entry names its sequence, whichever list it is in."""
+        return self.seq.seq_id
+
+    @property
+    def request_id(self) -> str:
+        """`seq.request_id`, likewise."""
+        return self.seq.request_id
+
+
+class ChoiceEvents(msgspec.Struct, kw_only=True):
+    """schedule -> detokenize, before the step's batch: choices starting in step `step_id`,
+    and choices that ended without a finishing token for detokenize to see (aborted, lost
+    in a step-loop restart). A choice whose token or stop string ended it is dropped by
+    detokenize itself; this message is sent only when it has something to say."""
+
+    step_id: int
+    started: tuple[ChoiceStart, ...] = ()
+    ended: tuple[int, ...] = ()
 
 
 class Chunk(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -277,7 +314,7 @@ class Chunk(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     prompt_text: str | None = None
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
-    scheduled_time: float = 0.0  # on a choice's first chunk: SeqStart.scheduled_time
+    scheduled_time: float = 0.0  # on a choice's first chunk: ChoiceStart.scheduled_time
 
 
 def merge_chunks(chunks: Sequence[Chunk]) -> Chunk:

@@ -18,10 +18,13 @@ Per step (`schedule`), within `max_num_batched_tokens` tokens and `max_num_seqs`
    budget remains and continues next step.
 
 `apply` appends each step's sampled tokens and finishes sequences whose `SampledToken`
-carries a finish reason (decided by the sample stage, which honours min_tokens, ignore_eos
-and stop_token_ids); as a backstop it also finishes on max_tokens and max_model_len, and
-it never schedules a position at or past max_model_len. Finishing, aborting and stop
-strings free a sequence's blocks at once; its id goes out in the next batch's `released`.
+carries a finish reason: the stop rule (flowllm.stopping) is applied once, by the
+sample stage. The scheduler only guards its own invariant with the rule's length limit
+(`output_limit`, the same function): a token past it ends the sequence as "length" even
+without a reason (a sample stage built with another max_model_len), so no position at or
+past max_model_len is ever scheduled. Finishing, aborting and stop strings free a
+sequence's blocks at once; its id goes out in the next batch's `released`, and
+`choice_events` tells detokenize of the ones that ended without a finishing token.
 """
 
 from __future__ import annotations
@@ -32,7 +35,15 @@ from collections import deque
 import msgspec
 
 from flowllm.config import CacheConfig, ConfigError, SchedulerConfig
-from flowllm.messages import ScheduledSeq, SeqStart, StepBatch, StepTokens, TokenizedRequest
+from flowllm.messages import (
+    ChoiceEvents,
+    ChoiceStart,
+    ScheduledSeq,
+    SeqStart,
+    StepBatch,
+    StepTokens,
+    TokenizedRequest,
+)
 from flowllm.scheduling.kv_cache_manager import KVCacheManager, SeqBlocks
 from flowllm.scheduling.sequence import (
     FINISH_STATUSES,
@@ -40,6 +51,7 @@ from flowllm.scheduling.sequence import (
     Sequence,
     SequenceStatus,
 )
+from flowllm.stopping import output_limit
 
 
 class SchedulerError(ValueError):
@@ -63,6 +75,7 @@ class Handover(msgspec.Struct, frozen=True, kw_only=True):
     requeue: tuple[TokenizedRequest, ...]  # never scheduled: they run as if nothing happened
     lost: tuple[str, ...]  # request ids whose sequences had started: their work is gone
     released: tuple[int, ...]  # every seq id downstream stages may still hold
+    ended: tuple[int, ...]  # started seqs of the lost requests: detokenize saw no finish
     next_seq_id: int
     next_step_id: int
     counters: SchedulerStats  # its cumulative counters go on, as the metrics expect
@@ -79,9 +92,10 @@ class Scheduler:
       stop_reason)`. Both free blocks at once and return what finished (for metrics).
     * `StepTokens` -> `apply(tokens)`, returning the sequences that finished.
     * Whenever fewer than `max_inflight_steps` steps are in flight: `schedule()`, and send
-      the `StepBatch` if it is not None. With more than one step in flight, a sequence
-      whose sampled token is still in flight is skipped until `apply` delivers it, while
-      prompt chunks that do not sample keep going; steps must run in schedule order.
+      `choice_events()` (if not None) to detokenize and then the `StepBatch` (if not
+      None). With more than one step in flight, a sequence whose sampled token is still
+      in flight is skipped until `apply` delivers it, while prompt chunks that do not
+      sample keep going; steps must run in schedule order.
     """
 
     def __init__(
@@ -111,6 +125,10 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq id
         self._requests: dict[str, list[Sequence]] = {}  # unfinished sequences per request
         self._released: list[int] = []  # started seq ids that left since the last batch
+        # For detokenize (`choice_events`): choices that started in the last batch, and
+        # started ones that ended without a finishing token since the last call.
+        self._choice_starts: list[ChoiceStart] = []
+        self._choices_ended: list[int] = []
         # step id -> the released ids its batch carries, until the step's tokens come back:
         # a step loop that fails on that batch never delivers them downstream.
         self._releases_in_flight: dict[int, tuple[int, ...]] = {}
@@ -139,11 +157,10 @@ class Scheduler:
             raise SchedulerError(f"request id {request.request_id!r} is already running")
         if params.n < 1:
             raise SchedulerError(f"request {request.request_id}: n must be >= 1")
-        max_tokens = params.max_tokens
-        if max_tokens is None:  # up to the context; a full-length prompt still samples one
-            max_tokens = max(1, self.max_model_len - len(prompt))
-        if max_tokens < 1:
+        if params.max_tokens is not None and params.max_tokens < 1:
             raise SchedulerError(f"request {request.request_id}: max_tokens must be >= 1")
+        # A full-length prompt still samples one token: the rule ends it there.
+        limit = output_limit(params, len(prompt), self.max_model_len)
         use_cache = self.enable_prefix_caching and params.prompt_logprobs is None
         seqs = []
         for index in range(params.n):
@@ -155,7 +172,7 @@ class Scheduler:
                 params=params,
                 eos_token_ids=request.eos_token_ids,
                 arrival_time=request.arrival_time,
-                max_tokens=max_tokens,
+                output_limit=limit,
                 prompt_text=request.prompt_text,
                 use_prefix_cache=use_cache,
                 cache_salt=request.cache_salt,
@@ -175,6 +192,7 @@ class Scheduler:
         seqs = self._requests.get(request_id)
         if not seqs:
             return []
+        self._choices_ended.extend(seq.seq_id for seq in seqs if seq.started)
         return [self._finish_now(seq, SequenceStatus.FINISHED_ABORTED, None) for seq in list(seqs)]
 
     def finish_sequence(self, seq_id: int, stop_reason: str | int | None) -> FinishedSeq | None:
@@ -210,7 +228,6 @@ class Scheduler:
         self._releases_in_flight.pop(step_id, None)
         finished: list[FinishedSeq] = []
         finished_waiting = False  # preempted while its token was in flight (overlap only)
-        max_model_len = self.max_model_len
         for token in step.tokens:
             seq = self._seqs.get(token.seq_id)
             if seq is None or seq.awaiting_step != step_id:
@@ -219,11 +236,9 @@ class Scheduler:
             tokens = seq.token_ids
             tokens.append(token.token_id)
             reason = token.finish_reason
-            if reason is None and (
-                len(tokens) >= max_model_len
-                or len(tokens) - seq.num_prompt_tokens >= seq.max_tokens
-            ):
-                reason = "length"  # backstop: the sample stage should have said so
+            if reason is None and len(tokens) - seq.num_prompt_tokens >= seq.output_limit:
+                reason = "length"  # the rule's length limit, which sample should have said
+                self._choices_ended.append(seq.seq_id)  # detokenize saw no finish
             if reason is not None:
                 finished_waiting |= seq.status is not SequenceStatus.RUNNING
                 self._finish(seq, FINISH_STATUSES[reason], token.stop_reason)
@@ -240,6 +255,21 @@ class Scheduler:
             if finished_waiting:
                 self.waiting = deque(s for s in self.waiting if not s.is_finished)
         return finished
+
+    def choice_events(self) -> ChoiceEvents | None:
+        """What detokenize must learn before the batch `schedule()` just built: the choices
+        it starts, and those that ended without a finishing token (aborted, or cut by the
+        length guard). None when there is nothing to say."""
+        if not self._choice_starts and not self._choices_ended:
+            return None
+        events = ChoiceEvents(
+            step_id=self._next_step_id - 1,
+            started=tuple(self._choice_starts),
+            ended=tuple(self._choices_ended),
+        )
+        self._choice_starts.clear()
+        self._choices_ended.clear()
+        return events
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -272,11 +302,13 @@ class Scheduler:
                 )
             )
         started = [seq.seq_id for seq in self._seqs.values() if seq.started]
+        ended = [*self._choices_ended, *started]
         in_flight = [seq_id for ids in self._releases_in_flight.values() for seq_id in ids]
         return Handover(
             requeue=tuple(requeue),
             lost=tuple(lost),
             released=tuple(dict.fromkeys([*in_flight, *self._released, *started])),
+            ended=tuple(dict.fromkeys(ended)),
             next_seq_id=self._next_seq_id,
             next_step_id=self._next_step_id,
             counters=self.stats,
@@ -293,6 +325,7 @@ class Scheduler:
         self.prefix_cache_hits = handover.counters.prefix_cache_hits
         self.num_preemptions = handover.counters.num_preemptions
         self._released.extend(handover.released)
+        self._choices_ended.extend(handover.ended)
         for request in handover.requeue:
             self.add_request(request)
 
@@ -410,6 +443,7 @@ class Scheduler:
         self._next_step_id += 1
         seqs: list[ScheduledSeq] = []
         started: list[SeqStart] = []
+        prompt_logits_for: list[int] = []
         sampling: list[Sequence] = []
         for seq, num_new, blocks in rows:
             tokens = seq.token_ids
@@ -430,12 +464,17 @@ class Scheduler:
                 )
             )
             seq.num_computed_tokens = end
+            if seq.wants_prompt_logits:
+                prompt_logits_for.append(seq.seq_id)
+                seq.wants_prompt_logits = not sample
             if sample:
                 seq.awaiting_step = step_id
                 sampling.append(seq)
             if not seq.started:
                 seq.started = True
-                started.append(seq.to_start(time.monotonic()))
+                seq_start = seq.to_start()
+                started.append(seq_start)
+                self._choice_starts.append(seq.to_choice_start(seq_start, time.monotonic()))
         if sampling:
             self._inflight[step_id] = sampling
         released = tuple(self._released)
@@ -443,7 +482,11 @@ class Scheduler:
         if released:
             self._releases_in_flight[step_id] = released
         return StepBatch(
-            step_id=step_id, seqs=tuple(seqs), started=tuple(started), released=released
+            step_id=step_id,
+            seqs=tuple(seqs),
+            started=tuple(started),
+            released=released,
+            prompt_logits_for=tuple(prompt_logits_for),
         )
 
     def _preempt(self, seq: Sequence) -> None:

@@ -1,8 +1,9 @@
 """One sequence (one generated choice of a request) and its life-cycle states.
 
-The scheduler owns every `Sequence`: no other module edits one. Downstream stages learn a
-sequence's parameters from `SeqStart` and its progress from `ScheduledSeq` rows, so the
-fields here can change without touching any channel contract.
+The scheduler owns every `Sequence`: no other module edits one. Downstream stages keep
+read-only copies of what they use (`SeqStart` for the step loop, `ChoiceStart` for
+detokenize) and learn its progress from `ScheduledSeq` rows, so the fields here can change
+without touching any channel contract.
 
 The single scheduling rule: `num_computed_tokens` (tokens whose K/V are in the cache)
 catches up with `num_tokens` (prompt + outputs so far). A prefill chunk, a decode, a
@@ -15,7 +16,7 @@ import enum
 
 import msgspec
 
-from flowllm.messages import FinishReason, SamplingParams, SeqStart
+from flowllm.messages import ChoiceStart, FinishReason, SamplingParams, SeqStart
 
 
 class SequenceStatus(enum.IntEnum):
@@ -71,10 +72,10 @@ class Sequence:
         "cache_salt",
         "eos_token_ids",
         "index",
-        "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
+        "output_limit",
         "params",
         "prompt_text",
         "prompt_token_ids",
@@ -85,6 +86,7 @@ class Sequence:
         "stop_reason",
         "token_ids",
         "use_prefix_cache",
+        "wants_prompt_logits",
     )
 
     def __init__(
@@ -97,7 +99,7 @@ class Sequence:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...],
         arrival_time: float,
-        max_tokens: int,
+        output_limit: float,
         prompt_text: str | None = None,
         use_prefix_cache: bool = True,
         cache_salt: str | None = None,
@@ -109,7 +111,8 @@ class Sequence:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = arrival_time
-        self.max_tokens = max_tokens
+        # Outputs at which the stop rule's length limit ends it (flowllm.stopping).
+        self.output_limit = output_limit
         self.prompt_text = prompt_text
         # Requests asking for prompt logprobs compute every prompt token, so never reuse.
         self.use_prefix_cache = use_prefix_cache
@@ -121,6 +124,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.stop_reason: str | int | None = None
         self.started = False  # has a SeqStart gone downstream?
+        # execute returns its prompt logits until its prompt has been computed once
+        # (a recompute after preemption does not ask again).
+        self.wants_prompt_logits = params.prompt_logprobs is not None
         # The id of the in-flight step that samples this sequence's next token, else None.
         # Until `apply` delivers that token the sequence is not scheduled again.
         self.awaiting_step: int | None = None
@@ -145,9 +151,8 @@ class Sequence:
     def finish_reason(self) -> FinishReason | None:
         return FINISH_REASONS.get(self.status)
 
-    def to_start(self, scheduled_time: float = 0.0) -> SeqStart:
-        """What downstream stages keep about this sequence (sent the first step it runs,
-        scheduled at `scheduled_time`, time.monotonic())."""
+    def to_start(self) -> SeqStart:
+        """What the step loop keeps about this sequence (sent the first step it runs)."""
         return SeqStart(
             seq_id=self.seq_id,
             request_id=self.request_id,
@@ -155,9 +160,12 @@ class Sequence:
             params=self.params,
             prompt_token_ids=self.prompt_token_ids,
             eos_token_ids=self.eos_token_ids,
-            prompt_text=self.prompt_text,
-            scheduled_time=scheduled_time,
         )
+
+    def to_choice_start(self, start: SeqStart, scheduled_time: float) -> ChoiceStart:
+        """What detokenize keeps about this sequence: `start` (this sequence's `to_start`)
+        and its text-only fields; `scheduled_time` is time.monotonic() of its first step."""
+        return ChoiceStart(seq=start, prompt_text=self.prompt_text, scheduled_time=scheduled_time)
 
     def to_finished(self) -> FinishedSeq:
         reason = FINISH_REASONS.get(self.status)

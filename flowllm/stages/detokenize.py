@@ -4,6 +4,11 @@ A stop string found in the text ends its sequence here: the choice's last chunk 
 `finish_reason="stop"` with the string as `stop_reason`, and a `Finish` tells schedule to
 free the sequence at once (tokens it already sampled beyond are dropped here).
 The first chunk of each choice carries the prompt (for echo and prompt logprobs).
+
+It learns each choice from schedule's `ChoiceEvents` (input `choices`, declared first so it
+is read first: schedule sends a choice's start before the batch that runs it, so the start
+is always waiting when the choice's first tokens arrive). It drops a choice once its last
+chunk is out, or when `ChoiceEvents.ended` says it ended unseen (aborted, lost).
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ import msgspec
 
 from flowllm.graph.stage import PerMessageStage, StageContext
 from flowllm.messages import (
+    ChoiceEvents,
+    ChoiceStart,
     Chunk,
     Finish,
     FinishReason,
     RequestError,
     SampledToken,
     SamplingParams,
-    SeqStart,
     StepTokens,
     TextDeltas,
     TokenLogprobs,
@@ -33,19 +39,18 @@ from flowllm.text.detokenizer import Decode, IncrementalDetokenizer, make_decode
 
 @dataclass
 class _Choice:
-    """One sequence's text state (this stage's own; schedule owns the sequence)."""
+    """One sequence's text state (this stage's own; `start` is schedule's, read only)."""
 
-    start: SeqStart
+    start: ChoiceStart
     detokenizer: IncrementalDetokenizer
     num_prompt_tokens: int
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_output_tokens: int = 0
     sent_first: bool = False
-    done: bool = False
 
 
 class Detokenize(PerMessageStage):
-    inputs = {"in": StepTokens}
+    inputs = {"choices": ChoiceEvents, "in": StepTokens}
     outputs = {"out": TextDeltas, "finishes": Finish}
 
     def __init__(self, params: Any, services: EngineServices) -> None:
@@ -53,18 +58,21 @@ class Detokenize(PerMessageStage):
         self._tokenizer = services.tokenizer
         self._byte_vocab = services.byte_vocab()
         self._decoders: dict[tuple[bool, bool], Decode] = {}  # by the two decode flags
-        self._choices: dict[int, _Choice] = {}
+        self._choices: dict[int, _Choice] = {}  # the choices whose last chunk is not out
 
     def live_sequences(self) -> int:
         return len(self._choices)
 
     def request_ids(self, message: Any) -> tuple[str, ...]:
-        """A step's requests: those of its new sequences and of its tokens' sequences."""
+        """The requests of a message's choices: starting ones, or its tokens' ones."""
+        if isinstance(message, ChoiceEvents):
+            return tuple(dict.fromkeys(c.seq.request_id for c in message.started))
         if not isinstance(message, StepTokens):
             return super().request_ids(message)
         choices = self._choices
-        ids = [start.request_id for start in message.started]
-        ids += [choices[t.seq_id].start.request_id for t in message.tokens if t.seq_id in choices]
+        ids = [
+            choices[t.seq_id].start.seq.request_id for t in message.tokens if t.seq_id in choices
+        ]
         return tuple(dict.fromkeys(ids))
 
     async def fail_requests(self, errors: Iterable[RequestError], message: Any = None) -> None:
@@ -72,14 +80,15 @@ class Detokenize(PerMessageStage):
         their blocks), and the error goes to its mailbox."""
         errors = list(errors)
         failed = {error.request_id for error in errors}
-        ended: list[int] = []
-        for seq_id, choice in self._choices.items():
-            if choice.start.request_id in failed and not choice.done:
-                choice.done = True
-                ended.append(seq_id)
-        if isinstance(message, StepTokens):  # sequences it failed before learning of them
-            ended += [s.seq_id for s in message.started if s.request_id in failed]
+        ended = [
+            seq_id
+            for seq_id, choice in self._choices.items()
+            if choice.start.seq.request_id in failed
+        ]
+        if isinstance(message, ChoiceEvents):  # sequences it failed before learning of them
+            ended += [c.seq.seq_id for c in message.started if c.seq.request_id in failed]
         for seq_id in dict.fromkeys(ended):
+            self._choices.pop(seq_id, None)
             await self.context.emit("finishes", Finish(seq_id, None))
         await super().fail_requests(errors, message)
 
@@ -92,21 +101,31 @@ class Detokenize(PerMessageStage):
             self._decoders[key] = decode
         return decode
 
-    async def handle(self, step: StepTokens, ctx: StageContext) -> None:
+    async def handle(self, message: StepTokens | ChoiceEvents, ctx: StageContext) -> None:
+        if isinstance(message, ChoiceEvents):
+            self._learn(message)
+        else:
+            await self._detokenize(message, ctx)
+
+    def _learn(self, events: ChoiceEvents) -> None:
         choices = self._choices
-        for seq_id in step.released:
+        for seq_id in events.ended:
             choices.pop(seq_id, None)
-        for start in step.started:
-            choices[start.seq_id] = _Choice(
-                start,
+        for choice in events.started:
+            seq = choice.seq
+            choices[seq.seq_id] = _Choice(
+                choice,
                 IncrementalDetokenizer(
                     self._tokenizer,
-                    start.prompt_token_ids,
-                    start.params,
-                    decode=self._decode_for(start.params),
+                    seq.prompt_token_ids,
+                    seq.params,
+                    decode=self._decode_for(seq.params),
                 ),
-                len(start.prompt_token_ids),
+                len(seq.prompt_token_ids),
             )
+
+    async def _detokenize(self, step: StepTokens, ctx: StageContext) -> None:
+        choices = self._choices
         for seq_id, logprobs in step.prompt_logprobs.items():
             choice = choices.get(seq_id)
             if choice is not None:
@@ -114,7 +133,7 @@ class Detokenize(PerMessageStage):
         chunks: list[Chunk] = []
         for token in step.tokens:
             choice = choices.get(token.seq_id)
-            if choice is None or choice.done:
+            if choice is None:  # not started here, ended, or tokens sampled past its end
                 continue
             choice.num_output_tokens += 1
             finish, stop_reason = token.finish_reason, token.stop_reason
@@ -131,13 +150,13 @@ class Detokenize(PerMessageStage):
                 elif finish is not None:
                     text += detokenizer.finish().text_delta
                 if finish is not None:
-                    choice.done = True
+                    del choices[token.seq_id]  # its last chunk follows
             if middle:  # the common case: only the fields without defaults
-                start = choice.start
+                seq = choice.start.seq
                 chunks.append(
                     Chunk(
-                        request_id=start.request_id,
-                        index=start.index,
+                        request_id=seq.request_id,
+                        index=seq.index,
                         text=text,
                         token_ids=(token.token_id,),
                         num_prompt_tokens=choice.num_prompt_tokens,
@@ -158,9 +177,10 @@ class Detokenize(PerMessageStage):
         stop_reason: str | int | None,
     ) -> Chunk:
         start = choice.start
+        seq = start.seq
         chunk = Chunk(
-            request_id=start.request_id,
-            index=start.index,
+            request_id=seq.request_id,
+            index=seq.index,
             text=text,
             token_ids=(token.token_id,),
             logprobs=(token.logprobs,) if token.logprobs is not None else (),
@@ -175,7 +195,7 @@ class Detokenize(PerMessageStage):
         return msgspec.structs.replace(
             chunk,
             prompt_text=start.prompt_text,
-            prompt_token_ids=start.prompt_token_ids,
+            prompt_token_ids=seq.prompt_token_ids,
             prompt_logprobs=tuple(choice.prompt_logprobs),
             scheduled_time=start.scheduled_time,
         )

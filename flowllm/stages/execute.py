@@ -1,8 +1,8 @@
 """execute: one model forward per StepBatch, in its worker thread so HTTP keeps flowing.
 
-It owns the KV cache tensors (through its ModelRunner) and asks for prompt logits only for
-sequences that want prompt logprobs, and only until their prompt has been computed once
-(a recompute after preemption does not ask again).
+It owns the KV cache tensors (through its ModelRunner) and keeps no per-sequence state:
+the batch names the sequences whose prompt logits it returns (`prompt_logits_for`,
+decided by schedule).
 """
 
 from __future__ import annotations
@@ -29,18 +29,10 @@ class Execute(PerMessageStage):
             services.device,
             enforce_eager=config.model.enforce_eager,
         )
-        self._want_prompt_logits: set[int] = set()
         self._worker = services.worker_thread("execute")
 
-    def live_sequences(self) -> int:
-        return len(self._want_prompt_logits)
-
     async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
-        want = self._want_prompt_logits
-        want.update(s.seq_id for s in batch.started if s.params.prompt_logprobs is not None)
-        want.difference_update(batch.released)
-        asked = {s.seq_id for s in batch.seqs if s.seq_id in want} if want else set()
-        logits, prompt_logits = await self._worker.run(self.runner.run, batch.seqs, asked)
-        if asked:
-            want.difference_update(s.seq_id for s in batch.seqs if s.sample and s.seq_id in asked)
+        logits, prompt_logits = await self._worker.run(
+            self.runner.run, batch.seqs, batch.prompt_logits_for
+        )
         await ctx.emit("out", StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits))

@@ -1,8 +1,9 @@
 """sample: one batched sampling call per step, in its worker thread.
 
-It learns each sequence's parameters from `StepBatch.started`, decides every sampled
-token's finish reason (flowllm.sampling.stopping), and sends the same `StepTokens` to
-schedule (which appends them) and detokenize (which turns them into text).
+It learns each sequence's parameters from `StepBatch.started` (and forgets it on
+`StepBatch.released`), decides every sampled token's finish reason with the stop rule
+(flowllm.stopping), and sends the same `StepTokens` to schedule (which appends
+them) and detokenize (which turns them into text).
 
 With the guide stage connected to `masks`, it joins each step's logits with the step's
 `StepMasks` (both come from one `StepBatch`, in step order) and samples constrained rows
@@ -95,18 +96,12 @@ class Sample(PerMessageStage):
         if masks is not None and masks.seq_ids:
             row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
             allowed = ([row_of[seq_id] for seq_id in masks.seq_ids], masks.bitmask)
-        tokens = (
-            sampler.sample(seq_ids, step.logits, num_output_tokens, allowed) if seq_ids else []
-        )
+        tokens = sampler.sample(seq_ids, step.logits, num_output_tokens, allowed) if seq_ids else []
         prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         if step.prompt_logits:
             computed = {s.seq_id: s.num_computed_tokens for s in batch.seqs}
             for seq_id, logits in step.prompt_logits.items():
                 prompt_logprobs[seq_id] = sampler.prompt_logprobs(seq_id, computed[seq_id], logits)
         return StepTokens(
-            step_id=batch.step_id,
-            tokens=tuple(tokens),
-            started=batch.started,
-            released=batch.released,
-            prompt_logprobs=prompt_logprobs,
+            step_id=batch.step_id, tokens=tuple(tokens), prompt_logprobs=prompt_logprobs
         )

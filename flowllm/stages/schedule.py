@@ -3,8 +3,10 @@
 Each turn it takes what has arrived — step results first, so a finished step always frees
 its credit before new work is considered, then stop-string finishes, then new requests and
 aborts — and, while fewer than `max_inflight_steps` steps are in flight, sends the next
-`StepBatch`. The in-flight bound is the credit that keeps the schedule → execute → sample
-→ schedule cycle deadlock free (every channel on it holds at least that many messages).
+`StepBatch`, preceded on its own channel by the `ChoiceEvents` that detokenize must see
+first (choices starting in that step, choices that ended unseen). The in-flight bound is
+the credit that keeps the schedule → execute → sample → schedule cycle deadlock free
+(every channel on it holds at least that many messages).
 It returns once its request input has closed and no sequence or step is left.
 
 An Abort normally arrives after its request (both travel the request path). With a
@@ -24,6 +26,7 @@ import msgspec
 from flowllm.graph.stage import CLOSED, Stage, StageContext
 from flowllm.messages import (
     Abort,
+    ChoiceEvents,
     Finish,
     RequestError,
     StepBatch,
@@ -43,7 +46,7 @@ class ScheduleParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Schedule(Stage):
     inputs = {"step_results": StepTokens, "finishes": Finish, "requests": TokenizedRequest | Abort}
-    outputs = {"out": StepBatch, "errors": RequestError}
+    outputs = {"out": StepBatch, "choices": ChoiceEvents, "errors": RequestError}
     Params = ScheduleParams
     credit_param = "max_inflight_steps"
 
@@ -106,9 +109,16 @@ class Schedule(Stage):
             if inflight < self.params.max_inflight_steps:
                 ctx.begin(None, time.perf_counter())
                 batch = scheduler.schedule()
+                events = scheduler.choice_events()
                 ctx.busy_since = 0.0
+                if events is not None:
+                    self._observe_started(events)
+                    await ctx.emit("choices", events)  # before the batch: see ChoiceEvents
                 if batch is not None:
-                    self._observe_started(batch)
+                    if batch.seqs:  # a step that only releases sequences computes nothing
+                        self._metrics.iteration_tokens.observe(
+                            sum(len(seq.token_ids) for seq in batch.seqs)
+                        )
                     await ctx.emit("out", batch)
                     inflight += 1
                     continue
@@ -151,11 +161,9 @@ class Schedule(Stage):
                 RequestError(request_id=request.request_id, message=str(e)),
             )
 
-    def _observe_started(self, batch: StepBatch) -> None:
-        metrics = self._metrics
-        if batch.seqs:  # a step that only releases sequences computes nothing
-            metrics.iteration_tokens.observe(sum(len(seq.token_ids) for seq in batch.seqs))
-        for start in batch.started:
-            seq = self.scheduler.get_sequence(start.seq_id)
-            if seq is not None and start.index == 0:
-                metrics.request_queue_time.observe(start.scheduled_time - seq.arrival_time)
+    def _observe_started(self, events: ChoiceEvents) -> None:
+        for choice in events.started:
+            seq = self.scheduler.get_sequence(choice.seq.seq_id)
+            if seq is not None and choice.seq.index == 0:
+                queued = choice.scheduled_time - seq.arrival_time
+                self._metrics.request_queue_time.observe(queued)

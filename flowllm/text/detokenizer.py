@@ -13,10 +13,10 @@ string. Three promises:
   starts inside the prompt's last tokens, as vLLM does, so decoders that drop a leading
   space at the start of a text (SentencePiece) still give the spaced continuation; for
   byte-level BPE (GPT-2, Llama 3, SmolLM2) that equals the decode of the output ids alone.
-- Stop strings: when one appears, the text is cut there (kept with
-  `include_stop_str_in_output`) and `DetokenizerStep.stop_string` names it; when several
-  appear in one step, the one that completes first wins. Only the longest suffix of the
-  new text that could still begin a stop string is held back.
+- Stop strings (the rule: `flowllm.stopping.StopStrings`): when one appears, the
+  text is cut there (kept with `include_stop_str_in_output`) and
+  `DetokenizerStep.stop_string` names it. Only the text that could still begin a stop
+  string is held back.
 
 Decoding uses the fast tokenizer's backend directly (what `PreTrainedTokenizerFast.decode`
 calls), skipping transformers' per-call overhead. For byte-level BPE tokenizers a window of
@@ -35,12 +35,11 @@ it cannot be done incrementally).
 
 from __future__ import annotations
 
-import functools
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from flowllm.messages import SamplingParams
+from flowllm.stopping import StopStrings
 
 REPLACEMENT_CHAR = "\ufffd"
 _CONTEXT_TOKENS = 4  # tokens kept before the unread ones; a UTF-8 character spans <= 4 bytes
@@ -254,8 +253,7 @@ class IncrementalDetokenizer:
         self._decode = decode or make_decode(
             tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
         )
-        self._stops = tuple(s for s in params.stop if s)
-        self._stop_prefixes = _prefixes_by_last_char(self._stops)
+        self._stops = StopStrings(params.stop)
         self._include_stop = params.include_stop_str_in_output
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         context_text = self._decode(context) if context else ""
@@ -405,7 +403,7 @@ class IncrementalDetokenizer:
                 self._pieces.append(new_text)
             return DetokenizerStep(new_text)
         pending = self._held + new_text
-        match = _first_stop(pending, self._stops)
+        match = self._stops.first_match(pending)
         if match is not None:
             begin, stop = match
             delta = pending[: begin + len(stop) if self._include_stop else begin]
@@ -415,61 +413,9 @@ class IncrementalDetokenizer:
             if delta:
                 self._pieces.append(delta)
             return DetokenizerStep(delta, stop)
-        keep = 0 if final else _partial_stop_suffix(pending, self._stop_prefixes)
+        keep = 0 if final else self._stops.held_back(pending)
         delta = pending[: len(pending) - keep]
         self._held = pending[len(pending) - keep :]
         if delta:
             self._pieces.append(delta)
         return DetokenizerStep(delta)
-
-
-def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """(start, stop string) of the match that ends first (then starts first), if any."""
-    best: tuple[int, int, str] | None = None
-    for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
-            best = (i + len(s), i, s)
-    return None if best is None else (best[1], best[2])
-
-
-class _Prefixes(NamedTuple):
-    """The proper prefixes of the stop strings ending in one character, longest first, as
-    (length, stop string) pairs; `neg_lengths` (ascending) lets a lookup skip at once the
-    prefixes longer than the text."""
-
-    neg_lengths: list[int]
-    entries: list[tuple[int, str]]
-
-
-@functools.lru_cache(maxsize=16)
-def _prefixes_by_last_char(stops: tuple[str, ...]) -> dict[str, _Prefixes]:
-    """Proper prefixes of the stop strings, grouped by their last character, longest first.
-
-    Linear in the stop strings' total length (a prefix is its length, not a copy), and
-    shared by every sequence with the same stop strings (the n choices of a request).
-    """
-    table: dict[str, set[tuple[int, str]]] = {}
-    for s in stops:
-        for k in range(1, len(s)):
-            table.setdefault(s[k - 1], set()).add((k, s))
-    grouped = {}
-    for c, pairs in table.items():
-        entries = sorted(pairs, reverse=True)
-        grouped[c] = _Prefixes([-k for k, _ in entries], entries)
-    return grouped
-
-
-def _partial_stop_suffix(text: str, prefixes: dict[str, _Prefixes]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    if not text:
-        return 0
-    group = prefixes.get(text[-1])
-    if group is None:
-        return 0
-    entries = group.entries
-    for i in range(bisect_left(group.neg_lengths, -len(text)), len(entries)):
-        k, stop = entries[i]
-        if text.endswith(stop[:k]):
-            return k
-    return 0

@@ -45,6 +45,7 @@ MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
         M.StepLogits,
         M.StepMasks,
         M.StepTokens,
+        M.ChoiceEvents,
         M.TextDeltas,
         M.Chunk,
     )

@@ -317,7 +317,6 @@ async def test_engine_failure_without_streaming_is_500(tokenizer: Any) -> None:
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": []}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": [[1], ["a"]]}, "prompt"),
         ({"prompt": 5}, "prompt"),

@@ -16,15 +16,14 @@ import pytest
 import torch
 
 from flowllm.messages import SamplingParams, SeqStart
-from flowllm.sampling.sampler import (
-    Sampler,
-    SamplerError,
-    _inverse_cdf,
-    _keep_top_k,
-    _keep_top_p,
-    _sorted_threshold,
-    _top_p_threshold,
-    sibling_seed,
+from flowllm.sampling.inverse_cdf import inverse_cdf
+from flowllm.sampling.sampler import Sampler, SamplerError
+from flowllm.sampling.sequence_state import sibling_seed
+from flowllm.sampling.truncation import (
+    keep_top_k,
+    keep_top_p,
+    sorted_threshold,
+    top_p_threshold,
 )
 
 EOS = 7
@@ -269,7 +268,7 @@ def test_seeded_and_unseeded_rows_mix_in_one_batch_with_the_right_distributions(
         assert stat < df + 6 * math.sqrt(2 * df) + 1
 
 
-def test_inverse_cdf_follows_the_weights_and_never_picks_zero_mass() -> None:
+def testinverse_cdf_follows_the_weights_and_never_picks_zero_mass() -> None:
     vocab = 700  # two full blocks of 256 and a tail
     gen = torch.Generator().manual_seed(0)
     w = torch.rand(vocab, generator=gen)
@@ -278,7 +277,7 @@ def test_inverse_cdf_follows_the_weights_and_never_picks_zero_mass() -> None:
     w[-5:] = 0.0
     draws = 40000
     u = torch.rand(draws, generator=gen)
-    got = _inverse_cdf(w.repeat(draws, 1), u)
+    got = inverse_cdf(w.repeat(draws, 1), u)
     assert bool((w[got] > 0).all())
     counts = Counter(got.tolist())
     expected = (w / w.sum()).tolist()
@@ -286,7 +285,7 @@ def test_inverse_cdf_follows_the_weights_and_never_picks_zero_mass() -> None:
     assert stat < df + 6 * math.sqrt(2 * df)
     # the ends of [0, 1): the first and the last token with mass
     nz = torch.nonzero(w).squeeze(1)
-    edge = _inverse_cdf(w.repeat(2, 1), torch.tensor([0.0, 1.0 - 2**-24]))
+    edge = inverse_cdf(w.repeat(2, 1), torch.tensor([0.0, 1.0 - 2**-24]))
     assert edge.tolist() == [int(nz[0]), int(nz[-1])]
 
 
@@ -298,7 +297,7 @@ def test_top_k_and_top_p_helpers_equal_a_full_sort_reference() -> None:
     probs = torch.cat([peaked, flat])
     ps = [0.5, 0.9, 0.99, 0.5, 0.9, 0.999]
     got = probs.clone()
-    _keep_top_p(got, list(range(6)), ps)
+    keep_top_p(got, list(range(6)), ps)
     for row, p in enumerate(ps):
         r = probs[row]
         vals = r.sort(descending=True).values
@@ -307,7 +306,7 @@ def test_top_k_and_top_p_helpers_equal_a_full_sort_reference() -> None:
         want = torch.where(r >= vals[m], r, torch.zeros(()))
         assert torch.equal(got[row], want), row
     got = probs.clone()
-    _keep_top_k(got, [1, 4], [5, 300])
+    keep_top_k(got, [1, 4], [5, 300])
     for row, k in ((1, 5), (4, 300)):
         kth = probs[row].sort(descending=True).values[k - 1]
         assert int((got[row] > 0).sum()) == k
@@ -316,7 +315,7 @@ def test_top_k_and_top_p_helpers_equal_a_full_sort_reference() -> None:
         assert torch.equal(got[row], probs[row])
 
 
-def test_bucketed_top_p_threshold_equals_the_sorted_one() -> None:
+def test_bucketedtop_p_threshold_equals_the_sorted_one() -> None:
     gen = torch.Generator().manual_seed(21)
     vocab = 6000
     rows = [torch.softmax(torch.randn(vocab, generator=gen) * s, dim=-1) for s in (0.01, 1, 3, 8)]
@@ -331,14 +330,14 @@ def test_bucketed_top_p_threshold_equals_the_sorted_one() -> None:
     probs = torch.stack(rows)
     for p in (0.01, 0.3, 0.9, 0.9999):
         target = probs.sum(dim=1) * p
-        got = _top_p_threshold(probs, target)
-        want = _sorted_threshold(probs, target)
+        got = top_p_threshold(probs, target)
+        want = sorted_threshold(probs, target)
         assert torch.equal(got, want), p
 
 
 def test_top_k_keeps_ties_with_the_kth() -> None:
     probs = torch.tensor([[0.125, 0.375, 0.25, 0.25, 0.25]])
-    _keep_top_k(probs, [0], [2])
+    keep_top_k(probs, [0], [2])
     assert probs.tolist() == [[0.0, 0.375, 0.25, 0.25, 0.25]]
 
 

@@ -28,8 +28,8 @@ from flowllm.messages import (
     StepTokens,
     TokenizedRequest,
 )
-from flowllm.sampling.stopping import check_stop
 from flowllm.scheduling.scheduler import Scheduler
+from flowllm.stopping import StopRule
 
 VOCAB = 13  # small, so EOS (0) and stop token ids come up often
 EOS = 0
@@ -46,7 +46,7 @@ def stop_check(
 ) -> tuple[FinishReason | None, int | None]:
     """The sample stage's finishing rule (the engine's own), used by the simulation and the
     reference alike."""
-    return check_stop(params, token, (EOS,), num_output, num_tokens, max_model_len)
+    return StopRule(params, (EOS,), num_tokens - num_output, max_model_len)(token, num_output)
 
 
 def reference(
@@ -74,6 +74,7 @@ class Downstream:
     request_id: str
     outputs: list[int] = field(default_factory=list)
     computed: int = 0  # end of the last scheduled chunk
+    sampled: bool = False  # has a step sampled it yet?
     finish: FinishReason | None = None
 
 
@@ -166,6 +167,10 @@ class Simulation:
             assert end <= sched.max_model_len
             assert row.sample == (end == len(known))
             assert row.num_output_tokens == len(ds.outputs)
+            # prompt logits: every chunk up to the first sampling step, never on recompute
+            wants = ds.params.prompt_logprobs is not None and not ds.sampled
+            assert (row.seq_id in batch.prompt_logits_for) == wants
+            ds.sampled |= row.sample
             # A write that corrupted a block another sequence shares shows up when that
             # sequence reads its context back below (now or at a later step).
             for pos, tok in zip(range(start, end), row.token_ids, strict=True):

@@ -100,10 +100,10 @@ def test_add_request_validates_and_resolves_max_tokens() -> None:
     with pytest.raises(SchedulerError):
         sched.add_request(request("a", range(3)))
     seq = sched.get_sequence(0)
-    assert seq is not None and seq.max_tokens == 6
-    sched.add_request(request("full", range(16), max_tokens=None))  # still samples one
+    assert seq is not None and seq.output_limit == 6  # up to the context
+    sched.add_request(request("full", range(16), max_tokens=None))  # still samples one ...
     full = sched.get_sequence(1)
-    assert full is not None and full.max_tokens == 1
+    assert full is not None and full.output_limit == 0  # ... which the length rule ends
     assert sched.add_request(request("b", range(3), n=3)) == [2, 3, 4]
     assert sched.has_unfinished()
     assert sched.stats.num_waiting == 5
@@ -415,7 +415,9 @@ def test_finish_reasons_from_sampled_tokens() -> None:
     assert sched.stats.num_running == 1 and sched.kv.pool.num_used_blocks == 1
 
 
-def test_backstop_finishes_on_max_tokens_and_max_model_len() -> None:
+def test_length_guard_finishes_on_max_tokens_and_max_model_len() -> None:
+    """Tokens that arrive without the finish reason the stop rule gives them still end
+    their sequences at the rule's length limit, and detokenize is told (it saw no finish)."""
     sched = make_scheduler(max_model_len=8, num_blocks=8)
     sched.add_request(request("a", range(1, 4), max_tokens=2))
     sched.add_request(request("b", range(1, 7), max_tokens=100))
@@ -428,6 +430,8 @@ def test_backstop_finishes_on_max_tokens_and_max_model_len() -> None:
     ]
     batch = sched.schedule()
     assert batch is not None and batch.seqs == () and batch.released == (0, 1)
+    events = sched.choice_events()
+    assert events is not None and events.ended == (0, 1)
     assert sched.schedule() is None
     assert not sched.has_unfinished()
     assert sched.kv.pool.num_used_blocks == 0
@@ -563,7 +567,8 @@ def test_cache_salt_isolates_prefix_hits_between_requests() -> None:
 def test_hand_over_requeues_what_never_ran_and_names_what_was_lost() -> None:
     """After a failed step loop: requests none of whose sequences started run on a fresh
     scheduler as they are (salt included); started ones are lost; ids keep counting up and
-    every started sequence is released downstream in the fresh scheduler's first batch."""
+    every started sequence is released downstream in the fresh scheduler's first batch,
+    and ended for detokenize (no finishing token will come for them)."""
     old = make_scheduler(max_num_seqs=2)
     old.add_request(request("ran", range(1, 5), n=2))
     step(old)  # both "ran" sequences start
@@ -576,12 +581,16 @@ def test_hand_over_requeues_what_never_ran_and_names_what_was_lost() -> None:
     assert handover.requeue[1].cache_salt == "tenant"
     assert handover.requeue[1].params.n == 3
     assert set(handover.released) == {0, 1}
+    assert set(handover.ended) == {0, 1}
     fresh = make_scheduler(max_num_seqs=8)
     fresh.take_over(handover)
     assert fresh.num_sequences == 4  # "waits" and the three "salted"
     batch = fresh.schedule()
     assert batch is not None
     assert set(batch.released) == {0, 1}
+    events = fresh.choice_events()
+    assert events is not None and set(events.ended) == {0, 1}
+    assert {c.seq_id for c in events.started} == {s.seq_id for s in batch.started}
     new_ids = {s.seq_id for s in batch.seqs}
     assert min(new_ids) >= handover.next_seq_id  # no id is used twice
     assert batch.step_id >= handover.next_step_id
@@ -632,3 +641,49 @@ def test_a_hand_over_releases_what_a_lost_batch_carried() -> None:
     first = finish_one_then_queue_another(delivered)
     step(delivered)
     assert first not in delivered.hand_over().released
+
+
+def test_choice_events_start_before_the_batch_and_end_only_unseen_finishes() -> None:
+    sched = make_scheduler()
+    sched.add_request(msgspec.structs.replace(request("a", [1, 2], n=2), prompt_text="hi"))
+    sched.add_request(request("b", [3, 4]))
+    batch = sched.schedule()
+    assert batch is not None
+    events = sched.choice_events()
+    assert events is not None and events.step_id == batch.step_id and events.ended == ()
+    # detokenize's copy holds the very SeqStart the step loop gets, plus the text fields
+    assert [c.seq for c in events.started] == list(batch.started)
+    assert all(c.seq is s for c, s in zip(events.started, batch.started, strict=True))
+    assert [(c.seq.request_id, c.seq.index, c.prompt_text) for c in events.started] == [
+        ("a", 0, "hi"),
+        ("a", 1, "hi"),
+        ("b", 0, None),
+    ]
+    assert all(c.scheduled_time > 0 for c in events.started)
+    assert sched.choice_events() is None  # said once
+    # A token's finish (and a stop string's Finish) detokenize saw itself; an abort not.
+    sample(sched, batch, finish={0: ("stop", None)})
+    sched.finish_sequence(1, "\n")
+    sched.abort_request("b")
+    batch = sched.schedule()
+    assert batch is not None and batch.released == (0, 1, 2)
+    events = sched.choice_events()
+    assert events is not None and events.started == () and events.ended == (2,)
+
+
+def test_prompt_logits_are_asked_until_the_prompt_was_computed_once() -> None:
+    """execute returns prompt logits for the rows `prompt_logits_for` names: every prompt
+    chunk of a sequence asking for prompt logprobs, up to its first sampling step (the
+    simulation checks that a recompute after preemption does not ask again)."""
+    sched = make_scheduler(budget=4)
+    sched.add_request(request("a", range(1, 7), prompt_logprobs=1))
+    sched.add_request(request("b", range(1, 3)))
+    b0 = sched.schedule()
+    assert b0 is not None and rows(b0) == {0: (0, 4, False)}
+    assert b0.prompt_logits_for == (0,)
+    b1 = sched.schedule()
+    assert b1 is not None and rows(b1) == {0: (4, 2, True), 1: (0, 2, True)}
+    assert b1.prompt_logits_for == (0,)
+    sample(sched, b1)
+    b2 = sched.schedule()
+    assert b2 is not None and 0 in rows(b2) and b2.prompt_logits_for == ()

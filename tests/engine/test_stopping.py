@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowllm.messages import SamplingParams
-from flowllm.sampling.stopping import StopChecker, check_stop
+from flowllm.stopping import StopRule, StopStrings, output_limit
 
 EOS = (50256,)
 
@@ -54,7 +54,7 @@ EOS = (50256,)
         (SamplingParams(max_tokens=4, stop_token_ids=(13,)), 13, 4, 100, 100, ("stop", 13)),
     ],
 )
-def test_check_stop(
+def test_stop_rule(
     params: SamplingParams,
     token: int,
     n_out: int,
@@ -62,18 +62,48 @@ def test_check_stop(
     max_len: int | None,
     want: tuple[str | None, int | None],
 ) -> None:
-    assert check_stop(params, token, EOS, n_out, total, max_len) == want
+    """`total` is the prompt plus the `n_out` outputs, this token included."""
+    assert StopRule(params, EOS, total - n_out, max_len)(token, n_out) == want
 
 
 def test_several_eos_ids() -> None:
-    eos = frozenset({2, 32000})
-    assert check_stop(SamplingParams(), 32000, eos, 1, 5, None) == ("stop", None)
-    assert check_stop(SamplingParams(), 2, eos, 1, 5, None) == ("stop", None)
-    assert check_stop(SamplingParams(), 3, eos, 1, 5, None) == (None, None)
+    rule = StopRule(SamplingParams(), frozenset({2, 32000}), 4, None)
+    assert rule(32000, 1) == ("stop", None)
+    assert rule(2, 1) == ("stop", None)
+    assert rule(3, 1) == (None, None)
 
 
-def test_stop_checker_equals_check_stop_everywhere() -> None:
-    """The sampler's per-sequence form against the rule itself, over a grid of cases."""
+def test_output_limit() -> None:
+    assert output_limit(SamplingParams(max_tokens=5), 10, 100) == 5
+    assert output_limit(SamplingParams(max_tokens=50), 90, 100) == 10  # the context fills
+    assert output_limit(SamplingParams(max_tokens=None), 90, 100) == 10
+    assert output_limit(SamplingParams(max_tokens=None), 90, None) == float("inf")
+
+
+def reference_rule(
+    params: SamplingParams,
+    token: int,
+    eos: tuple[int, ...],
+    n_out: int,
+    total_len: int,
+    max_len: int | None,
+) -> tuple[str | None, int | None]:
+    """The rules as the module docstring states them, one after the other."""
+    length_hit = (params.max_tokens is not None and n_out >= params.max_tokens) or (
+        max_len is not None and total_len >= max_len
+    )
+    if n_out >= params.min_tokens:
+        if not params.ignore_eos and token in eos:
+            return "stop", None
+        if token in params.stop_token_ids:
+            return "stop", token
+    if length_hit:
+        return "length", None
+    return None, None
+
+
+def test_stop_rule_equals_the_stated_rules_everywhere() -> None:
+    """The sampler's per-sequence form against the rules as stated, over a grid of cases."""
     eos = (50256, 2)
     tokens = (11, 13, 198, 2, 50256)
     for max_tokens in (None, 1, 4):
@@ -88,10 +118,25 @@ def test_stop_checker_equals_check_stop_everywhere() -> None:
                     )
                     for max_len in (None, 8, 12):
                         for prompt_len in (1, 6):
-                            checker = StopChecker(params, eos, prompt_len, max_len)
+                            rule = StopRule(params, eos, prompt_len, max_len)
                             for n_out in range(1, 9):
                                 for token in tokens:
-                                    want = check_stop(
+                                    want = reference_rule(
                                         params, token, eos, n_out, prompt_len + n_out, max_len
                                     )
-                                    assert checker(token, n_out) == want
+                                    assert rule(token, n_out) == want
+
+
+def test_stop_strings_match_the_first_to_complete_and_hold_back_possible_starts() -> None:
+    stops = StopStrings(("", "world", "lo w", "xyz"))
+    assert stops.strings == ("world", "lo w", "xyz") and stops
+    assert not StopStrings(("",))
+    assert stops.first_match("hello world") == (3, "lo w")  # completes before "world"
+    assert stops.first_match("hello") is None
+    texts = ["hel", "hello ", "hello wor", "x", "xy", "abc", "", "wo"]
+    for text in texts:  # against every proper prefix of every stop string
+        want = max(
+            (k for s in stops.strings for k in range(1, len(s)) if text.endswith(s[:k])),
+            default=0,
+        )
+        assert stops.held_back(text) == want, text

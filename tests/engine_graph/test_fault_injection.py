@@ -96,7 +96,7 @@ async def settled(engine: AsyncEngine) -> None:
             or metric(engine, "flowllm:kv_cache_usage_perc")
             or any(
                 metric(engine, "flowllm:live_sequences", {"stage": s})
-                for s in ("schedule", "execute", "guide", "sample", "detokenize")
+                for s in ("schedule", "guide", "sample", "detokenize")
             )
         ):
             await anyio.sleep(0.02)

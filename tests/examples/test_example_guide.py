@@ -125,7 +125,7 @@ def test_message_tables_list_every_field_with_its_type() -> None:
     on_edges = {
         "GenerateRequest", "ValidRequest", "TokenizedRequest", "Abort", "RequestError",
         "StepBatch", "ScheduledSeq", "SeqStart", "StepMasks", "StepLogits", "StepTokens",
-        "SampledToken",
+        "SampledToken", "ChoiceEvents", "ChoiceStart",
         "TokenLogprobs", "Finish", "TextDeltas", "Chunk",
     }  # fmt: skip
     assert set(tables) == on_edges

@@ -44,7 +44,7 @@ RUNNING = "flowllm:num_requests_running"
 WAITING = "flowllm:num_requests_waiting"
 LIVE_MAILBOXES = "flowllm:live_mailboxes"
 LIVE_SEQUENCES = "flowllm:live_sequences"
-SEQUENCE_STAGES = ("schedule", "execute", "sample", "detokenize")
+SEQUENCE_STAGES = ("schedule", "sample", "detokenize")
 REQUIRED_GAUGES = (KV_USAGE, RUNNING, WAITING)
 
 _SAMPLE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*(?:\{[^}]*\})?) (\S+)")

@@ -88,6 +88,7 @@ def _messages() -> list[object]:
         ),
         started=(start,),
         released=(7,),
+        prompt_logits_for=(0,),
     )
     lp = M.TokenLogprobs(5, -0.25, 1, ((5, -0.25), (6, -1.0)))
     chunk = M.Chunk(request_id="r", index=1, text="é", token_ids=(5,), logprobs=(lp,))
@@ -108,8 +109,12 @@ def _messages() -> list[object]:
         M.StepTokens(
             step_id=4,
             tokens=(M.SampledToken(seq_id=0, token_id=5, logprobs=lp, finish_reason="stop"),),
-            started=(start,),
             prompt_logprobs={0: (None, lp)},
+        ),
+        M.ChoiceEvents(
+            step_id=4,
+            started=(M.ChoiceStart(seq=start, prompt_text="hi", scheduled_time=3.5),),
+            ended=(7,),
         ),
         M.TextDeltas(step_id=4, chunks=(chunk,)),
     ]
