@@ -303,11 +303,13 @@ class QuantizedLinear:
         self.bias = bias
         self.out_dtype = out_dtype
         self.lib = lib if lib is not None else native.library()
-        self._product = self._dequant = self._dequant_bf16 = 0
+        self._product: native.Kernel | None = None
+        self._dequant: native.Kernel | None = None
+        self._dequant_bf16: native.Kernel | None = None
         if self.lib is not None:
-            self._product = self.lib.address(_kernel_name("qlinear", weight))
-            self._dequant = self.lib.address(_kernel_name("dequant", weight))
-            self._dequant_bf16 = self.lib.address(_kernel_name("dequant_bf16", weight))
+            self._product = self.lib.kernel(_kernel_name("qlinear", weight))
+            self._dequant = self.lib.kernel(_kernel_name("dequant", weight))
+            self._dequant_bf16 = self.lib.kernel(_kernel_name("dequant_bf16", weight))
 
     def _bias32(self) -> torch.Tensor | None:
         if self.bias is None:
@@ -321,26 +323,21 @@ class QuantizedLinear:
             raise QuantError(f"x must be [m, {k}] on the CPU, got {tuple(x.shape)} {x.device}")
         x32 = x.to(torch.float32).contiguous()
         m = x32.shape[0]
-        if self.lib is None or (m >= TILE_FROM and not call_plan.recording()):
+        if (
+            self.lib is None
+            or self._product is None
+            or (m >= TILE_FROM and not call_plan.recording())
+        ):
             y = self._tiled(x32)
         else:
             y = torch.empty(m, n, dtype=torch.float32)
             bias = self._bias32()
             w = self.weight
             if m:
-                self.lib.call(
-                    self._product,
-                    x32.data_ptr(),
-                    w.codes.data_ptr(),
-                    w.scales.data_ptr(),
-                    0 if w.mins is None else w.mins.data_ptr(),
-                    0 if bias is None else bias.data_ptr(),
-                    y.data_ptr(),
-                    m,
-                    n,
-                    k,
-                    w.group,
-                )
+                self._product(
+                    x=x32, codes=w.codes, scales=w.scales, mins=w.mins, bias=bias, y=y,
+                    m=m, n=n, k=k, group=w.group,
+                )  # fmt: skip
         return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
     def _tiled(self, x32: torch.Tensor) -> torch.Tensor:
@@ -367,21 +364,13 @@ class QuantizedLinear:
     def _bf16_tile(self, row0: int, rows: int) -> cpu_linear.PackedLinear:
         """Rows row0 .. row0 + rows of W dequantized to bf16 in the native bf16 kernel's
         layout, as a product with float32 outputs."""
-        assert self.lib is not None
+        assert self._dequant_bf16 is not None
         k, w = self.in_features, self.weight
         packed = torch.empty(-(-rows // 16), k // 2, 16, 2, dtype=torch.bfloat16)
-        self.lib.call(
-            self._dequant_bf16,
-            w.codes.data_ptr(),
-            w.scales.data_ptr(),
-            0 if w.mins is None else w.mins.data_ptr(),
-            rows,
-            row0,
-            packed.data_ptr(),
-            self.out_features,
-            k,
-            w.group,
-        )
+        self._dequant_bf16(
+            codes=w.codes, scales=w.scales, mins=w.mins, rows=rows, row0=row0, out=packed,
+            n=self.out_features, k=k, group=w.group,
+        )  # fmt: skip
         return cpu_linear.PackedLinear.from_packed(packed, rows, k, torch.float32)
 
     def rows(self, ids: torch.Tensor | None, row0: int = 0, count: int = 0) -> torch.Tensor:
@@ -394,7 +383,7 @@ class QuantizedLinear:
             count = ids.shape[0]
         elif row0 < 0 or count < 0 or row0 + count > n:
             raise QuantError(f"rows {row0}:{row0 + count} are outside [0, {n})")
-        if self.lib is None:
+        if self.lib is None or self._dequant is None:
             w = self.weight
             part = (
                 w.take_rows(ids)
@@ -404,19 +393,10 @@ class QuantizedLinear:
             return part.dequantize()
         out = torch.empty(count, k, dtype=torch.float32)
         w = self.weight
-        status = self.lib.call(
-            self._dequant,
-            w.codes.data_ptr(),
-            w.scales.data_ptr(),
-            0 if w.mins is None else w.mins.data_ptr(),
-            0 if ids is None else ids.data_ptr(),
-            count,
-            row0,
-            out.data_ptr(),
-            n,
-            k,
-            w.group,
-        )
+        status = self._dequant(
+            codes=w.codes, scales=w.scales, mins=w.mins, ids=ids, rows=count, row0=row0,
+            out=out, n=n, k=k, group=w.group,
+        )  # fmt: skip
         if status:
             bad = int(ids[status - 1]) if ids is not None else row0
             raise IndexError(f"row {bad} is outside [0, {n})")

@@ -28,10 +28,11 @@ across OpenMP threads in contiguous runs. */
 #include <string.h>
 
 #include "isa.h"
+#include "kernel_args.h"
 
-#define ROWS 4                /* rows of x per pass over a weight row */
-#define PARALLEL_FROM 65536   /* weight values x rows of x from which threads split */
-#define QBLOCK 32             /* values of x per int8 block */
+#define ROWS 4              /* rows of x per pass over a weight row */
+#define PARALLEL_FROM 65536 /* weight values x rows of x from which threads split */
+#define QBLOCK 32           /* values of x per int8 block */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -41,9 +42,9 @@ ALWAYS_INLINE float load_scale(const void *p, size_t i, int f16) {
 
 /* x rows quantized to int8 blocks of 32, with each block's scale and exact float sum. */
 typedef struct {
-  int8_t *q;   /* [m][k] */
-  float *d;    /* [m][k / 4]: each block's scale once per int32 lane of a vi (4 values) */
-  float *sum;  /* [m][k / 32] */
+  int8_t *q;  /* [m][k] */
+  float *d;   /* [m][k / 4]: each block's scale once per int32 lane of a vi (4 values) */
+  float *sum; /* [m][k / 32] */
 } QuantX;
 
 static int quantize_x(const float *x, int m, int k, QuantX *qx) {
@@ -128,8 +129,7 @@ ALWAYS_INLINE void row_dots_int(const QuantX *qx, int r0, const void *codes, con
 
 /* Float path (q8 codes in groups of 16): one weight row against M rows of x: out[r]. */
 ALWAYS_INLINE void row_dots_float(const float *x, const void *codes, const void *scales,
-                                  const void *mins, int k, int G, int M, int f16,
-                                  float *out) {
+                                  const void *mins, int k, int G, int M, int f16, float *out) {
   vf acc[ROWS][2];
 #pragma GCC unroll 4
   for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = vf_zero();
@@ -153,9 +153,8 @@ ALWAYS_INLINE void row_dots_float(const float *x, const void *codes, const void 
 
 /* Output row j of every row of x, ROWS rows at a time. */
 ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *codes,
-                              const char *scales, const char *mins, const float *bias,
-                              float *y, int64_t j, int m, int n, int k, int G, int q4,
-                              int f16) {
+                              const char *scales, const char *mins, const float *bias, float *y,
+                              int64_t j, int m, int n, int k, int G, int q4, int f16) {
   const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
   const size_t scale_bytes = (size_t)(k / G) * (f16 ? 2 : 4);
   const void *c = codes + (size_t)j * row_bytes;
@@ -194,31 +193,31 @@ ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *c
 /* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows split across threads. One
    function per layout (Q4, F16 constants), so OpenMP's outlined loop is specialized.
    Returns -1 when the scratch for x cannot be allocated (before writing y). */
-#define QLINEAR(NAME, Q4, F16)                                                           \
-  int64_t NAME(const int64_t *a) {                                                      \
-    const float *x = (const float *)a[0];                                               \
-    const uint8_t *codes = (const uint8_t *)a[1];                                       \
-    const char *scales = (const char *)a[2], *mins = (const char *)a[3];                \
-    const float *bias = (const float *)a[4];                                            \
-    float *y = (float *)a[5];                                                           \
-    const int m = (int)a[6], n = (int)a[7], k = (int)a[8], G = (int)a[9];               \
-    QuantX qx;                                                                          \
-    const int integer = G % QBLOCK == 0 && k % 64 == 0;                                 \
-    if (integer && quantize_x(x, m, k, &qx)) return -1;                                 \
-    _Pragma("omp parallel for schedule(static) if ((int64_t)n * k * m >= PARALLEL_FROM)") \
-    for (int64_t j = 0; j < n; j++)                                                     \
-      output_row(x, integer ? &qx : NULL, codes, scales, mins, bias, y, j, m, n, k, G, Q4, F16); \
-    if (integer) free(qx.q);                                                            \
-    return 0;                                                                           \
+// clang-format off: it would put the _Pragma and the loop on one line
+#define QLINEAR(NAME, Q4, F16)                                                              \
+  int64_t flowllm_##NAME(const struct flowllm_##NAME##_args *a) {                           \
+    const float *x = a->x;                                                                  \
+    const uint8_t *codes = (const uint8_t *)a->codes;                                       \
+    const char *scales = (const char *)a->scales, *mins = (const char *)a->mins;            \
+    const int m = (int)a->m, n = (int)a->n, k = (int)a->k, G = (int)a->group;               \
+    QuantX qx;                                                                              \
+    const int integer = G % QBLOCK == 0 && k % 64 == 0;                                     \
+    if (integer && quantize_x(x, m, k, &qx)) return -1;                                     \
+    _Pragma("omp parallel for schedule(static) if ((int64_t)n * k * m >= PARALLEL_FROM)")   \
+    for (int64_t j = 0; j < n; j++)                                                         \
+      output_row(x, integer ? &qx : NULL, codes, scales, mins, a->bias, a->y, j, m, n, k, G, \
+                 Q4, F16);                                                                  \
+    if (integer) free(qx.q);                                                                \
+    return 0;                                                                               \
   }
+// clang-format on
 
-/* ---- Entry points (module.c's convention). a: x [m, k] f32, codes, scales, offsets (0:
-   none), bias [n] f32 (0: none), y [m, n] f32, m, n, k, G ---- */
+/* ---- Entry points (kernel_args.h) ---- */
 
-QLINEAR(flowllm_qlinear_q4_f16, 1, 1)
-QLINEAR(flowllm_qlinear_q4_f32, 1, 0)
-QLINEAR(flowllm_qlinear_q8_f16, 0, 1)
-QLINEAR(flowllm_qlinear_q8_f32, 0, 0)
+QLINEAR(qlinear_q4_f16, 1, 1)
+QLINEAR(qlinear_q4_f32, 1, 0)
+QLINEAR(qlinear_q8_f16, 0, 1)
+QLINEAR(qlinear_q8_f32, 0, 0)
 
 /* float32 -> bfloat16, rounded to nearest even (NaN kept quiet). */
 static inline uint16_t to_bf16(float f) {
@@ -260,13 +259,10 @@ ALWAYS_INLINE void dequant_row(const uint8_t *codes, const char *scales, const c
 
 /* Rows of W dequantized to float32: out[i] = W[ids[i]] (ids int64; 0: rows row0 ...).
    Returns 1 + i for the first id out of [0, n), before writing anything. */
-ALWAYS_INLINE int64_t dequant_rows(const int64_t *a, int q4, int f16) {
-  const uint8_t *codes = (const uint8_t *)a[0];
-  const char *scales = (const char *)a[1], *mins = (const char *)a[2];
-  const int64_t *ids = (const int64_t *)a[3];
-  const int64_t rows = a[4], row0 = a[5];
-  float *out = (float *)a[6];
-  const int n = (int)a[7], k = (int)a[8], G = (int)a[9];
+ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, const void *mins_p,
+                                   const int64_t *ids, int64_t rows, int64_t row0, float *out,
+                                   int n, int k, int G, int q4, int f16) {
+  const char *scales = scales_p, *mins = mins_p;
   if (ids)
     for (int64_t i = 0; i < rows; i++)
       if (ids[i] < 0 || ids[i] >= n) return 1 + i;
@@ -280,12 +276,10 @@ ALWAYS_INLINE int64_t dequant_rows(const int64_t *a, int q4, int f16) {
 /* Rows row0 .. row0 + rows of W as bfloat16 in the native bf16 linear kernel's layout
    (csrc/linear.c: [rows' / 16][k / 2][16][2], rows' = rows rounded up to 16, pad rows 0),
    so large batches multiply a dequantized tile at the bf16 kernel's speed. k is even. */
-ALWAYS_INLINE int64_t dequant_bf16_blocks(const int64_t *a, int q4, int f16) {
-  const uint8_t *codes = (const uint8_t *)a[0];
-  const char *scales = (const char *)a[1], *mins = (const char *)a[2];
-  const int64_t rows = a[3], row0 = a[4];
-  uint16_t *out = (uint16_t *)a[5];
-  const int n = (int)a[6], k = (int)a[7], G = (int)a[8];
+ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_p,
+                                          const void *mins_p, int64_t rows, int64_t row0,
+                                          uint16_t *out, int n, int k, int G, int q4, int f16) {
+  const char *scales = scales_p, *mins = mins_p;
   if (row0 < 0 || row0 + rows > n || k % 2) return 1;
   const int64_t blocks = (rows + 15) / 16;
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_FROM)
@@ -312,15 +306,17 @@ ALWAYS_INLINE int64_t dequant_bf16_blocks(const int64_t *a, int q4, int f16) {
   return 0;
 }
 
-/* a: codes, scales, offsets (0: none), ids (0: a range), rows, row0, out [rows, k] f32, n,
-   k, G */
-int64_t flowllm_dequant_q4_f16(const int64_t *a) { return dequant_rows(a, 1, 1); }
-int64_t flowllm_dequant_q4_f32(const int64_t *a) { return dequant_rows(a, 1, 0); }
-int64_t flowllm_dequant_q8_f16(const int64_t *a) { return dequant_rows(a, 0, 1); }
-int64_t flowllm_dequant_q8_f32(const int64_t *a) { return dequant_rows(a, 0, 0); }
+#define DEQUANT(NAME, Q4, F16)                                                                     \
+  int64_t flowllm_dequant_##NAME(const struct flowllm_dequant_##NAME##_args *a) {                  \
+    return dequant_rows(a->codes, a->scales, a->mins, a->ids, a->rows, a->row0, a->out, (int)a->n, \
+                        (int)a->k, (int)a->group, Q4, F16);                                        \
+  }                                                                                                \
+  int64_t flowllm_dequant_bf16_##NAME(const struct flowllm_dequant_bf16_##NAME##_args *a) {        \
+    return dequant_bf16_blocks(a->codes, a->scales, a->mins, a->rows, a->row0, a->out, (int)a->n,  \
+                               (int)a->k, (int)a->group, Q4, F16);                                 \
+  }
 
-/* a: codes, scales, offsets (0: none), rows, row0, out bf16 blocks, n, k, G */
-int64_t flowllm_dequant_bf16_q4_f16(const int64_t *a) { return dequant_bf16_blocks(a, 1, 1); }
-int64_t flowllm_dequant_bf16_q4_f32(const int64_t *a) { return dequant_bf16_blocks(a, 1, 0); }
-int64_t flowllm_dequant_bf16_q8_f16(const int64_t *a) { return dequant_bf16_blocks(a, 0, 1); }
-int64_t flowllm_dequant_bf16_q8_f32(const int64_t *a) { return dequant_bf16_blocks(a, 0, 0); }
+DEQUANT(q4_f16, 1, 1)
+DEQUANT(q4_f32, 1, 0)
+DEQUANT(q8_f16, 0, 1)
+DEQUANT(q8_f32, 0, 0)
