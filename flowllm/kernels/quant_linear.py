@@ -20,11 +20,14 @@ The kernel multiplies groups of 32 or more on integers, x rounded to int8 a bloc
 as llama.cpp does (`csrc/quant.c` says how, and the error's bound); Q6_K's groups of 16
 dequantize to float32 in registers.
 
-Batches below `TILE_FROM` rows run that kernel (each weight row's codes read once per four
-rows of x). Larger ones (prefills) dequantize tiles of rows and multiply them with the
-native bf16 kernel where the CPU has AVX512-BF16 (float32 torch otherwise), except while a
-decode step's calls are recorded (`flowllm.kernels.call_plan`), which replays only native
-calls. Without the native library, tiles and torch run at every size.
+Batches below `TILE_FROM` rows run that kernel: on AVX-512 VNNI it takes 16 outputs at a
+time, their codes unpacked once and dotted with up to 8 rows of x, so an extra row costs
+byte dots and a scale, not another unpack (benchmarks/README.md "Quantized weights" has
+the measurements that set `TILE_FROM`). Larger ones (prefills) dequantize tiles of rows and
+multiply them with the native bf16 kernel where the CPU has AVX512-BF16 (float32 torch
+otherwise), except while a decode step's calls are recorded (`flowllm.kernels.call_plan`),
+which replays only native calls. Without the native library, tiles and torch run at every
+size.
 """
 
 from __future__ import annotations
