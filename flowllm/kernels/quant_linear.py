@@ -20,14 +20,16 @@ The kernel multiplies groups of 32 or more on integers, x rounded to int8 a bloc
 as llama.cpp does (`csrc/quant.c` says how, and the error's bound); Q6_K's groups of 16
 dequantize to float32 in registers.
 
-Batches below `TILE_FROM` rows run that kernel: on AVX-512 VNNI it takes 16 outputs at a
-time, their codes unpacked once and dotted with up to 8 rows of x, so an extra row costs
-byte dots and a scale, not another unpack (benchmarks/README.md "Quantized weights" has
-the measurements that set `TILE_FROM`). Larger ones (prefills) dequantize tiles of rows and
-multiply them with the native bf16 kernel where the CPU has AVX512-BF16 (float32 torch
-otherwise), except while a decode step's calls are recorded (`flowllm.kernels.call_plan`),
-which replays only native calls. Without the native library, tiles and torch run at every
-size.
+Decode steps, recorded and replayed (`flowllm.kernels.call_plan`), run that kernel at any
+batch: on AVX-512 VNNI it takes 16 outputs at a time, their codes unpacked once and dotted
+with up to 8 rows of x, so an extra row costs byte dots and a scale, not another unpack.
+Eager products of `TILE_FROM` rows or more (prefills, mixed steps) dequantize tiles of rows
+and multiply them with the native bf16 kernel where the CPU has AVX512-BF16 (float32 torch
+otherwise): the exact weights with x in bf16, so a prompt's logits stay near the float
+model's and do not hinge on how x's int8 rounding fell (with int8 prefills, any
+change in the order of the kernel's float sums flipped the bundled model's answer to the
+README's chat request; benchmarks/README.md "Quantized weights"). Without the native
+library, tiles and torch run at every size.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 from flowllm.kernels import call_plan, cpu_linear, native
 
 Codes = Literal["q4", "q8"]
-TILE_FROM = 64  # rows of x from which a product dequantizes tiles instead (prefills)
+TILE_FROM = 16  # rows of x from which an eager product (prefills) dequantizes tiles instead
 TILE_VALUES = 1 << 20  # weight values dequantized per tile (4 MiB of float32)
 QK_K = 256  # values per K-format super-block
 

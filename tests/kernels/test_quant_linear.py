@@ -64,7 +64,7 @@ def test_products_match_dequantize_then_matmul(isa: str, type_name: str) -> None
     assert torch.equal(lin.rows(None, 0, N), w)  # the kernel's dequantization
     ids = torch.tensor([3, 0, N - 1, 3])
     assert torch.equal(lin.rows(ids), w[ids])
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):  # every group of rows a pass takes
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15):  # every group of rows a pass takes
         x = torch.randn(m, K)
         y = lin(x)
         assert y.dtype == torch.float32
