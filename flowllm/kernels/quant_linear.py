@@ -25,11 +25,11 @@ batch: on AVX-512 VNNI it takes 16 outputs at a time, their codes unpacked once 
 with up to 8 rows of x, so an extra row costs byte dots and a scale, not another unpack.
 Eager products of `TILE_FROM` rows or more (prefills, mixed steps) dequantize tiles of rows
 and multiply them with the native bf16 kernel where the CPU has AVX512-BF16 (float32 torch
-otherwise): the exact weights with x in bf16, so a prompt's logits stay near the float
-model's and do not hinge on how x's int8 rounding fell (with int8 prefills, any
-change in the order of the kernel's float sums flipped the bundled model's answer to the
-README's chat request; benchmarks/README.md "Quantized weights"). Without the native
-library, tiles and torch run at every size.
+from `FP32_TILE_FROM` rows otherwise): the exact weights with x in bf16, so a prompt's
+logits stay near the float model's and do not hinge on how x's int8 rounding fell (with
+int8 prefills, any change in the order of the kernel's float sums flipped the bundled
+model's answer to the README's chat request; benchmarks/README.md "Quantized weights").
+Without the native library, tiles and torch run at every size.
 """
 
 from __future__ import annotations
@@ -45,7 +45,10 @@ import torch.nn.functional as F
 from flowllm.kernels import call_plan, cpu_linear, native
 
 Codes = Literal["q4", "q8"]
-TILE_FROM = 16  # rows of x from which an eager product (prefills) dequantizes tiles instead
+TILE_FROM = 16  # rows of x from which an eager product (prefills) dequantizes bf16 tiles
+# ... where the CPU lacks the bf16 kernel, tiles are float32 torch products, which pay more:
+# the AVX2 build, which replays no decode step, keeps its eager decode batches below this
+FP32_TILE_FROM = 64
 TILE_VALUES = 1 << 20  # weight values dequantized per tile (4 MiB of float32)
 QK_K = 256  # values per K-format super-block
 
@@ -311,6 +314,8 @@ class QuantizedLinear:
         self._product: native.Kernel | None = None
         self._dequant: native.Kernel | None = None
         self._dequant_bf16: native.Kernel | None = None
+        bf16_tiles = self.lib is not None and cpu_linear.serves(torch.bfloat16)
+        self._tile_from = TILE_FROM if bf16_tiles else FP32_TILE_FROM
         if self.lib is not None:
             self._product = self.lib.kernel(_kernel_name("qlinear", weight))
             self._dequant = self.lib.kernel(_kernel_name("dequant", weight))
@@ -331,7 +336,7 @@ class QuantizedLinear:
         if (
             self.lib is None
             or self._product is None
-            or (m >= TILE_FROM and not call_plan.recording())
+            or (m >= self._tile_from and not call_plan.recording())
         ):
             y = self._tiled(x32)
         else:
