@@ -6,7 +6,8 @@ activations to int8 (as llama.cpp does; `flowllm/kernels/csrc/quant.c`), and pre
 script measures what that costs, against the float32 model with the file's values:
 
 - perplexity of a fixed text (below), the prompt's own logprobs: once with prefill chunks of
-  32 tokens (the batch-of-rows kernel) and once as one prefill (the bf16 tiles);
+  8 tokens (below `TILE_FROM`: the integer kernel) and once as one prefill (the bf16
+  tiles);
 - greedy agreement: the share of generated tokens equal to the reference's, position by
   position, and how many tokens come before the first difference, over a set of prompts.
 
@@ -98,7 +99,7 @@ def main() -> int:
     variants = [
         ("float32, dequantized (reference)", {"quantization": "none", "dtype": "float32"}),
         ("bfloat16, dequantized (for scale)", {"quantization": "none", "dtype": "bfloat16"}),
-        ("quantized, prefill chunks of 32", {"max_num_batched_tokens": 32}),
+        ("quantized, prefill chunks of 8 (int8 x)", {"max_num_batched_tokens": 8}),
         ("quantized, one prefill (bf16 tiles)", {}),
     ]
     for name, kwargs in variants:

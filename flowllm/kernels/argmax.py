@@ -1,12 +1,12 @@
 """Greedy sampling's argmax along logit rows: `torch.argmax(x, dim=1)`, faster on CPU.
 
-torch's CPU argmax along rows is a scalar loop (~57 µs per 50257-wide row, 8-15 ms for
-256 rows). With the native library, `csrc/argmax.c` does one vectorized pass per row
-(rows split across threads from 1M logits on). Without it, from `BLOCKED_FROM` logits on,
-the rows go by blocks through vectorized torch ops: the max of each 64-token block (amax),
-the first block holding the row's max, then the first maximal index inside that block.
-Both give exactly argmax's index: the first maximum, a NaN before anything (amax
-propagates NaN as argmax ranks it). Timings are in benchmarks/README.md "Pipeline overhead".
+torch's CPU argmax along rows is a scalar loop. With the native library, `csrc/argmax.c`
+does one vectorized pass per row (rows split across threads from 1M logits on). Without
+it, from `BLOCKED_FROM` logits on, the rows go by blocks through vectorized torch ops: the
+max of each 64-token block (amax), the first block holding the row's max, then the first
+maximal index inside that block. Both give exactly argmax's index: the first maximum, a NaN
+before anything (amax propagates NaN as argmax ranks it). Timings are in
+benchmarks/README.md "Pipeline overhead".
 """
 
 from __future__ import annotations
@@ -22,21 +22,21 @@ _BLOCK = 64  # torch fallback: block length
 
 
 @functools.cache
-def _kernel() -> tuple[native.NativeLibrary, int] | None:
+def _kernel() -> tuple[native.NativeLibrary, native.Kernel] | None:
     lib = native.avx512_library()
-    return None if lib is None else (lib, lib.address("flowllm_argmax_rows_f32"))
+    return None if lib is None else (lib, lib.kernel("flowllm_argmax_rows_f32"))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=1)` of [R, V] float32 logits, as int64 [R]."""
     kernel = _kernel()
     if kernel is not None and x.is_cpu and x.dtype is torch.float32 and x.stride(1) == 1:
-        lib, address = kernel
+        lib, argmax = kernel
         rows, vocab = x.shape
         out = torch.empty(rows, dtype=torch.int64)
         if rows and vocab:
             lib.follow_torch_threads()
-            lib.call(address, x.data_ptr(), rows, vocab, x.stride(0), out.data_ptr())
+            argmax(x=x, rows=rows, cols=vocab, row_stride=x.stride(0), out=out)
             return out
     return blocked_argmax_rows(x)
 

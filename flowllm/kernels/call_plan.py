@@ -2,9 +2,9 @@
 
 Why: a decode step of one batch shape makes the same kernel calls on the same buffers every
 time, only the values in its inputs change, and at small batches the Python between those
-calls (module calls, shape checks, views, allocations) is a large part of the step: ~80 µs
-a layer, ~2.4 ms of a ~15 ms SmolLM2 bf16 step at batch 1. Replaying the recorded calls
-removes it, as CUDA graphs do on a GPU.
+calls (module calls, shape checks, views, allocations) is a large part of the step
+(benchmarks/README.md "Where a batch-1 step's time went before replay"). Replaying the
+recorded calls removes it, as CUDA graphs do on a GPU.
 
 `record(lib, fn, inputs)` runs `fn` eagerly on copies of `inputs` (the plan's static
 inputs) while the library appends the thread's calls to a call list, under two torch modes:
@@ -127,11 +127,10 @@ class CallPlan:
         self.inputs = inputs
         self.outputs = outputs
         self.nbytes = nbytes  # what the plan's temporaries hold
-        self._calls = np.frombuffer(calls, dtype=np.int64)
+        self._calls = torch.frombuffer(bytearray(calls), dtype=torch.int64)
         self._keep = tuple(keep)
-        self._call = lib.call
         self._run_calls = lib.run_calls
-        self.num_calls = _count_calls(self._calls)
+        self.num_calls = _count_calls(self._calls.numpy())
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> Outputs | None:
         """The outputs for `inputs` (shaped, typed as the recorded ones), or None when a
@@ -145,7 +144,7 @@ class CallPlan:
                     f"for {tuple(static.shape)} {static.dtype}"
                 )
             static.copy_(new)
-        status = self._call(self._run_calls, self._calls.ctypes.data, self._calls.size)
+        status = self._run_calls(calls=self._calls, len=self._calls.numel())
         return None if status else self.outputs
 
 

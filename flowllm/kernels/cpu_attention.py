@@ -29,12 +29,11 @@ _BAD_SEQ_LEN, _BAD_BLOCK, _BAD_INDEX, _NO_MEMORY = 1, 2, 3, 4
 
 
 class _Kernels:
-    """The library's `call` and the two kernels' addresses."""
+    """The two kernels, bound."""
 
     def __init__(self, lib: native.NativeLibrary) -> None:
-        self.call = lib.call
-        self.decode_attention = lib.address("flowllm_decode_attention")
-        self.store_kv = lib.address("flowllm_store_kv")
+        self.decode_attention = lib.kernel("flowllm_decode_attention")
+        self.store_kv = lib.kernel("flowllm_store_kv")
 
 
 @functools.cache
@@ -134,19 +133,20 @@ def decode_attention(
     if (seqs is None) != (rows is None):
         raise KernelInputError("seqs and rows go together")
     if seqs is None or rows is None:
-        n, seqs_ptr, rows_ptr = num_seqs, 0, 0
+        n = num_seqs
     else:
         _check_index("seqs", seqs, torch.int64, 1)
         _check_index("rows", rows, torch.int64, 1)
         if rows.shape != seqs.shape:
             raise KernelInputError(f"seqs {tuple(seqs.shape)} and rows {tuple(rows.shape)}")
-        n, seqs_ptr, rows_ptr = seqs.shape[0], seqs.data_ptr(), rows.data_ptr()
-    status = fns.call(
-        fns.decode_attention, DTYPES[query.dtype], query.data_ptr(), query.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size, kv_heads,
-        num_heads // kv_heads, head_dim, block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), num_seqs, seqs_ptr, rows_ptr, n, num_tokens, scale,
-        out.data_ptr(), out.stride(0),
+        n = seqs.shape[0]
+    status = fns.decode_attention(
+        bf16=DTYPES[query.dtype], query=query, q_stride=query.stride(0), k_cache=k_cache,
+        v_cache=v_cache, num_blocks=num_blocks, block_size=block_size, kv_heads=kv_heads,
+        group=num_heads // kv_heads, head_dim=head_dim, block_tables=block_tables,
+        table_stride=block_tables.shape[1], seq_lens=seq_lens, num_seqs=num_seqs, seqs=seqs,
+        rows=rows, n=n, num_tokens=num_tokens, scale=float(scale), out=out,
+        out_stride=out.stride(0),
     )  # fmt: skip
     if status:
         code, entry = status % 256, status // 256
@@ -210,11 +210,11 @@ def store_kv(
         raise KernelInputError(
             f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
         )
-    status = fns.call(
-        fns.store_kv, key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
-        slot_mapping.data_ptr(), key.shape[0], key.shape[1] * key.shape[2],
-        k_cache.element_size(),
+    status = fns.store_kv(
+        key=key, key_stride=key.stride(0), value=value, value_stride=value.stride(0),
+        k_cache=k_cache, v_cache=v_cache, num_slots=k_cache.shape[0] * k_cache.shape[1],
+        slots=slot_mapping, n=key.shape[0], row=key.shape[1] * key.shape[2],
+        elem_size=k_cache.element_size(),
     )  # fmt: skip
     if status:
         token = status // 256

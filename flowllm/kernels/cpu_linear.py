@@ -1,9 +1,8 @@
 """y = x W^T + b on CPU with the native kernel of `csrc/linear.c`.
 
 The kernel reads W in 16-output blocks stored column by column (see `csrc/linear.c`), so
-a product streams one run of memory: from one thread, at one row, 19-23 GB/s over a decode
-step's products and 24-26 GB/s over GPT-2's LM head, where oneDNN's packed products read
-12-18 (`benchmarks/linear_step.py`; `flowllm.models.layers` has the comparison).
+a product streams one run of memory, faster than oneDNN's packed products read theirs
+(benchmarks/README.md "Linear step").
 `PackedLinear` packs W [out, in] into that layout once, checks each call's arguments
 (shape, dtype, contiguity, device) and runs the kernel through the library's `call`
 (~0.2 µs): a few µs per product with the checks and the output's allocation (~1 µs),
@@ -13,7 +12,6 @@ against ~15 µs for oneDNN's.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 
@@ -37,12 +35,12 @@ def serves(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def _kernel(dtype: torch.dtype) -> tuple[Callable[..., int], int]:
-    """The library's `call` and the kernel's address for `dtype`."""
+def _kernel(dtype: torch.dtype) -> native.Kernel:
+    """The kernel for `dtype`, bound."""
     lib = native.avx512_library()
     if lib is None or not serves(dtype):
         raise NativeLinearError(f"the native linear kernel cannot run {dtype} on this machine")
-    return lib.call, lib.address(_KERNELS[dtype])
+    return lib.kernel(_KERNELS[dtype])
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -85,7 +83,7 @@ class PackedLinear:
             raise NativeLinearError(f"the weight must be a 2-D CPU tensor, got {_describe(w)}")
         self.out_features, self.in_features = n, _ = w.shape
         self.dtype = w.dtype
-        self._call, self._kernel = _kernel(w.dtype)
+        self._kernel = _kernel(w.dtype)
         if bias is not None and (
             bias.dtype != w.dtype
             or bias.shape != (n,)
@@ -113,7 +111,7 @@ class PackedLinear:
         bias."""
         self = cls.__new__(cls)
         self.out_features, self.in_features, self.dtype = n, k, packed.dtype
-        self._call, self._kernel = _kernel(packed.dtype)
+        self._kernel = _kernel(packed.dtype)
         self.out_dtype = packed.dtype if out_dtype is None else out_dtype
         self._f32_out = int(self.out_dtype != packed.dtype)
         self.bias = None
@@ -136,9 +134,8 @@ class PackedLinear:
         m = x.shape[0]
         y = torch.empty(m, n, dtype=self.out_dtype)
         if m:
-            bias = 0 if self.bias is None else self.bias.data_ptr()
-            w = self.packed.data_ptr()
-            self._call(self._kernel, x.data_ptr(), w, bias, y.data_ptr(), m, n, k, self._f32_out)
+            extra = {"f32_out": self._f32_out} if self.dtype == torch.bfloat16 else {}
+            self._kernel(x=x, w=self.packed, bias=self.bias, y=y, m=m, n=n, k=k, **extra)
         return y
 
 

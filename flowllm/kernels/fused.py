@@ -2,13 +2,12 @@
 residual add, rotary embeddings in place and SiLU(gate) * up; GPT-2's LayerNorm after the
 residual add and its tanh GELU.
 
-At batch 1 a SmolLM2 layer ran ~25 small torch calls (3-8 µs each, ~2-4 ms per step over
-30 layers) around its four products; these kernels replace most of them with one C call
-each. They serve float32 and bfloat16 CPU tensors, contiguous (the rotary kernel takes a
-row stride); `serves` tells the layers when to call them, and the layers keep their torch
-formulas for everything else (other dtypes and devices, no native library). GPT-2's tanh
-GELU over a [256, 3072] bf16 batch took torch 0.75 ms per layer (two threads), ~8% of a
-batch-256 decode step; its LayerNorm and residual add ~0.18 ms per layer (~1%).
+At batch 1 a SmolLM2 layer ran ~25 small torch calls around its four products, each
+paying torch's fixed cost; these kernels replace most of them with one C call each. They
+serve float32 and bfloat16 CPU tensors, contiguous (the rotary kernel takes a row stride);
+`serves` tells the layers when to call them, and the layers keep their torch formulas for
+everything else (other dtypes and devices, no native library). Figures in
+benchmarks/README.md "Kernel design figures".
 """
 
 from __future__ import annotations
@@ -24,13 +23,11 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class _Kernels:
-    """The library's `call` and each kernel's address by dtype, looked up once."""
+    """Each kernel by dtype, bound once."""
 
     def __init__(self, lib: native.NativeLibrary) -> None:
-        self.call = lib.call
-
-        def by_dtype(name: str) -> dict[torch.dtype, int]:
-            return {dt: lib.address(f"flowllm_{name}_{sfx}") for dt, sfx in _SUFFIX.items()}
+        def by_dtype(name: str) -> dict[torch.dtype, native.Kernel]:
+            return {dt: lib.kernel(f"flowllm_{name}_{sfx}") for dt, sfx in _SUFFIX.items()}
 
         self.rms_norm = by_dtype("rms_norm")
         self.layer_norm = by_dtype("layer_norm")
@@ -74,9 +71,8 @@ def rms_norm(
     # x, residual: [n, d]; weight: [d] -> [n, d]
     k = _kernels()
     out = _norm_output(x, residual, weight)
-    res = 0 if residual is None else residual.data_ptr()
     n, d = x.shape
-    k.call(k.rms_norm[x.dtype], x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), n, d, eps)
+    k.rms_norm[x.dtype](x=x, residual=residual, weight=weight, out=out, n=n, d=d, eps=eps)
     return out
 
 
@@ -91,12 +87,10 @@ def layer_norm(
     # x, residual: [n, d]; weight, bias: [d] -> [n, d]
     k = _kernels()
     out = _norm_output(x, residual, weight, bias)
-    res = 0 if residual is None else residual.data_ptr()
     n, d = x.shape
-    k.call(
-        k.layer_norm[x.dtype], x.data_ptr(), res, weight.data_ptr(), bias.data_ptr(),
-        out.data_ptr(), n, d, eps,
-    )  # fmt: skip
+    k.layer_norm[x.dtype](
+        x=x, residual=residual, weight=weight, bias=bias, out=out, n=n, d=d, eps=eps
+    )
     return out
 
 
@@ -131,9 +125,9 @@ def rope_(
         raise KernelInputError(f"rotary width {rot} must be even and <= head_dim {head_dim}")
     _check("table", table, x.dtype, (table.shape[0], 2, rot))
     _check("positions", positions, torch.int64, (n,))
-    outside = k.call(
-        k.rope[x.dtype], x.data_ptr(), table.data_ptr(), table.shape[0], positions.data_ptr(),
-        n, heads, head_dim, x.stride(0), rot,
+    outside = k.rope[x.dtype](
+        x=x, table=table, table_rows=table.shape[0], positions=positions, n=n, heads=heads,
+        head_dim=head_dim, row_stride=x.stride(0), rot=rot,
     )  # fmt: skip
     if outside:
         raise KernelInputError(
@@ -150,7 +144,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if width % 2:
         raise KernelInputError(f"gate_up's width {width} is not even")
     out = gate_up.new_empty(n, width // 2)
-    k.call(k.silu_mul[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), n, width // 2)
+    k.silu_mul[gate_up.dtype](gate_up=gate_up, out=out, n=n, inter=width // 2)
     return out
 
 
@@ -159,5 +153,5 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     k = _kernels()
     _check("x", x, x.dtype, tuple(x.shape))
     out = torch.empty_like(x)
-    k.call(k.gelu_tanh[x.dtype], x.data_ptr(), out.data_ptr(), x.numel())
+    k.gelu_tanh[x.dtype](x=x, y=out, numel=x.numel())
     return out

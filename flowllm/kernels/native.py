@@ -3,9 +3,9 @@ extension module.
 
 Why C: at small batches a decode step is bound by how fast weights and K/V stream from
 memory, and by the fixed cost of each torch call. A product over a weight stored in the
-order the kernel reads it streams at the machine's copy rate from one thread (~28-30 GB/s
-here, bf16 and fp32 alike) where oneDNN and `F.linear` read 9-21 GB/s, and one C call
-costs ~1-2 µs where a torch op costs 5-15 µs.
+order the kernel reads it streams near the machine's copy rate from one thread, faster than
+oneDNN and `F.linear` read it, and one C call costs a fraction of a torch op's fixed cost
+(benchmarks/README.md "Linear step" and "Kernel design figures").
 
 The sources are compiled with the system C compiler (`$CC`, else `cc`/`gcc`) into
 `$FLOWLLM_CACHE/kernels/<hash>/`, the hash covering the sources, the flags and the
@@ -21,13 +21,15 @@ the CPU has it (`has_bf16`). Elsewhere — another architecture, no compiler,
 paths; `status()` says which build runs or why none does, and the server prints it at
 startup.
 
-Calling convention: every kernel is `int64_t name(const int64_t *args)`, returning 0 or
-what it found wrong in its inputs before writing anything (an index out of range); Python
-runs it with `NativeLibrary.call(address, *args) -> status` (csrc/module.c), which packs
-ints, tensor addresses and floats (as double bits) and releases the GIL for the call
-(~0.2 µs; ctypes took ~2 µs to convert 8 arguments). `NativeLibrary.address(name)` looks
-a kernel up once. A thread's calls can also be recorded into a call list and replayed
-in one call (`flowllm.kernels.call_plan`).
+Calling convention: every kernel `flowllm_<name>` takes one argument struct,
+`int64_t flowllm_<name>(const struct flowllm_<name>_args *)` (`csrc/kernel_args.h`), and
+returns 0 or what it found wrong in its inputs before writing anything (an index out of
+range). `NativeLibrary.kernel(symbol)` binds one: a `Kernel` called with named arguments,
+which `flowllm.kernels.kernel_args` checks and packs into the struct's bytes, run by
+`NativeLibrary.call(address, struct) -> status` (csrc/module.c) with the GIL released.
+Binding compares the library's layout of the struct with the Python declaration, so a
+library and a Python side that disagree fail there, not in a kernel. A thread's calls can
+also be recorded into a call list and replayed in one call (`flowllm.kernels.call_plan`).
 
 Parallel loops use OpenMP. torch is imported first and has loaded its own `libgomp.so.1`,
 which the library's `libgomp.so.1` dependency resolves to, so the kernels share torch's
@@ -57,6 +59,7 @@ import structlog
 import torch  # loaded before the library: its libgomp is the one the kernels use
 
 from flowllm.cache_dir import flowllm_cache_dir
+from flowllm.kernels.kernel_args import ARGS, c_layout
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 MODULE_NAME = "flowllm_cpu_kernels"
@@ -101,6 +104,20 @@ ISAS = {
 _log = structlog.get_logger("flowllm.kernels")
 
 
+class Kernel:
+    """One kernel bound to its argument struct: `kernel(name=value, ...) -> status`."""
+
+    def __init__(self, lib: NativeLibrary, symbol: str) -> None:
+        self.symbol = symbol
+        self.address = lib.address(symbol)
+        self.args = ARGS[symbol]
+        self._call = lib.call
+
+    def __call__(self, **named: object) -> int:
+        """Run the kernel on these arguments (see kernel_args: each checked first)."""
+        return self._call(self.address, self.args.pack(**named))
+
+
 class NativeLibrary:
     """The loaded library and what this CPU lets it run."""
 
@@ -110,7 +127,7 @@ class NativeLibrary:
             raise OSError(f"cannot load {path} as a Python extension")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        self.call: Callable[..., int] = module.call
+        self.call: Callable[[int, bytes], int] = module.call
         # this thread's calls also go to a call list, between these two (see call_plan)
         self.record_start: Callable[[], None] = module.record_start
         self.record_stop: Callable[[], bytes] = module.record_stop
@@ -118,20 +135,32 @@ class NativeLibrary:
         self.path = path
         self.isa = isa
         self.has_bf16 = has_bf16 and isa == "avx512"
+        self.layouts = c_layout(self._symbols)
         self._omp_max_threads = ctypes.CFUNCTYPE(ctypes.c_int)(
             self.address("flowllm_omp_max_threads")
         )
-        self._set_threads = self.address("flowllm_omp_set_threads")
-        self.run_calls = self.address("flowllm_run_calls")  # a: call list, its length
+        self._set_threads = self.kernel("flowllm_omp_set_threads")
+        self.run_calls = self.kernel("flowllm_run_calls")
 
     def address(self, name: str) -> int:
-        """A kernel's address, for `call`."""
+        """A function's address."""
         fn = getattr(self._symbols, name)
         return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
+    def kernel(self, symbol: str) -> Kernel:
+        """The kernel `symbol` bound to its argument struct; OSError when the library's
+        struct is not the one `kernel_args` declares."""
+        declared = ARGS[symbol].layout()
+        if self.layouts.get(symbol) != declared:
+            raise OSError(
+                f"{self.path}: {symbol}'s argument struct is {self.layouts.get(symbol)}, "
+                f"the Python side declares {declared}"
+            )
+        return Kernel(self, symbol)
+
     def follow_torch_threads(self) -> None:
         """Size the calling thread's OpenMP pool as torch's (`torch.get_num_threads()`)."""
-        self.call(self._set_threads, torch.get_num_threads())
+        self._set_threads(threads=torch.get_num_threads())
 
     def omp_max_threads(self) -> int:
         """The OpenMP pool size the kernels see (torch's, when they share its runtime)."""

@@ -20,11 +20,16 @@ The kernel multiplies groups of 32 or more on integers, x rounded to int8 a bloc
 as llama.cpp does (`csrc/quant.c` says how, and the error's bound); Q6_K's groups of 16
 dequantize to float32 in registers.
 
-Batches below `TILE_FROM` rows run that kernel (each weight row's codes read once per four
-rows of x). Larger ones (prefills) dequantize tiles of rows and multiply them with the
-native bf16 kernel where the CPU has AVX512-BF16 (float32 torch otherwise), except while a
-decode step's calls are recorded (`flowllm.kernels.call_plan`), which replays only native
-calls. Without the native library, tiles and torch run at every size.
+Decode steps, recorded and replayed (`flowllm.kernels.call_plan`), run that kernel at any
+batch: on AVX-512 VNNI it takes 16 outputs at a time, their codes unpacked once and dotted
+with up to 8 rows of x, so an extra row costs byte dots and a scale, not another unpack.
+Eager products of `TILE_FROM` rows or more (prefills, mixed steps) dequantize tiles of rows
+and multiply them with the native bf16 kernel where the CPU has AVX512-BF16 (float32 torch
+from `FP32_TILE_FROM` rows otherwise): the exact weights with x in bf16, so a prompt's
+logits stay near the float model's and do not hinge on how x's int8 rounding fell (with
+int8 prefills, any change in the order of the kernel's float sums flipped the bundled
+model's answer to the README's chat request; benchmarks/README.md "Quantized weights").
+Without the native library, tiles and torch run at every size.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ import torch.nn.functional as F
 from flowllm.kernels import call_plan, cpu_linear, native
 
 Codes = Literal["q4", "q8"]
-TILE_FROM = 64  # rows of x from which a product dequantizes tiles instead (prefills)
+TILE_FROM = 16  # rows of x from which an eager product (prefills) dequantizes bf16 tiles
+# ... where the CPU lacks the bf16 kernel, tiles are float32 torch products, which pay more:
+# the AVX2 build, which replays no decode step, keeps its eager decode batches below this
+FP32_TILE_FROM = 64
 TILE_VALUES = 1 << 20  # weight values dequantized per tile (4 MiB of float32)
 QK_K = 256  # values per K-format super-block
 
@@ -303,11 +311,15 @@ class QuantizedLinear:
         self.bias = bias
         self.out_dtype = out_dtype
         self.lib = lib if lib is not None else native.library()
-        self._product = self._dequant = self._dequant_bf16 = 0
+        self._product: native.Kernel | None = None
+        self._dequant: native.Kernel | None = None
+        self._dequant_bf16: native.Kernel | None = None
+        bf16_tiles = self.lib is not None and cpu_linear.serves(torch.bfloat16)
+        self._tile_from = TILE_FROM if bf16_tiles else FP32_TILE_FROM
         if self.lib is not None:
-            self._product = self.lib.address(_kernel_name("qlinear", weight))
-            self._dequant = self.lib.address(_kernel_name("dequant", weight))
-            self._dequant_bf16 = self.lib.address(_kernel_name("dequant_bf16", weight))
+            self._product = self.lib.kernel(_kernel_name("qlinear", weight))
+            self._dequant = self.lib.kernel(_kernel_name("dequant", weight))
+            self._dequant_bf16 = self.lib.kernel(_kernel_name("dequant_bf16", weight))
 
     def _bias32(self) -> torch.Tensor | None:
         if self.bias is None:
@@ -321,26 +333,21 @@ class QuantizedLinear:
             raise QuantError(f"x must be [m, {k}] on the CPU, got {tuple(x.shape)} {x.device}")
         x32 = x.to(torch.float32).contiguous()
         m = x32.shape[0]
-        if self.lib is None or (m >= TILE_FROM and not call_plan.recording()):
+        if (
+            self.lib is None
+            or self._product is None
+            or (m >= self._tile_from and not call_plan.recording())
+        ):
             y = self._tiled(x32)
         else:
             y = torch.empty(m, n, dtype=torch.float32)
             bias = self._bias32()
             w = self.weight
             if m:
-                self.lib.call(
-                    self._product,
-                    x32.data_ptr(),
-                    w.codes.data_ptr(),
-                    w.scales.data_ptr(),
-                    0 if w.mins is None else w.mins.data_ptr(),
-                    0 if bias is None else bias.data_ptr(),
-                    y.data_ptr(),
-                    m,
-                    n,
-                    k,
-                    w.group,
-                )
+                self._product(
+                    x=x32, codes=w.codes, scales=w.scales, mins=w.mins, bias=bias, y=y,
+                    m=m, n=n, k=k, group=w.group,
+                )  # fmt: skip
         return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
     def _tiled(self, x32: torch.Tensor) -> torch.Tensor:
@@ -367,21 +374,13 @@ class QuantizedLinear:
     def _bf16_tile(self, row0: int, rows: int) -> cpu_linear.PackedLinear:
         """Rows row0 .. row0 + rows of W dequantized to bf16 in the native bf16 kernel's
         layout, as a product with float32 outputs."""
-        assert self.lib is not None
+        assert self._dequant_bf16 is not None
         k, w = self.in_features, self.weight
         packed = torch.empty(-(-rows // 16), k // 2, 16, 2, dtype=torch.bfloat16)
-        self.lib.call(
-            self._dequant_bf16,
-            w.codes.data_ptr(),
-            w.scales.data_ptr(),
-            0 if w.mins is None else w.mins.data_ptr(),
-            rows,
-            row0,
-            packed.data_ptr(),
-            self.out_features,
-            k,
-            w.group,
-        )
+        self._dequant_bf16(
+            codes=w.codes, scales=w.scales, mins=w.mins, rows=rows, row0=row0, out=packed,
+            n=self.out_features, k=k, group=w.group,
+        )  # fmt: skip
         return cpu_linear.PackedLinear.from_packed(packed, rows, k, torch.float32)
 
     def rows(self, ids: torch.Tensor | None, row0: int = 0, count: int = 0) -> torch.Tensor:
@@ -394,7 +393,7 @@ class QuantizedLinear:
             count = ids.shape[0]
         elif row0 < 0 or count < 0 or row0 + count > n:
             raise QuantError(f"rows {row0}:{row0 + count} are outside [0, {n})")
-        if self.lib is None:
+        if self.lib is None or self._dequant is None:
             w = self.weight
             part = (
                 w.take_rows(ids)
@@ -404,19 +403,10 @@ class QuantizedLinear:
             return part.dequantize()
         out = torch.empty(count, k, dtype=torch.float32)
         w = self.weight
-        status = self.lib.call(
-            self._dequant,
-            w.codes.data_ptr(),
-            w.scales.data_ptr(),
-            0 if w.mins is None else w.mins.data_ptr(),
-            0 if ids is None else ids.data_ptr(),
-            count,
-            row0,
-            out.data_ptr(),
-            n,
-            k,
-            w.group,
-        )
+        status = self._dequant(
+            codes=w.codes, scales=w.scales, mins=w.mins, ids=ids, rows=count, row0=row0,
+            out=out, n=n, k=k, group=w.group,
+        )  # fmt: skip
         if status:
             bad = int(ids[status - 1]) if ids is not None else row0
             raise IndexError(f"row {bad} is outside [0, {n})")

@@ -213,9 +213,8 @@ def _attend_causal(
 
 
 # Gathered K (and as much V) per chunk of decode sequences. float32 SDPA reads K/V per
-# (sequence, head) and ran ~2x faster when a chunk stays in cache (B=256 x 192 tokens, GPT-2
-# heads: 39 ms in 4 MB chunks, 73 ms in 128 MB ones); the half-precision products pay per
-# call and did best with large chunks (64 MB: 20 ms against 30 ms in 16 MB chunks).
+# (sequence, head) and runs faster when a chunk stays in cache; the half-precision products
+# pay per call and do best with large chunks (benchmarks/README.md "Kernel design figures").
 _DECODE_CHUNK_BYTES_FP32 = 4 << 20
 _DECODE_CHUNK_BYTES_HALF = 64 << 20
 
@@ -298,8 +297,8 @@ def _attend_one_query_half(
 ) -> torch.Tensor:
     """bfloat16/float16: two batched products per sequence over all heads at once.
 
-    CPU SDPA with one query per sequence is slow in half precision (batch 32 × 192 tokens,
-    SmolLM2's 9/3 heads: 7 ms against 0.5 ms this way). The query matrix is block-diagonal
+    CPU SDPA with one query per sequence is slow in half precision (benchmarks/README.md
+    "Kernel design figures"). The query matrix is block-diagonal
     — head h's query sits in the rows of its kv head, zeros elsewhere — so one product
     with the [L, kv_heads * D] keys scores every head; it costs kv_heads times the FLOPs,
     cheap beside reading K/V. Scores are rounded to q's dtype by the product, softmax runs

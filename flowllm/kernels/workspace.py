@@ -3,8 +3,8 @@
 A CPU step's largest temporaries are the decode attention's gathered K/V (at batch 256 ×
 context 192, GPT-2 shape, float32: 151 MB each, per layer). Allocated fresh on a worker
 thread they cost page faults every step: glibc serves a block larger than a thread arena's
-64 MiB heap from a fresh mapping and unmaps it on free, whatever `mallopt` says, so
-gathering into a fresh tensor took 95 ms where gathering into a reused buffer took 11 ms.
+64 MiB heap from a fresh mapping and unmaps it on free, whatever `mallopt` says
+(benchmarks/README.md "Kernel design figures").
 """
 
 from __future__ import annotations

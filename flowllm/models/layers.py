@@ -10,25 +10,14 @@ layouts (`weight_layout`); one packing serves every row count:
   - oneDNN: fp16 where oneDNN supports it, and fp32/bf16 where the native kernel cannot
     run. `torch.ops.mkldnn._reorder_linear_weight` (the op torch's CPU compiler packs
     weights with: fp32 AB16b64a, bf16 AB16b64a2b), products by
-    `torch.ops.mkldnn._linear_pointwise`. It beat unpacked oneDNN, MKL's GEMV and packed
-    GEMM, and `F.linear` at every batch (fp32 GPT-2 decode step, batch 1: 21 ms against
-    24-28 ms).
-Native against oneDNN packed, measured on the development machine (AMD Zen 4, one thread,
-process CPU time, every linear product of one step in turn so weights stream from memory:
-`benchmarks/linear_step.py --threads 1 --cpu-time`), GPT-2 124M and SmolLM2-135M shapes:
-  - 1-8 rows: native takes 15-50% less time in both dtypes (1 row, fp32: GPT-2 23.9 ms
-    against 36.6, SmolLM2 24.3 against 40.4; bf16: 11.2 against 16.9, 12.1 against 20.7),
-    reading weights at 19-23 GB/s where oneDNN reads 12-18.
-  - 16-64 rows: native 1-9% faster. A 512-row prefill: level (0.99-1.02x). Both run near
-    the core's FMA rate there.
-  - Two threads (wall time, `--threads 2`, on the shared machine): native 0.62-0.77x of
-    oneDNN's time at 1-4 rows, 0.81-0.96x at 16-64 rows, 0.92-1.00x at 512 (33-34 GB/s at
-    one row), except where other work disturbed the run.
-So native replaced oneDNN outright for the dtypes it serves: no crossover and one copy of
-each weight, as before. It pads out to a multiple of 16 and (bf16) in to even: +15 rows on
-GPT-2's 50257-row LM head, nothing on the other shapes. A oneDNN call costs ~15 µs before
-it reads a byte, a native call a few µs (checks, output allocation); SmolLM2 makes
-121 products a step.
+    `torch.ops.mkldnn._linear_pointwise`, the fastest of the oneDNN, MKL and `F.linear`
+    products tried.
+Native replaced oneDNN outright for the dtypes it serves: at few rows it reads weights
+faster (one run per 16 outputs, a call of a few µs against oneDNN's ~15 µs before it
+reads a byte), from 16 rows both meet at the core's FMA rate, and no row count favours
+oneDNN, so each weight keeps one copy (benchmarks/README.md "Linear step" has the figures).
+It pads out to a multiple of 16 and (bf16) in to even: +15 rows on GPT-2's 50257-row LM
+head, nothing on the other shapes.
 
 A packed weight does not keep W's rows whole (oneDNN's is opaque; the native layout
 interleaves 16 rows), so rows cannot be gathered from it: a tied embedding keeps the

@@ -65,18 +65,14 @@ def keep_freed_memory_mapped() -> bool:
 
     A CPU step allocates many large temporaries (gathered KV, activations, logits). By
     default glibc serves each from a fresh mmap, so every step pays page faults and page
-    zeroing on all of them: gathering 100 MB of KV took 55 ms that way and 6 ms with this
-    setting. Process-wide and idempotent; returns False where the C library has no mallopt.
+    zeroing on all of them (benchmarks/README.md "Heap reuse for step temporaries" has the
+    figures). Process-wide and idempotent; returns False where the C library has no mallopt.
 
     The thresholds alone do not reach allocations on worker threads (execute and sample
     run there): each thread gets its own arena, whose heaps hold at most 64 MiB, and a
     larger block is mmapped and unmapped every time whatever the thresholds say. So the
     arenas are limited to one (M_ARENA_MAX = 1) and threads created from now on share the
-    main heap. Measured on one long-lived worker thread allocating, filling and freeing a
-    tensor 12 times (minor faults per step): 151 MB, 36,866 every step before, 0 from the
-    8th step on after (66 ms -> 6.5 ms per step); 51 MB ([256, 50257] float32 logits),
-    ~12,450 for the first 8-9 steps then 0 either way. In pipeline_overhead --vocab 50257
-    --fresh-logits at 256 sequences: 223-1,144 -> 4-95 faults per round.
+    main heap.
     """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -64,7 +64,7 @@ def test_products_match_dequantize_then_matmul(isa: str, type_name: str) -> None
     assert torch.equal(lin.rows(None, 0, N), w)  # the kernel's dequantization
     ids = torch.tensor([3, 0, N - 1, 3])
     assert torch.equal(lin.rows(ids), w[ids])
-    for m in (1, 2, 3, 4, 5, 9):  # every group of rows a pass takes
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15):  # every group of rows a pass takes
         x = torch.randn(m, K)
         y = lin(x)
         assert y.dtype == torch.float32
@@ -73,6 +73,22 @@ def test_products_match_dequantize_then_matmul(isa: str, type_name: str) -> None
     x = torch.randn(quant_linear.TILE_FROM + 3, K)
     expect = x @ w.T + bias
     torch.testing.assert_close(lin(x), expect, rtol=2e-2, atol=2e-2 * float(expect.abs().max()))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K"])
+def test_outputs_past_the_last_group_of_16(isa: str, type_name: str) -> None:
+    """Products run 16 outputs at a time where they can; the n % 16 last ones, and the
+    first ones, match the reference too."""
+    n = N + 8
+    raw = random_blocks(type_name, n, K, seed=3)
+    w = reference(raw, type_name, n)
+    lin = QuantizedLinear(
+        quant_linear.from_gguf(raw, type_name, (n, K)), lib=native.isa_library(isa)
+    )
+    for m in (1, 8, 11):
+        x = torch.randn(m, K)
+        assert_product(lin(x), x, w, exact_x=False)
 
 
 def test_rounding_x_to_int8_is_what_the_bound_allows() -> None:

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "flowllm.h"
+#include "kernel_args.h"
 
 static int64_t argmax_row_f32(const float *x, int64_t n) {
   const __m512i step = _mm512_set1_epi32(16);
@@ -30,12 +31,9 @@ static int64_t argmax_row_f32(const float *x, int64_t n) {
 
 #define PARALLEL_ELEMENTS (1 << 20) /* smaller batches run on the calling thread */
 
-/* a: x, rows, cols, row stride (elements), out (int64 [rows]); cols < 2^31 */
-int64_t flowllm_argmax_rows_f32(const int64_t *a) {
-  const float *x = (const float *)a[0];
-  const int64_t rows = a[1], cols = a[2], stride = a[3];
-  int64_t *out = (int64_t *)a[4];
+int64_t flowllm_argmax_rows_f32(const struct flowllm_argmax_rows_f32_args *a) {
+  const int64_t rows = a->rows, cols = a->cols;
   const int64_t parallel_from = rows * cols >= PARALLEL_ELEMENTS ? 2 : rows + 1;
-  FOR_ROWS(i, rows, parallel_from, out[i] = argmax_row_f32(x + i * stride, cols));
+  FOR_ROWS(i, rows, parallel_from, a->out[i] = argmax_row_f32(a->x + i * a->row_stride, cols));
   return 0;
 }

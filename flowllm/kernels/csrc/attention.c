@@ -19,6 +19,7 @@ softmax in one walk measured 5-40% slower: benchmarks/README.md.)
 #include <string.h>
 
 #include "flowllm.h"
+#include "kernel_args.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -31,220 +32,229 @@ enum { OK = 0, BAD_SEQ_LEN = 1, BAD_BLOCK = 2, BAD_INDEX = 3, NO_MEMORY = 4 };
    for float32 but p + 2k + half for bf16. Queries, keys, values and outputs all use this
    order, so dot products and sums see each element once and store16 undoes it. */
 INLINE __m512 load16(const void *base, int64_t p, const int half, const int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)base + p + 16 * half);
-    const __m512i pair = _mm512_loadu_si512((const uint16_t *)base + p);
-    return _mm512_castsi512_ps(half ? _mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF0000))
-                                    : _mm512_slli_epi32(pair, 16));
+  if (!bf16) return _mm512_loadu_ps((const float *)base + p + 16 * half);
+  const __m512i pair = _mm512_loadu_si512((const uint16_t *)base + p);
+  return _mm512_castsi512_ps(half ? _mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF0000))
+                                  : _mm512_slli_epi32(pair, 16));
 }
 
 /* Store lanes in load16's order, bf16 rounded to nearest even (NaN stays a quiet NaN)
    into every other 16-bit slot of the pair. */
 INLINE void store16(void *base, int64_t p, const int half, __m512 x, const int bf16) {
-    if (!bf16) {
-        _mm512_storeu_ps((float *)base + p + 16 * half, x);
-        return;
-    }
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
-    uint16_t *pair = (uint16_t *)base + p;
-    if (half) /* the odd elements: the high halves */
-        _mm512_mask_storeu_epi16(pair, 0xAAAAAAAA, rounded);
-    else
-        _mm512_mask_storeu_epi16(pair, 0x55555555, _mm512_srli_epi32(rounded, 16));
+  if (!bf16) {
+    _mm512_storeu_ps((float *)base + p + 16 * half, x);
+    return;
+  }
+  __m512i bits = _mm512_castps_si512(x);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+  uint16_t *pair = (uint16_t *)base + p;
+  if (half) /* the odd elements: the high halves */
+    _mm512_mask_storeu_epi16(pair, 0xAAAAAAAA, rounded);
+  else
+    _mm512_mask_storeu_epi16(pair, 0x55555555, _mm512_srli_epi32(rounded, 16));
 }
 
 /* Lane t of the result is the sum of v[t]'s lanes. */
 INLINE __m512 sum16(const __m512 v[16]) {
-    __m512 x[8], y[4], z[2];
-    for (int i = 0; i < 8; i++)  /* 256-bit halves: v[2i] in 128-bit lanes 0-1, v[2i+1] in 2-3 */
-        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)  /* 128-bit lane l: token 4i + l */
-        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)  /* lane l: tokens 8i + l and 8i + 4 + l, two floats each */
-        z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * i], y[2 * i + 1]),
-                             _mm512_unpackhi_ps(y[2 * i], y[2 * i + 1]));
-    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
-    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
-    /* float 4l + i of w holds token l + 4i */
-    __m512 w = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    return _mm512_permutexvar_ps(order, w);
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; i++) /* 256-bit halves: v[2i] in 128-bit lanes 0-1, v[2i+1] in 2-3 */
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++) /* 128-bit lane l: token 4i + l */
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++) /* lane l: tokens 8i + l and 8i + 4 + l, two floats each */
+    z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * i], y[2 * i + 1]),
+                         _mm512_unpackhi_ps(y[2 * i], y[2 * i + 1]));
+  __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
+  __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
+  /* float 4l + i of w holds token l + 4i */
+  __m512 w = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, w);
 }
 
 /* Walks one sequence's cache rows for one kv head in token order. */
 typedef struct {
-    const char *cache;    /* k_cache or v_cache, plus the kv head's offset */
-    const int32_t *table; /* the sequence's block-table row */
-    int64_t block_size;
-    int64_t row_bytes;    /* kv_heads * D elements: from one token's row to the next */
-    int64_t block, offset; /* where the next row is */
+  const char *cache;    /* k_cache or v_cache, plus the kv head's offset */
+  const int32_t *table; /* the sequence's block-table row */
+  int64_t block_size;
+  int64_t row_bytes;     /* kv_heads * D elements: from one token's row to the next */
+  int64_t block, offset; /* where the next row is */
 } Cursor;
 
 INLINE Cursor cursor(const void *cache, int64_t head_bytes, const int32_t *table,
                      int64_t block_size, int64_t row_bytes) {
-    return (Cursor){(const char *)cache + head_bytes, table, block_size, row_bytes, 0, 0};
+  return (Cursor){(const char *)cache + head_bytes, table, block_size, row_bytes, 0, 0};
 }
 
 INLINE const char *next_row(Cursor *c) {
-    const char *row =
-        c->cache + ((int64_t)c->table[c->block] * c->block_size + c->offset) * c->row_bytes;
-    if (++c->offset == c->block_size) c->offset = 0, c->block++;
-    return row;
+  const char *row =
+      c->cache + ((int64_t)c->table[c->block] * c->block_size + c->offset) * c->row_bytes;
+  if (++c->offset == c->block_size) c->offset = 0, c->block++;
+  return row;
 }
 
 /* A cursor over n rows of `bytes` each that keeps the row PREFETCH_ROWS ahead in flight:
    one row's compute is far shorter than a DRAM miss, and a kv head's slices of a block's
    rows (128 B every kv_heads * 128 B for bf16 GPT-2) do not train the hardware
-   prefetchers. Into L2 (T2): at batch 256 x 192 tokens, GPT-2 heads, bf16, one thread,
-   T2 took 9.5-10.4 ms for 16-32 rows ahead, T0 18-19 ms, no prefetch 26 ms. */
+   prefetchers. Into L2 (T2), which was fastest (benchmarks/README.md "Kernel design
+   figures"). */
 typedef struct {
-    Cursor at, ahead;
-    int64_t unfetched; /* rows not prefetched yet */
-    int64_t bytes;
+  Cursor at, ahead;
+  int64_t unfetched; /* rows not prefetched yet */
+  int64_t bytes;
 } Stream;
 
 INLINE void prefetch_next(Stream *s) {
-    if (s->unfetched > 0) {
-        const char *row = next_row(&s->ahead);
-        for (int64_t i = 0; i < s->bytes; i += 64) _mm_prefetch(row + i, _MM_HINT_T2);
-        s->unfetched--;
-    }
+  if (s->unfetched > 0) {
+    const char *row = next_row(&s->ahead);
+    for (int64_t i = 0; i < s->bytes; i += 64) _mm_prefetch(row + i, _MM_HINT_T2);
+    s->unfetched--;
+  }
 }
 
 INLINE Stream stream(Cursor c, int64_t n, int64_t bytes) {
-    Stream s = {c, c, n, bytes};
-    for (int i = 0; i < PREFETCH_ROWS; i++) prefetch_next(&s);
-    return s;
+  Stream s = {c, c, n, bytes};
+  for (int i = 0; i < PREFETCH_ROWS; i++) prefetch_next(&s);
+  return s;
 }
 
 INLINE const char *stream_next(Stream *s) {
-    prefetch_next(s);
-    return next_row(&s->at);
+  prefetch_next(s);
+  return next_row(&s->at);
 }
 
 /* scores[h * stride + t] = qf[h] . k[t] for t < n (qf is scaled already). */
-INLINE void score(const float *qf, int64_t group, int64_t D, Cursor keys, int64_t n,
-                  float *scores, int64_t stride, const int bf16) {
-    Stream rows = stream(keys, n, D * (bf16 ? 2 : 4));
-    for (int64_t t0 = 0; t0 < n; t0 += LANES) {
-        const int64_t m = n - t0 < LANES ? n - t0 : LANES;
-        const char *k[LANES];
-        for (int j = 0; j < m; j++) k[j] = stream_next(&rows);
-        for (int j = m; j < LANES; j++) k[j] = k[0]; /* any valid row: the lane is dropped */
-        for (int64_t h = 0; h < group; h++) {
-            /* 16 independent sums (one per token) over the head's chunks of 16 */
-            __m512 part[LANES];
-            for (int j = 0; j < LANES; j++) part[j] = _mm512_setzero_ps();
-            int64_t c = 0;
-            for (; c + 2 * LANES <= D; c += 2 * LANES) {
-                const __m512 q0 = _mm512_loadu_ps(qf + h * D + c);
-                const __m512 q1 = _mm512_loadu_ps(qf + h * D + c + LANES);
-                for (int j = 0; j < LANES; j++) {
-                    part[j] = _mm512_fmadd_ps(q0, load16(k[j], c, 0, bf16), part[j]);
-                    part[j] = _mm512_fmadd_ps(q1, load16(k[j], c, 1, bf16), part[j]);
-                }
-            }
-            if (c < D) { /* float32 rows of 16 (mod 32) elements */
-                const __m512 q0 = _mm512_loadu_ps(qf + h * D + c);
-                for (int j = 0; j < LANES; j++)
-                    part[j] = _mm512_fmadd_ps(q0, load16(k[j], c, 0, bf16), part[j]);
-            }
-            _mm512_mask_storeu_ps(scores + h * stride + t0, (__mmask16)((1u << m) - 1),
-                                  sum16(part));
+INLINE void score(const float *qf, int64_t group, int64_t D, Cursor keys, int64_t n, float *scores,
+                  int64_t stride, const int bf16) {
+  Stream rows = stream(keys, n, D * (bf16 ? 2 : 4));
+  for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+    const int64_t m = n - t0 < LANES ? n - t0 : LANES;
+    const char *k[LANES];
+    for (int j = 0; j < m; j++) k[j] = stream_next(&rows);
+    for (int j = m; j < LANES; j++) k[j] = k[0]; /* any valid row: the lane is dropped */
+    for (int64_t h = 0; h < group; h++) {
+      /* 16 independent sums (one per token) over the head's chunks of 16 */
+      __m512 part[LANES];
+      for (int j = 0; j < LANES; j++) part[j] = _mm512_setzero_ps();
+      int64_t c = 0;
+      for (; c + 2 * LANES <= D; c += 2 * LANES) {
+        const __m512 q0 = _mm512_loadu_ps(qf + h * D + c);
+        const __m512 q1 = _mm512_loadu_ps(qf + h * D + c + LANES);
+        for (int j = 0; j < LANES; j++) {
+          part[j] = _mm512_fmadd_ps(q0, load16(k[j], c, 0, bf16), part[j]);
+          part[j] = _mm512_fmadd_ps(q1, load16(k[j], c, 1, bf16), part[j]);
         }
+      }
+      if (c < D) { /* float32 rows of 16 (mod 32) elements */
+        const __m512 q0 = _mm512_loadu_ps(qf + h * D + c);
+        for (int j = 0; j < LANES; j++)
+          part[j] = _mm512_fmadd_ps(q0, load16(k[j], c, 0, bf16), part[j]);
+      }
+      _mm512_mask_storeu_ps(scores + h * stride + t0, (__mmask16)((1u << m) - 1), sum16(part));
     }
+  }
 }
 
 /* scores[0..n) -> exp(scores - max) in place; returns their sum. */
 INLINE float softmax_numerators(float *scores, int64_t n) {
-    __m512 mx = _mm512_set1_ps(-__builtin_inff());
-    for (int64_t t = 0; t < n; t += LANES) {
-        __mmask16 valid = n - t < LANES ? (__mmask16)((1u << (n - t)) - 1) : 0xFFFF;
-        mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_loadu_ps(scores + t));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t += LANES) {
-        __mmask16 valid = n - t < LANES ? (__mmask16)((1u << (n - t)) - 1) : 0xFFFF;
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), m));
-        e = _mm512_maskz_mov_ps(valid, e); /* lanes past n hold scratch garbage */
-        _mm512_storeu_ps(scores + t, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    return _mm512_reduce_add_ps(sum);
+  __m512 mx = _mm512_set1_ps(-__builtin_inff());
+  for (int64_t t = 0; t < n; t += LANES) {
+    __mmask16 valid = n - t < LANES ? (__mmask16)((1u << (n - t)) - 1) : 0xFFFF;
+    mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_loadu_ps(scores + t));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += LANES) {
+    __mmask16 valid = n - t < LANES ? (__mmask16)((1u << (n - t)) - 1) : 0xFFFF;
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), m));
+    e = _mm512_maskz_mov_ps(valid, e); /* lanes past n hold scratch garbage */
+    _mm512_storeu_ps(scores + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 
 /* out[h][c0 + c] = sum_t p[h][t] v[t][c0 + c] * inv[h] for HN heads and CN vectors of D,
    the accumulators held in registers across the walk over the rows. */
-INLINE void weigh_values(const float *p, int64_t stride, const float *inv, Cursor values,
-                         int64_t n, int64_t c0, void *out, int64_t D, const int HN,
-                         const int CN, const int bf16) {
-    const int esz = bf16 ? 2 : 4;
-    __m512 acc[HEADS_PER_PASS][VECS_PER_PASS];
-    for (int h = 0; h < HN; h++)
-        for (int c = 0; c < CN; c++) acc[h][c] = _mm512_setzero_ps();
-    values.cache += c0 * esz;
-    Stream rows = stream(values, n, CN * LANES * esz);
-    for (int64_t t = 0; t < n; t++) {
-        const char *row = stream_next(&rows);
-        for (int c = 0; c < CN; c++) {
-            const __m512 v = load16(row, c / 2 * 2 * LANES, c % 2, bf16);
-            for (int h = 0; h < HN; h++)
-                acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * stride + t]), v, acc[h][c]);
-        }
+INLINE void weigh_values(const float *p, int64_t stride, const float *inv, Cursor values, int64_t n,
+                         int64_t c0, void *out, int64_t D, const int HN, const int CN,
+                         const int bf16) {
+  const int esz = bf16 ? 2 : 4;
+  __m512 acc[HEADS_PER_PASS][VECS_PER_PASS];
+  for (int h = 0; h < HN; h++)
+    for (int c = 0; c < CN; c++) acc[h][c] = _mm512_setzero_ps();
+  values.cache += c0 * esz;
+  Stream rows = stream(values, n, CN * LANES * esz);
+  for (int64_t t = 0; t < n; t++) {
+    const char *row = stream_next(&rows);
+    for (int c = 0; c < CN; c++) {
+      const __m512 v = load16(row, c / 2 * 2 * LANES, c % 2, bf16);
+      for (int h = 0; h < HN; h++)
+        acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * stride + t]), v, acc[h][c]);
     }
-    for (int h = 0; h < HN; h++)
-        for (int c = 0; c < CN; c++)
-            store16(out, h * D + c0 + c / 2 * 2 * LANES, c % 2,
-                    _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])), bf16);
+  }
+  for (int h = 0; h < HN; h++)
+    for (int c = 0; c < CN; c++)
+      store16(out, h * D + c0 + c / 2 * 2 * LANES, c % 2,
+              _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])), bf16);
 }
 
-#define WEIGH_CASE(H, C)                                                 \
-    case (H - 1) * VECS_PER_PASS + C - 1:                                \
-        weigh_values(p, stride, inv, values, n, c0, out, D, H, C, bf16); \
-        break;
+#define WEIGH_CASE(H, C)                                             \
+  case (H - 1) * VECS_PER_PASS + C - 1:                              \
+    weigh_values(p, stride, inv, values, n, c0, out, D, H, C, bf16); \
+    break;
 
 /* weigh_values with compile-time HN, CN (so its accumulators stay in registers). */
 INLINE void weigh_values_any(const float *p, int64_t stride, const float *inv, Cursor values,
                              int64_t n, int64_t c0, void *out, int64_t D, int hn, int cn,
                              const int bf16) {
-    switch ((hn - 1) * VECS_PER_PASS + cn - 1) {
-        WEIGH_CASE(1, 1) WEIGH_CASE(1, 2) WEIGH_CASE(1, 3) WEIGH_CASE(1, 4)
-        WEIGH_CASE(2, 1) WEIGH_CASE(2, 2) WEIGH_CASE(2, 3) WEIGH_CASE(2, 4)
-        WEIGH_CASE(3, 1) WEIGH_CASE(3, 2) WEIGH_CASE(3, 3) WEIGH_CASE(3, 4)
-        WEIGH_CASE(4, 1) WEIGH_CASE(4, 2) WEIGH_CASE(4, 3) WEIGH_CASE(4, 4)
-    }
+  switch ((hn - 1) * VECS_PER_PASS + cn - 1) {
+    WEIGH_CASE(1, 1)
+    WEIGH_CASE(1, 2)
+    WEIGH_CASE(1, 3)
+    WEIGH_CASE(1, 4)
+    WEIGH_CASE(2, 1)
+    WEIGH_CASE(2, 2)
+    WEIGH_CASE(2, 3)
+    WEIGH_CASE(2, 4)
+    WEIGH_CASE(3, 1)
+    WEIGH_CASE(3, 2)
+    WEIGH_CASE(3, 3)
+    WEIGH_CASE(3, 4)
+    WEIGH_CASE(4, 1)
+    WEIGH_CASE(4, 2)
+    WEIGH_CASE(4, 3)
+    WEIGH_CASE(4, 4)
+  }
 }
 
 /* One (sequence, kv head): q and out point at its group's [group, D] heads; keys and
    values walk its rows. */
-INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t group,
-                   int64_t D, float scale, float *scratch, int64_t stride, void *out,
-                   const int bf16) {
-    float *qf = scratch;         /* [group, D] */
-    float *inv = qf + group * D; /* [group] */
-    float *scores = inv + group; /* [group, stride] */
-    for (int64_t i = 0; i < group * D; i += LANES) {
-        const __m512 x = i & LANES ? load16(q, i - LANES, 1, bf16) : load16(q, i, 0, bf16);
-        _mm512_storeu_ps(qf + i, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
+INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t group, int64_t D,
+                   float scale, float *scratch, int64_t stride, void *out, const int bf16) {
+  float *qf = scratch;         /* [group, D] */
+  float *inv = qf + group * D; /* [group] */
+  float *scores = inv + group; /* [group, stride] */
+  for (int64_t i = 0; i < group * D; i += LANES) {
+    const __m512 x = i & LANES ? load16(q, i - LANES, 1, bf16) : load16(q, i, 0, bf16);
+    _mm512_storeu_ps(qf + i, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
+  }
+  score(qf, group, D, keys, n, scores, stride, bf16);
+  for (int64_t h = 0; h < group; h++) inv[h] = 1.0f / softmax_numerators(scores + h * stride, n);
+  for (int64_t h0 = 0; h0 < group; h0 += HEADS_PER_PASS) {
+    const int hn = group - h0 < HEADS_PER_PASS ? (int)(group - h0) : HEADS_PER_PASS;
+    for (int64_t c0 = 0; c0 < D; c0 += VECS_PER_PASS * LANES) {
+      const int64_t left = (D - c0) / LANES;
+      const int cn = left < VECS_PER_PASS ? (int)left : VECS_PER_PASS;
+      weigh_values_any(scores + h0 * stride, stride, inv + h0, values, n, c0,
+                       (char *)out + h0 * D * (bf16 ? 2 : 4), D, hn, cn, bf16);
     }
-    score(qf, group, D, keys, n, scores, stride, bf16);
-    for (int64_t h = 0; h < group; h++)
-        inv[h] = 1.0f / softmax_numerators(scores + h * stride, n);
-    for (int64_t h0 = 0; h0 < group; h0 += HEADS_PER_PASS) {
-        const int hn = group - h0 < HEADS_PER_PASS ? (int)(group - h0) : HEADS_PER_PASS;
-        for (int64_t c0 = 0; c0 < D; c0 += VECS_PER_PASS * LANES) {
-            const int64_t left = (D - c0) / LANES;
-            const int cn = left < VECS_PER_PASS ? (int)left : VECS_PER_PASS;
-            weigh_values_any(scores + h0 * stride, stride, inv + h0, values, n, c0,
-                             (char *)out + h0 * D * (bf16 ? 2 : 4), D, hn, cn, bf16);
-        }
-    }
+  }
 }
 
 /* Attention of `n` decode queries over their sequences' cached context.
@@ -255,98 +265,91 @@ INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t
    anything is read: returns OK, or BAD_INDEX / BAD_SEQ_LEN / BAD_BLOCK with *bad set to
    the offending entry i, or NO_MEMORY. */
 static int decode_attention(int bf16, const void *query, int64_t q_stride, const void *k_cache,
-                             const void *v_cache, int64_t num_blocks, int64_t block_size,
-                             int64_t kv_heads, int64_t group, int64_t D,
-                             const int32_t *block_tables, int64_t table_stride,
-                             const int32_t *seq_lens, int64_t num_seqs, const int64_t *seqs,
-                             const int64_t *rows, int64_t n, int64_t num_tokens, float scale,
-                             void *out, int64_t out_stride, int64_t *bad) {
-    int64_t longest = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t s = seqs ? seqs[i] : i, r = rows ? rows[i] : s;
-        *bad = i;
-        if (s < 0 || s >= num_seqs || r < 0 || r >= num_tokens) return BAD_INDEX;
-        const int64_t len = seq_lens[s], nb = (len + block_size - 1) / block_size;
-        if (len < 1 || nb > table_stride) return BAD_SEQ_LEN;
-        for (int64_t b = 0; b < nb; b++) {
-            const int32_t id = block_tables[s * table_stride + b];
-            if (id < 0 || id >= num_blocks) return BAD_BLOCK;
-        }
-        longest = len > longest ? len : longest;
+                            const void *v_cache, int64_t num_blocks, int64_t block_size,
+                            int64_t kv_heads, int64_t group, int64_t D, const int32_t *block_tables,
+                            int64_t table_stride, const int32_t *seq_lens, int64_t num_seqs,
+                            const int64_t *seqs, const int64_t *rows, int64_t n, int64_t num_tokens,
+                            float scale, void *out, int64_t out_stride, int64_t *bad) {
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t s = seqs ? seqs[i] : i, r = rows ? rows[i] : s;
+    *bad = i;
+    if (s < 0 || s >= num_seqs || r < 0 || r >= num_tokens) return BAD_INDEX;
+    const int64_t len = seq_lens[s], nb = (len + block_size - 1) / block_size;
+    if (len < 1 || nb > table_stride) return BAD_SEQ_LEN;
+    for (int64_t b = 0; b < nb; b++) {
+      const int32_t id = block_tables[s * table_stride + b];
+      if (id < 0 || id >= num_blocks) return BAD_BLOCK;
     }
-    const int64_t stride = (longest + LANES - 1) / LANES * LANES; /* scores per head */
-    const int64_t esz = bf16 ? 2 : 4;
-    int status = OK;
+    longest = len > longest ? len : longest;
+  }
+  const int64_t stride = (longest + LANES - 1) / LANES * LANES; /* scores per head */
+  const int64_t esz = bf16 ? 2 : 4;
+  int status = OK;
 #pragma omp parallel if (n * kv_heads > 1)
-    {
-        float *scratch = malloc((group * (D + 1 + stride)) * sizeof(float));
-        if (scratch == NULL) {
+  {
+    float *scratch = malloc((group * (D + 1 + stride)) * sizeof(float));
+    if (scratch == NULL) {
 #pragma omp atomic write
-            status = NO_MEMORY;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < n * kv_heads; item++) {
-            if (scratch == NULL) continue;
-            const int64_t i = item / kv_heads, j = item % kv_heads;
-            const int64_t s = seqs ? seqs[i] : i, r = rows ? rows[i] : s;
-            const int32_t *table = block_tables + s * table_stride;
-            const int64_t head = j * D * esz, row = kv_heads * D * esz;
-            const Cursor keys = cursor(k_cache, head, table, block_size, row);
-            const Cursor values = cursor(v_cache, head, table, block_size, row);
-            const char *q = (const char *)query + (r * q_stride + j * group * D) * esz;
-            char *o = (char *)out + (r * out_stride + j * group * D) * esz;
-            if (bf16)
-                attend(q, keys, values, seq_lens[s], group, D, scale, scratch, stride, o, 1);
-            else
-                attend(q, keys, values, seq_lens[s], group, D, scale, scratch, stride, o, 0);
-        }
-        free(scratch);
+      status = NO_MEMORY;
     }
-    return status;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n * kv_heads; item++) {
+      if (scratch == NULL) continue;
+      const int64_t i = item / kv_heads, j = item % kv_heads;
+      const int64_t s = seqs ? seqs[i] : i, r = rows ? rows[i] : s;
+      const int32_t *table = block_tables + s * table_stride;
+      const int64_t head = j * D * esz, row = kv_heads * D * esz;
+      const Cursor keys = cursor(k_cache, head, table, block_size, row);
+      const Cursor values = cursor(v_cache, head, table, block_size, row);
+      const char *q = (const char *)query + (r * q_stride + j * group * D) * esz;
+      char *o = (char *)out + (r * out_stride + j * group * D) * esz;
+      if (bf16)
+        attend(q, keys, values, seq_lens[s], group, D, scale, scratch, stride, o, 1);
+      else
+        attend(q, keys, values, seq_lens[s], group, D, scale, scratch, stride, o, 0);
+    }
+    free(scratch);
+  }
+  return status;
 }
 
 /* cache rows slots[i] <- key/value rows i (kv_heads * D contiguous elements of `esz` bytes
    each, token strides in elements). Returns OK, or BAD_BLOCK with *bad set to the first
    token whose slot is outside the cache (nothing written then). */
-static int store_kv(const void *key, int64_t key_stride, const void *value,
-                     int64_t value_stride, void *k_cache, void *v_cache, int64_t num_slots,
-                     const int64_t *slots, int64_t n, int64_t row, int64_t esz, int64_t *bad) {
-    for (int64_t i = 0; i < n; i++) {
-        if (slots[i] < 0 || slots[i] >= num_slots) {
-            *bad = i;
-            return BAD_BLOCK;
-        }
+static int store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride,
+                    void *k_cache, void *v_cache, int64_t num_slots, const int64_t *slots,
+                    int64_t n, int64_t row, int64_t esz, int64_t *bad) {
+  for (int64_t i = 0; i < n; i++) {
+    if (slots[i] < 0 || slots[i] >= num_slots) {
+      *bad = i;
+      return BAD_BLOCK;
     }
-    const int64_t bytes = row * esz;
-    for (int64_t i = 0; i < n; i++) {
-        memcpy((char *)k_cache + slots[i] * bytes, (const char *)key + i * key_stride * esz, bytes);
-        memcpy((char *)v_cache + slots[i] * bytes, (const char *)value + i * value_stride * esz,
-               bytes);
-    }
-    return OK;
+  }
+  const int64_t bytes = row * esz;
+  for (int64_t i = 0; i < n; i++) {
+    memcpy((char *)k_cache + slots[i] * bytes, (const char *)key + i * key_stride * esz, bytes);
+    memcpy((char *)v_cache + slots[i] * bytes, (const char *)value + i * value_stride * esz, bytes);
+  }
+  return OK;
 }
 
-/* ---- Entry points (module.c's convention). A failed check returns its code + 256 times
-   the offending entry's index. ---- */
+/* ---- Entry points (kernel_args.h). A failed check returns its code + 256 times the
+   offending entry's index. ---- */
 
-/* a: bf16, query, q_stride, k_cache, v_cache, num_blocks, block_size, kv_heads, group, D,
-      block_tables, table_stride, seq_lens, num_seqs, seqs (0: none), rows (0: none), n,
-      num_tokens, scale, out, out_stride */
-int64_t flowllm_decode_attention(const int64_t *a) {
-    int64_t bad = 0;
-    const int status = decode_attention(
-        (int)a[0], (const void *)a[1], a[2], (const void *)a[3], (const void *)a[4], a[5], a[6],
-        a[7], a[8], a[9], (const int32_t *)a[10], a[11], (const int32_t *)a[12], a[13],
-        (const int64_t *)a[14], (const int64_t *)a[15], a[16], a[17], (float)arg_f64(a[18]),
-        (void *)a[19], a[20], &bad);
-    return status == OK ? 0 : status + 256 * bad;
+int64_t flowllm_decode_attention(const struct flowllm_decode_attention_args *a) {
+  int64_t bad = 0;
+  const int status =
+      decode_attention((int)a->bf16, a->query, a->q_stride, a->k_cache, a->v_cache, a->num_blocks,
+                       a->block_size, a->kv_heads, a->group, a->head_dim, a->block_tables,
+                       a->table_stride, a->seq_lens, a->num_seqs, a->seqs, a->rows, a->n,
+                       a->num_tokens, (float)a->scale, a->out, a->out_stride, &bad);
+  return status == OK ? 0 : status + 256 * bad;
 }
 
-/* a: key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, n, row, esz */
-int64_t flowllm_store_kv(const int64_t *a) {
-    int64_t bad = 0;
-    const int status = store_kv((const void *)a[0], a[1], (const void *)a[2], a[3], (void *)a[4],
-                                (void *)a[5], a[6], (const int64_t *)a[7], a[8], a[9], a[10],
-                                &bad);
-    return status == OK ? 0 : status + 256 * bad;
+int64_t flowllm_store_kv(const struct flowllm_store_kv_args *a) {
+  int64_t bad = 0;
+  const int status = store_kv(a->key, a->key_stride, a->value, a->value_stride, a->k_cache,
+                              a->v_cache, a->num_slots, a->slots, a->n, a->row, a->elem_size, &bad);
+  return status == OK ? 0 : status + 256 * bad;
 }

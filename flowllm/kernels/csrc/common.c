@@ -1,14 +1,32 @@
-/* Library-wide helpers: the OpenMP pool size the kernels run with. */
+/* Library-wide helpers: the OpenMP pool size the kernels run with, and the layout of the
+ * kernels' argument structs. */
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
+
+#include "kernel_args.h"
 
 /* Plain C, for ctypes: the calling thread's pool size. */
 int flowllm_omp_max_threads(void) { return omp_get_max_threads(); }
 
-/* a: threads. OpenMP keeps the pool size per thread, and torch sets it in a thread only at
- * that thread's first parallel op, so a worker thread that calls a kernel first would run
- * it on OpenMP's default (every core) instead of torch's count. */
-int64_t flowllm_omp_set_threads(const int64_t *a) {
-  omp_set_num_threads((int)a[0]);
+/* OpenMP keeps the pool size per thread, and torch sets it in a thread only at that
+ * thread's first parallel op, so a worker thread that calls a kernel first would run it on
+ * OpenMP's default (every core) instead of torch's count. */
+int64_t flowllm_omp_set_threads(const struct flowllm_omp_set_threads_args *a) {
+  omp_set_num_threads((int)a->threads);
   return 0;
+}
+
+#define LAYOUT_FIELD(S, type, name) \
+  {"flowllm_" #S "_args", #name, #type, offsetof(struct flowllm_##S##_args, name), sizeof(type)},
+#define LAYOUT_STRUCT(kernel, LIST, ...)                                         \
+  LIST(LAYOUT_FIELD, kernel, __VA_ARGS__){"flowllm_" #kernel "_args", "", "", 0, \
+                                          sizeof(struct flowllm_##kernel##_args)},
+
+static const struct flowllm_field layout[] = {FLOWLLM_KERNELS(LAYOUT_STRUCT)};
+
+/* Plain C, for ctypes (flowllm/kernels/kernel_args.py compares it with its own). */
+int64_t flowllm_args_layout(const struct flowllm_field **out) {
+  *out = layout;
+  return (int64_t)(sizeof layout / sizeof layout[0]);
 }

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "flowllm.h"
+#include "kernel_args.h"
 
 /* ---- RMSNorm ------------------------------------------------------------------------ */
 
@@ -39,13 +40,13 @@ static void rms_norm_row_f32(const float *xi, float *ri, const float *w, float *
   float inv = 1.0f / sqrtf(sum / (float)d + eps);
   __m512 vinv = _mm512_set1_ps(inv);
   for (j = 0; j + 16 <= d; j += 16)
-    _mm512_storeu_ps(oi + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(h + j), vinv),
-                                           _mm512_loadu_ps(w + j)));
+    _mm512_storeu_ps(
+        oi + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(h + j), vinv), _mm512_loadu_ps(w + j)));
   for (; j < d; j++) oi[j] = h[j] * inv * w[j];
 }
 
-static void rms_norm_row_bf16(const uint16_t *xi, uint16_t *ri, const uint16_t *w,
-                              uint16_t *oi, int64_t d, float eps) {
+static void rms_norm_row_bf16(const uint16_t *xi, uint16_t *ri, const uint16_t *w, uint16_t *oi,
+                              int64_t d, float eps) {
   __m512 acc = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= d; j += 16) {
@@ -89,34 +90,33 @@ static void rms_norm_row_bf16(const uint16_t *xi, uint16_t *ri, const uint16_t *
 #define F32_STORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
 #define F32_ROUND(v) (v)
 #define BF16_ROUND(v) bf16x16_round(v)
-#define LAYER_NORM_ROW(suffix, T, LOAD, STORE, ROUND)                                      \
-  static void layer_norm_row_##suffix(const T *x, T *r, const T *w, const T *b, T *o,      \
-                                      int64_t d, float eps) {                             \
-    __m512 acc = _mm512_setzero_ps();                                                      \
-    for (int64_t j = 0; j < d; j += 16) {                                                  \
-      const __mmask16 m = lanes16(d - j);                                                  \
-      __m512 h = LOAD(m, x + j);                                                           \
-      if (r) {                                                                             \
-        h = ROUND(_mm512_add_ps(h, LOAD(m, r + j)));                                       \
-        STORE(r + j, m, h);                                                                \
-      }                                                                                    \
-      acc = _mm512_add_ps(acc, h);                                                         \
-    }                                                                                      \
-    const T *h = r ? r : x;                                                                \
-    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(acc) / (float)d);              \
-    acc = _mm512_setzero_ps();                                                             \
-    for (int64_t j = 0; j < d; j += 16) {                                                  \
-      const __mmask16 m = lanes16(d - j);                                                  \
-      const __m512 c = _mm512_maskz_sub_ps(m, LOAD(m, h + j), mean);                       \
-      acc = _mm512_fmadd_ps(c, c, acc);                                                    \
-    }                                                                                      \
-    const __m512 rstd =                                                                    \
-        _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps));         \
-    for (int64_t j = 0; j < d; j += 16) {                                                  \
-      const __mmask16 m = lanes16(d - j);                                                  \
-      const __m512 c = _mm512_mul_ps(_mm512_sub_ps(LOAD(m, h + j), mean), rstd);           \
-      STORE(o + j, m, _mm512_fmadd_ps(c, LOAD(m, w + j), LOAD(m, b + j)));                 \
-    }                                                                                      \
+#define LAYER_NORM_ROW(suffix, T, LOAD, STORE, ROUND)                                             \
+  static void layer_norm_row_##suffix(const T *x, T *r, const T *w, const T *b, T *o, int64_t d,  \
+                                      float eps) {                                                \
+    __m512 acc = _mm512_setzero_ps();                                                             \
+    for (int64_t j = 0; j < d; j += 16) {                                                         \
+      const __mmask16 m = lanes16(d - j);                                                         \
+      __m512 h = LOAD(m, x + j);                                                                  \
+      if (r) {                                                                                    \
+        h = ROUND(_mm512_add_ps(h, LOAD(m, r + j)));                                              \
+        STORE(r + j, m, h);                                                                       \
+      }                                                                                           \
+      acc = _mm512_add_ps(acc, h);                                                                \
+    }                                                                                             \
+    const T *h = r ? r : x;                                                                       \
+    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(acc) / (float)d);                     \
+    acc = _mm512_setzero_ps();                                                                    \
+    for (int64_t j = 0; j < d; j += 16) {                                                         \
+      const __mmask16 m = lanes16(d - j);                                                         \
+      const __m512 c = _mm512_maskz_sub_ps(m, LOAD(m, h + j), mean);                              \
+      acc = _mm512_fmadd_ps(c, c, acc);                                                           \
+    }                                                                                             \
+    const __m512 rstd = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps)); \
+    for (int64_t j = 0; j < d; j += 16) {                                                         \
+      const __mmask16 m = lanes16(d - j);                                                         \
+      const __m512 c = _mm512_mul_ps(_mm512_sub_ps(LOAD(m, h + j), mean), rstd);                  \
+      STORE(o + j, m, _mm512_fmadd_ps(c, LOAD(m, w + j), LOAD(m, b + j)));                        \
+    }                                                                                             \
   }
 LAYER_NORM_ROW(f32, float, F32_LOAD, F32_STORE, F32_ROUND)
 LAYER_NORM_ROW(bf16, uint16_t, bf16x16_maskz_load, bf16x16_mask_store, BF16_ROUND)
@@ -166,8 +166,7 @@ static void silu_mul_row_f32(const float *g, float *o, int64_t inter) {
   const float *u = g + inter;
   int64_t j = 0;
   for (; j + 16 <= inter; j += 16)
-    _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)),
-                                          _mm512_loadu_ps(u + j)));
+    _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)), _mm512_loadu_ps(u + j)));
   for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
 }
 
@@ -195,8 +194,9 @@ static inline __m512 gelu_tanh16(__m512 x) {
   const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608f),
                                  _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
   const __m512 e = exp16(_mm512_add_ps(u, u));
-  const __m512 tanh_u = _mm512_sub_ps(
-      _mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+  const __m512 tanh_u =
+      _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                    _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x),
                        _mm512_add_ps(_mm512_set1_ps(1.0f), tanh_u));
 }
@@ -223,83 +223,66 @@ static void gelu_tanh_chunk_bf16(const uint16_t *x, uint16_t *y, int64_t n) {
   }
 }
 
-/* ---- Entry points: `int64_t k(const int64_t *a)`, arguments as module.c packs them ------ */
+/* ---- Entry points (kernel_args.h) ---- */
 
 #define PARALLEL_ROWS 16 /* fewer rows run on the calling thread */
 
-/* a: x, residual (0: none), weight, out, n, d, eps */
-#define RMS_NORM_ENTRY(suffix, T)                                                          \
-  int64_t flowllm_rms_norm_##suffix(const int64_t *a) {                                       \
-    const T *x = (const T *)a[0], *w = (const T *)a[2];                                    \
-    T *residual = (T *)a[1], *out = (T *)a[3];                                             \
-    const int64_t n = a[4], d = a[5];                                                      \
-    const float eps = (float)arg_f64(a[6]);                                                \
-    FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
-             rms_norm_row_##suffix(x + i * d, residual ? residual + i * d : 0, w,          \
-                                   out + i * d, d, eps));                                  \
-    return 0;                                                                              \
+#define RMS_NORM_ENTRY(suffix)                                                                     \
+  int64_t flowllm_rms_norm_##suffix(const struct flowllm_rms_norm_##suffix##_args *a) {            \
+    const int64_t d = a->d;                                                                        \
+    FOR_ROWS(i, a->n, PARALLEL_ROWS,                                                               \
+             rms_norm_row_##suffix(a->x + i * d, a->residual ? a->residual + i * d : 0, a->weight, \
+                                   a->out + i * d, d, (float)a->eps));                             \
+    return 0;                                                                                      \
   }
-RMS_NORM_ENTRY(f32, float)
-RMS_NORM_ENTRY(bf16, uint16_t)
+RMS_NORM_ENTRY(f32)
+RMS_NORM_ENTRY(bf16)
 
-/* a: x, residual (0: none), weight, bias, out, n, d, eps */
-#define LAYER_NORM_ENTRY(suffix, T)                                                        \
-  int64_t flowllm_layer_norm_##suffix(const int64_t *a) {                                  \
-    const T *x = (const T *)a[0], *w = (const T *)a[2], *b = (const T *)a[3];              \
-    T *residual = (T *)a[1], *out = (T *)a[4];                                             \
-    const int64_t n = a[5], d = a[6];                                                      \
-    const float eps = (float)arg_f64(a[7]);                                                \
-    FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
-             layer_norm_row_##suffix(x + i * d, residual ? residual + i * d : 0, w, b,     \
-                                     out + i * d, d, eps));                                \
-    return 0;                                                                              \
+#define LAYER_NORM_ENTRY(suffix)                                                             \
+  int64_t flowllm_layer_norm_##suffix(const struct flowllm_layer_norm_##suffix##_args *a) {  \
+    const int64_t d = a->d;                                                                  \
+    FOR_ROWS(i, a->n, PARALLEL_ROWS,                                                         \
+             layer_norm_row_##suffix(a->x + i * d, a->residual ? a->residual + i * d : 0,    \
+                                     a->weight, a->bias, a->out + i * d, d, (float)a->eps)); \
+    return 0;                                                                                \
   }
-LAYER_NORM_ENTRY(f32, float)
-LAYER_NORM_ENTRY(bf16, uint16_t)
+LAYER_NORM_ENTRY(f32)
+LAYER_NORM_ENTRY(bf16)
 
-/* a: x, table, table_rows, positions, n, heads, head_dim, row_stride, rot.
- * Returns how many positions fall outside the table (then nothing is written). */
-#define ROPE_ENTRY(suffix, T)                                                              \
-  int64_t flowllm_rope_##suffix(const int64_t *a) {                                        \
-    T *x = (T *)a[0];                                                                      \
-    const T *table = (const T *)a[1];                                                      \
-    const int64_t rows = a[2], *positions = (const int64_t *)a[3];                         \
-    const int64_t n = a[4], heads = a[5], head_dim = a[6], stride = a[7], rot = a[8];      \
-    int64_t outside = 0;                                                                   \
-    for (int64_t i = 0; i < n; i++) outside += positions[i] < 0 || positions[i] >= rows;   \
-    if (outside) return outside;                                                           \
-    FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
-             rope_row_##suffix(x + i * stride, table + positions[i] * 2 * rot, heads,      \
-                               head_dim, rot));                                            \
-    return 0;                                                                              \
+/* Returns how many positions fall outside the table (then nothing is written). */
+#define ROPE_ENTRY(suffix)                                                                  \
+  int64_t flowllm_rope_##suffix(const struct flowllm_rope_##suffix##_args *a) {             \
+    const int64_t *positions = a->positions, rot = a->rot;                                  \
+    int64_t outside = 0;                                                                    \
+    for (int64_t i = 0; i < a->n; i++)                                                      \
+      outside += positions[i] < 0 || positions[i] >= a->table_rows;                         \
+    if (outside) return outside;                                                            \
+    FOR_ROWS(i, a->n, PARALLEL_ROWS,                                                        \
+             rope_row_##suffix(a->x + i * a->row_stride, a->table + positions[i] * 2 * rot, \
+                               a->heads, a->head_dim, rot));                                \
+    return 0;                                                                               \
   }
-ROPE_ENTRY(f32, float)
-ROPE_ENTRY(bf16, uint16_t)
+ROPE_ENTRY(f32)
+ROPE_ENTRY(bf16)
 
-/* a: gate_up, out, n, inter */
-#define SILU_MUL_ENTRY(suffix, T)                                                          \
-  int64_t flowllm_silu_mul_##suffix(const int64_t *a) {                                       \
-    const T *gate_up = (const T *)a[0];                                                    \
-    T *out = (T *)a[1];                                                                    \
-    const int64_t n = a[2], inter = a[3];                                                  \
-    FOR_ROWS(i, n, PARALLEL_ROWS,                                                          \
-             silu_mul_row_##suffix(gate_up + i * 2 * inter, out + i * inter, inter));      \
-    return 0;                                                                              \
+#define SILU_MUL_ENTRY(suffix)                                                              \
+  int64_t flowllm_silu_mul_##suffix(const struct flowllm_silu_mul_##suffix##_args *a) {     \
+    const int64_t inter = a->inter;                                                         \
+    FOR_ROWS(i, a->n, PARALLEL_ROWS,                                                        \
+             silu_mul_row_##suffix(a->gate_up + i * 2 * inter, a->out + i * inter, inter)); \
+    return 0;                                                                               \
   }
-SILU_MUL_ENTRY(f32, float)
-SILU_MUL_ENTRY(bf16, uint16_t)
+SILU_MUL_ENTRY(f32)
+SILU_MUL_ENTRY(bf16)
 
-/* a: x, y, numel */
-#define GELU_ENTRY(suffix, T)                                                              \
-  int64_t flowllm_gelu_tanh_##suffix(const int64_t *a) {                                   \
-    const T *x = (const T *)a[0];                                                          \
-    T *y = (T *)a[1];                                                                      \
-    const int64_t numel = a[2], chunks = (numel + GELU_CHUNK - 1) / GELU_CHUNK;            \
-    FOR_ROWS(c, chunks, 4,                                                                 \
-             gelu_tanh_chunk_##suffix(                                                     \
-                 x + c * GELU_CHUNK, y + c * GELU_CHUNK,                                   \
+#define GELU_ENTRY(suffix)                                                                    \
+  int64_t flowllm_gelu_tanh_##suffix(const struct flowllm_gelu_tanh_##suffix##_args *a) {     \
+    const int64_t numel = a->numel, chunks = (numel + GELU_CHUNK - 1) / GELU_CHUNK;           \
+    FOR_ROWS(c, chunks, 4,                                                                    \
+             gelu_tanh_chunk_##suffix(                                                        \
+                 a->x + c * GELU_CHUNK, a->y + c * GELU_CHUNK,                                \
                  numel - c * GELU_CHUNK < GELU_CHUNK ? numel - c * GELU_CHUNK : GELU_CHUNK)); \
-    return 0;                                                                              \
+    return 0;                                                                                 \
   }
-GELU_ENTRY(f32, float)
-GELU_ENTRY(bf16, uint16_t)
+GELU_ENTRY(f32)
+GELU_ENTRY(bf16)

@@ -64,8 +64,7 @@ static inline vi vi_dot_s8s8(vi w, vi s) {
 static inline vf vf_from_vi(vi v) { return _mm512_cvtepi32_ps(v); }
 /* Lane scales of the VL / 8 blocks of 32 values a vi covers: p[0] x 8, p[1] x 8. */
 static inline vf vf_block_scales(const float *p) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(p[0])),
-                            _mm256_set1_ps(p[1]), 1);
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(p[0])), _mm256_set1_ps(p[1]), 1);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VL 8

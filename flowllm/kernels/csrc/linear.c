@@ -20,11 +20,13 @@ Accumulation is fp32 in both; bf16 outputs are rounded to nearest even after the
 #include <stdint.h>
 #include <string.h>
 
-#define BLOCK 16   /* outputs per block: one 512-bit fp32 vector */
-#define ROWS 8     /* rows of x sharing one pass over a block */
-#define UNROLL 4   /* weight lines per inner iteration */
-#define PREFETCH 32 /* lines ahead (2 KiB); measured: as fast at one row, ~10% faster at four */
-#define MAX_NB 2   /* blocks per pass, at most */
+#include "kernel_args.h"
+
+#define BLOCK 16       /* outputs per block: one 512-bit fp32 vector */
+#define ROWS 8         /* rows of x sharing one pass over a block */
+#define UNROLL 4       /* weight lines per inner iteration */
+#define PREFETCH 32    /* lines ahead (2 KiB); measured: as fast at one row, ~10% faster at four */
+#define MAX_NB 2       /* blocks per pass, at most */
 #define PAIRED_FROM 16 /* rows from which blocks go two per pass */
 #define PAIRED_ROWS 6  /* rows per pass then: 6 x 2 blocks x CHAINS accumulators */
 
@@ -38,130 +40,133 @@ Accumulation is fp32 in both; bf16 outputs are rounded to nearest even after the
 
 /* Output lanes of block b that exist (the last block may be partial). */
 ALWAYS_INLINE __mmask16 block_mask(int b, int n) {
-    const int left = n - b * BLOCK;
-    return left >= BLOCK ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+  const int left = n - b * BLOCK;
+  return left >= BLOCK ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
-ALWAYS_INLINE __m512 sum_chains(const __m512* acc) {
-    __m512 s = acc[0];
-    for (int j = 1; j < CHAINS; j++) s = _mm512_add_ps(s, acc[j]);
-    return s;
+ALWAYS_INLINE __m512 sum_chains(const __m512 *acc) {
+  __m512 s = acc[0];
+  for (int j = 1; j < CHAINS; j++) s = _mm512_add_ps(s, acc[j]);
+  return s;
 }
 
 /* Blocks b .. b + NB - 1 of every row of x, G rows at a time: ROWS_FN(x rows, w, bias,
    y rows, b, n, k, M, NB) with M and NB constants, so each group size compiles to its own
    unrolled loop (G <= ROWS). */
-#define ROW_GROUPS(ROWS_FN, G, NB, x, w, bias, y, b, m, n, k)                           \
-    for (int r0 = 0; r0 < (m); r0 += (G)) {                                             \
-        const size_t xo = (size_t)r0 * (k), yo = (size_t)r0 * (n);                       \
-        switch ((m) - r0 < (G) ? (m) - r0 : (G)) {                                      \
-            case 1: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 1, NB); break;            \
-            case 2: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 2, NB); break;            \
-            case 3: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 3, NB); break;            \
-            case 4: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 4, NB); break;            \
-            case 5: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 5, NB); break;            \
-            case 6: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 6, NB); break;            \
-            case 7: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 7, NB); break;            \
-            default: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, G, NB); break;           \
-        }                                                                               \
-    }
+#define ROW_GROUPS(ROWS_FN, G, NB, x, w, bias, y, b, m, n, k)           \
+  for (int r0 = 0; r0 < (m); r0 += (G)) {                               \
+    const size_t xo = (size_t)r0 * (k), yo = (size_t)r0 * (n);          \
+    switch ((m) - r0 < (G) ? (m) - r0 : (G)) {                          \
+      case 1: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 1, NB); break;  \
+      case 2: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 2, NB); break;  \
+      case 3: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 3, NB); break;  \
+      case 4: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 4, NB); break;  \
+      case 5: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 5, NB); break;  \
+      case 6: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 6, NB); break;  \
+      case 7: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 7, NB); break;  \
+      default: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, G, NB); break; \
+    }                                                                   \
+  }
 
 /* Blocks of every row: one per pass below PAIRED_FROM rows, else two (PAIRED_ROWS rows at
    a time, so the accumulators fit the 32 registers); the odd last block goes alone. */
-#define FOR_BLOCKS(ROWS_FN, x, w, bias, y, m, n, k)                                      \
-    do {                                                                                \
-        const int blocks = ((n) + BLOCK - 1) / BLOCK, nb = (m) >= PAIRED_FROM ? 2 : 1;  \
-        _Pragma("omp parallel for schedule(static)")                                    \
-        for (int t = 0; t < (blocks + nb - 1) / nb; t++) {                              \
-            const int b = t * nb;                                                       \
-            if (nb == 2 && b + 1 < blocks) {                                            \
-                ROW_GROUPS(ROWS_FN, PAIRED_ROWS, 2, x, w, bias, y, b, m, n, k);         \
-            } else {                                                                    \
-                ROW_GROUPS(ROWS_FN, ROWS, 1, x, w, bias, y, b, m, n, k);                \
-            }                                                                           \
-        }                                                                               \
-    } while (0)
+// clang-format off: it would put the _Pragma and the loop on one line
+#define FOR_BLOCKS(ROWS_FN, x, w, bias, y, m, n, k)                                \
+  do {                                                                             \
+    const int blocks = ((n) + BLOCK - 1) / BLOCK, nb = (m) >= PAIRED_FROM ? 2 : 1; \
+    _Pragma("omp parallel for schedule(static)")                                   \
+    for (int t = 0; t < (blocks + nb - 1) / nb; t++) {                             \
+      const int b = t * nb;                                                        \
+      if (nb == 2 && b + 1 < blocks) {                                             \
+        ROW_GROUPS(ROWS_FN, PAIRED_ROWS, 2, x, w, bias, y, b, m, n, k);            \
+      } else {                                                                     \
+        ROW_GROUPS(ROWS_FN, ROWS, 1, x, w, bias, y, b, m, n, k);                   \
+      }                                                                            \
+    }                                                                              \
+  } while (0)
+// clang-format on
 
 /* Both dtypes' passes: zeroed accumulators, and the UNROLL weight lines (64 bytes each)
    PREFETCH lines ahead of `step` in each of the NB blocks (bstride bytes apart). */
 ALWAYS_INLINE void zero_accumulators(__m512 acc[ROWS][MAX_NB][CHAINS], int M, int NB) {
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++)
-#pragma GCC unroll 2
-        for (int j = 0; j < NB; j++)
-#pragma GCC unroll 4
-            for (int c = 0; c < CHAINS; c++) acc[r][j][c] = _mm512_setzero_ps();
-}
-
-ALWAYS_INLINE void prefetch_ahead(const char* step, size_t bstride, int NB) {
+  for (int r = 0; r < M; r++)
 #pragma GCC unroll 2
     for (int j = 0; j < NB; j++)
 #pragma GCC unroll 4
-        for (int u = 0; u < UNROLL; u++)
-            _mm_prefetch(step + j * bstride + (size_t)(PREFETCH + u) * 64, _MM_HINT_T0);
+      for (int c = 0; c < CHAINS; c++) acc[r][j][c] = _mm512_setzero_ps();
+}
+
+ALWAYS_INLINE void prefetch_ahead(const char *step, size_t bstride, int NB) {
+#pragma GCC unroll 2
+  for (int j = 0; j < NB; j++)
+#pragma GCC unroll 4
+    for (int u = 0; u < UNROLL; u++)
+      _mm_prefetch(step + j * bstride + (size_t)(PREFETCH + u) * 64, _MM_HINT_T0);
 }
 
 /* ---- fp32 ---- */
 
 /* out[r][j] = block j of NB (at wb + j * bstride, each [k][16]) times x row r, for M rows
    (M and NB constants after inlining; see blocks_bf16 for why two blocks per pass). */
-ALWAYS_INLINE void blocks_f32(const float* x, const float* wb, size_t bstride, int k, int M,
-                              int NB, __m512 out[][MAX_NB]) {
-    __m512 acc[ROWS][MAX_NB][CHAINS];
-    zero_accumulators(acc, M, NB);
-    int c = 0;
-    for (; c + UNROLL <= k; c += UNROLL) {
-        prefetch_ahead((const char*)(wb + (size_t)c * BLOCK), bstride * sizeof(float), NB);
+ALWAYS_INLINE void blocks_f32(const float *x, const float *wb, size_t bstride, int k, int M, int NB,
+                              __m512 out[][MAX_NB]) {
+  __m512 acc[ROWS][MAX_NB][CHAINS];
+  zero_accumulators(acc, M, NB);
+  int c = 0;
+  for (; c + UNROLL <= k; c += UNROLL) {
+    prefetch_ahead((const char *)(wb + (size_t)c * BLOCK), bstride * sizeof(float), NB);
 #pragma GCC unroll 4
-        for (int u = 0; u < UNROLL; u++) {
-            __m512 w[MAX_NB];
+    for (int u = 0; u < UNROLL; u++) {
+      __m512 w[MAX_NB];
 #pragma GCC unroll 2
-            for (int j = 0; j < NB; j++) w[j] = _mm512_loadu_ps(wb + j * bstride + (size_t)(c + u) * BLOCK);
+      for (int j = 0; j < NB; j++)
+        w[j] = _mm512_loadu_ps(wb + j * bstride + (size_t)(c + u) * BLOCK);
 #pragma GCC unroll 8
-            for (int r = 0; r < M; r++) {
-                const __m512 xv = _mm512_set1_ps(x[(size_t)r * k + c + u]);
+      for (int r = 0; r < M; r++) {
+        const __m512 xv = _mm512_set1_ps(x[(size_t)r * k + c + u]);
 #pragma GCC unroll 2
-                for (int j = 0; j < NB; j++)
-                    acc[r][j][u % CHAINS] = _mm512_fmadd_ps(w[j], xv, acc[r][j][u % CHAINS]);
-            }
-        }
+        for (int j = 0; j < NB; j++)
+          acc[r][j][u % CHAINS] = _mm512_fmadd_ps(w[j], xv, acc[r][j][u % CHAINS]);
+      }
     }
-    for (; c < k; c++) {
-#pragma GCC unroll 8
-        for (int r = 0; r < M; r++)
-#pragma GCC unroll 2
-            for (int j = 0; j < NB; j++)
-                acc[r][j][0] = _mm512_fmadd_ps(_mm512_loadu_ps(wb + j * bstride + (size_t)c * BLOCK),
-                                               _mm512_set1_ps(x[(size_t)r * k + c]), acc[r][j][0]);
-    }
+  }
+  for (; c < k; c++) {
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++)
 #pragma GCC unroll 2
-        for (int j = 0; j < NB; j++) out[r][j] = sum_chains(acc[r][j]);
+      for (int j = 0; j < NB; j++)
+        acc[r][j][0] = _mm512_fmadd_ps(_mm512_loadu_ps(wb + j * bstride + (size_t)c * BLOCK),
+                                       _mm512_set1_ps(x[(size_t)r * k + c]), acc[r][j][0]);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+    for (int j = 0; j < NB; j++) out[r][j] = sum_chains(acc[r][j]);
 }
 
 /* Rows [0, M) of x against blocks b .. b + NB - 1, bias added, stored into y. */
-ALWAYS_INLINE void rows_f32(const float* x, const float* w, const float* bias, float* y,
-                            int b, int n, int k, int M, int NB) {
-    __m512 out[ROWS][MAX_NB];
-    const size_t bstride = (size_t)BLOCK * k;
-    blocks_f32(x, w + (size_t)b * bstride, bstride, k, M, NB, out);
+ALWAYS_INLINE void rows_f32(const float *x, const float *w, const float *bias, float *y, int b,
+                            int n, int k, int M, int NB) {
+  __m512 out[ROWS][MAX_NB];
+  const size_t bstride = (size_t)BLOCK * k;
+  blocks_f32(x, w + (size_t)b * bstride, bstride, k, M, NB, out);
 #pragma GCC unroll 2
-    for (int j = 0; j < NB; j++) {
-        const __mmask16 mask = block_mask(b + j, n);
-        const __m512 bv =
-            bias ? _mm512_maskz_loadu_ps(mask, bias + (b + j) * BLOCK) : _mm512_setzero_ps();
+  for (int j = 0; j < NB; j++) {
+    const __mmask16 mask = block_mask(b + j, n);
+    const __m512 bv =
+        bias ? _mm512_maskz_loadu_ps(mask, bias + (b + j) * BLOCK) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-        for (int r = 0; r < M; r++)
-            _mm512_mask_storeu_ps(y + (size_t)r * n + (b + j) * BLOCK, mask,
-                                  _mm512_add_ps(out[r][j], bv));
-    }
+    for (int r = 0; r < M; r++)
+      _mm512_mask_storeu_ps(y + (size_t)r * n + (b + j) * BLOCK, mask,
+                            _mm512_add_ps(out[r][j], bv));
+  }
 }
 
 /* x [m, k], w packed from [n, k], bias [n] or NULL -> y [m, n]. */
-static void linear_f32(const float* x, const float* w, const float* bias, float* y, int m,
-                       int n, int k) {
-    FOR_BLOCKS(rows_f32, x, w, bias, y, m, n, k);
+static void linear_f32(const float *x, const float *w, const float *bias, float *y, int m, int n,
+                       int k) {
+  FOR_BLOCKS(rows_f32, x, w, bias, y, m, n, k);
 }
 
 /* ---- bf16 ---- */
@@ -169,10 +174,10 @@ static void linear_f32(const float* x, const float* w, const float* bias, float*
 #define BF16 __attribute__((target("avx512bf16")))
 
 /* The bf16 pair x[i], x[i + 1] broadcast to every 32-bit lane. */
-BF16 ALWAYS_INLINE __m512bh pair_bf16(const uint16_t* x, size_t i) {
-    uint32_t v;
-    memcpy(&v, x + i, sizeof v);
-    return (__m512bh)_mm512_set1_epi32((int)v);
+BF16 ALWAYS_INLINE __m512bh pair_bf16(const uint16_t *x, size_t i) {
+  uint32_t v;
+  memcpy(&v, x + i, sizeof v);
+  return (__m512bh)_mm512_set1_epi32((int)v);
 }
 
 /* out[r][j] = block j of NB (at wb + j * bstride, each [kp][16][2]) times x row r (k bf16
@@ -180,132 +185,126 @@ BF16 ALWAYS_INLINE __m512bh pair_bf16(const uint16_t* x, size_t i) {
    Two blocks per pass reuse each broadcast x pair for two weight lines: at many rows the
    product is bound by those broadcasts, not by the weights. Every output's sum runs in
    the same order whatever NB and M are, so a row's result does not depend on its batch. */
-BF16 ALWAYS_INLINE void blocks_bf16(const uint16_t* x, const uint16_t* wb, size_t bstride,
-                                    int k, int M, int NB, __m512 out[][MAX_NB]) {
-    const int pairs = k / 2;
-    const size_t line = 2 * BLOCK;  /* bf16 values per step */
-    __m512 acc[ROWS][MAX_NB][CHAINS];
-    zero_accumulators(acc, M, NB);
-    int p = 0;
-    for (; p + UNROLL <= pairs; p += UNROLL) {
-        prefetch_ahead((const char*)(wb + (size_t)p * line), bstride * sizeof(uint16_t), NB);
+BF16 ALWAYS_INLINE void blocks_bf16(const uint16_t *x, const uint16_t *wb, size_t bstride, int k,
+                                    int M, int NB, __m512 out[][MAX_NB]) {
+  const int pairs = k / 2;
+  const size_t line = 2 * BLOCK; /* bf16 values per step */
+  __m512 acc[ROWS][MAX_NB][CHAINS];
+  zero_accumulators(acc, M, NB);
+  int p = 0;
+  for (; p + UNROLL <= pairs; p += UNROLL) {
+    prefetch_ahead((const char *)(wb + (size_t)p * line), bstride * sizeof(uint16_t), NB);
 #pragma GCC unroll 4
-        for (int u = 0; u < UNROLL; u++) {
-            __m512bh w[MAX_NB];
+    for (int u = 0; u < UNROLL; u++) {
+      __m512bh w[MAX_NB];
 #pragma GCC unroll 2
-            for (int j = 0; j < NB; j++)
-                w[j] = (__m512bh)_mm512_loadu_si512(wb + j * bstride + (size_t)(p + u) * line);
+      for (int j = 0; j < NB; j++)
+        w[j] = (__m512bh)_mm512_loadu_si512(wb + j * bstride + (size_t)(p + u) * line);
 #pragma GCC unroll 8
-            for (int r = 0; r < M; r++) {
-                const __m512bh xp = pair_bf16(x, (size_t)r * k + 2 * (p + u));
+      for (int r = 0; r < M; r++) {
+        const __m512bh xp = pair_bf16(x, (size_t)r * k + 2 * (p + u));
 #pragma GCC unroll 2
-                for (int j = 0; j < NB; j++)
-                    acc[r][j][u % CHAINS] = _mm512_dpbf16_ps(acc[r][j][u % CHAINS], w[j], xp);
-            }
-        }
+        for (int j = 0; j < NB; j++)
+          acc[r][j][u % CHAINS] = _mm512_dpbf16_ps(acc[r][j][u % CHAINS], w[j], xp);
+      }
     }
-    for (; p < pairs; p++) {
-#pragma GCC unroll 8
-        for (int r = 0; r < M; r++)
-#pragma GCC unroll 2
-            for (int j = 0; j < NB; j++)
-                acc[r][j][0] = _mm512_dpbf16_ps(
-                    acc[r][j][0], (__m512bh)_mm512_loadu_si512(wb + j * bstride + (size_t)p * line),
-                    pair_bf16(x, (size_t)r * k + 2 * p));
-    }
-    if (k & 1) {
-#pragma GCC unroll 8
-        for (int r = 0; r < M; r++) {
-            const __m512i last = _mm512_set1_epi32(x[(size_t)r * k + k - 1]);
-#pragma GCC unroll 2
-            for (int j = 0; j < NB; j++)
-                acc[r][j][0] = _mm512_dpbf16_ps(
-                    acc[r][j][0],
-                    (__m512bh)_mm512_loadu_si512(wb + j * bstride + (size_t)pairs * line),
-                    (__m512bh)last);
-        }
-    }
+  }
+  for (; p < pairs; p++) {
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++)
 #pragma GCC unroll 2
-        for (int j = 0; j < NB; j++) out[r][j] = sum_chains(acc[r][j]);
+      for (int j = 0; j < NB; j++)
+        acc[r][j][0] = _mm512_dpbf16_ps(
+            acc[r][j][0], (__m512bh)_mm512_loadu_si512(wb + j * bstride + (size_t)p * line),
+            pair_bf16(x, (size_t)r * k + 2 * p));
+  }
+  if (k & 1) {
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++) {
+      const __m512i last = _mm512_set1_epi32(x[(size_t)r * k + k - 1]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NB; j++)
+        acc[r][j][0] = _mm512_dpbf16_ps(
+            acc[r][j][0], (__m512bh)_mm512_loadu_si512(wb + j * bstride + (size_t)pairs * line),
+            (__m512bh)last);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+    for (int j = 0; j < NB; j++) out[r][j] = sum_chains(acc[r][j]);
 }
 
 /* bf16 [16] (masked) -> fp32 [16]: the bf16 bits are the fp32's upper half. */
-BF16 ALWAYS_INLINE __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+BF16 ALWAYS_INLINE __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* Rows [0, M) of x against blocks b .. b + NB - 1 with the bias added, as fp32 sums in
    out[][]; each block's output mask in masks[]. */
-BF16 ALWAYS_INLINE void sums_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
-                                  int b, int n, int k, int M, int NB, __m512 out[][MAX_NB],
-                                  __mmask16* masks) {
-    const size_t bstride = 2 * BLOCK * (size_t)((k + 1) / 2);
-    blocks_bf16(x, w + (size_t)b * bstride, bstride, k, M, NB, out);
+BF16 ALWAYS_INLINE void sums_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, int b,
+                                  int n, int k, int M, int NB, __m512 out[][MAX_NB],
+                                  __mmask16 *masks) {
+  const size_t bstride = 2 * BLOCK * (size_t)((k + 1) / 2);
+  blocks_bf16(x, w + (size_t)b * bstride, bstride, k, M, NB, out);
 #pragma GCC unroll 2
-    for (int j = 0; j < NB; j++) {
-        masks[j] = block_mask(b + j, n);
-        const __m512 bv =
-            bias ? load_bf16(bias + (b + j) * BLOCK, masks[j]) : _mm512_setzero_ps();
+  for (int j = 0; j < NB; j++) {
+    masks[j] = block_mask(b + j, n);
+    const __m512 bv = bias ? load_bf16(bias + (b + j) * BLOCK, masks[j]) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-        for (int r = 0; r < M; r++) out[r][j] = _mm512_add_ps(out[r][j], bv);
-    }
+    for (int r = 0; r < M; r++) out[r][j] = _mm512_add_ps(out[r][j], bv);
+  }
 }
 
 /* ... stored into y as bf16 (rounded to nearest even) ... */
-BF16 ALWAYS_INLINE void rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
-                                  uint16_t* y, int b, int n, int k, int M, int NB) {
-    __m512 out[ROWS][MAX_NB];
-    __mmask16 masks[MAX_NB];
-    sums_bf16(x, w, bias, b, n, k, M, NB, out, masks);
+BF16 ALWAYS_INLINE void rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                                  uint16_t *y, int b, int n, int k, int M, int NB) {
+  __m512 out[ROWS][MAX_NB];
+  __mmask16 masks[MAX_NB];
+  sums_bf16(x, w, bias, b, n, k, M, NB, out, masks);
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++)
+  for (int r = 0; r < M; r++)
 #pragma GCC unroll 2
-        for (int j = 0; j < NB; j++) {
-            const __m256i h = (__m256i)_mm512_cvtneps_pbh(out[r][j]);
-            _mm256_mask_storeu_epi16(y + (size_t)r * n + (b + j) * BLOCK, masks[j], h);
-        }
+    for (int j = 0; j < NB; j++) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(out[r][j]);
+      _mm256_mask_storeu_epi16(y + (size_t)r * n + (b + j) * BLOCK, masks[j], h);
+    }
 }
 
 /* ... or as the fp32 sums themselves (an LM head's logits: rounding them to bf16 would
    merge near-ties, ulp 0.125 at 25). */
-BF16 ALWAYS_INLINE void rows_bf16_f32(const uint16_t* x, const uint16_t* w,
-                                      const uint16_t* bias, float* y, int b, int n, int k,
-                                      int M, int NB) {
-    __m512 out[ROWS][MAX_NB];
-    __mmask16 masks[MAX_NB];
-    sums_bf16(x, w, bias, b, n, k, M, NB, out, masks);
+BF16 ALWAYS_INLINE void rows_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                                      float *y, int b, int n, int k, int M, int NB) {
+  __m512 out[ROWS][MAX_NB];
+  __mmask16 masks[MAX_NB];
+  sums_bf16(x, w, bias, b, n, k, M, NB, out, masks);
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++)
+  for (int r = 0; r < M; r++)
 #pragma GCC unroll 2
-        for (int j = 0; j < NB; j++)
-            _mm512_mask_storeu_ps(y + (size_t)r * n + (b + j) * BLOCK, masks[j], out[r][j]);
+    for (int j = 0; j < NB; j++)
+      _mm512_mask_storeu_ps(y + (size_t)r * n + (b + j) * BLOCK, masks[j], out[r][j]);
 }
 
 /* x [m, k], w packed from [n, k], bias [n] or NULL, all bf16 -> y [m, n], bf16 or (f32_out)
    fp32. */
-BF16 static void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
-                             void* y, int m, int n, int k, int f32_out) {
-    if (f32_out) {
-        FOR_BLOCKS(rows_bf16_f32, x, w, bias, (float*)y, m, n, k);
-    } else {
-        FOR_BLOCKS(rows_bf16, x, w, bias, (uint16_t*)y, m, n, k);
-    }
+BF16 static void linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y,
+                             int m, int n, int k, int f32_out) {
+  if (f32_out) {
+    FOR_BLOCKS(rows_bf16_f32, x, w, bias, (float *)y, m, n, k);
+  } else {
+    FOR_BLOCKS(rows_bf16, x, w, bias, (uint16_t *)y, m, n, k);
+  }
 }
 
-/* ---- Entry points (module.c's convention). a: x, packed w, bias (0: none), y, m, n, k
-   (and for bf16, f32_out: y is fp32) ---- */
+/* ---- Entry points (kernel_args.h) ---- */
 
-int64_t flowllm_linear_f32(const int64_t* a) {
-    linear_f32((const float*)a[0], (const float*)a[1], (const float*)a[2], (float*)a[3],
-               (int)a[4], (int)a[5], (int)a[6]);
-    return 0;
+int64_t flowllm_linear_f32(const struct flowllm_linear_f32_args *a) {
+  linear_f32(a->x, a->w, a->bias, a->y, (int)a->m, (int)a->n, (int)a->k);
+  return 0;
 }
 
-BF16 int64_t flowllm_linear_bf16(const int64_t* a) {
-    linear_bf16((const uint16_t*)a[0], (const uint16_t*)a[1], (const uint16_t*)a[2],
-                (void*)a[3], (int)a[4], (int)a[5], (int)a[6], (int)a[7]);
-    return 0;
+BF16 int64_t flowllm_linear_bf16(const struct flowllm_linear_bf16_args *a) {
+  linear_bf16(a->x, a->w, a->bias, a->y, (int)a->m, (int)a->n, (int)a->k, (int)a->f32_out);
+  return 0;
 }

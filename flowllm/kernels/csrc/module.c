@@ -1,24 +1,25 @@
-/* The Python side of the library: one function, call(kernel_address, *args), that packs
- * its arguments (ints, addresses, floats as double bits) into an int64 array, runs the
- * kernel with the GIL released and returns the kernel's status. Every kernel is
- * `int64_t k(const int64_t *a)`, returning 0, or what it found wrong in its inputs (an
- * index out of range, say) before touching any output, for the caller to raise.
- * One generic entry costs ~0.2 us a call, where ctypes spent ~2 us converting 8 arguments,
- * which at 300 kernel calls per decode step was most of their gain.
+/* The Python side of the library: one function, call(kernel_address, args), that runs a
+ * kernel on its argument struct (kernel_args.h) with the GIL released and returns the
+ * kernel's status. `args` is any buffer of the struct's bytes, which
+ * flowllm/kernels/kernel_args.py builds from named, checked arguments; it is copied here
+ * into an aligned buffer the kernel reads. One generic entry costs a fraction of a
+ * microsecond, where ctypes spends microseconds converting a call's arguments.
  *
  * Between record_start() and record_stop() a thread's calls are also appended, as they
- * ran, to a call list ([address, nargs, args...] per call) that record_stop returns as
- * bytes; the kernel flowllm_run_calls replays such a list in one call (see
- * flowllm/kernels/call_plan.py). */
+ * ran, to a call list ([address, words, struct as int64 words...] per call) that
+ * record_stop returns as bytes; the kernel flowllm_run_calls replays such a list in one
+ * call (see flowllm/kernels/call_plan.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_ARGS 24
+#include "kernel_args.h"
 
-typedef int64_t (*kernel_fn)(const int64_t *);
+#define MAX_WORDS 32 /* the largest argument struct, in int64 words */
+
+typedef int64_t (*kernel_fn)(const void *);
 
 /* The calling thread's call list while it records, else NULL. */
 typedef struct {
@@ -41,26 +42,23 @@ static int append(CallList *list, const int64_t *values, size_t n) {
   return 0;
 }
 
-/* a: call list address, its length in int64s. Runs the calls in order and returns the
- * first nonzero status (the calls after it do not run). */
-int64_t flowllm_run_calls(const int64_t *a) {
-  const int64_t *list = (const int64_t *)(intptr_t)a[0];
-  int64_t len = a[1];
-  for (int64_t i = 0; i + 2 <= len;) {
+/* Runs the calls in order and returns the first nonzero status (the calls after it do
+ * not run). */
+int64_t flowllm_run_calls(const struct flowllm_run_calls_args *a) {
+  const int64_t *list = a->calls;
+  for (int64_t i = 0; i + 2 <= a->len;) {
     kernel_fn fn = (kernel_fn)(intptr_t)list[i];
-    int64_t nargs = list[i + 1];
     int64_t status = fn(list + i + 2);
     if (status) return status;
-    i += 2 + nargs;
+    i += 2 + list[i + 1];
   }
   return 0;
 }
 
 static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
-  if (nargs < 1 || nargs > MAX_ARGS + 1) {
-    PyErr_Format(PyExc_TypeError, "call() takes a kernel address and at most %d arguments",
-                 MAX_ARGS);
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "call() takes a kernel address and its argument struct");
     return NULL;
   }
   kernel_fn fn = (kernel_fn)PyLong_AsVoidPtr(args[0]);
@@ -68,23 +66,24 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null kernel address");
     return NULL;
   }
-  int64_t packed[MAX_ARGS];
-  for (Py_ssize_t i = 1; i < nargs; i++) {
-    PyObject *arg = args[i];
-    if (PyFloat_Check(arg)) {
-      double d = PyFloat_AS_DOUBLE(arg);
-      memcpy(&packed[i - 1], &d, sizeof d);
-    } else {
-      packed[i - 1] = (int64_t)PyLong_AsLongLong(arg);
-      if (packed[i - 1] == -1 && PyErr_Occurred()) return NULL;
-    }
+  Py_buffer view;
+  if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE)) return NULL;
+  const Py_ssize_t size = view.len;
+  int64_t words[MAX_WORDS];
+  if (size <= 0 || size % 8 || size > (Py_ssize_t)sizeof words) {
+    PyBuffer_Release(&view);
+    PyErr_Format(PyExc_ValueError, "an argument struct is 8 to %d bytes, a multiple of 8, got %zd",
+                 (int)sizeof words, size);
+    return NULL;
   }
+  memcpy(words, view.buf, (size_t)size);
+  PyBuffer_Release(&view);
   int64_t status;
-  Py_BEGIN_ALLOW_THREADS status = fn(packed);
+  Py_BEGIN_ALLOW_THREADS status = fn(words);
   Py_END_ALLOW_THREADS;
   if (recording != NULL) {
-    int64_t head[2] = {(int64_t)(intptr_t)fn, (int64_t)(nargs - 1)};
-    if (append(recording, head, 2) || append(recording, packed, (size_t)(nargs - 1)))
+    int64_t head[2] = {(int64_t)(intptr_t)fn, (int64_t)(size / 8)};
+    if (append(recording, head, 2) || append(recording, words, (size_t)(size / 8)))
       return PyErr_NoMemory();
   }
   return PyLong_FromLongLong(status);
@@ -115,15 +114,15 @@ static PyObject *record_stop(PyObject *self, PyObject *unused) {
     return NULL;
   }
   recording = NULL;
-  PyObject *bytes =
-      PyBytes_FromStringAndSize((const char *)list->data, (Py_ssize_t)(list->len * sizeof(int64_t)));
+  PyObject *bytes = PyBytes_FromStringAndSize((const char *)list->data,
+                                              (Py_ssize_t)(list->len * sizeof(int64_t)));
   discard(list);
   return bytes;
 }
 
 static PyMethodDef methods[] = {
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
-     "call(kernel_address, *args) -> status: run a kernel on its arguments packed as int64."},
+     "call(kernel_address, args) -> status: run a kernel on its argument struct's bytes."},
     {"record_start", record_start, METH_NOARGS,
      "record_start(): append this thread's calls to a call list from now on."},
     {"record_stop", record_stop, METH_NOARGS,

@@ -18,9 +18,12 @@ float sum of x. So W's values are exact and x is rounded to 8 bits a block, the 
 bounded by sum |w| x (x block scale) / 2. Other groups dequantize to float32 in registers
 and multiply with x as it is.
 
-Each output row is one dot product per row of x: its codes read once per pass of up to
-ROWS rows of x (the row's codes stay in L1 for the next pass). Output rows are split
-across OpenMP threads in contiguous runs. */
+With AVX-512 VNNI, integer products run 16 output rows at a time (output_group): their
+codes transposed once so that each vector holds 4 codes of each of the 16 rows, then dotted
+with up to XROWS rows of x by byte dots against each row's 4 values broadcast. Elsewhere,
+and for the last n % 16 outputs, each output row is one dot product per row of x
+(output_row): its codes read once per pass of up to ROWS rows of x (the row's codes stay
+in L1 for the next pass). Outputs are split across OpenMP threads in contiguous runs. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -28,10 +31,11 @@ across OpenMP threads in contiguous runs. */
 #include <string.h>
 
 #include "isa.h"
+#include "kernel_args.h"
 
-#define ROWS 4                /* rows of x per pass over a weight row */
-#define PARALLEL_FROM 65536   /* weight values x rows of x from which threads split */
-#define QBLOCK 32             /* values of x per int8 block */
+#define ROWS 4              /* rows of x per pass over a weight row */
+#define PARALLEL_FROM 65536 /* weight values x rows of x from which threads split */
+#define QBLOCK 32           /* values of x per int8 block */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -41,17 +45,20 @@ ALWAYS_INLINE float load_scale(const void *p, size_t i, int f16) {
 
 /* x rows quantized to int8 blocks of 32, with each block's scale and exact float sum. */
 typedef struct {
-  int8_t *q;   /* [m][k] */
-  float *d;    /* [m][k / 4]: each block's scale once per int32 lane of a vi (4 values) */
-  float *sum;  /* [m][k / 32] */
+  int8_t *q;     /* [m][k] */
+  float *d;      /* [m][k / 4]: each block's scale once per int32 lane of a vi (4 values) */
+  float *sum;    /* [m][k / 32] */
+  int32_t *qsum; /* [m][k / 32]: each block's sum of codes */
 } QuantX;
 
 static int quantize_x(const float *x, int m, int k, QuantX *qx) {
   const size_t blocks = (size_t)m * (k / QBLOCK);
-  qx->q = malloc((size_t)m * k + (size_t)m * k / 4 * sizeof(float) + blocks * sizeof(float));
+  qx->q = malloc((size_t)m * k + (size_t)m * k / 4 * sizeof(float) +
+                 blocks * (sizeof(float) + sizeof(int32_t)));
   if (!qx->q) return -1;
   qx->d = (float *)(qx->q + (size_t)m * k);
   qx->sum = qx->d + (size_t)m * k / 4;
+  qx->qsum = (int32_t *)(qx->sum + blocks);
 #pragma omp parallel for schedule(static) if (blocks >= 4096)
   for (size_t b = 0; b < blocks; b++) {
     const float *xb = x + b * QBLOCK;
@@ -61,7 +68,12 @@ static int quantize_x(const float *x, int m, int k, QuantX *qx) {
       sum += xb[i];
     }
     const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < QBLOCK; i++) qx->q[b * QBLOCK + i] = (int8_t)nearbyintf(xb[i] * inv);
+    int32_t qsum = 0;
+    for (int i = 0; i < QBLOCK; i++) {
+      qx->q[b * QBLOCK + i] = (int8_t)nearbyintf(xb[i] * inv);
+      qsum += qx->q[b * QBLOCK + i];
+    }
+    qx->qsum[b] = qsum;
     for (int i = 0; i < QBLOCK / 4; i++) qx->d[b * (QBLOCK / 4) + i] = d;
     qx->sum[b] = sum;
   }
@@ -128,8 +140,7 @@ ALWAYS_INLINE void row_dots_int(const QuantX *qx, int r0, const void *codes, con
 
 /* Float path (q8 codes in groups of 16): one weight row against M rows of x: out[r]. */
 ALWAYS_INLINE void row_dots_float(const float *x, const void *codes, const void *scales,
-                                  const void *mins, int k, int G, int M, int f16,
-                                  float *out) {
+                                  const void *mins, int k, int G, int M, int f16, float *out) {
   vf acc[ROWS][2];
 #pragma GCC unroll 4
   for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = vf_zero();
@@ -153,9 +164,8 @@ ALWAYS_INLINE void row_dots_float(const float *x, const void *codes, const void 
 
 /* Output row j of every row of x, ROWS rows at a time. */
 ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *codes,
-                              const char *scales, const char *mins, const float *bias,
-                              float *y, int64_t j, int m, int n, int k, int G, int q4,
-                              int f16) {
+                              const char *scales, const char *mins, const float *bias, float *y,
+                              int64_t j, int m, int n, int k, int G, int q4, int f16) {
   const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
   const size_t scale_bytes = (size_t)(k / G) * (f16 ? 2 : 4);
   const void *c = codes + (size_t)j * row_bytes;
@@ -194,31 +204,192 @@ ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *c
 /* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows split across threads. One
    function per layout (Q4, F16 constants), so OpenMP's outlined loop is specialized.
    Returns -1 when the scratch for x cannot be allocated (before writing y). */
-#define QLINEAR(NAME, Q4, F16)                                                           \
-  int64_t NAME(const int64_t *a) {                                                      \
-    const float *x = (const float *)a[0];                                               \
-    const uint8_t *codes = (const uint8_t *)a[1];                                       \
-    const char *scales = (const char *)a[2], *mins = (const char *)a[3];                \
-    const float *bias = (const float *)a[4];                                            \
-    float *y = (float *)a[5];                                                           \
-    const int m = (int)a[6], n = (int)a[7], k = (int)a[8], G = (int)a[9];               \
-    QuantX qx;                                                                          \
-    const int integer = G % QBLOCK == 0 && k % 64 == 0;                                 \
-    if (integer && quantize_x(x, m, k, &qx)) return -1;                                 \
-    _Pragma("omp parallel for schedule(static) if ((int64_t)n * k * m >= PARALLEL_FROM)") \
-    for (int64_t j = 0; j < n; j++)                                                     \
-      output_row(x, integer ? &qx : NULL, codes, scales, mins, bias, y, j, m, n, k, G, Q4, F16); \
-    if (integer) free(qx.q);                                                            \
-    return 0;                                                                           \
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* ---- Blocked integer product (AVX-512 VNNI): 16 output rows at once, one per int32 lane.
+   Each 4 bytes of codes the 16 rows hold at one position are gathered into a vector once
+   and dotted with up to XROWS rows of x, each row's 4 int8 values broadcast
+   (vpdpbusd: unsigned codes x signed x), so a block of 32 values costs a row of x 8 byte
+   dots, one conversion and two multiply-adds for all 16 outputs, where the per-row path
+   above pays about as much for each output. q8 codes enter offset by 128 (unsigned), the
+   dot corrected by 128 times the block's sum of x's codes. ---- */
+
+#define LANES 16 /* output rows per group */
+#define XROWS 8  /* rows of x per pass over a group's codes */
+
+static inline int32_t load_i32(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+/* The 16 rows' dwords [d0, d0 + 16) (rows row_bytes apart, `dwords` long; dwords past the
+   end read as 0) transposed into out: out[t * 16 + o] = row o's dword d0 + t, for the
+   `count` first t. */
+static inline void transpose16(const uint8_t *rows, int row_bytes, int d0, int dwords, int count,
+                               int32_t *out) {
+  const int left = dwords - d0;
+  const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+  __m512i r[16], a[16], b[16];
+  for (int o = 0; o < 16; o++)
+    r[o] = _mm512_maskz_loadu_epi32(mask, rows + (size_t)o * row_bytes + (size_t)d0 * 4);
+  for (int i = 0; i < 16; i += 2) { /* lane L: rows i, i + 1 of dwords 4L, 4L + 1 | 4L + 2, + 3 */
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
   }
+  for (int g = 0; g < 4; g++) { /* b[4g + j], lane L: rows 4g .. 4g + 3 of dword 4L + j */
+    b[4 * g + 0] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+    b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+    b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+    b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+  }
+  for (int j = 0; j < 4; j++) { /* dword 4L + j: lane L of b[j], b[4 + j], b[8 + j], b[12 + j] */
+    const __m512i pq01 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
+    const __m512i pq23 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+    const __m512i rs01 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+    const __m512i rs23 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+    const __m512i t[4] = {
+        _mm512_shuffle_i32x4(pq01, rs01, 0x88), _mm512_shuffle_i32x4(pq01, rs01, 0xDD),
+        _mm512_shuffle_i32x4(pq23, rs23, 0x88), _mm512_shuffle_i32x4(pq23, rs23, 0xDD)};
+    for (int L = 0; L < 4; L++)
+      if (4 * L + j < count) _mm512_storeu_si512(out + (4 * L + j) * 16, t[L]);
+  }
+}
 
-/* ---- Entry points (module.c's convention). a: x [m, k] f32, codes, scales, offsets (0:
-   none), bias [n] f32 (0: none), y [m, n] f32, m, n, k, G ---- */
+/* 16 rows of `dwords` 4-byte values each, one after another, transposed: out[t * 16 + o] =
+   row o's value t. */
+static inline void transpose_rows(const void *rows, int dwords, int32_t *out) {
+  for (int d0 = 0; d0 < dwords; d0 += 16)
+    transpose16(rows, dwords * 4, d0, dwords, dwords - d0 < 16 ? dwords - d0 : 16,
+                out + d0 * LANES);
+}
 
-QLINEAR(flowllm_qlinear_q4_f16, 1, 1)
-QLINEAR(flowllm_qlinear_q4_f32, 1, 0)
-QLINEAR(flowllm_qlinear_q8_f16, 0, 1)
-QLINEAR(flowllm_qlinear_q8_f32, 0, 0)
+/* One group of LANES output rows, its codes transposed (tw: [row_bytes / 4][LANES] dwords),
+   against M rows of quantized x from r0: acc[r] = the group's 16 sums for row r0 + r
+   (scales applied). ws, wm: [k / 32][LANES] block scales and offsets (wm NULL: none). */
+ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw, const float *ws,
+                              const float *wm, int k, int q4, __m512 acc[XROWS]) {
+  const int blocks = k / QBLOCK;
+  const __m512i nibble = _mm512_set1_epi8(15), bias8 = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 8
+  for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; b++) {
+    __m512i w[8];
+    const int32_t *col = tw + (size_t)(q4 ? b / 2 : b) * 8 * LANES;
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) {
+      const __m512i raw = _mm512_loadu_si512(col + t * LANES);
+      /* q4 block b: the low nibbles of its chunk's bytes, or (b odd) the high ones */
+      w[t] = q4 ? _mm512_and_si512(b & 1 ? _mm512_srli_epi16(raw, 4) : raw, nibble)
+                : _mm512_xor_si512(raw, bias8);
+    }
+    const __m512 sb = _mm512_loadu_ps(ws + b * LANES);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++) {
+      const size_t row = (size_t)(r0 + r);
+      const int8_t *xq = qx->q + row * k + b * QBLOCK;
+      /* two chains of byte dots, so that one row alone is not bound by their latency */
+      __m512i d[2] = {
+          q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * qx->qsum[row * blocks + b]),
+          _mm512_setzero_si512()};
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; t++)
+        d[t & 1] = _mm512_dpbusd_epi32(d[t & 1], w[t], _mm512_set1_epi32(load_i32(xq + 4 * t)));
+      const __m512 dx = _mm512_set1_ps(qx->d[(row * k + b * QBLOCK) / 4]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[0], d[1])),
+                               _mm512_mul_ps(sb, dx), acc[r]);
+      if (wm)
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * LANES),
+                                 _mm512_set1_ps(qx->sum[row * blocks + b]), acc[r]);
+    }
+  }
+}
+
+/* Output rows j0 .. j0 + LANES of every row of x. */
+ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const char *scales,
+                                const char *mins, const float *bias, float *y, int64_t j0, int m,
+                                int n, int k, int G, int q4, int f16) {
+  const int blocks = k / QBLOCK;
+  const int row_bytes = q4 ? k / 2 : k;
+  const size_t scale_bytes = (size_t)(k / G) * (f16 ? 2 : 4);
+  float ws[blocks * LANES], wm[mins ? blocks * LANES : 1], by_row[LANES * blocks];
+  for (int o = 0; o < LANES; o++)
+    block_scales(scales + (size_t)(j0 + o) * scale_bytes, k, G, f16, by_row + o * blocks);
+  transpose_rows(by_row, blocks, (int32_t *)ws);
+  if (mins) {
+    for (int o = 0; o < LANES; o++)
+      block_scales(mins + (size_t)(j0 + o) * scale_bytes, k, G, f16, by_row + o * blocks);
+    transpose_rows(by_row, blocks, (int32_t *)wm);
+  }
+  const uint8_t *c = codes + (size_t)j0 * row_bytes;
+  /* the next group's codes (one run of memory) to L2 now: the transposition reads 16 rows
+     a line each at a time, which the hardware prefetchers do not follow */
+  if (j0 + 2 * LANES <= n)
+    for (int line = 0; line < LANES * row_bytes; line += 64)
+      _mm_prefetch((const char *)c + LANES * row_bytes + line, _MM_HINT_T1);
+  int32_t tw[row_bytes / 4 * LANES];
+  transpose_rows(c, row_bytes / 4, tw);
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
+  for (int r0 = 0; r0 < m; r0 += XROWS) {
+    __m512 acc[XROWS];
+    const int rows = m - r0 < XROWS ? m - r0 : XROWS;
+    const float *on = mins ? wm : NULL;
+    switch (rows) {
+      case 1: group_dots(qx, r0, 1, tw, ws, on, k, q4, acc); break;
+      case 2: group_dots(qx, r0, 2, tw, ws, on, k, q4, acc); break;
+      case 3: group_dots(qx, r0, 3, tw, ws, on, k, q4, acc); break;
+      case 4: group_dots(qx, r0, 4, tw, ws, on, k, q4, acc); break;
+      case 5: group_dots(qx, r0, 5, tw, ws, on, k, q4, acc); break;
+      case 6: group_dots(qx, r0, 6, tw, ws, on, k, q4, acc); break;
+      case 7: group_dots(qx, r0, 7, tw, ws, on, k, q4, acc); break;
+      default: group_dots(qx, r0, XROWS, tw, ws, on, k, q4, acc); break;
+    }
+    for (int r = 0; r < rows; r++)
+      _mm512_storeu_ps(y + (size_t)(r0 + r) * n + j0, _mm512_add_ps(acc[r], bv));
+  }
+}
+#else
+#define LANES 16
+
+/* Without VNNI: the same outputs, one row at a time. */
+ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const char *scales,
+                                const char *mins, const float *bias, float *y, int64_t j0, int m,
+                                int n, int k, int G, int q4, int f16) {
+  for (int64_t j = j0; j < j0 + LANES; j++)
+    output_row(NULL, qx, codes, scales, mins, bias, y, j, m, n, k, G, q4, f16);
+}
+#endif
+
+// clang-format off: it would put the _Pragma and the loop on one line
+#define QLINEAR(NAME, Q4, F16)                                                              \
+  int64_t flowllm_##NAME(const struct flowllm_##NAME##_args *a) {                           \
+    const float *x = a->x;                                                                  \
+    const uint8_t *codes = (const uint8_t *)a->codes;                                       \
+    const char *scales = (const char *)a->scales, *mins = (const char *)a->mins;            \
+    const int m = (int)a->m, n = (int)a->n, k = (int)a->k, G = (int)a->group;               \
+    QuantX qx;                                                                              \
+    const int integer = G % QBLOCK == 0 && k % 64 == 0;                                     \
+    if (integer && quantize_x(x, m, k, &qx)) return -1;                                     \
+    const int64_t groups = integer ? n / LANES : 0;                                        \
+    const int64_t items = groups + n - groups * LANES;                                      \
+    _Pragma("omp parallel for schedule(static) if ((int64_t)n * k * m >= PARALLEL_FROM)")   \
+    for (int64_t t = 0; t < items; t++) {                                                   \
+      if (t < groups)                                                                       \
+        output_group(&qx, codes, scales, mins, a->bias, a->y, t * LANES, m, n, k, G, Q4, F16); \
+      else                                                                                  \
+        output_row(x, integer ? &qx : NULL, codes, scales, mins, a->bias, a->y,             \
+                   groups * LANES + t - groups, m, n, k, G, Q4, F16);                        \
+    }                                                                                       \
+    if (integer) free(qx.q);                                                                \
+    return 0;                                                                               \
+  }
+// clang-format on
+
+/* ---- Entry points (kernel_args.h) ---- */
+
+QLINEAR(qlinear_q4_f16, 1, 1)
+QLINEAR(qlinear_q4_f32, 1, 0)
+QLINEAR(qlinear_q8_f16, 0, 1)
+QLINEAR(qlinear_q8_f32, 0, 0)
 
 /* float32 -> bfloat16, rounded to nearest even (NaN kept quiet). */
 static inline uint16_t to_bf16(float f) {
@@ -260,13 +431,10 @@ ALWAYS_INLINE void dequant_row(const uint8_t *codes, const char *scales, const c
 
 /* Rows of W dequantized to float32: out[i] = W[ids[i]] (ids int64; 0: rows row0 ...).
    Returns 1 + i for the first id out of [0, n), before writing anything. */
-ALWAYS_INLINE int64_t dequant_rows(const int64_t *a, int q4, int f16) {
-  const uint8_t *codes = (const uint8_t *)a[0];
-  const char *scales = (const char *)a[1], *mins = (const char *)a[2];
-  const int64_t *ids = (const int64_t *)a[3];
-  const int64_t rows = a[4], row0 = a[5];
-  float *out = (float *)a[6];
-  const int n = (int)a[7], k = (int)a[8], G = (int)a[9];
+ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, const void *mins_p,
+                                   const int64_t *ids, int64_t rows, int64_t row0, float *out,
+                                   int n, int k, int G, int q4, int f16) {
+  const char *scales = scales_p, *mins = mins_p;
   if (ids)
     for (int64_t i = 0; i < rows; i++)
       if (ids[i] < 0 || ids[i] >= n) return 1 + i;
@@ -280,12 +448,10 @@ ALWAYS_INLINE int64_t dequant_rows(const int64_t *a, int q4, int f16) {
 /* Rows row0 .. row0 + rows of W as bfloat16 in the native bf16 linear kernel's layout
    (csrc/linear.c: [rows' / 16][k / 2][16][2], rows' = rows rounded up to 16, pad rows 0),
    so large batches multiply a dequantized tile at the bf16 kernel's speed. k is even. */
-ALWAYS_INLINE int64_t dequant_bf16_blocks(const int64_t *a, int q4, int f16) {
-  const uint8_t *codes = (const uint8_t *)a[0];
-  const char *scales = (const char *)a[1], *mins = (const char *)a[2];
-  const int64_t rows = a[3], row0 = a[4];
-  uint16_t *out = (uint16_t *)a[5];
-  const int n = (int)a[6], k = (int)a[7], G = (int)a[8];
+ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_p,
+                                          const void *mins_p, int64_t rows, int64_t row0,
+                                          uint16_t *out, int n, int k, int G, int q4, int f16) {
+  const char *scales = scales_p, *mins = mins_p;
   if (row0 < 0 || row0 + rows > n || k % 2) return 1;
   const int64_t blocks = (rows + 15) / 16;
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_FROM)
@@ -312,15 +478,17 @@ ALWAYS_INLINE int64_t dequant_bf16_blocks(const int64_t *a, int q4, int f16) {
   return 0;
 }
 
-/* a: codes, scales, offsets (0: none), ids (0: a range), rows, row0, out [rows, k] f32, n,
-   k, G */
-int64_t flowllm_dequant_q4_f16(const int64_t *a) { return dequant_rows(a, 1, 1); }
-int64_t flowllm_dequant_q4_f32(const int64_t *a) { return dequant_rows(a, 1, 0); }
-int64_t flowllm_dequant_q8_f16(const int64_t *a) { return dequant_rows(a, 0, 1); }
-int64_t flowllm_dequant_q8_f32(const int64_t *a) { return dequant_rows(a, 0, 0); }
+#define DEQUANT(NAME, Q4, F16)                                                                     \
+  int64_t flowllm_dequant_##NAME(const struct flowllm_dequant_##NAME##_args *a) {                  \
+    return dequant_rows(a->codes, a->scales, a->mins, a->ids, a->rows, a->row0, a->out, (int)a->n, \
+                        (int)a->k, (int)a->group, Q4, F16);                                        \
+  }                                                                                                \
+  int64_t flowllm_dequant_bf16_##NAME(const struct flowllm_dequant_bf16_##NAME##_args *a) {        \
+    return dequant_bf16_blocks(a->codes, a->scales, a->mins, a->rows, a->row0, a->out, (int)a->n,  \
+                               (int)a->k, (int)a->group, Q4, F16);                                 \
+  }
 
-/* a: codes, scales, offsets (0: none), rows, row0, out bf16 blocks, n, k, G */
-int64_t flowllm_dequant_bf16_q4_f16(const int64_t *a) { return dequant_bf16_blocks(a, 1, 1); }
-int64_t flowllm_dequant_bf16_q4_f32(const int64_t *a) { return dequant_bf16_blocks(a, 1, 0); }
-int64_t flowllm_dequant_bf16_q8_f16(const int64_t *a) { return dequant_bf16_blocks(a, 0, 1); }
-int64_t flowllm_dequant_bf16_q8_f32(const int64_t *a) { return dequant_bf16_blocks(a, 0, 0); }
+DEQUANT(q4_f16, 1, 1)
+DEQUANT(q4_f32, 1, 0)
+DEQUANT(q8_f16, 0, 1)
+DEQUANT(q8_f32, 0, 0)
