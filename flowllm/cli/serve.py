@@ -254,6 +254,12 @@ def serve_command(args: argparse.Namespace) -> int:
             log_level=args.log_level.lower(),
             log_config=None,  # uvicorn's loggers go through structlog (configure_logging)
             access_log=not args.disable_uvicorn_access_log,
+            # Named, not "auto": the health door takes over accepting from asyncio's own
+            # loop (uvloop would keep accepting), and h11 is the parser the fuzzing and
+            # limits tests hold to. Installing uvicorn[standard] (ray[serve] does) must
+            # not change either.
+            loop="asyncio",
+            http="h11",
             **tls,
         ),
         args.shutdown_timeout,
