@@ -275,7 +275,11 @@ def record_scenario(
     config = engine_config(
         model,
         served_model_name=BUNDLED_MODEL if scenario.bundled else MODEL_NAME,
+        # float32, the bundled model's GGUF weights dequantized: a replay must match the
+        # recording on any machine's kernels, which quantized products' int8 activations
+        # and bf16 sums do not promise (their rounding differs by instruction set).
         dtype="float32",
+        quantization="none",
         **{"kv_cache_memory": 1 << 20, **scenario.settings},
     )
     services = build_services(config)
