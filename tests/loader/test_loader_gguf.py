@@ -112,9 +112,12 @@ def test_gguf_quantized_and_dequantized_against_transformers(
     got = logits_of(loaded.model, toks, 40)
     # x rounded to int8 a block of 32 (as llama.cpp does): on these random models the
     # logits move by 2-6% of their spread on average (Q4_K's own rounding of the weights
-    # moves them 5-8 times more), and the greedy choice rarely changes.
+    # moves them 5-8 times more), and the greedy choice changes only at near-ties. How
+    # often depends on the build: AVX-512 prefills multiply bf16 tiles of the exact
+    # weights, AVX2 prefills round x to int8 too; over token seeds 0-5 agreement ranged
+    # 0.85-1.0 on both, so 0.8 fails a broken product, not a near-tie.
     assert (got - oracle).abs().mean() < 0.075 * oracle.std()
-    assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.9
+    assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.8
     # The file's tokenizer and chat template.
     tok = load_tokenizer(path.parent, None, path)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == VOCAB - 1
