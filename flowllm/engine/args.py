@@ -83,9 +83,10 @@ def add_engine_arguments(
         "--quantization",
         choices=QUANTIZATIONS,
         default=_MODEL.quantization,
-        help="auto: a GGUF file's quantized weights (the bundled model's Q4_1) are served "
-        "quantized; none: dequantized at load, as the float model; int8: a float checkpoint's "
-        "linear layers quantized to int8 per output channel (weights only)",
+        help="auto: a GGUF file's quantized weights are served quantized (the bundled model "
+        "by name is served dequantized); none: dequantized at load, as the float model; "
+        "int8: a float checkpoint's linear layers quantized to int8 per output channel "
+        "(weights only)",
     )
     parser.add_argument(
         "--tokenizer",

@@ -60,7 +60,7 @@ def build_services(config: EngineConfig) -> EngineServices:
     transformers, which overlaps with reading and packing weights (native code that
     releases the GIL)."""
     # Resolving converts the bundled model if needed.
-    resolved = resolve_model(config.model.model, config.model.quantization)
+    resolved = resolve_model(config.model.model)
     if config.model.tokenizer is not None:
         tokenizer_args = (resolve_model(config.model.tokenizer).path, config.model.chat_template)
     else:

@@ -1,9 +1,9 @@
 """Find a model's HF-format directory and load its weights into one of flowllm's model classes.
 
 A model name resolves, in order, to:
-  1. the bundled `smollm2-135m-instruct`: its weights from its Q4_1 GGUF file, kept
-     quantized, its config and tokenizer from the HF-format directory converted once from
-     that file (bundled.py); with `quantization="none"`, all from that directory;
+  1. the bundled `smollm2-135m-instruct`: the HF-format directory converted once from its
+     Q4_1 GGUF file (bundled.py), its weights dequantized; the file itself, given as a
+     path, is served quantized like any GGUF file;
   2. a GGUF file (`*.gguf`): weights, config and tokenizer from the file (gguf_file.py);
   3. a local directory (an existing path, or anything spelled like a path);
   4. a Hugging Face Hub id, fetched with `huggingface_hub.snapshot_download` (only config,
@@ -152,18 +152,17 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
-def resolve_model(name: str, quantization: str = "auto") -> ResolvedModel:
+def resolve_model(name: str) -> ResolvedModel:
     """Resolve a model name to an HF-format directory or a GGUF file (see the module
-    docstring for the order); `quantization="none"` serves the bundled model from its
-    dequantized directory."""
+    docstring for the order)."""
     from flowllm.models.gguf_file import is_gguf
 
     if not name or not name.strip():
         raise ModelNotFoundError("no model name given")
     if name == BUNDLED_MODEL:
-        if quantization == "none":
-            return ResolvedModel(path=_bundled_dir(), name=name)
-        return ResolvedModel(path=_bundled_dir(), name=name, gguf=_bundled_gguf())
+        # Dequantized until the quantized products serve batches of 8 and more as fast
+        # as bf16 ones (benchmarks/README.md, "Quantized weights").
+        return ResolvedModel(path=_bundled_dir(), name=name)
     path = Path(name).expanduser()
     if path.exists() or _looks_like_path(name):
         if not path.exists():
@@ -185,15 +184,6 @@ def _bundled_dir() -> Path:
 
     try:
         return ensure_bundled_model()
-    except BundledModelError as e:
-        raise BundledModelLoadError(str(e)) from e
-
-
-def _bundled_gguf() -> Path:
-    from flowllm.models.bundled import BundledModelError, bundled_gguf_path
-
-    try:
-        return bundled_gguf_path()
     except BundledModelError as e:
         raise BundledModelLoadError(str(e)) from e
 
@@ -454,7 +444,7 @@ def load_model(
         raise ModelLoadError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
         )
-    resolved = resolve_model(name_or_path, quantization)
+    resolved = resolve_model(name_or_path)
     dev = resolve_device(device)
     if resolved.gguf is not None and quantization == "int8":
         raise ModelLoadError(

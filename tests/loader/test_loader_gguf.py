@@ -20,6 +20,7 @@ from gguf_fixtures import dequantized_like, write_gguf
 from model_test_utils import Blocks, PagedSeq, reference_logits, schedule
 
 from flowllm.config import BUNDLED_MODEL
+from flowllm.models.bundled import bundled_gguf_path
 from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.layers import Linear
 from flowllm.models.loader import (
@@ -141,8 +142,12 @@ def test_llama_gguf_rows_are_unpermuted(tmp_path: Path) -> None:
     assert diff < 1e-4
 
 
-def test_bundled_model_is_served_quantized(flowllm_cache_with_smollm2: Path) -> None:
-    loaded = load_model(BUNDLED_MODEL, device="cpu")
+def test_the_bundled_file_is_served_quantized_and_the_bundled_name_dequantized(
+    flowllm_cache_with_smollm2: Path,
+) -> None:
+    by_name = load_model(BUNDLED_MODEL, device="cpu")
+    assert all(m.quantized is None for m in by_name.model.modules() if isinstance(m, Linear))
+    loaded = load_model(str(bundled_gguf_path()), device="cpu")
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
     assert {m.quantized.weight.source for m in linears} == {"Q4_1", "Q8_0"}
     # Weights against the bf16 model's: its linear weights, and the embedding table it
