@@ -22,9 +22,9 @@ connected to several inputs (fan-out) sends every message to each of them.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
