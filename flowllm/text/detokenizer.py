@@ -35,8 +35,8 @@ it cannot be done incrementally).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, cast
 
 from flowllm.messages import SamplingParams
 from flowllm.stopping import StopStrings
@@ -152,7 +152,7 @@ class ByteDecode:
 
     def __init__(self, vocab: ByteVocab, fallback: Decode) -> None:
         self._added = vocab.added
-        self._lookup = vocab.table.__getitem__
+        self._lookup: Callable[[int], bytes | None] = vocab.table.__getitem__
         self.fallback = fallback
         self.texts = vocab.texts
 
@@ -167,7 +167,8 @@ class ByteDecode:
         if not self._added.isdisjoint(ids):
             return None
         try:
-            return b"".join(map(self._lookup, ids))
+            # An id the table lacks (None) makes join raise the TypeError caught below.
+            return b"".join(cast("Iterable[bytes]", map(self._lookup, ids)))
         except (IndexError, TypeError):  # an id past the table, or one it lacks
             return None
 
