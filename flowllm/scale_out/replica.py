@@ -114,8 +114,7 @@ class EngineReplica:
             return
         events: asyncio.Queue[Event | None] = asyncio.Queue()
         for box in boxes:
-            task = asyncio.create_task(self._forward(box, events))
-            self._forwarders[box.request_id] = task
+            self._forwarders[box.request_id] = asyncio.create_task(self._forward(box, events))
         remaining = len(boxes)
         try:
             while remaining:
