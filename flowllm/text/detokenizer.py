@@ -36,10 +36,13 @@ it cannot be done incrementally).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from flowllm.messages import SamplingParams
 from flowllm.stopping import StopStrings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
 _CONTEXT_TOKENS = 4  # tokens kept before the unread ones; a UTF-8 character spans <= 4 bytes
@@ -90,7 +93,7 @@ class ByteVocab:
         self.texts = [None if i in added else _whole_text(b) for i, b in enumerate(table)]
 
     @classmethod
-    def of(cls, tokenizer: Any) -> ByteVocab | None:
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> ByteVocab | None:
         """The byte table of `tokenizer`, or None unless its decoder is ByteLevel alone."""
         from tokenizers import decoders
 
@@ -123,7 +126,7 @@ _NO_TEXT = DetokenizerStep("")
 
 
 def make_decode(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     skip_special_tokens: bool,
     spaces_between: bool,
     byte_vocab: ByteVocab | None = None,
@@ -183,7 +186,9 @@ class ByteDecode:
         return token
 
 
-def _backend_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between: bool) -> Decode:
+def _backend_decode(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, spaces_between: bool
+) -> Decode:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
 
@@ -245,7 +250,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         *,
