@@ -283,9 +283,7 @@ class Graph:
         if error is not None:
             raise error
 
-    async def run(
-        self, *, task_status: TaskStatus[Graph] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def run(self, *, task_status: TaskStatus[Graph] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run every stage until all have returned (or the graph failed or was stopped)."""
         if self._started:
             raise RuntimeError(f"graph {self.name!r} has already run; build a new Graph")

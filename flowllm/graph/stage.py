@@ -339,9 +339,7 @@ class Stage:
         """The requests `message` belongs to: those a failure while handling it fails."""
         return request_ids_of(message)
 
-    async def fail_requests(
-        self, errors: Iterable[RequestError], message: object = None
-    ) -> None:
+    async def fail_requests(self, errors: Iterable[RequestError], message: object = None) -> None:
         """Answer requests whose `message` this stage failed to handle.
 
         By default the errors go out on the `errors` port when the stage has one (so they
