@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flowllm-installed
 
-.PHONY: serve test lint setup system-packages bench-channel traces reliability ui-screenshots
+.PHONY: serve test lint typecheck setup system-packages bench-channel traces reliability ui-screenshots
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
@@ -12,6 +12,7 @@ serve: $(STAMP)
 test: $(STAMP) system-packages
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 # The reliability suite (tests/reliability, docs/reliability.md) at full scale: 10,000 fuzz
@@ -41,6 +42,10 @@ ui-screenshots: $(STAMP) system-packages
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# mypy over the package, as configured in pyproject.toml ([tool.mypy]).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
 $(STAMP): pyproject.toml

@@ -155,5 +155,10 @@ def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
             raise TypeError(f"unknown engine setting {key!r}")
     if model is not None:
         sections["model"]["model"] = model
-    built = {name: struct(**sections[name]) for name, struct in _SECTIONS.items()}
-    return EngineConfig(**built, **top)
+    return EngineConfig(
+        model=ModelConfig(**sections["model"]),
+        cache=CacheConfig(**sections["cache"]),
+        scheduler=SchedulerConfig(**sections["scheduler"]),
+        limits=RequestLimits(**sections["limits"]),
+        **top,
+    )

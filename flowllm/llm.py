@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import msgspec
@@ -31,6 +31,9 @@ from flowllm.messages import (
     merge_by_choice,
 )
 from flowllm.stages.services import EngineServices
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class CompletionOutput(msgspec.Struct, kw_only=True):
@@ -103,7 +106,7 @@ class LLM:
         self.last_run: EngineServices | None = None  # the latest generate's (for its metrics)
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.services.tokenizer
 
     def generate(
@@ -112,11 +115,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        # One prompt is text or token ids; several are a sequence of those.
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompt_list = [cast(Prompt, prompts)]
+        else:
+            prompt_list = list(cast(Sequence[Prompt], prompts))
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
@@ -146,7 +149,12 @@ class LLM:
         `tool` turns a `tool_call_id`. The output is the model's text: constrain it with
         `SamplingParams(structured_outputs=...)` to have it call a tool.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        Conversation = Sequence[dict[str, Any]]
+        conversations = (
+            [cast(Conversation, messages)]
+            if messages and isinstance(messages[0], dict)
+            else list(cast(Sequence[Conversation], messages))
+        )
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
@@ -162,7 +170,7 @@ class LLM:
                 model=self.services.served_model_name,
                 params=params,
                 arrival_time=time.monotonic(),
-                messages=tuple(chat_message(m) for m in conversation),  # type: ignore[union-attr]
+                messages=tuple(chat_message(m) for m in conversation),
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 tools=tuple(tools) if tools else None,

@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, TextIO
+from typing import TextIO
 
 import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 LOG_FORMATS = ("auto", "console", "json")
 
@@ -42,12 +43,12 @@ def configure_logging(
     numeric = raw_level if isinstance(raw_level, int) else logging.getLevelName(raw_level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {raw_level!r}")
-    shared: list[Any] = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer: list[Any] = (
+    renderer: list[Processor] = (
         [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
         if fmt == "json"
         else [structlog.dev.ConsoleRenderer(colors=out.isatty())]
@@ -66,7 +67,9 @@ class _StructlogHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The root handler `configure_logging` installs (replaced when it runs again)."""
 
 
-def _capture_stdlib(shared: list[Any], renderer: list[Any], level: int, out: TextIO) -> None:
+def _capture_stdlib(
+    shared: list[Processor], renderer: list[Processor], level: int, out: TextIO
+) -> None:
     handler = _StructlogHandler(out)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
@@ -87,7 +90,7 @@ def _capture_stdlib(shared: list[Any], renderer: list[Any], level: int, out: Tex
     logging.captureWarnings(True)
 
 
-def _access_fields(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+def _access_fields(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
     """uvicorn's access line as fields too (client, method, path, status)."""
     args = event.pop("positional_args", None)
     record = event.get("_record")

@@ -350,7 +350,7 @@ class TextDeltas(msgspec.Struct, kw_only=True):
     chunks: tuple[Chunk, ...]
 
 
-def request_ids_of(message: Any) -> tuple[str, ...]:
+def request_ids_of(message: object) -> tuple[str, ...]:
     """The requests a message belongs to. Per-step messages name sequences, not requests:
     the stage that knows their requests says (e.g. detokenize's `request_ids`)."""
     if isinstance(message, ValidRequest):

@@ -70,7 +70,8 @@ class GracefulServer(uvicorn.Server):
 
     async def _serve_connection(self, conn: socket.socket) -> None:
         """Serve a connection the fast path accepted, as if the loop had accepted it."""
-        protocol = functools.partial(
+        # uvicorn declares http_protocol_class a bare asyncio.Protocol; its classes take these.
+        protocol = functools.partial(  # type: ignore[call-arg]
             self.config.http_protocol_class,
             config=self.config,
             server_state=self.server_state,

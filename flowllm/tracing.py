@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import ASGIApp, HTTPScope, Message, Receive, Scope, Send
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -149,7 +149,7 @@ class RequestTracing:
             if name in (b"traceparent", b"tracestate")
         }
         parent = _PROPAGATOR.extract(carrier) if carrier else None
-        method = scope["method"]
+        method = cast("HTTPScope", scope)["method"]  # the middleware's `scopes`: HTTP only
         path = scope["path"]
         return self.tracer.start_span(
             f"{method} {path}",
@@ -187,7 +187,8 @@ class RequestTracing:
         if params.seed is not None:
             attributes["gen_ai.request.seed"] = params.seed
         root.set_attributes(attributes)
-        bound: list[str] = scope.setdefault(SCOPE_REQUESTS, [])  # type: ignore[typeddict-item]
+        # litestar's Scope types name no extension keys, which ASGI scopes may carry.
+        bound: list[str] = scope.setdefault(SCOPE_REQUESTS, [])  # type: ignore[misc]
         for request in requests:
             self._requests[request.request_id] = _RequestTrace(root, request.arrival_time)
             bound.append(request.request_id)

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 import msgspec
@@ -25,7 +25,7 @@ from litestar.config.cors import CORSConfig
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
 from litestar.openapi.plugins import SwaggerRenderPlugin
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import ASGIApp, HTTPScope, Message, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from flowllm.api.chat import ChatFormat, ChatStream
@@ -256,10 +256,10 @@ class HttpBoundary(ASGIMiddleware):
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 headers.append((REQUEST_ID_HEADER.encode(), request_id.encode("latin-1")))
-                message = {**message, "headers": headers}  # type: ignore[typeddict-item]
+                message = {**message, "headers": headers}
             await send(message)
 
-        method = scope["method"]
+        method = cast("HTTPScope", scope)["method"]  # `scopes` admits HTTP only
         if self._api_key is not None and method != "OPTIONS" and not is_public(scope["path"]):
             scheme, _, token = authorization.partition(b" ")
             valid = scheme.lower() == b"bearer" and hmac.compare_digest(
@@ -517,7 +517,8 @@ async def detokenize(request: Request[Any, Any, Any]) -> DetokenizeResponse:
             param="tokens",
         )
     text = await anyio.to_thread.run_sync(tokenizer.decode, req.tokens)
-    return DetokenizeResponse(prompt=text)
+    # transformers types decode's result `str | list[str]` (for batches); one list, one str.
+    return DetokenizeResponse(prompt=text)  # type: ignore[arg-type]
 
 
 @get("/openapi.json", include_in_schema=False)

@@ -166,7 +166,7 @@ class ChatStream(EventSource):
             if not (item.text or item.finish_reason or item.logprobs):
                 continue
             parser = parsers[item.index]
-            finish_reason = item.finish_reason
+            finish_reason: str | None = item.finish_reason
             if parser is None:
                 delta = DeltaMessage(content=item.text) if item.text else DeltaMessage()
             else:

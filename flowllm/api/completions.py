@@ -24,7 +24,7 @@ from flowllm.api.protocol import (
     UsageInfo,
 )
 from flowllm.api.serving import Emit, EventSource, Generation, ResponseFormat
-from flowllm.messages import Chunk, RequestError, TokenLogprobs
+from flowllm.messages import Chunk, FinishReason, RequestError, TokenLogprobs
 
 
 class CompletionFormat(ResponseFormat[PreparedCompletion]):
@@ -46,6 +46,8 @@ class CompletionFormat(ResponseFormat[PreparedCompletion]):
         `first`: this chunk opens the choice, so it carries the echoed prompt.
         """
         echo = self.prepared.echo and first
+        finish: FinishReason | None
+        stop_reason: str | int | None
         if self.prepared.echo_only:
             token_ids: Sequence[int] = ()
             entries: Sequence[TokenLogprobs | None] = ()

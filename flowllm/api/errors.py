@@ -15,6 +15,7 @@ import msgspec
 import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+from litestar.types import ExceptionHandlersMap
 
 from flowllm.api.protocol import UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
 from flowllm.messages import ErrorKind, RequestError
@@ -157,7 +158,7 @@ def handle_unexpected(_: Request[Any, Any, Any], exc: Exception) -> Response[Err
     return error_response(ApiError(f"Internal server error: {type(exc).__name__}", status_code=500))
 
 
-EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
+EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     ApiError: handle_api_error,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,

@@ -57,11 +57,11 @@ def openapi_document(
     for route in app.routes:
         if not isinstance(route, HTTPRoute):
             continue
-        for method, (handler, _) in sorted(route.route_handler_map.items()):
-            if method in ("OPTIONS", "HEAD") or not handler.include_in_schema:
+        for verb, (handler, _) in sorted(route.route_handler_map.items()):
+            if verb in ("OPTIONS", "HEAD") or not handler.include_in_schema:
                 continue
             spec = handler.opt.get(OPENAPI_OPT) or OpenApi()
-            operations.append((route.path, method.lower(), handler, spec))
+            operations.append((route.path, verb.lower(), handler, spec))
             types.extend(t for t in (spec.request, spec.response, spec.stream) if t is not None)
     unique = list(dict.fromkeys(types))
     schemas, components = msgspec.json.schema_components(unique, ref_template=REF_TEMPLATE)

@@ -250,7 +250,7 @@ class EventStream(Stream):
         )
         self.source = source
 
-    def to_asgi_response(  # type: ignore[override]
+    def to_asgi_response(
         self,
         app: Any,
         request: Request[Any, Any, Any],

@@ -48,8 +48,11 @@ class Prompt(msgspec.Struct, frozen=True, kw_only=True):
 class TokenizerLike(Protocol):
     """The part of a transformers tokenizer the prompt builder uses."""
 
-    vocab_size: int
-    all_special_ids: list[int]
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def all_special_ids(self) -> list[int]: ...
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
@@ -138,5 +141,9 @@ def load_tokenizer(path: str) -> TokenizerLike:
     """A transformers tokenizer from a local directory (never the network)."""
     from transformers import AutoTokenizer
 
-    tokenizer: TokenizerLike = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    # transformers types decode's result `str | list[str]` whatever the input; one
+    # sequence of ids decodes to one str.
+    tokenizer: TokenizerLike = AutoTokenizer.from_pretrained(  # type: ignore[assignment]
+        path, local_files_only=True
+    )
     return tokenizer

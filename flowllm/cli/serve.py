@@ -16,8 +16,8 @@ from typing import Any
 
 import anyio
 
-from flowllm.cli.graph import DEFAULT_GRAPH
 from flowllm.config import TOOL_CALL_PARSERS, ConfigError
+from flowllm.engine.async_engine import DEFAULT_GRAPH
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.validator import load_graph
 from flowllm.logging_config import configure_logging
@@ -109,7 +109,7 @@ def cors_config(args: argparse.Namespace) -> Any:
         return None
     return CORSConfig(
         allow_origins=origins,
-        allow_methods=args.allowed_methods or ["*"],  # type: ignore[arg-type]
+        allow_methods=args.allowed_methods or ["*"],
         allow_headers=args.allowed_headers or ["*"],
         allow_credentials=bool(args.allow_credentials),
     )

@@ -28,6 +28,9 @@ from flowllm.stages.ingest import Ingest
 from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from transformers import PreTrainedTokenizerBase
+
     from flowllm.traces.recorder import TraceRecorder
 
 DEFAULT_GRAPH = Path(__file__).with_name("default.yaml")
@@ -95,7 +98,7 @@ class AsyncEngine:
         return self.services.max_model_len
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.services.tokenizer
 
     @property
@@ -107,7 +110,7 @@ class AsyncEngine:
         return self.graph.running and not self.graph.failed
 
     @property
-    def metrics_registry(self) -> Any:
+    def metrics_registry(self) -> CollectorRegistry:
         return self.services.registry
 
     @property

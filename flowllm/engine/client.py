@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from flowllm.config import RequestLimits
 from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class EngineClient(Protocol):
@@ -20,7 +23,7 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
-    def tokenizer(self) -> Any: ...  # transformers PreTrainedTokenizerBase
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
     @property
     def healthy(self) -> bool: ...  # /health: false while a part restarts or is stuck

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -16,8 +17,13 @@ from flowllm.models.loader import LoadedModel, load_model, resolve_model
 from flowllm.models.tokenizer import load_tokenizer
 from flowllm.stages.services import EngineServices
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def eos_token_ids(loaded: LoadedModel, tokenizer: Any) -> tuple[int, ...]:
+    from flowllm.models.causal_lm import PagedCausalLM
+
+
+def eos_token_ids(loaded: LoadedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """The generation config's EOS ids (an int or a list), else the tokenizer's."""
     eos = loaded.generation_config.get("eos_token_id")
     if eos is None:
@@ -62,7 +68,11 @@ def build_services(config: EngineConfig) -> EngineServices:
     # Resolving converts the bundled model if needed.
     resolved = resolve_model(config.model.model)
     if config.model.tokenizer is not None:
-        tokenizer_args = (resolve_model(config.model.tokenizer).path, config.model.chat_template)
+        tokenizer_args: tuple[Path, str | None, Path | None] = (
+            resolve_model(config.model.tokenizer).path,
+            config.model.chat_template,
+            None,
+        )
     else:
         gguf = resolved.gguf if resolved.config_from_gguf else None
         tokenizer_args = (resolved.path, config.model.chat_template, gguf)
@@ -87,8 +97,8 @@ def build_services(config: EngineConfig) -> EngineServices:
 
 def services_for_model(
     config: EngineConfig,
-    model: Any,
-    tokenizer: Any,
+    model: PagedCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
     eos_token_ids: tuple[int, ...],
     device: torch.device,
 ) -> EngineServices:

@@ -31,7 +31,7 @@ from anyio.streams.memory import (
 
 T = TypeVar("T")
 
-Tap = Callable[[Any, float], None]
+Tap = Callable[[object, float], None]
 """Called as `tap(message, send_time)` after every successful send; must not block."""
 
 
@@ -43,7 +43,7 @@ class BrokenChannelError(anyio.BrokenResourceError):
     """A send found that every consumer of the channel has finished."""
 
 
-def type_members(tp: Any) -> tuple[type, ...] | None:
+def type_members(tp: object) -> tuple[type, ...] | None:
     """The classes a port type admits, or None when it admits anything.
 
     Unions (`A | B`, `Optional[A]`) expand to their members; a parametrised generic such as
@@ -74,7 +74,7 @@ def type_members(tp: Any) -> tuple[type, ...] | None:
     raise TypeError(f"{tp!r} is not a type")
 
 
-def type_name(tp: Any) -> str:
+def type_name(tp: object) -> str:
     """A short human name for a port type, e.g. `TokenizedRequest | Abort`."""
     try:
         members = type_members(tp)
@@ -88,16 +88,16 @@ def type_name(tp: Any) -> str:
 class Channel(Generic[T]):
     """A named, typed, bounded channel; clone an end per task, then `close()` the originals."""
 
-    def __init__(self, name: str, message_type: Any, capacity: int) -> None:
+    def __init__(self, name: str, message_type: object, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"channel {name!r}: capacity must be an int >= 1, got {capacity!r}")
         self.name = name
         self.message_type = message_type
         self.capacity = capacity
         # The stream carries (message, send_time) pairs; capacity counts messages.
-        send, receive = anyio.create_memory_object_stream[tuple[Any, float]](capacity)
-        self._send: MemoryObjectSendStream[tuple[Any, float]] = send
-        self._receive: MemoryObjectReceiveStream[tuple[Any, float]] = receive
+        send, receive = anyio.create_memory_object_stream[tuple[T, float]](capacity)
+        self._send: MemoryObjectSendStream[tuple[T, float]] = send
+        self._receive: MemoryObjectReceiveStream[tuple[T, float]] = receive
         # Shared by reference with every clone, so a tap added later is seen by all senders.
         self._taps: list[Tap] = []
         self._waiters: set[anyio.Event] = set()
@@ -147,7 +147,9 @@ class ChannelSender(Generic[T]):
 
     __slots__ = ("_accepts", "_closed", "_stream", "_taps", "_waiters", "channel")
 
-    def __init__(self, channel: Channel[T], stream: MemoryObjectSendStream[tuple[Any, float]]):
+    def __init__(
+        self, channel: Channel[T], stream: MemoryObjectSendStream[tuple[T, float]]
+    ) -> None:
         self.channel = channel
         self._stream = stream
         self._taps = channel._taps
@@ -155,7 +157,7 @@ class ChannelSender(Generic[T]):
         self._accepts = channel._accepts
         self._closed = False
 
-    def _check(self, message: Any) -> None:
+    def _check(self, message: object) -> None:
         if self._accepts is not None and not isinstance(message, self._accepts):
             raise ChannelTypeError(
                 f"channel {self.channel.name!r} carries {type_name(self.channel.message_type)}, "
@@ -222,7 +224,7 @@ class ChannelReceiver(Generic[T]):
     __slots__ = ("_closed", "_stream", "channel", "last_wait")
 
     def __init__(
-        self, channel: Channel[T], stream: MemoryObjectReceiveStream[tuple[Any, float]]
+        self, channel: Channel[T], stream: MemoryObjectReceiveStream[tuple[T, float]]
     ) -> None:
         self.channel = channel
         self._stream = stream

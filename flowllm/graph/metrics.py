@@ -81,7 +81,8 @@ class LabelledHistogram(Collector):
             cumulative, total = [], 0
             for bound, count in zip((*self.buckets, float("inf")), series.counts, strict=True):
                 total += count
-                cumulative.append((floatToGoString(bound), total))
+                # prometheus_client leaves floatToGoString unannotated.
+                cumulative.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
             labels = [value] if self.label is not None else []
             family.add_metric(labels, cumulative, sum_value=series.sum)
         yield family

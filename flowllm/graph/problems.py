@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,6 @@ def suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def known(choices: list[str] | tuple[str, ...] | Any) -> str:
+def known(choices: Iterable[str]) -> str:
     names = sorted(choices)
     return ", ".join(names) if names else "none"

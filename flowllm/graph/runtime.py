@@ -32,6 +32,7 @@ for the graph to drain and finish; if it has not, it calls `fail_inflight` with 
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -44,12 +45,21 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
+from structlog.typing import FilteringBoundLogger
 
 from flowllm.graph.channel import Channel
 from flowllm.graph.metrics import GraphMetrics
 from flowllm.graph.spans import SpanRecorder, SpanSink
 from flowllm.graph.spec import GraphSpec, PortRef
-from flowllm.graph.stage import CLOSED, FailRequest, Outbox, RequestInputError, Stage, StageContext
+from flowllm.graph.stage import (
+    CLOSED,
+    CountsSequences,
+    FailRequest,
+    Outbox,
+    RequestInputError,
+    Stage,
+    StageContext,
+)
 from flowllm.graph.supervision import RestartIntensity
 from flowllm.graph.validator import ValidGraph, load_graph
 from flowllm.logging_config import configure_logging
@@ -118,10 +128,10 @@ class Graph:
     def __init__(
         self,
         graph: ValidGraph | GraphSpec | str | Path,
-        services: Any = None,
+        services: object = None,
         *,
         registry: CollectorRegistry | None = None,
-        logger: Any = None,
+        logger: FilteringBoundLogger | None = None,
         spans: bool = True,
         span_events: bool | None = None,
         fail_inflight_timeout: float = 5.0,
@@ -179,8 +189,13 @@ class Graph:
             self._replicas[bound.name] = instances
             if hasattr(bound.cls, "live_sequences"):
                 self.metrics.live_sequences.labels(bound.name).set_function(
-                    lambda name=bound.name: sum(s.live_sequences() for s in self._replicas[name])
+                    functools.partial(self._live_sequences, bound.name)
                 )
+
+    def _live_sequences(self, name: str) -> int:
+        """The live sequences of a stage's replicas (its current instances, after restarts)."""
+        replicas = self._replicas[name]
+        return sum(s.live_sequences() for s in replicas if isinstance(s, CountsSequences))
 
     def _build(self, name: str) -> Stage:
         bound = self.spec.stages[name]
@@ -268,7 +283,7 @@ class Graph:
         if error is not None:
             raise error
 
-    async def run(self, *, task_status: TaskStatus[Any] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[Graph] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run every stage until all have returned (or the graph failed or was stopped)."""
         if self._started:
             raise RuntimeError(f"graph {self.name!r} has already run; build a new Graph")
@@ -441,7 +456,7 @@ class Graph:
             if message is not CLOSED:
                 dropped += 1
 
-    def _request_ids(self, task: _Task, group: _Group, message: Any) -> tuple[str, ...]:
+    def _request_ids(self, task: _Task, group: _Group, message: object) -> tuple[str, ...]:
         """The requests of `message`, asked of every stage in the group (for a step, the
         stage that knows which requests its sequences belong to answers)."""
         if message is None:
@@ -454,7 +469,9 @@ class Graph:
                 self.log.warning("request_ids raised", stage=member.name, exc_info=exc)
         return tuple(ids)
 
-    async def _on_failure(self, task: _Task, group: _Group, error: Exception, message: Any) -> bool:
+    async def _on_failure(
+        self, task: _Task, group: _Group, error: Exception, message: object
+    ) -> bool:
         """Apply the group's policy to one failure; True when the member runs on."""
         self.metrics.stage_errors.labels(task.name).inc()
         log = self.log.bind(stage=task.name, replica=task.replica)
@@ -500,7 +517,7 @@ class Graph:
         request_ids: tuple[str, ...],
         error: Exception,
         kind: ErrorKind,
-        message: Any = None,
+        message: object = None,
     ) -> None:
         """Answer each request with the failure, through the stage (bounded in time)."""
         if not request_ids:

@@ -11,18 +11,29 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Any
+from types import TracebackType
+from typing import TypedDict
+
+from structlog.typing import FilteringBoundLogger
 
 from flowllm.graph.metrics import GraphMetrics
 
 
-def message_fields(message: Any) -> dict[str, Any]:
+class MessageFields(TypedDict, total=False):
+    """What `message_fields` finds: each key only when the message carries it."""
+
+    request_id: str
+    step_id: int
+    batch_size: int
+
+
+def message_fields(message: object) -> MessageFields:
     """What a span says about a message: its request id or step id, and its batch size.
 
     Per-request messages carry `request_id` (or wrap a request that does); per-step messages
     carry `step_id` (or a `batch` that does) and a tuple of per-sequence entries.
     """
-    fields: dict[str, Any] = {}
+    fields: MessageFields = {}
     inner = getattr(message, "batch", None) or getattr(message, "request", None)
     for holder in (message, inner):
         if holder is None:
@@ -44,7 +55,7 @@ def message_fields(message: Any) -> dict[str, Any]:
 
 
 
-SpanSink = Callable[[str, Any, float, float, float], None]
+SpanSink = Callable[[str, object, float, float, float], None]
 """Called as `sink(stage, message, started, duration, queue_wait)` for every span (a trace
 recorder); must be cheap and never block."""
 
@@ -67,7 +78,7 @@ class SpanRecorder:
     def __init__(
         self,
         stage: str,
-        log: Any,
+        log: FilteringBoundLogger,
         metrics: GraphMetrics,
         *,
         enabled: bool = True,
@@ -90,7 +101,7 @@ class SpanRecorder:
         return self._enabled
 
     def record(
-        self, message: Any, started: float, queue_wait: float, *, observed: bool = True
+        self, message: object, started: float, queue_wait: float, *, observed: bool = True
     ) -> None:
         """Close the span of `message`, whose handling began at `started` (perf_counter).
 
@@ -120,7 +131,7 @@ class SpanRecorder:
             for sink in self._sinks:
                 sink(self.stage, InputClosed(port), now, 0.0, 0.0)
 
-    def span(self, message: Any, queue_wait: float) -> Span:
+    def span(self, message: object, queue_wait: float) -> Span:
         """A context manager timing the handling of `message` (for hand-written `run`s)."""
         return Span(self, message, queue_wait)
 
@@ -130,7 +141,7 @@ class Span:
 
     __slots__ = ("_message", "_recorder", "_started", "_wait")
 
-    def __init__(self, recorder: SpanRecorder, message: Any, queue_wait: float) -> None:
+    def __init__(self, recorder: SpanRecorder, message: object, queue_wait: float) -> None:
         self._recorder = recorder
         self._message = message
         self._wait = queue_wait
@@ -140,6 +151,11 @@ class Span:
         self._started = perf_counter()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self._recorder.record(self._message, self._started, self._wait)

@@ -22,9 +22,10 @@ connected to several inputs (fan-out) sends every message to each of them.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
@@ -32,6 +33,8 @@ from flowllm.graph.problems import GraphValidationError, Problem, suggest
 
 if TYPE_CHECKING:
     from flowllm.graph.validator import ValidGraph
+
+_Item = TypeVar("_Item")
 
 DEFAULT_CAPACITY = 64
 
@@ -59,7 +62,7 @@ class StageSpec:
     params: dict[str, Any] = field(default_factory=dict)
     replicas: int = 1
     line: int | None = None
-    supervision: Any = None  # the raw `supervision:` mapping, checked by the validator
+    supervision: object = None  # the raw `supervision:` mapping, checked by the validator
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ class _Reader:
     def problem(self, message: str, line: int | None) -> None:
         self.problems.append(Problem(message, line, self.source))
 
-    def read(self, data: Any, node: yaml.Node | None) -> GraphSpec:
+    def read(self, data: object, node: yaml.Node | None) -> GraphSpec:
         default_name = Path(self.source).stem if self.source != "<graph>" else "graph"
         if not isinstance(data, dict):
             self.problem("a graph file must be a mapping with 'stages' and 'edges'", _line(node))
@@ -162,7 +165,13 @@ class _Reader:
             name, tuple(stages), tuple(edges), self.source, self.base_dir, tuple(self.problems)
         )
 
-    def read_list(self, data: dict[str, Any], node: Any, key: str, read_item: Any) -> list[Any]:
+    def read_list(
+        self,
+        data: dict[str, Any],
+        node: yaml.Node | None,
+        key: str,
+        read_item: Callable[[object, yaml.Node | None, int], _Item | None],
+    ) -> list[_Item]:
         items = data.get(key)
         items_node = _child(node, key)
         if items is None:
@@ -180,14 +189,13 @@ class _Reader:
                 out.append(parsed)
         return out
 
-    def read_stage(self, item: Any, node: Any, index: int) -> StageSpec | None:
+    def read_stage(self, item: object, node: yaml.Node | None, index: int) -> StageSpec | None:
         line = _line(node)
         if not isinstance(item, dict):
             self.problem(f"stages[{index}] must be a mapping with 'name' and 'use'", line)
             return None
         name = item.get("name")
         label = f"stage {name!r}" if isinstance(name, str) else f"stages[{index}]"
-        ok = True
         for key in item:
             if key not in _STAGE_KEYS:
                 self.problem(
@@ -200,12 +208,12 @@ class _Reader:
                 f"{label}: 'name' must be an identifier (letters, digits, _ or -), got {name!r}",
                 line,
             )
-            ok = False
+            name = None
         use = item.get("use")
-        if not isinstance(use, str) or not use.strip():
+        use = use.strip() if isinstance(use, str) else ""
+        if not use:
             self.problem(f"{label}: 'use' must be 'pkg.module:Class' or 'file.py:Class'", line)
-            ok = False
-        if not ok:
+        if name is None or not use:
             return None
         # Past this point the stage is kept (so edges naming it are checked) even when
         # `with` or `replicas` is wrong; the problem alone makes the graph invalid.
@@ -219,11 +227,11 @@ class _Reader:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             self.problem(f"{label}: 'replicas' must be an int >= 1, got {replicas!r}", line)
             replicas = 1
-        return StageSpec(name, use.strip(), dict(params), replicas, line, item.get("supervision"))
+        return StageSpec(name, use, dict(params), replicas, line, item.get("supervision"))
 
-    def read_edge(self, item: Any, node: Any, index: int) -> EdgeSpec | None:
+    def read_edge(self, item: object, node: yaml.Node | None, index: int) -> EdgeSpec | None:
         line = _line(node)
-        capacity: Any = DEFAULT_CAPACITY
+        capacity: object = DEFAULT_CAPACITY
         if isinstance(item, str):
             match = _EDGE.match(item)
             if match is None:
@@ -262,11 +270,11 @@ class _Reader:
         return EdgeSpec(refs[0], refs[1], capacity, line)
 
 
-def _line(node: Any) -> int | None:
+def _line(node: yaml.Node | None) -> int | None:
     return node.start_mark.line + 1 if isinstance(node, yaml.Node) else None
 
 
-def _child(node: Any, key: str) -> Any:
+def _child(node: yaml.Node | None, key: str) -> yaml.Node | None:
     """The value node under `key` in a mapping node (None if absent)."""
     if not isinstance(node, yaml.MappingNode):
         return None

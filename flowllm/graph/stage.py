@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from time import perf_counter
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, Protocol, runtime_checkable
 
 import anyio
 import anyio.lowlevel
 import msgspec
+from structlog.typing import FilteringBoundLogger
 
 from flowllm.graph.channel import ChannelReceiver, ChannelSender
 from flowllm.graph.spans import Span, SpanRecorder
@@ -79,7 +80,7 @@ class Outbox:
         # The common case, one consumer channel, skips the loop.
         self._one = senders[0] if len(senders) == 1 else None
 
-    async def send(self, message: Any) -> None:
+    async def send(self, message: object) -> None:
         """Send to every connected channel, waiting while any is full."""
         if self._one is not None:
             await self._one.send(message)
@@ -99,7 +100,7 @@ class Outbox:
         """The most messages this port could ever take at once (its smallest channel's)."""
         return min(sender.channel.capacity for sender in self.senders)
 
-    def send_nowait(self, message: Any) -> None:
+    def send_nowait(self, message: object) -> None:
         """Send now to every channel or to none; raises `anyio.WouldBlock` when any is full."""
         if not self.has_room():
             raise anyio.WouldBlock
@@ -117,6 +118,10 @@ class StageContext:
     One context per task: each replica of a stage has its own, holding its own channel
     clones. `last_wait` is the queue wait of the message most recently received through
     the context, which `span()` records by default.
+
+    Received messages are typed `Any`: a port's type is a value declared in `inputs`,
+    checked per edge by the graph validator and per send by the channel, and a stage
+    states it in its own signatures (`handle(self, message: StepBatch, ...)`).
     """
 
     def __init__(
@@ -126,7 +131,7 @@ class StageContext:
         replica: int,
         inboxes: Mapping[str, ChannelReceiver[Any]],
         outboxes: Mapping[str, Outbox],
-        log: Any,
+        log: FilteringBoundLogger,
         spans: SpanRecorder,
         stop_requested: anyio.Event,
         fail_request: FailRequest | None = None,
@@ -140,7 +145,7 @@ class StageContext:
         # What the watchdog reads: since when (perf_counter) the stage handles which
         # message; 0.0 while it waits for input.
         self.busy_since = 0.0
-        self.busy_message: Any = None
+        self.busy_message: object = None
         # The graph owner's way to answer a request directly (the engine hands it to
         # deliver), for stages without an `errors` port.
         self.fail_request = fail_request
@@ -237,21 +242,21 @@ class StageContext:
         except KeyError:
             raise KeyError(f"stage {self.name!r} has no output port {port!r}") from None
 
-    async def emit(self, port: str, message: Any) -> None:
+    async def emit(self, port: str, message: object) -> None:
         """Send `message` on output `port`, waiting while a consumer channel is full."""
         await self.outbox(port).send(message)
 
-    def emit_nowait(self, port: str, message: Any) -> None:
+    def emit_nowait(self, port: str, message: object) -> None:
         """Send now or raise `anyio.WouldBlock` (for callers that must not wait)."""
         self.outbox(port).send_nowait(message)
 
     # -- spans ----------------------------------------------------------------------------
 
-    def span(self, message: Any, queue_wait: float | None = None) -> Span:
+    def span(self, message: object, queue_wait: float | None = None) -> Span:
         """`with ctx.span(msg): ...` records one span (default wait: `last_wait`)."""
         return self.spans.span(message, self.last_wait if queue_wait is None else queue_wait)
 
-    def begin(self, message: Any, started: float) -> None:
+    def begin(self, message: object, started: float) -> None:
         """The stage starts handling `message` (the watchdog times it from `started`)."""
         self.busy_message = message
         self.busy_since = started
@@ -277,8 +282,8 @@ class StageContext:
 class Stage:
     """Base class of every stage. Subclasses declare ports and params and implement `run`."""
 
-    inputs: ClassVar[dict[str, Any]] = {}
-    outputs: ClassVar[dict[str, Any]] = {}
+    inputs: ClassVar[dict[str, object]] = {}  # port -> a message type, or a union of them
+    outputs: ClassVar[dict[str, object]] = {}
     Params: ClassVar[type[msgspec.Struct]] = NoParams
     # Input ports a graph may leave unconnected: the stage then runs without them (it
     # sees only connected ports in `ctx.input_ports`).
@@ -291,13 +296,14 @@ class Stage:
     # requests, so it restarts with fresh state.
     on_error: ClassVar[str] = "restart"
 
-    def __init__(self, params: Any, services: Any) -> None:
+    def __init__(self, params: msgspec.Struct, services: object) -> None:
+        # A subclass that reads them declares their types: `params: MyParams`.
         self.params = params
         self.services = services
         self._context: StageContext | None = None
 
     @classmethod
-    def credit_bound(cls, params: Any) -> int | None:
+    def credit_bound(cls, params: msgspec.Struct) -> int | None:
         """Messages this stage keeps in flight around a cycle at most, or None (unbounded)."""
         if cls.credit_param is None:
             return None
@@ -329,11 +335,11 @@ class Stage:
         request with a 500 here. Must not wait on channels (they may be stuck).
         """
 
-    def request_ids(self, message: Any) -> tuple[str, ...]:
+    def request_ids(self, message: object) -> tuple[str, ...]:
         """The requests `message` belongs to: those a failure while handling it fails."""
         return request_ids_of(message)
 
-    async def fail_requests(self, errors: Iterable[RequestError], message: Any = None) -> None:
+    async def fail_requests(self, errors: Iterable[RequestError], message: object = None) -> None:
         """Answer requests whose `message` this stage failed to handle.
 
         By default the errors go out on the `errors` port when the stage has one (so they
@@ -352,6 +358,13 @@ class Stage:
     def restart_from(self, old: Stage) -> None:
         """Called on a fresh instance that replaces `old` after its group failed: carry
         over what must survive the restart (default: nothing)."""
+
+
+@runtime_checkable
+class CountsSequences(Protocol):
+    """A stage that keeps state per live sequence reports how many (a gauge per stage)."""
+
+    def live_sequences(self) -> int: ...
 
 
 class PerMessageStage(Stage):

@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Final
 
 import msgspec
 
@@ -32,7 +32,12 @@ from flowllm.graph.problems import GraphValidationError, Problem, known, suggest
 from flowllm.graph.spec import EdgeSpec, GraphSpec, PortRef, StageSpec
 from flowllm.graph.stage import Stage
 from flowllm.graph.stage_import import StageImportError, describe_import_error, import_file
-from flowllm.graph.supervision import SupervisionPlan, parse_supervision, plan_groups
+from flowllm.graph.supervision import (
+    Supervision,
+    SupervisionPlan,
+    parse_supervision,
+    plan_groups,
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class ChannelSpec:
 
     name: str
     dst: PortRef
-    message_type: Any
+    message_type: object  # a type, or a union of types
     capacity: int
     producers: tuple[PortRef, ...]
 
@@ -102,7 +107,7 @@ class _Validator:
     # -- stages ---------------------------------------------------------------------------
 
     def check_stages(self) -> dict[str, BoundStage]:
-        resolved: dict[str, tuple[StageSpec, type[Stage], msgspec.Struct, Any]] = {}
+        resolved: dict[str, tuple[StageSpec, type[Stage], msgspec.Struct, Supervision]] = {}
         first_line: dict[str, int | None] = {}
         for stage in self.spec.stages:
             if stage.name in first_line:
@@ -266,7 +271,7 @@ class _Validator:
 
     def port_type(
         self, edge: EdgeSpec, ref: PortRef, kind: str, stages: dict[str, BoundStage]
-    ) -> Any:
+    ) -> object:
         bound = stages.get(ref.stage)
         if bound is None:
             if ref.stage not in self.known_names:
@@ -276,7 +281,7 @@ class _Validator:
                     edge.line,
                 )
             return _MISSING  # a known stage that failed to resolve was reported already
-        ports: dict[str, Any] = getattr(bound.cls, kind)
+        ports: dict[str, object] = getattr(bound.cls, kind)
         if ref.port in ports:
             return ports[ref.port]
         other_kind = "inputs" if kind == "outputs" else "outputs"
@@ -295,7 +300,7 @@ class _Validator:
         )
         return _MISSING
 
-    def check_types(self, edge: EdgeSpec, src_type: Any, dst_type: Any) -> None:
+    def check_types(self, edge: EdgeSpec, src_type: object, dst_type: object) -> None:
         accepted = type_members(dst_type)
         if accepted is None:
             return
@@ -415,10 +420,10 @@ class _Validator:
                     )
 
 
-_MISSING: Any = object()
+_MISSING: Final = object()
 
 
-def type_name_of(tp: Any) -> str:
+def type_name_of(tp: object) -> str:
     """A param type's name for messages: `int`, `float | None`, `tuple[str, ...]`."""
     if isinstance(tp, type) and not hasattr(tp, "__origin__"):
         return tp.__name__

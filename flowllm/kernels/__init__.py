@@ -73,7 +73,8 @@ def paged_attention(
     args = (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     impl = implementation_for(query.device)
     if impl is not reference:
-        return impl.paged_attention(*args, max_query_len, max_seq_len)
+        out: torch.Tensor = impl.paged_attention(*args, max_query_len, max_seq_len)
+        return out
     if cpu_attention.serves(query, k_cache):
         return _native_cpu(*args, max_query_len)
     return reference.paged_attention(*args, max_query_len, max_seq_len, workspace)

@@ -253,9 +253,9 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
             return _q4(q.reshape(n, k), scales, np.ascontiguousarray(mins), type_name)
         qh = raw[..., 16:48].reshape(n, k // QK_K, 1, 32)
         qs = raw[..., 48:176].reshape(n, k // QK_K, 4, 1, 32)
-        ql = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+        low = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
         high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 0x01
-        q = ql.reshape(n, k // QK_K, 8, 32) | (high << 4)
+        q = low.reshape(n, k // QK_K, 8, 32) | (high << 4)
         codes = q.reshape(n, k).view(np.int8)
         return QuantizedWeight(t(codes), t(scales), t(mins), "q8", 32, type_name)
     # Q6_K: ql 128, qh 64, int8 scales 16, d f16

@@ -26,6 +26,7 @@ class PagedCausalLM(nn.Module, abc.ABC):
     only for `ctx.logits_indices`."""
 
     lm_head: Linear
+    max_position_embeddings: int  # the longest context the model was trained for
     # "int8": `load_weights` quantizes the float linear layers (see layers.pack_linears)
     quantization: str | None = None
 
@@ -67,6 +68,8 @@ class PagedCausalLM(nn.Module, abc.ABC):
         residual add and norm run on those rows only."""
         h = hidden[0].index_select(0, ctx.logits_indices)
         if len(hidden) == 1:  # no layers
-            return self.lm_head(self.final_norm(h))
-        h, _ = self.final_norm.add_and_norm(h, hidden[1].index_select(0, ctx.logits_indices))
-        return self.lm_head(h)
+            h = self.final_norm(h)
+        else:
+            h, _ = self.final_norm.add_and_norm(h, hidden[1].index_select(0, ctx.logits_indices))
+        logits: torch.Tensor = self.lm_head(h)
+        return logits

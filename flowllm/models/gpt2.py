@@ -10,7 +10,7 @@ see `flowllm.models.layers` for when each keeps its own copy).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -116,7 +116,8 @@ class GPT2Model(PagedCausalLM):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token plus learned position embeddings [n, d]."""
-        return self.wte(input_ids) + self.wpe.index_select(0, positions)
+        tokens: torch.Tensor = self.wte(input_ids)
+        return tokens + self.wpe.index_select(0, positions)
 
     def forward_layers(
         self,
@@ -153,7 +154,7 @@ class GPT2Model(PagedCausalLM):
         m.add("wpe.weight", lambda t: _copy("wpe.weight", self.wpe, t))
         m.add("ln_f.weight", lambda t: _copy("ln_f.weight", self.ln_f.weight, t))
         m.add("ln_f.bias", lambda t: _copy("ln_f.bias", self.ln_f.bias, t))
-        for i, block in enumerate(self.h):
+        for i, block in enumerate(cast("Iterable[GPT2Block]", self.h)):
             p = f"h.{i}."
             for ln in ("ln_1", "ln_2"):
                 mod = getattr(block, ln)

@@ -150,6 +150,7 @@ class Linear(nn.Module):
             return self.quantized(x)
         if self.native_weight is not None:
             return self.native_weight(x.contiguous())
+        y: torch.Tensor
         if self.packed_weight is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         else:
@@ -187,11 +188,11 @@ class Linear(nn.Module):
         if not self.packs or self.weight is None:
             return
         with torch.no_grad():
-            w = self._plain().detach()
+            plain = self._plain().detach()
             if self.layout == "native":
-                self.native_weight = cpu_linear.PackedLinear(w, self.bias, self.out_dtype)
+                self.native_weight = cpu_linear.PackedLinear(plain, self.bias, self.out_dtype)
             else:
-                self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w)
+                self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(plain)
         self.weight = None
 
     def _quantize(self, weight: QuantizedWeight) -> None:

@@ -11,7 +11,7 @@ before the rotation.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -154,7 +154,8 @@ class LlamaModel(PagedCausalLM):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The token embeddings [n, d] (positions enter through RoPE, in the layers)."""
-        return self.embed_tokens(input_ids)
+        embeddings: torch.Tensor = self.embed_tokens(input_ids)
+        return embeddings
 
     def forward_layers(
         self,
@@ -190,7 +191,7 @@ class LlamaModel(PagedCausalLM):
         else:
             m.add("lm_head.weight", lambda t: self.lm_head.load_weight("lm_head.weight", t))
         m.add("norm.weight", _param_loader("norm.weight", self.norm.weight))
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast("Iterable[LlamaBlock]", self.layers)):
             p = f"layers.{i}."
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 name = f"{p}{norm}.weight"

@@ -25,11 +25,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flowllm.config import BUNDLED_MODEL, QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from flowllm.models.causal_lm import PagedCausalLM
 
 # Old unprefixed Hub names that now live under an organisation.
 HUB_ALIASES = {
@@ -412,7 +415,7 @@ def resolve_dtype(
 class LoadedModel:
     """A model ready to run, with what the engine needs to know about it."""
 
-    model: torch.nn.Module
+    model: PagedCausalLM
     hf_config: ModelConfig  # config.json
     path: Path
     generation_config: dict[str, Any] = field(default_factory=dict)

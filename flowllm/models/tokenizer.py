@@ -9,9 +9,12 @@ path, or the template text itself) replaces the model's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowllm.models.loader import MissingFileError, ModelLoadError, load_hf_config, one_line
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -45,7 +48,7 @@ def _model_config(path: Path) -> Any:
 
 def load_tokenizer(
     path: Path | str, chat_template: str | None = None, gguf: Path | None = None
-) -> Any:
+) -> PreTrainedTokenizerBase:
     """The fast tokenizer for the model directory `path` (a transformers
     PreTrainedTokenizerFast), or of the GGUF file `gguf`, with `chat_template` (path or
     text) replacing the model's.

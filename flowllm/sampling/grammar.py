@@ -29,6 +29,7 @@ from flowllm.messages import StructuredOutputs
 
 if TYPE_CHECKING:
     import xgrammar as xgr
+    from transformers import PreTrainedTokenizerBase
 
 # Compiled grammars kept per tokenizer: a JSON schema's is tens of KB to a few MB.
 CACHE_ENTRIES = 256
@@ -89,7 +90,7 @@ class Matcher:
     __slots__ = ("_matcher",)
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self._matcher = _xgrammar().GrammarMatcher(compiled)
+        self._matcher: xgr.GrammarMatcher = _xgrammar().GrammarMatcher(compiled)
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False (state unchanged) when the grammar forbids it."""
@@ -118,17 +119,19 @@ class Grammars:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         stop_token_ids: Sequence[int],
         cache_entries: int = CACHE_ENTRIES,
     ) -> None:
         self.vocab_size = vocab_size
         self._cache_entries = cache_entries
-        self._info = _xgrammar().TokenizerInfo.from_huggingface(
+        self._info: xgr.TokenizerInfo = _xgrammar().TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
-        self._compiler = _xgrammar().GrammarCompiler(self._info, cache_enabled=False)
+        self._compiler: xgr.GrammarCompiler = _xgrammar().GrammarCompiler(
+            self._info, cache_enabled=False
+        )
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -172,7 +175,8 @@ class Grammars:
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """A packed bitmask for `rows` sequences: [rows, ceil(vocab_size / 32)] int32."""
-        return _xgrammar().allocate_token_bitmask(rows, self.vocab_size)
+        bitmask: torch.Tensor = _xgrammar().allocate_token_bitmask(rows, self.vocab_size)
+        return bitmask
 
 
 _NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf

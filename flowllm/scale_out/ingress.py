@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from ray import serve
 
@@ -29,7 +30,7 @@ class WithoutEchoedRequestId:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != ScopeType.HTTP:
             await self.app(scope, receive, send)
             return
 
@@ -38,7 +39,7 @@ class WithoutEchoedRequestId:
                 headers = [
                     (k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"
                 ]
-                message = {**message, "headers": headers}  # type: ignore[typeddict-item]
+                message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, send_without_id)

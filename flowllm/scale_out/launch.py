@@ -64,9 +64,10 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def replica_threads(args: argparse.Namespace) -> int:
     """Torch threads of one replica: --cpu-threads, else its Ray CPUs (at least 1)."""
-    if args.cpu_threads is not None:
-        return max(1, args.cpu_threads)
-    return max(1, math.floor(args.cpus_per_replica))
+    threads: int = (
+        args.cpu_threads if args.cpu_threads is not None else math.floor(args.cpus_per_replica)
+    )
+    return max(1, threads)
 
 
 def build_application(args: argparse.Namespace) -> Any:
@@ -87,7 +88,9 @@ def build_application(args: argparse.Namespace) -> Any:
     replicas = [
         (
             replica_name(i),
-            serve.deployment(EngineReplica)
+            # Ray annotates `deployment` as the decorator its keyword form returns; called
+            # on a class it returns the Deployment.
+            serve.deployment(EngineReplica)  # type: ignore[attr-defined]
             .options(
                 name=replica_name(i),
                 ray_actor_options={"num_cpus": args.cpus_per_replica},
@@ -99,7 +102,8 @@ def build_application(args: argparse.Namespace) -> Any:
         for i in range(args.data_parallel_size)
     ]
     # The ingress waits on the replicas and the network: it reserves no CPU of its own.
-    ingress = serve.deployment(Ingress).options(
+    # Ray annotates `deployment` as the decorator its keyword form returns (see above).
+    ingress = serve.deployment(Ingress).options(  # type: ignore[attr-defined]
         name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}, **common
     )
     return ingress.bind(args, replicas)

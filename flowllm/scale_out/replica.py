@@ -14,7 +14,7 @@ import argparse
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -31,6 +31,9 @@ from flowllm.scale_out.wire import (
     encode_event,
 )
 from flowllm.stages.services import EngineServices
+
+if TYPE_CHECKING:
+    from flowllm.graph.validator import ValidGraph
 
 
 class EngineReplica:
@@ -61,7 +64,7 @@ class EngineReplica:
 
     async def _run(
         self,
-        graph: Any,
+        graph: ValidGraph,
         services: EngineServices,
         stop_timeout: float,
         started: asyncio.Future[AsyncEngine],
@@ -114,8 +117,7 @@ class EngineReplica:
             return
         events: asyncio.Queue[Event | None] = asyncio.Queue()
         for box in boxes:
-            task = asyncio.create_task(self._forward(box, events))
-            self._forwarders[box.request_id] = task
+            self._forwarders[box.request_id] = asyncio.create_task(self._forward(box, events))
         remaining = len(boxes)
         try:
             while remaining:

@@ -21,7 +21,8 @@ class ReplicaLink:
         self.index = index
         self.name = name
         self.handle = handle  # ray.serve.handle.DeploymentHandle
-        self.streaming = handle.options(stream=True) if handle is not None else None
+        # `handle` with stream=True (None without a handle): Ray's handles are untyped.
+        self.streaming: Any = handle.options(stream=True) if handle is not None else None
         self.healthy = True
         self.in_flight = 0  # API requests sent and not yet finished
         self.pid: int | None = None

@@ -9,6 +9,7 @@ routing decisions and the prompt blocks each decision found on the chosen replic
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import Metric
@@ -85,12 +86,18 @@ class RoutingMetrics:
         )
         for link in links:
             index = str(link.index)
-            self.replica_up.labels(index).set_function(lambda link=link: float(link.healthy))
-            self.replica_in_flight.labels(index).set_function(
-                lambda link=link: float(link.in_flight)
-            )
+            self.replica_up.labels(index).set_function(partial(_up, link))
+            self.replica_in_flight.labels(index).set_function(partial(_in_flight, link))
 
     def observe(self, route: Route) -> None:
         self.requests.labels(route.decision).inc()
         self.prefix_queries.labels(route.decision).inc(route.queried_blocks)
         self.prefix_hits.labels(route.decision).inc(route.matched_blocks)
+
+
+def _up(link: ReplicaLink) -> float:
+    return float(link.healthy)
+
+
+def _in_flight(link: ReplicaLink) -> float:
+    return float(link.in_flight)

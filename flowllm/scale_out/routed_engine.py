@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -30,6 +30,9 @@ from flowllm.scale_out.replica_link import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Re
 from flowllm.scale_out.replica_metrics import ReplicaSeries, RoutingMetrics
 from flowllm.scale_out.router import Router
 from flowllm.scale_out.wire import ChunkEvent, ErrorEvent, decode_event, encode_submission
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class RemoteCall:
@@ -79,7 +82,7 @@ class RoutedEngine:
         links: Sequence[ReplicaLink],
         router: Router,
         *,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         model_name: str,
         max_model_len: int,
         limits: RequestLimits,
@@ -106,7 +109,7 @@ class RoutedEngine:
         *,
         routing: str,
         imbalance_bound: int,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         limits: RequestLimits,
     ) -> AsyncIterator[RoutedEngine]:
         """Route over the replicas `handles` ((deployment name, DeploymentHandle)) for the
@@ -155,7 +158,7 @@ class RoutedEngine:
         return self._max_model_len
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
     @property

@@ -211,6 +211,6 @@ class BlockPool:
         for block_hash, block_id in self._cached.items():
             if self._hash[block_id] != block_hash:
                 raise BlockPoolError(f"cache maps a hash to block {block_id} without it")
-        for block_id, block_hash in enumerate(self._hash):
-            if block_hash is not None and self._cached.get(block_hash) != block_id:
+        for block_id, carried in enumerate(self._hash):
+            if carried is not None and self._cached.get(carried) != block_id:
                 raise BlockPoolError(f"block {block_id} carries a hash the cache lost")

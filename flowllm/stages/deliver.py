@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from flowllm.graph.runtime import GraphStoppedError
-from flowllm.graph.stage import PerMessageStage, StageContext
+from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.mailbox import Mailbox
 from flowllm.messages import Chunk, ErrorKind, RequestError, TextDeltas
 from flowllm.stages.services import EngineServices
@@ -22,7 +21,7 @@ class Deliver(PerMessageStage):
     inputs = {"in": TextDeltas, "errors": RequestError}
     outputs = {}
 
-    def __init__(self, params: Any, services: EngineServices) -> None:
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
         self._mailboxes = services.mailboxes
         self._metrics = services.metrics
@@ -76,7 +75,7 @@ class Deliver(PerMessageStage):
                         decode_time / (chunk.num_output_tokens - 1)
                     )
 
-    async def fail_requests(self, errors: Iterable[RequestError], message: Any = None) -> None:
+    async def fail_requests(self, errors: Iterable[RequestError], message: object = None) -> None:
         for error in errors:
             self._mailboxes.fail(error)
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
-from flowllm.graph.stage import PerMessageStage, StageContext
+from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
     ChoiceEvents,
     ChoiceStart,
@@ -53,7 +52,7 @@ class Detokenize(PerMessageStage):
     inputs = {"choices": ChoiceEvents, "in": StepTokens}
     outputs = {"out": TextDeltas, "finishes": Finish}
 
-    def __init__(self, params: Any, services: EngineServices) -> None:
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
         self._tokenizer = services.tokenizer
         self._byte_vocab = services.byte_vocab()
@@ -63,7 +62,7 @@ class Detokenize(PerMessageStage):
     def live_sequences(self) -> int:
         return len(self._choices)
 
-    def request_ids(self, message: Any) -> tuple[str, ...]:
+    def request_ids(self, message: object) -> tuple[str, ...]:
         """The requests of a message's choices: starting ones, or its tokens' ones."""
         if isinstance(message, ChoiceEvents):
             return tuple(dict.fromkeys(c.seq.request_id for c in message.started))
@@ -75,7 +74,7 @@ class Detokenize(PerMessageStage):
         ]
         return tuple(dict.fromkeys(ids))
 
-    async def fail_requests(self, errors: Iterable[RequestError], message: Any = None) -> None:
+    async def fail_requests(self, errors: Iterable[RequestError], message: object = None) -> None:
         """A request whose text failed: its sequences end here and in schedule (which frees
         their blocks), and the error goes to its mailbox."""
         errors = list(errors)
@@ -136,7 +135,8 @@ class Detokenize(PerMessageStage):
             if choice is None:  # not started here, ended, or tokens sampled past its end
                 continue
             choice.num_output_tokens += 1
-            finish, stop_reason = token.finish_reason, token.stop_reason
+            finish = token.finish_reason
+            stop_reason: str | int | None = token.stop_reason
             detokenizer = choice.detokenizer
             middle = finish is None and choice.sent_first and token.logprobs is None
             text = detokenizer.append(token.token_id) if middle else None

@@ -7,9 +7,7 @@ decided by schedule).
 
 from __future__ import annotations
 
-from typing import Any
-
-from flowllm.graph.stage import PerMessageStage, StageContext
+from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import StepBatch, StepLogits
 from flowllm.models.runner import ModelRunner
 from flowllm.stages.services import EngineServices
@@ -19,7 +17,7 @@ class Execute(PerMessageStage):
     inputs = {"in": StepBatch}
     outputs = {"out": StepLogits}
 
-    def __init__(self, params: Any, services: EngineServices) -> None:
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
         config = services.config
         self.runner = ModelRunner(

@@ -15,9 +15,7 @@ prefill chunks that do not sample change nothing.
 
 from __future__ import annotations
 
-from typing import Any
-
-from flowllm.graph.stage import PerMessageStage, StageContext
+from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.graph.validator import ValidGraph
 from flowllm.messages import ScheduledSeq, StepBatch, StepMasks
 from flowllm.sampling.grammar import Grammars, Matcher
@@ -44,7 +42,7 @@ class Guide(PerMessageStage):
     outputs = {"out": StepMasks}
     on_error = "restart"
 
-    def __init__(self, params: Any, services: EngineServices) -> None:
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
         self._services = services
         self._seqs: dict[int, _Guided] = {}

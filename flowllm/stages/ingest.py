@@ -33,6 +33,8 @@ class IngestParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Ingest(SourceStage):
     outputs = {"out": GenerateRequest | Abort}
     Params = IngestParams
+    params: IngestParams
+    services: EngineServices
 
     def __init__(self, params: IngestParams, services: EngineServices) -> None:
         super().__init__(params, services)

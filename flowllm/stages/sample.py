@@ -13,11 +13,10 @@ from the tokens their grammar allows. Without it, it samples from the logits alo
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Any
 
 import anyio
 
-from flowllm.graph.stage import PerMessageStage, StageContext
+from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import StepLogits, StepMasks, StepTokens, TokenLogprobs
 from flowllm.sampling.sampler import Sampler
 from flowllm.stages.services import EngineServices
@@ -32,7 +31,7 @@ class Sample(PerMessageStage):
     optional_inputs = frozenset({"masks"})
     outputs = {"out": StepTokens}
 
-    def __init__(self, params: Any, services: EngineServices) -> None:
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
         self.sampler = Sampler(
             seed=services.config.model.seed,

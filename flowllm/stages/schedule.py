@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
 
 import msgspec
 
@@ -48,6 +47,7 @@ class Schedule(Stage):
     inputs = {"step_results": StepTokens, "finishes": Finish, "requests": TokenizedRequest | Abort}
     outputs = {"out": StepBatch, "choices": ChoiceEvents, "errors": RequestError}
     Params = ScheduleParams
+    params: ScheduleParams
     credit_param = "max_inflight_steps"
 
     def __init__(self, params: ScheduleParams, services: EngineServices) -> None:
@@ -73,7 +73,7 @@ class Schedule(Stage):
     def live_sequences(self) -> int:
         return self.scheduler.num_sequences
 
-    def request_ids(self, message: Any) -> tuple[str, ...]:
+    def request_ids(self, message: object) -> tuple[str, ...]:
         """Per-step messages name sequences: their requests, as far as they are known."""
         if isinstance(message, StepLogits):
             message = message.batch

@@ -9,7 +9,7 @@ cache tensors to execute; the rest is read-only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -21,6 +21,10 @@ from flowllm.sampling.grammar import Grammars
 from flowllm.stages.worker import WorkerThread
 from flowllm.text.detokenizer import ByteVocab
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
 class EngineServices:
@@ -28,12 +32,12 @@ class EngineServices:
 
     config: EngineConfig
     model: Any  # a flowllm model (forward over a flattened batch + paged KV), or a stand-in
-    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    tokenizer: PreTrainedTokenizerBase  # a fast (Rust-backed) one
     kv_caches: KVCaches
     num_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    device: Any
+    device: torch.device
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     mailboxes: Mailboxes = field(default_factory=Mailboxes)
     # Whether the graph has a guide stage, which constrained requests need (set by the

@@ -12,12 +12,13 @@ prompts at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio.to_thread
 import msgspec
 
-from flowllm.graph.stage import PerMessageStage, StageContext
+from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
     Abort,
     GenerateRequest,
@@ -29,6 +30,9 @@ from flowllm.stages.services import EngineServices
 from flowllm.text.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
 from flowllm.text.tool_prompt import PROBE_MESSAGES, renders_tools, template_messages
 from flowllm.validation import check_context_length
+
+# Renders messages (and tools, or None) with the request's chat template.
+_Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
 
 
 class PromptError(ValueError):
@@ -44,7 +48,7 @@ class Tokenize(PerMessageStage):
     inputs = {"in": ValidRequest | Abort}
     outputs = {"out": TokenizedRequest | Abort, "errors": RequestError}
 
-    def __init__(self, params: Any, services: EngineServices) -> None:
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
         self._tokenizer = services.tokenizer
         self._max_model_len = services.max_model_len
@@ -76,9 +80,11 @@ class Tokenize(PerMessageStage):
             return
         prompt_text = None
         if request.echo:
-            prompt_text = (
-                request.prompt if request.prompt is not None else self._tokenizer.decode(prompt_ids)
-            )
+            prompt_text = request.prompt
+            if prompt_text is None:
+                # transformers types decode as taking lists and returning `str | list[str]`
+                # (for batches); a tuple of ids decodes to one str.
+                prompt_text = self._tokenizer.decode(prompt_ids)  # type: ignore[arg-type,assignment]
         await ctx.emit(
             "out",
             TokenizedRequest(
@@ -92,7 +98,7 @@ class Tokenize(PerMessageStage):
             ),
         )
 
-    def _renders_tools(self, template: str, from_request: bool, render: Any) -> bool:
+    def _renders_tools(self, template: str, from_request: bool, render: _Render) -> bool:
         """Whether the template renders tools (probed once per server template; a
         request's template is probed each time, within its budget)."""
         known = self._template_tools.get(template)
@@ -118,7 +124,7 @@ class Tokenize(PerMessageStage):
                 )
             budget = DEFAULT_BUDGET if request.chat_template is not None else None
 
-            def render(messages: list[dict[str, Any]], tools: Any) -> str:
+            def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
                 return render_chat(
                     tokenizer,
                     messages,

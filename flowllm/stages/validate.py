@@ -7,11 +7,9 @@ without a guide stage in the graph, constrained requests are refused.
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 
-from flowllm.graph.stage import PerMessageStage, StageContext
+from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import Abort, GenerateRequest, RequestError, StructuredOutputs, ValidRequest
 from flowllm.sampling.grammar import GrammarError
 from flowllm.stages.services import EngineServices
@@ -22,7 +20,7 @@ class Validate(PerMessageStage):
     inputs = {"in": GenerateRequest | Abort}
     outputs = {"out": ValidRequest | Abort, "errors": RequestError}
 
-    def __init__(self, params: Any, services: EngineServices) -> None:
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
         self._services = services
         self._config = services.config

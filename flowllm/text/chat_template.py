@@ -36,11 +36,14 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2 import nodes
 from jinja2.sandbox import SandboxedEnvironment
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Names transformers' renderer or `apply_chat_template` already use; a request's
 # `chat_template_kwargs` may not set them.
@@ -288,7 +291,7 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def render_chat(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     *,
     template: str | None,
@@ -309,15 +312,17 @@ def render_chat(
     param = "chat_template" if from_request else "messages"
     try:
         if budget is None:
+            # transformers types `tools` as an (invariant) list of dicts or functions, and
+            # the result as that of every mode; without tokenizing, it is the text.
             text = tokenizer.apply_chat_template(
                 messages,
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
-                tools=tools,
+                tools=tools,  # type: ignore[arg-type]
                 **kwargs,
             )
-            return text  # type: ignore[no-any-return]
+            return text  # type: ignore[return-value]
         return _render_budgeted(
             tokenizer, messages, template, add_generation_prompt, kwargs, budget, tools
         )
@@ -337,7 +342,7 @@ def render_chat(
 
 
 def _render_budgeted(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     template: str | None,
     add_generation_prompt: bool,

@@ -35,11 +35,14 @@ it cannot be done incrementally).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from flowllm.messages import SamplingParams
 from flowllm.stopping import StopStrings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
 _CONTEXT_TOKENS = 4  # tokens kept before the unread ones; a UTF-8 character spans <= 4 bytes
@@ -90,7 +93,7 @@ class ByteVocab:
         self.texts = [None if i in added else _whole_text(b) for i, b in enumerate(table)]
 
     @classmethod
-    def of(cls, tokenizer: Any) -> ByteVocab | None:
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> ByteVocab | None:
         """The byte table of `tokenizer`, or None unless its decoder is ByteLevel alone."""
         from tokenizers import decoders
 
@@ -123,7 +126,7 @@ _NO_TEXT = DetokenizerStep("")
 
 
 def make_decode(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     skip_special_tokens: bool,
     spaces_between: bool,
     byte_vocab: ByteVocab | None = None,
@@ -152,7 +155,7 @@ class ByteDecode:
 
     def __init__(self, vocab: ByteVocab, fallback: Decode) -> None:
         self._added = vocab.added
-        self._lookup = vocab.table.__getitem__
+        self._lookup: Callable[[int], bytes | None] = vocab.table.__getitem__
         self.fallback = fallback
         self.texts = vocab.texts
 
@@ -167,7 +170,8 @@ class ByteDecode:
         if not self._added.isdisjoint(ids):
             return None
         try:
-            return b"".join(map(self._lookup, ids))
+            # An id the table lacks (None) makes join raise the TypeError caught below.
+            return b"".join(cast("Iterable[bytes]", map(self._lookup, ids)))
         except (IndexError, TypeError):  # an id past the table, or one it lacks
             return None
 
@@ -182,7 +186,9 @@ class ByteDecode:
         return token
 
 
-def _backend_decode(tokenizer: Any, skip_special_tokens: bool, spaces_between: bool) -> Decode:
+def _backend_decode(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, spaces_between: bool
+) -> Decode:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
 
@@ -244,7 +250,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         *,

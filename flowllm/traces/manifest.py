@@ -90,7 +90,8 @@ def graph_yaml(graph: ValidGraph) -> str:
             {"from": str(e.src), "to": str(e.dst), "capacity": e.capacity} for e in spec.edges
         ],
     }
-    return yaml.safe_dump(data, sort_keys=False)
+    text: str = yaml.safe_dump(data, sort_keys=False)
+    return text
 
 
 def weights_sha256(model_dir: Path) -> str | None:

@@ -129,8 +129,12 @@ class _Harness:
         self.name = name
         self.stage = stage
         cls = type(stage)
-        self.inputs = {p: Channel(f"{name}.{p}", cls.inputs[p], 1 << 20) for p in ports}
-        self.outputs = {p: Channel(f"{name}>{p}", t, 1 << 20) for p, t in cls.outputs.items()}
+        self.inputs: dict[str, Channel[Any]] = {
+            p: Channel(f"{name}.{p}", cls.inputs[p], 1 << 20) for p in ports
+        }
+        self.outputs: dict[str, Channel[Any]] = {
+            p: Channel(f"{name}>{p}", t, 1 << 20) for p, t in cls.outputs.items()
+        }
         self.emitted: dict[str, list[Any]] = {p: [] for p in cls.outputs}
         self.handled = 0
         self._progress = anyio.Event()

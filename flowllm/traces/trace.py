@@ -131,8 +131,10 @@ def _link_spans(trace: Trace) -> dict[str, list[Handled]]:
             fits = candidate[1] in inputs and candidate[0] <= span.started
             if fits and (best is None or candidate[0] > best[0]):
                 best = candidate
-        channel, index = (best[1], best[2]) if best is not None else (None, None)
-        handled[span.stage].append(Handled(span, channel, index))
+        if best is None:
+            handled[span.stage].append(Handled(span, None, None))
+        else:
+            handled[span.stage].append(Handled(span, best[1], best[2]))
     trace.closes = dict(closes)
     return dict(handled)
 
