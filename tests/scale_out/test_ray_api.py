@@ -3,7 +3,7 @@ replicated server has: labelled metrics, routing, aborts reaching the replica.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
 
 import httpx
 from ray_helpers import labelled
@@ -87,12 +87,12 @@ def _generated(server: ServerProcess) -> float:
 
 
 def test_client_disconnect_frees_the_replicas_blocks(server: ServerProcess) -> None:
-    """The abort reaches the replica: its sequences stop (far short of what was asked) and
-    its blocks are freed, for a stream cut and for a non-streamed request given up on."""
-    # As long a job as the tiny model's context allows, so that it is still running when
-    # the cut comes: 16 choices of 480 tokens.
-    body = {"prompt": "Tell me a long story.", "max_tokens": 480, "ignore_eos": True, "n": 16}
-    asked = 16 * 480
+    """The abort reaches the replica: its sequences stop far short of what was asked and
+    its blocks are freed, for a stream cut after its first event and for a non-streamed
+    request given up on. Cut at once, not after the replicas' metrics (probed every
+    second) show it running: the tiny model could finish the whole job in that second."""
+    body = {"prompt": "Tell me a long story.", "max_tokens": 480, "ignore_eos": True, "n": 8}
+    asked = 8 * 480
     for stream in (True, False):
         assert wait_until(lambda: _idle(server), 10)
         before = _generated(server)
@@ -102,22 +102,19 @@ def test_client_disconnect_frees_the_replicas_blocks(server: ServerProcess) -> N
                     "POST", f"{server.url}/v1/completions", json={**body, "stream": True}
                 ) as response:
                     assert response.status_code == 200
-                    lines = response.iter_lines()  # kept open: reading on keeps it running
-
-                    def running_there(lines: Iterator[str] = lines) -> bool:
-                        next(lines)
-                        return sum(labelled(server, RUNNING, "replica").values()) == 16
-
-                    # Mid-stream, one replica runs it and holds its blocks.
-                    assert wait_until(running_there, PROBE_WAIT_S)
-                    assert sum(labelled(server, KV_USAGE, "replica").values()) > 0
+                    first = next(line for line in response.iter_lines() if line)
+                    assert first.startswith("data: {")  # it runs on a replica now
                 # Leaving the `with` closes the connection with the stream unfinished.
             else:
                 try:
-                    client.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+                    client.post(f"{server.url}/v1/completions", json=body, timeout=0.25)
                 except httpx.ReadTimeout:
                     pass
                 else:
-                    raise AssertionError("16 choices of 480 tokens finished within 0.5 s")
+                    raise AssertionError("8 choices of 480 tokens finished within 0.25 s")
+        time.sleep(2.5)  # two probes: the ingress's copy of the replicas' metrics is fresh
         assert wait_until(lambda: _idle(server), PROBE_WAIT_S)
-        assert _generated(server) - before < asked / 2
+        generated = _generated(server) - before
+        assert generated < asked / 2, f"{generated} of {asked} tokens generated after the cut"
+        if stream:
+            assert generated > 0
