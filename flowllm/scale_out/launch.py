@@ -20,12 +20,21 @@ import threading
 from types import FrameType
 from typing import Any
 
+from flowllm.validation import show_number
+
 APP_NAME = "flowllm"
 INGRESS_NAME = "ingress"
 # Requests Serve lets a deployment hold at once; flowllm's admission (503s) is the bound
 # that matters, so Serve's own must be above it and never queue what admission would take.
 MAX_ONGOING_REQUESTS = 4096
 HEALTH_CHECK_PERIOD_S = 2.0
+
+
+# Bounds on what a flag may ask for, checked before anything is built for it: a Ray Serve
+# application of more replicas than this is beyond what one ingress routes, and a replica
+# reserving more CPUs than this is a typo.
+MAX_REPLICAS = 1024
+MAX_CPUS_PER_REPLICA = 1024.0
 
 
 class ScaleOutError(ValueError):
@@ -38,10 +47,16 @@ def replica_name(index: int) -> str:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse what cannot work, before Ray starts."""
-    if args.data_parallel_size < 1:
-        raise ScaleOutError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    if args.cpus_per_replica <= 0:
-        raise ScaleOutError(f"--cpus-per-replica must be > 0, got {args.cpus_per_replica}")
+    if not 1 <= args.data_parallel_size <= MAX_REPLICAS:
+        raise ScaleOutError(
+            f"--data-parallel-size must be between 1 and {MAX_REPLICAS}, "
+            f"got {show_number(args.data_parallel_size)}"
+        )
+    if not 0 < args.cpus_per_replica <= MAX_CPUS_PER_REPLICA:  # false for NaN too
+        raise ScaleOutError(
+            f"--cpus-per-replica must be > 0 and <= {MAX_CPUS_PER_REPLICA:g}, "
+            f"got {show_number(args.cpus_per_replica)}"
+        )
     if args.routing_imbalance_bound < 0:
         raise ScaleOutError(
             f"--routing-imbalance-bound must be >= 0, got {args.routing_imbalance_bound}"

@@ -13,8 +13,12 @@ RAY = ["--distributed-executor-backend", "ray"]
     ("flags", "message"),
     [
         (["--data-parallel-size", "2"], "--data-parallel-size needs --distributed-executor"),
-        ([*RAY, "--data-parallel-size", "0"], "must be >= 1"),
+        ([*RAY, "--data-parallel-size", "0"], "must be between 1 and 1024"),
+        ([*RAY, "--data-parallel-size", str(2**63)], "must be between 1 and 1024"),
+        ([*RAY, "--data-parallel-size", "9" * 400], "must be between 1 and 1024"),
         ([*RAY, "--cpus-per-replica", "0"], "must be > 0"),
+        ([*RAY, "--cpus-per-replica", "nan"], "must be > 0"),
+        ([*RAY, "--cpus-per-replica", "inf"], "must be > 0"),
         ([*RAY, "--routing-imbalance-bound", "-1"], "must be >= 0"),
         ([*RAY, "--trace-dir", "t"], "--trace-dir not supported"),
         ([*RAY, "--api-key", ""], "--api-key is empty"),
