@@ -16,7 +16,6 @@ from transformers import GPT2Config, LlamaConfig
 
 from flowllm.config import engine_config
 from flowllm.engine.args import add_engine_arguments, config_from_args
-from flowllm.kernels import fused
 from flowllm.kernels.reference import KernelInputError
 from flowllm.messages import ScheduledSeq
 from flowllm.models.gpt2 import GPT2Model
@@ -27,9 +26,7 @@ from flowllm.models.runner import ModelRunner
 from flowllm.stages.execute import Execute
 from flowllm.stages.services import EngineServices
 
-pytestmark = pytest.mark.skipif(
-    not fused.serves(torch.empty(1)), reason="no native kernels on this machine"
-)
+pytestmark = pytest.mark.usefixtures("native_build")  # each build in turn
 BLOCK = 4
 VOCAB = 300
 NUM_BLOCKS = 64
