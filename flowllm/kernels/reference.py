@@ -2,9 +2,9 @@
 kernels are tested against, and the CPU path wherever the native library does not serve.
 
 On CPU with the native library (float32 or bfloat16, head_dim a multiple of 16 or 32),
-decode rows go to `flowllm.kernels.cpu_attention`, 3-10x faster per layer than `_decode` here (it reads each K/V row once, in place, where
-`_decode` gathers first and, in half precision, scores every kv head); the multi-query
-rows still run `attend_prefills` here.
+decode rows go to `flowllm.kernels.cpu_attention`, 3-10x faster per layer than `_decode`
+here (it reads each K/V row once, in place, where `_decode` gathers first and, in half
+precision, scores every kv head); the multi-query rows still run `attend_prefills` here.
 Without the library (`FLOWLLM_NATIVE_KERNELS=0`, no AVX2, float16, other head sizes)
 everything below runs.
 
