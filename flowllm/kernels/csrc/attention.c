@@ -5,7 +5,7 @@ k_cache, v_cache [num_blocks, block_size, kv_heads, D]; block_tables [num_seqs,
 table_stride] int32; seq_lens [num_seqs] int32. Caches, query and out share one dtype,
 float32 or bfloat16; the math is float32 (bf16 widened by a shift or a mask, so bf16 runs
 on any CPU the library is built for; the output is rounded to nearest even). D must be a
-multiple of 16 (float32) or 32 (bfloat16): two vectors of AVX2, one or one pair of AVX-512.
+multiple of 16 (float32) or 32 (bfloat16), whole vectors (or pairs) of either build.
 
 One work item is one (decode sequence, kv head): its `group` query heads are scored
 against the sequence's keys LANES tokens at a time (LANES dot products, then one
