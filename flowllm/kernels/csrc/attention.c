@@ -9,9 +9,9 @@ multiple of 16 (float32) or 32 (bfloat16), whole vectors (or pairs) of either bu
 
 One work item is one (decode sequence, kv head): its `group` query heads are scored
 against the sequence's keys LANES tokens at a time (LANES dot products, then one
-transposing reduction), the scores go to a per-thread scratch, a softmax runs over them in place,
-and a second walk over the blocks sums the values weighted by the probabilities. (An online softmax
-in one walk measured 5-40% slower: benchmarks/README.md.)
+transposing reduction), the scores go to a per-thread scratch, a softmax runs over them in
+place, and a second walk over the blocks sums the values weighted by the probabilities. (An
+online softmax in one walk measured 5-40% slower: benchmarks/README.md.)
 */
 #include <stdint.h>
 #include <stdlib.h>
