@@ -5,22 +5,20 @@ Why: oneDNN compiles each product (the packed `Linear` path wherever the native 
 not serve; also torch's other oneDNN ops) for its exact shapes, and keeps the compiled
 kernel twice: in oneDNN's process-wide primitive cache and in ideep's cache of the thread
 that ran it, 1,024 entries each by default. A server's steps bring a new row count each
-time the batch or a prefill chunk changes size, and each new row count costs ~0.55 MB per
-linear shape (both caches together, whatever the weight's size: it is JIT code), so the
-process grows by hundreds of MB before either cache evicts, which looks like a leak
-(docs/reliability.md "Disconnect storm").
+time the batch or a prefill chunk changes size, and each costs JIT code per linear shape,
+so the process grows by hundreds of MB before either cache evicts, which looks like a leak
+(docs/reliability.md, failure 14).
 
 `CACHE_ENTRIES` bounds both. A step's products at one row count take one entry per linear
 shape (GPT-2 and Llama have five: QKV, attention output, up or gate-up, down, LM head), so
-16 entries keep the last three row counts a step ran at (a decode batch that grows or
-shrinks by one sequence stays compiled); a miss recompiles, 0.4-0.9 ms. The caches then
-hold at most `CACHE_ENTRIES` × `ENTRY_BYTES` in oneDNN's, and as much again in ideep's per
-thread that runs products (the step's worker, and packing's threads for the weights'
-reorders). Fewer entries also keep the heap compact: the kept kernels are long-lived
-blocks among the step's large temporaries in the heap that `runner.keep_freed_memory_mapped`
-never trims, and the more are kept, the more of it they hold apart. Over 2,500 disconnect
-storm streams the server grew by 65 MB with 64 entries, 16 MB with 32 and not at all with
-16 (docs/reliability.md).
+16 entries keep the last three row counts a step ran at: a decode batch that grows or
+shrinks by one sequence stays compiled, and a miss recompiles (benchmarks/README.md "oneDNN
+cache bound" has its cost). The caches then hold at most `CACHE_ENTRIES` × `ENTRY_BYTES` in
+oneDNN's, and as much again in ideep's per thread that runs products (the step's worker,
+and packing's threads for the weights' reorders). Few entries also keep the heap compact:
+the kept kernels are long-lived blocks among a step's large temporaries, in the heap that
+`runner.keep_freed_memory_mapped` never trims, and the more are kept, the more of it they
+hold apart; 64 entries still let the server grow, 16 did not.
 
 Both caches read their capacity from the environment once: oneDNN at the process's first
 primitive, ideep in each thread at that thread's first product. So the bound is set when
