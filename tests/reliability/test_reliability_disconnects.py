@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import random
 import socket
 import struct
@@ -44,6 +45,7 @@ from reliability_helpers import (
 )
 from server_process import TINY_FLAGS, ServerProcess
 
+from flowllm.config import CacheConfig
 from flowllm.models.kv_cache import KVCacheSpec
 
 STREAMS = scaled(1000, 10_000)
@@ -192,7 +194,10 @@ def kv_cache_blocks(model_dir: Path) -> int:
     assert flags["--dtype"] == "float32" and flags["--kv-cache-memory"] == "64MiB", flags
     config = json.loads((model_dir / "config.json").read_text())
     heads = config["n_head"]
-    spec = KVCacheSpec(config["n_layer"], heads, config["n_embd"] // heads, torch.float32)
+    spec = KVCacheSpec(
+        config["n_layer"], heads, config["n_embd"] // heads, torch.float32,
+        CacheConfig().block_size,
+    )  # fmt: skip
     return spec.num_blocks_for(64 * 2**20)
 
 
@@ -201,8 +206,8 @@ async def use_every_kv_block(server: ServerProcess, num_blocks: int) -> None:
     prefix shared), generating one token: together they take every block once."""
     flags = dict(zip(TINY_FLAGS[::2], TINY_FLAGS[1::2], strict=True))
     prompt_len = int(flags["--max-model-len"]) - 1
-    block_size = 16  # the server's default
-    prompts = -(-num_blocks // -(-prompt_len // block_size))
+    blocks_per_prompt = math.ceil(prompt_len / CacheConfig().block_size)  # the default size
+    prompts = math.ceil(num_blocks / blocks_per_prompt)
     gate = asyncio.Semaphore(CONCURRENCY)
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
