@@ -377,10 +377,12 @@ class QuantizedLinear:
         assert self._dequant_bf16 is not None
         k, w = self.in_features, self.weight
         packed = torch.empty(-(-rows // 16), k // 2, 16, 2, dtype=torch.bfloat16)
-        self._dequant_bf16(
+        status = self._dequant_bf16(
             codes=w.codes, scales=w.scales, mins=w.mins, rows=rows, row0=row0, out=packed,
             n=self.out_features, k=k, group=w.group,
         )  # fmt: skip
+        if status < 0:
+            raise MemoryError(f"no scratch memory to dequantize rows {row0}:{row0 + rows}")
         return cpu_linear.PackedLinear.from_packed(packed, rows, k, torch.float32)
 
     def rows(self, ids: torch.Tensor | None, row0: int = 0, count: int = 0) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from gguf.quants import dequantize
 from quant_blocks import random_blocks
 
-from flowllm.kernels import native, quant_linear
+from flowllm.kernels import cpu_linear, native, quant_linear
 from flowllm.kernels.quant_linear import QuantError, QuantizedLinear, QuantizedWeight
 
 ISAS = [
@@ -73,6 +73,20 @@ def test_products_match_dequantize_then_matmul(isa: str, type_name: str) -> None
     x = torch.randn(quant_linear.TILE_FROM + 3, K)
     expect = x @ w.T + bias
     torch.testing.assert_close(lin(x), expect, rtol=2e-2, atol=2e-2 * float(expect.abs().max()))
+
+
+@pytest.mark.skipif(not cpu_linear.serves(torch.bfloat16), reason="no bf16 kernel here")
+@pytest.mark.parametrize("type_name", quant_linear.GGUF_FORMATS)
+def test_bf16_tiles_are_the_weights_rounded_to_bf16(type_name: str) -> None:
+    """A tile dequantized for the bf16 kernel holds exactly W rounded to bf16, in the
+    kernel's packed layout, for whole and partial groups of 16 rows."""
+    n = N + 5
+    raw = random_blocks(type_name, n, K, seed=4)
+    w = reference(raw, type_name, n)
+    lin = QuantizedLinear(quant_linear.from_gguf(raw, type_name, (n, K)))
+    for row0, rows in ((0, n), (16, 33), (n - 7, 7)):
+        tile = lin._bf16_tile(row0, rows).unpack()
+        assert torch.equal(tile, w[row0 : row0 + rows].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("isa", ISAS)

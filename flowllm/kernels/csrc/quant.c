@@ -201,27 +201,8 @@ ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *c
   }
 }
 
-/* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows split across threads. One
-   function per layout (Q4, F16 constants), so OpenMP's outlined loop is specialized.
-   Returns -1 when the scratch for x cannot be allocated (before writing y). */
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-/* ---- Blocked integer product (AVX-512 VNNI): 16 output rows at once, one per int32 lane.
-   Each 4 bytes of codes the 16 rows hold at one position are gathered into a vector once
-   and dotted with up to XROWS rows of x, each row's 4 int8 values broadcast
-   (vpdpbusd: unsigned codes x signed x), so a block of 32 values costs a row of x 8 byte
-   dots, one conversion and two multiply-adds for all 16 outputs, where the per-row path
-   above pays about as much for each output. q8 codes enter offset by 128 (unsigned), the
-   dot corrected by 128 times the block's sum of x's codes. ---- */
-
-#define LANES 16 /* output rows per group */
-#define XROWS 8  /* rows of x per pass over a group's codes */
-
-static inline int32_t load_i32(const int8_t *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return v;
-}
-
+/* ---- Transposition of 16 rows of dwords (products and bf16 tiles) ---- */
+#if defined(__AVX512F__)
 /* The 16 rows' dwords [d0, d0 + 16) (rows row_bytes apart, `dwords` long; dwords past the
    end read as 0) transposed into out: out[t * 16 + o] = row o's dword d0 + t, for the
    `count` first t. */
@@ -259,8 +240,36 @@ static inline void transpose16(const uint8_t *rows, int row_bytes, int d0, int d
    row o's value t. */
 static inline void transpose_rows(const void *rows, int dwords, int32_t *out) {
   for (int d0 = 0; d0 < dwords; d0 += 16)
-    transpose16(rows, dwords * 4, d0, dwords, dwords - d0 < 16 ? dwords - d0 : 16,
-                out + d0 * LANES);
+    transpose16(rows, dwords * 4, d0, dwords, dwords - d0 < 16 ? dwords - d0 : 16, out + d0 * 16);
+}
+
+#else
+static inline void transpose_rows(const void *rows, int dwords, int32_t *out) {
+  const int32_t *in = rows;
+  for (int t = 0; t < dwords; t++)
+    for (int o = 0; o < 16; o++) out[t * 16 + o] = in[(size_t)o * dwords + t];
+}
+#endif
+
+/* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows split across threads. One
+   function per layout (Q4, F16 constants), so OpenMP's outlined loop is specialized.
+   Returns -1 when the scratch for x cannot be allocated (before writing y). */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* ---- Blocked integer product (AVX-512 VNNI): 16 output rows at once, one per int32 lane.
+   Each 4 bytes of codes the 16 rows hold at one position are gathered into a vector once
+   and dotted with up to XROWS rows of x, each row's 4 int8 values broadcast
+   (vpdpbusd: unsigned codes x signed x), so a block of 32 values costs a row of x 8 byte
+   dots, one conversion and two multiply-adds for all 16 outputs, where the per-row path
+   above pays about as much for each output. q8 codes enter offset by 128 (unsigned), the
+   dot corrected by 128 times the block's sum of x's codes. ---- */
+
+#define LANES 16 /* output rows per group */
+#define XROWS 8  /* rows of x per pass over a group's codes */
+
+static inline int32_t load_i32(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
 }
 
 /* One group of LANES output rows, its codes transposed (tw: [row_bytes / 4][LANES] dwords),
@@ -391,13 +400,13 @@ QLINEAR(qlinear_q4_f32, 1, 0)
 QLINEAR(qlinear_q8_f16, 0, 1)
 QLINEAR(qlinear_q8_f32, 0, 0)
 
-/* float32 -> bfloat16, rounded to nearest even (NaN kept quiet). */
+/* float32 -> bfloat16, rounded to nearest even (NaN kept quiet); without branches, so that
+   a loop over it vectorizes. */
 static inline uint16_t to_bf16(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
 /* Row j of W dequantized into dst [k] float32. */
@@ -447,35 +456,42 @@ ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, cons
 
 /* Rows row0 .. row0 + rows of W as bfloat16 in the native bf16 linear kernel's layout
    (csrc/linear.c: [rows' / 16][k / 2][16][2], rows' = rows rounded up to 16, pad rows 0),
-   so large batches multiply a dequantized tile at the bf16 kernel's speed. k is even. */
+   so large batches multiply a dequantized tile at the bf16 kernel's speed. k is even.
+   Returns 1 for rows outside [0, n), -1 when scratch memory cannot be had. */
 ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_p,
                                           const void *mins_p, int64_t rows, int64_t row0,
                                           uint16_t *out, int n, int k, int G, int q4, int f16) {
   const char *scales = scales_p, *mins = mins_p;
   if (row0 < 0 || row0 + rows > n || k % 2) return 1;
   const int64_t blocks = (rows + 15) / 16;
-#pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_FROM)
-  for (int64_t b = 0; b < blocks; b++) {
-    /* the block's 16 rows as float32, then each column pair of them as 16 bf16 pairs */
-    float *tmp = malloc((size_t)16 * k * sizeof(float));
-    uint32_t *dst = (uint32_t *)(out + (size_t)b * k * 16);
-    if (tmp == NULL) continue; /* never with a few tens of KiB */
-    for (int lane = 0; lane < 16; lane++) {
-      const int64_t i = b * 16 + lane;
-      if (i < rows) {
-        dequant_row(codes, scales, mins, row0 + i, k, G, q4, f16, tmp + (size_t)lane * k);
-      } else {
-        memset(tmp + (size_t)lane * k, 0, (size_t)k * sizeof(float));
+  int failed = 0;
+  /* each block's 16 rows as float32 rows, then as bf16 rows (one dword a column pair),
+     then transposed: the block's [k / 2][16] dwords */
+#pragma omp parallel if (rows * k >= PARALLEL_FROM)
+  {
+    float *tmp = malloc((size_t)16 * k * (sizeof(float) + sizeof(uint16_t)));
+    uint16_t *half = (uint16_t *)(tmp + (size_t)16 * k);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+      if (tmp == NULL) {
+#pragma omp atomic write
+        failed = 1;
+        continue;
       }
-    }
-    for (int p = 0; p < k / 2; p++)
       for (int lane = 0; lane < 16; lane++) {
-        const float *t = tmp + (size_t)lane * k + 2 * p;
-        dst[(size_t)p * 16 + lane] = (uint32_t)to_bf16(t[0]) | (uint32_t)to_bf16(t[1]) << 16;
+        const int64_t i = b * 16 + lane;
+        if (i < rows) {
+          dequant_row(codes, scales, mins, row0 + i, k, G, q4, f16, tmp + (size_t)lane * k);
+        } else {
+          memset(tmp + (size_t)lane * k, 0, (size_t)k * sizeof(float));
+        }
       }
+      for (size_t v = 0; v < (size_t)16 * k; v++) half[v] = to_bf16(tmp[v]);
+      transpose_rows(half, k / 2, (int32_t *)(out + (size_t)b * k * 16));
+    }
     free(tmp);
   }
-  return 0;
+  return failed ? -1 : 0;
 }
 
 #define DEQUANT(NAME, Q4, F16)                                                                     \
