@@ -105,6 +105,39 @@ def test_outputs_past_the_last_group_of_16(isa: str, type_name: str) -> None:
         assert_product(lin(x), x, w, exact_x=False)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q5_K"])
+def test_interleaving_keeps_every_value(type_name: str) -> None:
+    """The group kernel's layout (16 rows' codes 4 bytes at a time, their scales side by
+    side, rows padded to 16) holds the same values, and turns back into the row layout."""
+    n = N + 5
+    raw = random_blocks(type_name, n, K, seed=5)
+    weight = quant_linear.from_gguf(raw, type_name, (n, K))
+    grouped = weight.interleave()
+    assert grouped.interleaved and grouped.shape == (N + 16, K)
+    assert not torch.equal(grouped.codes[:16], weight.codes[:16])  # the bytes did move
+    assert torch.equal(grouped.dequantize()[:n], reference(raw, type_name, n))
+    assert torch.equal(grouped.dequantize()[n:], torch.zeros(11, K))
+    back = grouped.in_rows()
+    assert torch.equal(back.codes[:n], weight.codes) and torch.equal(back.scales[:n], weight.scales)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_only_builds_with_the_group_kernel_take_interleaved_weights(isa: str) -> None:
+    """Integer weights interleave where the group kernel is built; a build without it
+    refuses an interleaved weight instead of reading it as rows."""
+    lib = native.isa_library(isa)
+    raw = random_blocks("Q4_1", N, K, seed=6)
+    weight = quant_linear.from_gguf(raw, "Q4_1", (N, K))
+    lin = QuantizedLinear(weight, lib=lib)
+    assert lin.weight.interleaved == lib.quant_groups
+    x = torch.randn(2, K)
+    assert_product(lin(x), x, reference(raw, "Q4_1"), exact_x=False)
+    if not lib.quant_groups:
+        lin.weight = weight.interleave()
+        with pytest.raises(QuantError, match="refused"):
+            lin(x)
+
+
 def test_rounding_x_to_int8_is_what_the_bound_allows() -> None:
     """The bound of assert_product is tight enough to catch a wrong block scale: a product
     that rounds x to 4 bits instead of 8 breaks it."""

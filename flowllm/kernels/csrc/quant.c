@@ -251,20 +251,25 @@ static inline void transpose_rows(const void *rows, int dwords, int32_t *out) {
 }
 #endif
 
-/* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows split across threads. One
-   function per layout (Q4, F16 constants), so OpenMP's outlined loop is specialized.
-   Returns -1 when the scratch for x cannot be allocated (before writing y). */
+#define LANES 16 /* output rows per group of the interleaved layout */
+
+/* Where row j's group scale g (or offset) is: the row layout's [n][S], or the interleaved
+   [n / 16][S][16]. */
+ALWAYS_INLINE size_t scale_index(int64_t j, int g, int S, int interleaved) {
+  return interleaved ? ((size_t)(j / LANES) * S + g) * LANES + j % LANES : (size_t)j * S + g;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-/* ---- Blocked integer product (AVX-512 VNNI): 16 output rows at once, one per int32 lane.
-   Each 4 bytes of codes the 16 rows hold at one position are gathered into a vector once
-   and dotted with up to XROWS rows of x, each row's 4 int8 values broadcast
-   (vpdpbusd: unsigned codes x signed x), so a block of 32 values costs a row of x 8 byte
-   dots, one conversion and two multiply-adds for all 16 outputs, where the per-row path
-   above pays about as much for each output. q8 codes enter offset by 128 (unsigned), the
+#define GROUP_KERNEL 1
+/* ---- Blocked integer product (AVX-512 VNNI) over the interleaved layout: 16 output rows
+   at once, one per int32 lane. Each vector of codes holds 4 bytes of each of the 16 rows
+   at one position and is dotted with up to XROWS rows of x, each row's 4 int8 values
+   broadcast (vpdpbusd: unsigned codes x signed x), so a block of 32 values costs a row of x
+   8 byte dots, one conversion and two multiply-adds for all 16 outputs, where the per-row
+   path pays about as much for each output. q8 codes enter offset by 128 (unsigned), the
    dot corrected by 128 times the block's sum of x's codes. ---- */
 
-#define LANES 16 /* output rows per group */
-#define XROWS 8  /* rows of x per pass over a group's codes */
+#define XROWS 8 /* rows of x per pass over a group's codes */
 
 static inline int32_t load_i32(const int8_t *p) {
   int32_t v;
@@ -272,12 +277,18 @@ static inline int32_t load_i32(const int8_t *p) {
   return v;
 }
 
-/* One group of LANES output rows, its codes transposed (tw: [row_bytes / 4][LANES] dwords),
-   against M rows of quantized x from r0: acc[r] = the group's 16 sums for row r0 + r
-   (scales applied). ws, wm: [k / 32][LANES] block scales and offsets (wm NULL: none). */
-ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw, const float *ws,
-                              const float *wm, int k, int q4, __m512 acc[XROWS]) {
-  const int blocks = k / QBLOCK;
+/* 16 interleaved scales (or offsets) as float32 lanes. */
+ALWAYS_INLINE __m512 lane_scales(const char *p, size_t i, int f16) {
+  return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+             : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* One group of LANES output rows (tw: its [row_bytes / 4][LANES] dwords of codes; ws, wm:
+   its [k / G][LANES] scales and offsets, wm NULL: none) against M rows of quantized x from
+   r0: acc[r] = the group's 16 sums for row r0 + r. */
+ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw, const char *ws,
+                              const char *wm, int k, int G, int q4, int f16, __m512 acc[XROWS]) {
+  const int blocks = k / QBLOCK, per = G / QBLOCK;
   const __m512i nibble = _mm512_set1_epi8(15), bias8 = _mm512_set1_epi8((char)0x80);
 #pragma GCC unroll 8
   for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
@@ -291,7 +302,8 @@ ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw
       w[t] = q4 ? _mm512_and_si512(b & 1 ? _mm512_srli_epi16(raw, 4) : raw, nibble)
                 : _mm512_xor_si512(raw, bias8);
     }
-    const __m512 sb = _mm512_loadu_ps(ws + b * LANES);
+    const __m512 sb = lane_scales(ws, (size_t)(b / per) * LANES, f16);
+    const __m512 mb = wm ? lane_scales(wm, (size_t)(b / per) * LANES, f16) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++) {
       const size_t row = (size_t)(r0 + r);
@@ -306,68 +318,50 @@ ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw
       const __m512 dx = _mm512_set1_ps(qx->d[(row * k + b * QBLOCK) / 4]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[0], d[1])),
                                _mm512_mul_ps(sb, dx), acc[r]);
-      if (wm)
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * LANES),
-                                 _mm512_set1_ps(qx->sum[row * blocks + b]), acc[r]);
+      if (wm) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(qx->sum[row * blocks + b]), acc[r]);
     }
   }
 }
 
-/* Output rows j0 .. j0 + LANES of every row of x. */
+/* Output rows 16 gi .. 16 gi + 16 (those below n) of every row of x. */
 ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const char *scales,
-                                const char *mins, const float *bias, float *y, int64_t j0, int m,
+                                const char *mins, const float *bias, float *y, int64_t gi, int m,
                                 int n, int k, int G, int q4, int f16) {
-  const int blocks = k / QBLOCK;
-  const int row_bytes = q4 ? k / 2 : k;
-  const size_t scale_bytes = (size_t)(k / G) * (f16 ? 2 : 4);
-  float ws[blocks * LANES], wm[mins ? blocks * LANES : 1], by_row[LANES * blocks];
-  for (int o = 0; o < LANES; o++)
-    block_scales(scales + (size_t)(j0 + o) * scale_bytes, k, G, f16, by_row + o * blocks);
-  transpose_rows(by_row, blocks, (int32_t *)ws);
-  if (mins) {
-    for (int o = 0; o < LANES; o++)
-      block_scales(mins + (size_t)(j0 + o) * scale_bytes, k, G, f16, by_row + o * blocks);
-    transpose_rows(by_row, blocks, (int32_t *)wm);
-  }
-  const uint8_t *c = codes + (size_t)j0 * row_bytes;
-  /* the next group's codes (one run of memory) to L2 now: the transposition reads 16 rows
-     a line each at a time, which the hardware prefetchers do not follow */
-  if (j0 + 2 * LANES <= n)
-    for (int line = 0; line < LANES * row_bytes; line += 64)
-      _mm_prefetch((const char *)c + LANES * row_bytes + line, _MM_HINT_T1);
-  int32_t tw[row_bytes / 4 * LANES];
-  transpose_rows(c, row_bytes / 4, tw);
-  const __m512 bv = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
+  const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
+  const size_t scale_bytes = (size_t)(k / G) * LANES * (f16 ? 2 : 4);
+  const int32_t *tw = (const int32_t *)(codes + (size_t)gi * LANES * row_bytes);
+  const char *ws = scales + (size_t)gi * scale_bytes;
+  const char *wm = mins ? mins + (size_t)gi * scale_bytes : NULL;
+  const int64_t j0 = gi * LANES;
+  const __mmask16 keep = n - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + j0) : _mm512_setzero_ps();
   for (int r0 = 0; r0 < m; r0 += XROWS) {
     __m512 acc[XROWS];
     const int rows = m - r0 < XROWS ? m - r0 : XROWS;
-    const float *on = mins ? wm : NULL;
     switch (rows) {
-      case 1: group_dots(qx, r0, 1, tw, ws, on, k, q4, acc); break;
-      case 2: group_dots(qx, r0, 2, tw, ws, on, k, q4, acc); break;
-      case 3: group_dots(qx, r0, 3, tw, ws, on, k, q4, acc); break;
-      case 4: group_dots(qx, r0, 4, tw, ws, on, k, q4, acc); break;
-      case 5: group_dots(qx, r0, 5, tw, ws, on, k, q4, acc); break;
-      case 6: group_dots(qx, r0, 6, tw, ws, on, k, q4, acc); break;
-      case 7: group_dots(qx, r0, 7, tw, ws, on, k, q4, acc); break;
-      default: group_dots(qx, r0, XROWS, tw, ws, on, k, q4, acc); break;
+      case 1: group_dots(qx, r0, 1, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 2: group_dots(qx, r0, 2, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 3: group_dots(qx, r0, 3, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 4: group_dots(qx, r0, 4, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 5: group_dots(qx, r0, 5, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 6: group_dots(qx, r0, 6, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 7: group_dots(qx, r0, 7, tw, ws, wm, k, G, q4, f16, acc); break;
+      default: group_dots(qx, r0, XROWS, tw, ws, wm, k, G, q4, f16, acc); break;
     }
     for (int r = 0; r < rows; r++)
-      _mm512_storeu_ps(y + (size_t)(r0 + r) * n + j0, _mm512_add_ps(acc[r], bv));
+      _mm512_mask_storeu_ps(y + (size_t)(r0 + r) * n + j0, keep, _mm512_add_ps(acc[r], bv));
   }
 }
+#define GROUP_OUTPUT output_group
 #else
-#define LANES 16
-
-/* Without VNNI: the same outputs, one row at a time. */
-ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const char *scales,
-                                const char *mins, const float *bias, float *y, int64_t j0, int m,
-                                int n, int k, int G, int q4, int f16) {
-  for (int64_t j = j0; j < j0 + LANES; j++)
-    output_row(NULL, qx, codes, scales, mins, bias, y, j, m, n, k, G, q4, f16);
-}
+#define GROUP_KERNEL 0
+#define GROUP_OUTPUT(...) ((void)0)
 #endif
 
+/* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows (or groups of 16, interleaved)
+   split across threads. One function per layout (Q4, F16 constants), so OpenMP's outlined
+   loop is specialized. Returns -1 when the scratch for x cannot be allocated, -2 for an
+   interleaved W this build cannot read (before writing y). */
 // clang-format off: it would put the _Pragma and the loop on one line
 #define QLINEAR(NAME, Q4, F16)                                                              \
   int64_t flowllm_##NAME(const struct flowllm_##NAME##_args *a) {                           \
@@ -375,25 +369,27 @@ ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const ch
     const uint8_t *codes = (const uint8_t *)a->codes;                                       \
     const char *scales = (const char *)a->scales, *mins = (const char *)a->mins;            \
     const int m = (int)a->m, n = (int)a->n, k = (int)a->k, G = (int)a->group;               \
+    const int integer = G % QBLOCK == 0 && k % 64 == 0, grouped = a->interleaved != 0;      \
+    if (grouped && !(GROUP_KERNEL && integer)) return -2;                                   \
     QuantX qx;                                                                              \
-    const int integer = G % QBLOCK == 0 && k % 64 == 0;                                     \
     if (integer && quantize_x(x, m, k, &qx)) return -1;                                     \
-    const int64_t groups = integer ? n / LANES : 0;                                        \
-    const int64_t items = groups + n - groups * LANES;                                      \
+    const int64_t items = grouped ? (n + LANES - 1) / LANES : n;                            \
     _Pragma("omp parallel for schedule(static) if ((int64_t)n * k * m >= PARALLEL_FROM)")   \
     for (int64_t t = 0; t < items; t++) {                                                   \
-      if (t < groups)                                                                       \
-        output_group(&qx, codes, scales, mins, a->bias, a->y, t * LANES, m, n, k, G, Q4, F16); \
+      if (grouped)                                                                          \
+        GROUP_OUTPUT(&qx, codes, scales, mins, a->bias, a->y, t, m, n, k, G, Q4, F16);      \
       else                                                                                  \
-        output_row(x, integer ? &qx : NULL, codes, scales, mins, a->bias, a->y,             \
-                   groups * LANES + t - groups, m, n, k, G, Q4, F16);                        \
+        output_row(x, integer ? &qx : NULL, codes, scales, mins, a->bias, a->y, t, m, n, k, \
+                   G, Q4, F16);                                                             \
     }                                                                                       \
     if (integer) free(qx.q);                                                                \
     return 0;                                                                               \
   }
 // clang-format on
-
 /* ---- Entry points (kernel_args.h) ---- */
+
+/* 1 when integer products of interleaved weights run here (the group kernel is built). */
+int flowllm_quant_groups(void) { return GROUP_KERNEL; }
 
 QLINEAR(qlinear_q4_f16, 1, 1)
 QLINEAR(qlinear_q4_f32, 1, 0)
@@ -409,19 +405,29 @@ static inline uint16_t to_bf16(float f) {
   return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
-/* Row j of W dequantized into dst [k] float32. */
+/* Row j of W (rows or interleaved layout) dequantized into dst [k] float32. */
 ALWAYS_INLINE void dequant_row(const uint8_t *codes, const char *scales, const char *mins,
-                               int64_t j, int k, int G, int q4, int f16, float *dst) {
-  const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
-  const size_t scale_bytes = (size_t)(k / G) * (f16 ? 2 : 4);
+                               int64_t j, int k, int G, int q4, int f16, int interleaved,
+                               float *dst) {
+  const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k, esize = f16 ? 2 : 4;
+  const int S = k / G;
+  uint8_t gathered[interleaved ? row_bytes : 1];
   const uint8_t *c = codes + (size_t)j * row_bytes;
-  const char *s = scales + (size_t)j * scale_bytes;
-  const char *o = mins ? mins + (size_t)j * scale_bytes : NULL;
+  if (interleaved) { /* dword t of row j: the group's [t][j % 16] */
+    const uint8_t *group = codes + (size_t)(j / LANES) * LANES * row_bytes;
+    for (size_t t = 0; t < row_bytes / 4; t++)
+      memcpy(gathered + 4 * t, group + (t * LANES + j % LANES) * 4, 4);
+    c = gathered;
+  }
+  const char *s = scales + scale_index(j, 0, S, interleaved) * esize;
+  const char *o = mins ? mins + scale_index(j, 0, S, interleaved) * esize : NULL;
+  const size_t stride = interleaved ? LANES : 1; /* between a row's scales */
   if (q4) { /* G = 32: the pair's low nibbles are group 2p, its high ones 2p + 1 */
     for (int p = 0; p < k / 64; p++)
       for (int h = 0; h < 2; h++) {
-        const vf sv = vf_set1(load_scale(s, 2 * p + h, f16));
-        const vf mv = o ? vf_set1(load_scale(o, 2 * p + h, f16)) : vf_zero();
+        const size_t g = (size_t)(2 * p + h) * stride;
+        const vf sv = vf_set1(load_scale(s, g, f16));
+        const vf mv = o ? vf_set1(load_scale(o, g, f16)) : vf_zero();
         for (int cc = 0; cc < 32; cc += VL) {
           vf lo, hi;
           vf_from_nibbles(c + 32 * p + cc, &lo, &hi);
@@ -429,9 +435,9 @@ ALWAYS_INLINE void dequant_row(const uint8_t *codes, const char *scales, const c
         }
       }
   } else {
-    for (int g = 0; g < k / G; g++) {
-      const vf sv = vf_set1(load_scale(s, g, f16));
-      const vf mv = o ? vf_set1(load_scale(o, g, f16)) : vf_zero();
+    for (int g = 0; g < S; g++) {
+      const vf sv = vf_set1(load_scale(s, g * stride, f16));
+      const vf mv = o ? vf_set1(load_scale(o, g * stride, f16)) : vf_zero();
       for (int cc = 0; cc < G; cc += VL)
         vf_store(dst + g * G + cc, vf_fma(vf_from_i8((const int8_t *)c + g * G + cc), sv, mv));
     }
@@ -442,7 +448,7 @@ ALWAYS_INLINE void dequant_row(const uint8_t *codes, const char *scales, const c
    Returns 1 + i for the first id out of [0, n), before writing anything. */
 ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, const void *mins_p,
                                    const int64_t *ids, int64_t rows, int64_t row0, float *out,
-                                   int n, int k, int G, int q4, int f16) {
+                                   int n, int k, int G, int q4, int f16, int interleaved) {
   const char *scales = scales_p, *mins = mins_p;
   if (ids)
     for (int64_t i = 0; i < rows; i++)
@@ -450,7 +456,8 @@ ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, cons
   if (!ids && (row0 < 0 || row0 + rows > n)) return 1;
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_FROM)
   for (int64_t i = 0; i < rows; i++)
-    dequant_row(codes, scales, mins, ids ? ids[i] : row0 + i, k, G, q4, f16, out + (size_t)i * k);
+    dequant_row(codes, scales, mins, ids ? ids[i] : row0 + i, k, G, q4, f16, interleaved,
+                out + (size_t)i * k);
   return 0;
 }
 
@@ -460,7 +467,8 @@ ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, cons
    Returns 1 for rows outside [0, n), -1 when scratch memory cannot be had. */
 ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_p,
                                           const void *mins_p, int64_t rows, int64_t row0,
-                                          uint16_t *out, int n, int k, int G, int q4, int f16) {
+                                          uint16_t *out, int n, int k, int G, int q4, int f16,
+                                          int interleaved) {
   const char *scales = scales_p, *mins = mins_p;
   if (row0 < 0 || row0 + rows > n || k % 2) return 1;
   const int64_t blocks = (rows + 15) / 16;
@@ -481,7 +489,8 @@ ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_
       for (int lane = 0; lane < 16; lane++) {
         const int64_t i = b * 16 + lane;
         if (i < rows) {
-          dequant_row(codes, scales, mins, row0 + i, k, G, q4, f16, tmp + (size_t)lane * k);
+          dequant_row(codes, scales, mins, row0 + i, k, G, q4, f16, interleaved,
+                      tmp + (size_t)lane * k);
         } else {
           memset(tmp + (size_t)lane * k, 0, (size_t)k * sizeof(float));
         }
@@ -497,11 +506,11 @@ ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_
 #define DEQUANT(NAME, Q4, F16)                                                                     \
   int64_t flowllm_dequant_##NAME(const struct flowllm_dequant_##NAME##_args *a) {                  \
     return dequant_rows(a->codes, a->scales, a->mins, a->ids, a->rows, a->row0, a->out, (int)a->n, \
-                        (int)a->k, (int)a->group, Q4, F16);                                        \
+                        (int)a->k, (int)a->group, Q4, F16, a->interleaved != 0);                   \
   }                                                                                                \
   int64_t flowllm_dequant_bf16_##NAME(const struct flowllm_dequant_bf16_##NAME##_args *a) {        \
     return dequant_bf16_blocks(a->codes, a->scales, a->mins, a->rows, a->row0, a->out, (int)a->n,  \
-                               (int)a->k, (int)a->group, Q4, F16);                                 \
+                               (int)a->k, (int)a->group, Q4, F16, a->interleaved != 0);            \
   }
 
 DEQUANT(q4_f16, 1, 1)
