@@ -62,20 +62,22 @@ static int quantize_x(const float *x, int m, int k, QuantX *qx) {
 #pragma omp parallel for schedule(static) if (blocks >= 4096)
   for (size_t b = 0; b < blocks; b++) {
     const float *xb = x + b * QBLOCK;
-    float amax = 0.0f, sum = 0.0f;
-    for (int i = 0; i < QBLOCK; i++) {
-      amax = fmaxf(amax, fabsf(xb[i]));
-      sum += xb[i];
+    vf amax = vf_zero(), sum = vf_zero();
+    for (int i = 0; i < QBLOCK; i += VL) {
+      amax = vf_max(amax, vf_abs(vf_load(xb + i)));
+      sum = vf_add(sum, vf_load(xb + i));
     }
-    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t qsum = 0;
-    for (int i = 0; i < QBLOCK; i++) {
-      qx->q[b * QBLOCK + i] = (int8_t)nearbyintf(xb[i] * inv);
-      qsum += qx->q[b * QBLOCK + i];
+    const float top = vf_max_of(amax), d = top / 127.0f;
+    const vf inv = vf_set1(top > 0.0f ? 127.0f / top : 0.0f);
+    vf qsum = vf_zero();
+    for (int i = 0; i < QBLOCK; i += VL) {
+      const vf q = vf_round(vf_mul(vf_load(xb + i), inv));
+      vf_store_i8(qx->q + b * QBLOCK + i, q);
+      qsum = vf_add(qsum, q);
     }
-    qx->qsum[b] = qsum;
+    qx->qsum[b] = (int32_t)vf_sum(qsum); /* exact: at most 32 x 127 */
     for (int i = 0; i < QBLOCK / 4; i++) qx->d[b * (QBLOCK / 4) + i] = d;
-    qx->sum[b] = sum;
+    qx->sum[b] = vf_sum(sum);
   }
   return 0;
 }
