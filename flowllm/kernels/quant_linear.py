@@ -35,7 +35,7 @@ Without the native library, tiles and torch run at every size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -73,6 +73,9 @@ class QuantizedWeight:
     group: int
     source: str
     interleaved: bool = False  # each 16 rows' codes, scales, offsets interleaved (`interleave`)
+    # what `interleave` made of this weight: one copy for every product over it (a tied
+    # embedding table and LM head)
+    _grouped: QuantizedWeight | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -114,9 +117,12 @@ class QuantizedWeight:
     def interleave(self) -> QuantizedWeight:
         """The layout the 16-row group kernel reads: rows padded with zeros to a multiple
         of 16, then each 16 rows' codes as [row bytes / 4][16] dwords (4 bytes of each row at
-        a time) and their scales and offsets as [k / group][16]; the same shape [n', k]."""
+        a time) and their scales and offsets as [k / group][16]; the same shape [n', k].
+        Made once: every call returns the same weight."""
         if self.interleaved:
             return self
+        if self._grouped is not None:
+            return self._grouped
         pad = -self.shape[0] % LANES
         padded = [self.codes, self.scales, self.mins]
         if pad:
@@ -126,7 +132,9 @@ class QuantizedWeight:
             for i, t in enumerate(padded)
         )
         assert codes is not None and scales is not None
-        return replace(self, codes=codes, scales=scales, mins=mins, interleaved=True)
+        grouped = replace(self, codes=codes, scales=scales, mins=mins, interleaved=True)
+        object.__setattr__(self, "_grouped", grouped)
+        return grouped
 
     def in_rows(self) -> QuantizedWeight:
         """The row layout of these values (pad rows included)."""

@@ -114,6 +114,7 @@ def test_interleaving_keeps_every_value(type_name: str) -> None:
     weight = quant_linear.from_gguf(raw, type_name, (n, K))
     grouped = weight.interleave()
     assert grouped.interleaved and grouped.shape == (N + 16, K)
+    assert weight.interleave() is grouped  # made once, shared by every product over it
     assert not torch.equal(grouped.codes[:16], weight.codes[:16])  # the bytes did move
     assert torch.equal(grouped.dequantize()[:n], reference(raw, type_name, n))
     assert torch.equal(grouped.dequantize()[n:], torch.zeros(11, K))
