@@ -23,6 +23,9 @@ dequantize to float32 in registers.
 Decode steps, recorded and replayed (`flowllm.kernels.call_plan`), run that kernel at any
 batch: on AVX-512 VNNI it takes 16 outputs at a time, their codes unpacked once and dotted
 with up to 8 rows of x, so an extra row costs byte dots and a scale, not another unpack.
+That kernel reads each 16 rows' codes and scales interleaved (`QuantizedWeight.interleave`),
+which QuantizedLinear makes at load where the library has it (`NativeLibrary.quant_groups`),
+so a step reads them in order instead of transposing them.
 Eager products of `TILE_FROM` rows or more (prefills, mixed steps) dequantize tiles of rows
 and multiply them with the native bf16 kernel where the CPU has AVX512-BF16 (float32 torch
 from `FP32_TILE_FROM` rows otherwise): the exact weights with x in bf16, so a prompt's

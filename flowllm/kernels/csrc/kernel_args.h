@@ -134,7 +134,8 @@ typedef uint16_t f16_t;
   F(S, int64_t *, out)
 
 /* x [m][k] float32 -> y [m][n]; W [n][k] as codes C, scales and offsets SC [n][k / group]
- * (mins NULL: no offsets), bias [n] or NULL (csrc/quant.c describes the layouts) */
+ * (mins NULL: no offsets), bias [n] or NULL; interleaved: W's codes, scales and offsets
+ * in the 16-row interleaved layout (csrc/quant.c describes the layouts) */
 #define FLOWLLM_QLINEAR_ARGS(F, S, C, SC) \
   F(S, const float *, x)                  \
   F(S, const C *, codes)                  \

@@ -7,6 +7,11 @@ and one offset m (0 without offsets), a value being q * s + m:
       q in [0, 16), G = 32, k a multiple of 64;
   q8: codes int8 [n][k], G a multiple of 16;
   scales, offsets: [n][k / G], float16 or float32.
+Interleaved (`interleaved` set; where the group kernel is built, quant_linear interleaves
+every integer weight at load): n a multiple of 16 (pad rows zero), and each 16 rows' codes
+stored as [row bytes / 4][16] dwords (4 bytes of each of the 16 rows, then the next 4),
+their scales and offsets as [k / G][16], so that the group kernel reads both in the order
+it uses them.
 
 Products with G a multiple of 32 (every format but Q6_K's groups of 16) and rows of a
 multiple of 64 values run on integers,
@@ -18,12 +23,12 @@ float sum of x. So W's values are exact and x is rounded to 8 bits a block, the 
 bounded by sum |w| x (x block scale) / 2. Other groups dequantize to float32 in registers
 and multiply with x as it is.
 
-With AVX-512 VNNI, integer products run 16 output rows at a time (output_group): their
-codes transposed once so that each vector holds 4 codes of each of the 16 rows, then dotted
-with up to XROWS rows of x by byte dots against each row's 4 values broadcast. Elsewhere,
-and for the last n % 16 outputs, each output row is one dot product per row of x
-(output_row): its codes read once per pass of up to ROWS rows of x (the row's codes stay
-in L1 for the next pass). Outputs are split across OpenMP threads in contiguous runs. */
+With AVX-512 VNNI, integer products of interleaved weights run 16 output rows at a time
+(output_group): each vector of codes holds 4 codes of each of the 16 rows, dotted with up
+to XROWS rows of x by byte dots against each row's 4 values broadcast. Elsewhere each
+output row is one dot product per row of x (output_row): its codes read once per pass of
+up to ROWS rows of x (the row's codes stay in L1 for the next pass). Outputs are split
+across OpenMP threads in contiguous runs. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
