@@ -441,7 +441,7 @@ class QuantizedLinear:
         the CPU has fast bf16 products (as the unquantized model would), else float32."""
         n, k = self.out_features, self.in_features
         y = torch.empty(x32.shape[0], n, dtype=torch.float32)
-        step = max(16, TILE_VALUES // k)
+        step = max(LANES, TILE_VALUES // k // LANES * LANES)  # whole groups of 16 rows
         bias = self._bias32()
         bf16 = self.lib is not None and cpu_linear.serves(torch.bfloat16)
         x = x32.to(torch.bfloat16) if bf16 else x32

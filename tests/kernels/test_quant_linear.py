@@ -85,8 +85,10 @@ def test_bf16_tiles_are_the_weights_rounded_to_bf16(type_name: str) -> None:
     w = reference(raw, type_name, n)
     lin = QuantizedLinear(quant_linear.from_gguf(raw, type_name, (n, K)))
     for row0, rows in ((0, n), (16, 33), (n - 7, 7)):
-        tile = lin._bf16_tile(row0, rows).unpack()
-        assert torch.equal(tile, w[row0 : row0 + rows].to(torch.bfloat16))
+        tile = lin._bf16_tile(row0, rows)
+        assert torch.equal(tile.unpack(), w[row0 : row0 + rows].to(torch.bfloat16))
+        pad = tile.packed[-1, :, rows % 16 :]  # [k / 2, 16, 2]: the last block's pad rows
+        assert not pad.any()
 
 
 @pytest.mark.parametrize("isa", ISAS)

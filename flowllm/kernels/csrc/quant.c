@@ -243,6 +243,12 @@ static inline void transpose16(const uint8_t *rows, int row_bytes, int d0, int d
   }
 }
 
+/* 16 interleaved scales (or offsets) as float32 lanes. */
+ALWAYS_INLINE __m512 lane_scales(const char *p, size_t i, int f16) {
+  return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+             : _mm512_loadu_ps((const float *)p + i);
+}
+
 /* 16 rows of `dwords` 4-byte values each, one after another, transposed: out[t * 16 + o] =
    row o's value t. */
 static inline void transpose_rows(const void *rows, int dwords, int32_t *out) {
@@ -282,12 +288,6 @@ static inline int32_t load_i32(const int8_t *p) {
   int32_t v;
   memcpy(&v, p, 4);
   return v;
-}
-
-/* 16 interleaved scales (or offsets) as float32 lanes. */
-ALWAYS_INLINE __m512 lane_scales(const char *p, size_t i, int f16) {
-  return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
-             : _mm512_loadu_ps((const float *)p + i);
 }
 
 /* One group of LANES output rows (tw: its [row_bytes / 4][LANES] dwords of codes; ws, wm:
@@ -468,6 +468,71 @@ ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, cons
   return 0;
 }
 
+#if defined(__AVX512F__)
+/* 16 floats as bf16, rounded as to_bf16, each in the low half of its dword. */
+static inline __m512i bf16_lanes(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+  const __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+/* The dwords of 16 rows' values a, b (codes as int32 lanes) as bf16 pairs: a | b << 16. */
+static inline __m512i bf16_pairs(__m512i a, __m512i b, __m512 s, __m512 m) {
+  const __m512i lo = bf16_lanes(_mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, m));
+  const __m512i hi = bf16_lanes(_mm512_fmadd_ps(_mm512_cvtepi32_ps(b), s, m));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* One interleaved group of 16 rows (codes [row bytes / 4][16] dwords, scales and offsets
+   [k / G][16]) straight into the bf16 kernel's layout, out [k / 2][16] dwords; lanes
+   outside `keep` are 0. */
+ALWAYS_INLINE void group_to_bf16(const int32_t *tw, const char *ws, const char *wm, int k, int G,
+                                 int q4, int f16, __mmask16 keep, int32_t *out) {
+  const __m512i byte = _mm512_set1_epi32(0xff);
+  if (q4) { /* G = 32: chunk c's low nibbles are block 2c, its high ones 2c + 1 */
+    const __m512i nibbles = _mm512_set1_epi8(15);
+    for (int c = 0; c < k / 64; c++)
+      for (int h = 0; h < 2; h++) {
+        const __m512 s = lane_scales(ws, (size_t)(2 * c + h) * LANES, f16);
+        const __m512 m =
+            wm ? lane_scales(wm, (size_t)(2 * c + h) * LANES, f16) : _mm512_setzero_ps();
+        for (int u = 0; u < 8; u++) {
+          const __m512i raw = _mm512_loadu_si512(tw + (size_t)(8 * c + u) * LANES);
+          const __m512i x = _mm512_and_si512(h ? _mm512_srli_epi32(raw, 4) : raw, nibbles);
+          const __m512i b0 = _mm512_and_si512(x, byte);
+          const __m512i b1 = _mm512_and_si512(_mm512_srli_epi32(x, 8), byte);
+          const __m512i b2 = _mm512_and_si512(_mm512_srli_epi32(x, 16), byte);
+          const __m512i b3 = _mm512_srli_epi32(x, 24);
+          const size_t p = (size_t)32 * c + 16 * h + 2 * u;
+          _mm512_storeu_si512(out + p * LANES,
+                              _mm512_maskz_mov_epi32(keep, bf16_pairs(b0, b1, s, m)));
+          _mm512_storeu_si512(out + (p + 1) * LANES,
+                              _mm512_maskz_mov_epi32(keep, bf16_pairs(b2, b3, s, m)));
+        }
+      }
+  } else { /* dword t: values 4t .. 4t + 3, signed */
+    for (int t = 0; t < k / 4; t++) {
+      const size_t g = (size_t)(4 * t / G) * LANES;
+      const __m512 s = lane_scales(ws, g, f16);
+      const __m512 m = wm ? lane_scales(wm, g, f16) : _mm512_setzero_ps();
+      const __m512i raw = _mm512_loadu_si512(tw + (size_t)t * LANES);
+      const __m512i b0 = _mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24);
+      const __m512i b1 = _mm512_srai_epi32(_mm512_slli_epi32(raw, 16), 24);
+      const __m512i b2 = _mm512_srai_epi32(_mm512_slli_epi32(raw, 8), 24);
+      const __m512i b3 = _mm512_srai_epi32(raw, 24);
+      _mm512_storeu_si512(out + (size_t)2 * t * LANES,
+                          _mm512_maskz_mov_epi32(keep, bf16_pairs(b0, b1, s, m)));
+      _mm512_storeu_si512(out + (size_t)(2 * t + 1) * LANES,
+                          _mm512_maskz_mov_epi32(keep, bf16_pairs(b2, b3, s, m)));
+    }
+  }
+}
+#endif
+
 /* Rows row0 .. row0 + rows of W as bfloat16 in the native bf16 linear kernel's layout
    (csrc/linear.c: [rows' / 16][k / 2][16][2], rows' = rows rounded up to 16, pad rows 0),
    so large batches multiply a dequantized tile at the bf16 kernel's speed. k is even.
@@ -493,6 +558,18 @@ ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_
         failed = 1;
         continue;
       }
+#if defined(__AVX512F__)
+      if (interleaved && row0 % LANES == 0) { /* block b is one whole group */
+        const int64_t gi = row0 / LANES + b, left = rows - b * 16;
+        const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
+        const size_t scale_bytes = (size_t)(k / G) * LANES * (f16 ? 2 : 4);
+        group_to_bf16((const int32_t *)((const uint8_t *)codes + gi * LANES * row_bytes),
+                      scales + gi * scale_bytes, mins ? mins + gi * scale_bytes : NULL, k, G, q4,
+                      f16, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1),
+                      (int32_t *)(out + (size_t)b * k * 16));
+        continue;
+      }
+#endif
       for (int lane = 0; lane < 16; lane++) {
         const int64_t i = b * 16 + lane;
         if (i < rows) {
