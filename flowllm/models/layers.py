@@ -217,7 +217,7 @@ class Linear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """W as [out, in]: the plain weight, or a plain copy of the packed one."""
         if self.quantized is not None:
-            return self.quantized.weight.dequantize().to(self.dtype)
+            return self.quantized.dequantize().to(self.dtype)
         if self.native_weight is not None:
             return self.native_weight.unpack()
         if self.packed_weight is not None:
@@ -228,7 +228,7 @@ class Linear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of W (what a product reads), whichever layout holds it."""
         if self.quantized is not None:
-            return self.quantized.weight.nbytes
+            return self.quantized.nbytes
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.in_features * self.out_features * itemsize
 
