@@ -233,6 +233,7 @@ def _quantized(codes: str, scales: str) -> Iterator[type[KernelArgs]]:
         ("n", INT64),
         ("k", INT64),
         ("group", INT64),
+        ("interleaved", INT64),
     )
     yield _args(
         f"dequant_{name}",
@@ -246,6 +247,7 @@ def _quantized(codes: str, scales: str) -> Iterator[type[KernelArgs]]:
         ("n", INT64),
         ("k", INT64),
         ("group", INT64),
+        ("interleaved", INT64),
     )
     yield _args(
         f"dequant_bf16_{name}",
@@ -258,6 +260,7 @@ def _quantized(codes: str, scales: str) -> Iterator[type[KernelArgs]]:
         ("n", INT64),
         ("k", INT64),
         ("group", INT64),
+        ("interleaved", INT64),
     )
 
 

@@ -23,6 +23,9 @@ dequantize to float32 in registers.
 Decode steps, recorded and replayed (`flowllm.kernels.call_plan`), run that kernel at any
 batch: on AVX-512 VNNI it takes 16 outputs at a time, their codes unpacked once and dotted
 with up to 8 rows of x, so an extra row costs byte dots and a scale, not another unpack.
+That kernel reads each 16 rows' codes and scales interleaved (`QuantizedWeight.interleave`),
+which QuantizedLinear makes at load where the library has it (`NativeLibrary.quant_groups`),
+so a step reads them in order instead of transposing them.
 Eager products of `TILE_FROM` rows or more (prefills, mixed steps) dequantize tiles of rows
 and multiply them with the native bf16 kernel where the CPU has AVX512-BF16 (float32 torch
 from `FP32_TILE_FROM` rows otherwise): the exact weights with x in bf16, so a prompt's
@@ -35,7 +38,7 @@ Without the native library, tiles and torch run at every size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -50,6 +53,7 @@ TILE_FROM = 16  # rows of x from which an eager product (prefills) dequantizes b
 # its eager steps (a decode shape's first, mixed steps) keep small batches below this
 FP32_TILE_FROM = 64
 TILE_VALUES = 1 << 20  # weight values dequantized per tile (4 MiB of float32)
+LANES = 16  # rows of the interleaved layout's groups
 QK_K = 256  # values per K-format super-block
 
 # GGUF quantization types by name (gguf.GGMLQuantizationType), what they repack from.
@@ -71,9 +75,15 @@ class QuantizedWeight:
     kind: Codes
     group: int
     source: str
+    interleaved: bool = False  # each 16 rows' codes, scales, offsets interleaved (`interleave`)
+    # what `interleave` made of this weight: one copy for every product over it (a tied
+    # embedding table and LM head)
+    _grouped: QuantizedWeight | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n, k = self.shape
+        if self.interleaved and (n % LANES or not self.integer):
+            raise QuantError(f"{self.kind} rows of {k} in groups of {self.group} cannot interleave")
         width = k // 2 if self.kind == "q4" else k
         bad_q4 = self.kind == "q4" and (self.group != 32 or k % 64)
         if bad_q4 or self.group % 16 or k % self.group or self.codes.shape != (n, width):
@@ -97,13 +107,53 @@ class QuantizedWeight:
         return n, k
 
     @property
+    def integer(self) -> bool:
+        """Whether products multiply these codes on integers (else in float32 registers)."""
+        return self.group % 32 == 0 and self.shape[1] % 64 == 0
+
+    @property
     def nbytes(self) -> int:
         """Bytes a product reads: codes, scales and offsets."""
         extra = 0 if self.mins is None else self.mins.nbytes
         return self.codes.nbytes + self.scales.nbytes + extra
 
+    def interleave(self) -> QuantizedWeight:
+        """The layout the 16-row group kernel reads: rows padded with zeros to a multiple
+        of 16, then each 16 rows' codes as [row bytes / 4][16] dwords (4 bytes of each row at
+        a time) and their scales and offsets as [k / group][16]; the same shape [n', k].
+        Made once: every call returns the same weight."""
+        if self.interleaved:
+            return self
+        if self._grouped is not None:
+            return self._grouped
+        pad = -self.shape[0] % LANES
+        padded = [self.codes, self.scales, self.mins]
+        if pad:
+            padded = [None if t is None else F.pad(t, (0, 0, 0, pad)) for t in padded]
+        codes, scales, mins = (
+            None if t is None else _interleave(t, 4 if i == 0 else t.element_size())
+            for i, t in enumerate(padded)
+        )
+        assert codes is not None and scales is not None
+        grouped = replace(self, codes=codes, scales=scales, mins=mins, interleaved=True)
+        object.__setattr__(self, "_grouped", grouped)
+        return grouped
+
+    def in_rows(self) -> QuantizedWeight:
+        """The row layout of these values (pad rows included)."""
+        if not self.interleaved:
+            return self
+        codes, scales, mins = (
+            None if t is None else _interleave(t, 4 if i == 0 else t.element_size(), inverse=True)
+            for i, t in enumerate((self.codes, self.scales, self.mins))
+        )
+        assert codes is not None and scales is not None
+        return replace(self, codes=codes, scales=scales, mins=mins, interleaved=False)
+
     def int_codes(self) -> torch.Tensor:
         """The codes as int16 [n, k]."""
+        if self.interleaved:
+            return self.in_rows().int_codes()
         n, k = self.shape
         if self.kind == "q8":
             return self.codes.to(torch.int16)
@@ -113,6 +163,8 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """W [n, k] float32, by torch: each value q * s + m, rounded once as the kernel's fma
         (q * s is exact in float32 for every format)."""
+        if self.interleaved:
+            return self.in_rows().dequantize()
         n, k = self.shape
         q = self.int_codes().to(torch.float32).view(n, k // self.group, self.group)
         w = q * self.scales.to(torch.float32).unsqueeze(-1)
@@ -121,7 +173,9 @@ class QuantizedWeight:
         return w.view(n, k)
 
     def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
-        """The rows `index` (a permutation or selection), in that order."""
+        """The rows `index` (a permutation or selection), in that order, in rows."""
+        if self.interleaved:
+            return self.in_rows().take_rows(index)
         return replace(
             self,
             codes=self.codes.index_select(0, index).contiguous(),
@@ -134,6 +188,8 @@ class QuantizedWeight:
         of this one's): the layout parts of different formats share once fused."""
         if self.group % group:
             raise QuantError(f"groups of {self.group} cannot split into groups of {group}")
+        if self.interleaved:
+            return self.in_rows().widened(group, with_mins)
         if (
             self.kind == "q8"
             and self.group == group
@@ -156,6 +212,7 @@ class QuantizedWeight:
     @staticmethod
     def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """The rows of `parts` one after another (a fused q/k/v or gate/up weight)."""
+        parts = [p.in_rows() for p in parts]
         if len(parts) == 1:
             return parts[0]
         ks = {p.shape[1] for p in parts}
@@ -187,6 +244,16 @@ class QuantizedWeight:
 
 # ----------------------------------------------------------------------------------------
 # From GGUF blocks and from float weights
+
+
+def _interleave(t: torch.Tensor, width: int, inverse: bool = False) -> torch.Tensor:
+    """[n, c] (n a multiple of 16) with each 16 rows' runs of `width` bytes transposed,
+    [n / 16][c / items][16]; or (inverse) back. The same shape and dtype."""
+    n, c = t.shape
+    items = t.contiguous().view(torch.uint8).view(n // LANES, LANES, -1, width)
+    if inverse:
+        items = items.view(n // LANES, -1, LANES, width)
+    return items.transpose(1, 2).contiguous().view(t.dtype).view(n, c)
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -288,6 +355,14 @@ def int8_per_channel(w: torch.Tensor) -> QuantizedWeight:
 # Products
 
 
+def _check(status: int) -> None:
+    """A quantized kernel's failure status as an exception (it wrote nothing)."""
+    if status == -1:
+        raise MemoryError("no scratch memory for a quantized product")
+    if status:
+        raise QuantError(f"the kernel refused its arguments (status {status})")
+
+
 def _kernel_name(prefix: str, weight: QuantizedWeight) -> str:
     scale = "f16" if weight.scales.dtype == torch.float16 else "f32"
     return f"flowllm_{prefix}_{weight.kind}_{scale}"
@@ -304,13 +379,15 @@ class QuantizedLinear:
         out_dtype: torch.dtype = torch.float32,
         lib: native.NativeLibrary | None = None,
     ) -> None:
-        self.weight = weight
         self.out_features, self.in_features = weight.shape
+        self.lib = lib if lib is not None else native.library()
+        if self.lib is not None and self.lib.quant_groups and weight.integer:
+            weight = weight.interleave()
+        self.weight = weight
         if bias is not None and bias.shape != (self.out_features,):
             raise QuantError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
         self.bias = bias
         self.out_dtype = out_dtype
-        self.lib = lib if lib is not None else native.library()
         self._product: native.Kernel | None = None
         self._dequant: native.Kernel | None = None
         self._dequant_bf16: native.Kernel | None = None
@@ -320,6 +397,15 @@ class QuantizedLinear:
             self._product = self.lib.kernel(_kernel_name("qlinear", weight))
             self._dequant = self.lib.kernel(_kernel_name("dequant", weight))
             self._dequant_bf16 = self.lib.kernel(_kernel_name("dequant_bf16", weight))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads: codes, scales and offsets."""
+        return self.weight.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        """W [n, k] float32."""
+        return self.weight.dequantize()[: self.out_features]
 
     def _bias32(self) -> torch.Tensor | None:
         if self.bias is None:
@@ -344,10 +430,10 @@ class QuantizedLinear:
             bias = self._bias32()
             w = self.weight
             if m:
-                self._product(
+                _check(self._product(
                     x=x32, codes=w.codes, scales=w.scales, mins=w.mins, bias=bias, y=y,
-                    m=m, n=n, k=k, group=w.group,
-                )  # fmt: skip
+                    m=m, n=n, k=k, group=w.group, interleaved=int(w.interleaved),
+                ))  # fmt: skip
         return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
     def _tiled(self, x32: torch.Tensor) -> torch.Tensor:
@@ -355,7 +441,7 @@ class QuantizedLinear:
         the CPU has fast bf16 products (as the unquantized model would), else float32."""
         n, k = self.out_features, self.in_features
         y = torch.empty(x32.shape[0], n, dtype=torch.float32)
-        step = max(16, TILE_VALUES // k)
+        step = max(LANES, TILE_VALUES // k // LANES * LANES)  # whole groups of 16 rows
         bias = self._bias32()
         bf16 = self.lib is not None and cpu_linear.serves(torch.bfloat16)
         x = x32.to(torch.bfloat16) if bf16 else x32
@@ -377,10 +463,10 @@ class QuantizedLinear:
         assert self._dequant_bf16 is not None
         k, w = self.in_features, self.weight
         packed = torch.empty(-(-rows // 16), k // 2, 16, 2, dtype=torch.bfloat16)
-        self._dequant_bf16(
+        _check(self._dequant_bf16(
             codes=w.codes, scales=w.scales, mins=w.mins, rows=rows, row0=row0, out=packed,
-            n=self.out_features, k=k, group=w.group,
-        )  # fmt: skip
+            n=self.out_features, k=k, group=w.group, interleaved=int(w.interleaved),
+        ))  # fmt: skip
         return cpu_linear.PackedLinear.from_packed(packed, rows, k, torch.float32)
 
     def rows(self, ids: torch.Tensor | None, row0: int = 0, count: int = 0) -> torch.Tensor:
@@ -405,7 +491,7 @@ class QuantizedLinear:
         w = self.weight
         status = self._dequant(
             codes=w.codes, scales=w.scales, mins=w.mins, ids=ids, rows=count, row0=row0,
-            out=out, n=n, k=k, group=w.group,
+            out=out, n=n, k=k, group=w.group, interleaved=int(w.interleaved),
         )  # fmt: skip
         if status:
             bad = int(ids[status - 1]) if ids is not None else row0

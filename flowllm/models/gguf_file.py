@@ -10,6 +10,11 @@ permutation, which whole quantized rows allow). Qwen2 and Qwen3 files are not pe
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flowllm.cache_dir import flowllm_cache_dir
 from flowllm.kernels.quant_linear import GGUF_FORMATS, QuantizedWeight, from_gguf
 from flowllm.models.layers import Weight, config_get
 
@@ -156,13 +162,47 @@ def iter_tensors(
         yield name, w
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The tokenizer (and chat template) transformers rebuilds from the file's metadata."""
+def load_tokenizer(path: Path, cache_dir: Path | None = None) -> Any:
+    """The tokenizer (and chat template) transformers rebuilds from the file's metadata,
+    saved once under the flowllm cache: rebuilding takes seconds (benchmarks/README.md,
+    "Start-up"), loading the saved one under a second. The entry is keyed by the file's
+    path, size and modification time, and written to a temporary directory first and
+    renamed, so a crash leaves no half-written entry."""
     from transformers import AutoTokenizer
 
+    entry = tokenizer_cache_entry(path, cache_dir)
+    if entry.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(entry))
+        except Exception:  # an entry that cannot be read is rebuilt over
+            shutil.rmtree(entry, ignore_errors=True)
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = rebuild_tokenizer(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise GGUFError(
             f"cannot build a tokenizer from {path}: {e}; give one with --tokenizer"
         ) from e
+    with contextlib.suppress(OSError):  # a cache that cannot be written only costs time
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".tmp", dir=entry.parent))
+        try:
+            tokenizer.save_pretrained(str(tmp))
+            os.replace(tmp, entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def rebuild_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer rebuilt from the GGUF file's metadata (slow)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def tokenizer_cache_entry(path: Path, cache_dir: Path | None = None) -> Path:
+    """Where the tokenizer rebuilt from the GGUF file `path` is kept."""
+    st = path.stat()
+    key = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    root = cache_dir or flowllm_cache_dir()
+    return root / "gguf-tokenizers" / hashlib.sha256(key).hexdigest()[:32]

@@ -28,6 +28,9 @@ tensor into a packed layer unpacks it first, and `load_weights` packs again at i
 Elsewhere (CUDA, half precision neither serves, CPUs and builds with neither) weights stay
 [out, in] and products run `F.linear`.
 
+oneDNN caches every product it compiles, one per row count: `onednn_caches` bounds those
+caches, on import of this module, before any product runs.
+
 Quantized weights (`flowllm.kernels.quant_linear`): a GGUF file's quantized tensors load as
 QuantizedWeight parts of a layer's rows, kept as they are, and `pack` fuses the parts into
 one QuantizedLinear (a layer part quantized, part not is dequantized whole, exactly).
@@ -51,8 +54,11 @@ from torch import nn
 from flowllm import kernels
 from flowllm.kernels import cpu_linear, fused
 from flowllm.kernels.quant_linear import QuantizedLinear, QuantizedWeight, int8_per_channel
+from flowllm.models import onednn_caches
 from flowllm.models.context import AttentionContext
 from flowllm.models.errors import UnsupportedModelError, WeightLoadError
+
+onednn_caches.bound_caches()  # before this module's first product (see onednn_caches)
 
 Loader = Callable[[torch.Tensor], None]
 Weight = torch.Tensor | QuantizedWeight  # what a checkpoint yields for a tensor
@@ -211,7 +217,7 @@ class Linear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """W as [out, in]: the plain weight, or a plain copy of the packed one."""
         if self.quantized is not None:
-            return self.quantized.weight.dequantize().to(self.dtype)
+            return self.quantized.dequantize().to(self.dtype)
         if self.native_weight is not None:
             return self.native_weight.unpack()
         if self.packed_weight is not None:
@@ -222,7 +228,7 @@ class Linear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of W (what a product reads), whichever layout holds it."""
         if self.quantized is not None:
-            return self.quantized.weight.nbytes
+            return self.quantized.nbytes
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.in_features * self.out_features * itemsize
 

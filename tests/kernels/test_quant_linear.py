@@ -10,7 +10,7 @@ import torch
 from gguf.quants import dequantize
 from quant_blocks import random_blocks
 
-from flowllm.kernels import native, quant_linear
+from flowllm.kernels import cpu_linear, native, quant_linear
 from flowllm.kernels.quant_linear import QuantError, QuantizedLinear, QuantizedWeight
 
 ISAS = [
@@ -75,6 +75,22 @@ def test_products_match_dequantize_then_matmul(isa: str, type_name: str) -> None
     torch.testing.assert_close(lin(x), expect, rtol=2e-2, atol=2e-2 * float(expect.abs().max()))
 
 
+@pytest.mark.skipif(not cpu_linear.serves(torch.bfloat16), reason="no bf16 kernel here")
+@pytest.mark.parametrize("type_name", quant_linear.GGUF_FORMATS)
+def test_bf16_tiles_are_the_weights_rounded_to_bf16(type_name: str) -> None:
+    """A tile dequantized for the bf16 kernel holds exactly W rounded to bf16, in the
+    kernel's packed layout, for whole and partial groups of 16 rows."""
+    n = N + 5
+    raw = random_blocks(type_name, n, K, seed=4)
+    w = reference(raw, type_name, n)
+    lin = QuantizedLinear(quant_linear.from_gguf(raw, type_name, (n, K)))
+    for row0, rows in ((0, n), (16, 33), (n - 7, 7)):
+        tile = lin._bf16_tile(row0, rows)
+        assert torch.equal(tile.unpack(), w[row0 : row0 + rows].to(torch.bfloat16))
+        pad = tile.packed[-1, :, rows % 16 :]  # [k / 2, 16, 2]: the last block's pad rows
+        assert not pad.any()
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K"])
 def test_outputs_past_the_last_group_of_16(isa: str, type_name: str) -> None:
@@ -89,6 +105,40 @@ def test_outputs_past_the_last_group_of_16(isa: str, type_name: str) -> None:
     for m in (1, 8, 11):
         x = torch.randn(m, K)
         assert_product(lin(x), x, w, exact_x=False)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q5_K"])
+def test_interleaving_keeps_every_value(type_name: str) -> None:
+    """The group kernel's layout (16 rows' codes 4 bytes at a time, their scales side by
+    side, rows padded to 16) holds the same values, and turns back into the row layout."""
+    n = N + 5
+    raw = random_blocks(type_name, n, K, seed=5)
+    weight = quant_linear.from_gguf(raw, type_name, (n, K))
+    grouped = weight.interleave()
+    assert grouped.interleaved and grouped.shape == (N + 16, K)
+    assert weight.interleave() is grouped  # made once, shared by every product over it
+    assert not torch.equal(grouped.codes[:16], weight.codes[:16])  # the bytes did move
+    assert torch.equal(grouped.dequantize()[:n], reference(raw, type_name, n))
+    assert torch.equal(grouped.dequantize()[n:], torch.zeros(11, K))
+    back = grouped.in_rows()
+    assert torch.equal(back.codes[:n], weight.codes) and torch.equal(back.scales[:n], weight.scales)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_only_builds_with_the_group_kernel_take_interleaved_weights(isa: str) -> None:
+    """Integer weights interleave where the group kernel is built; a build without it
+    refuses an interleaved weight instead of reading it as rows."""
+    lib = native.isa_library(isa)
+    raw = random_blocks("Q4_1", N, K, seed=6)
+    weight = quant_linear.from_gguf(raw, "Q4_1", (N, K))
+    lin = QuantizedLinear(weight, lib=lib)
+    assert lin.weight.interleaved == lib.quant_groups
+    x = torch.randn(2, K)
+    assert_product(lin(x), x, reference(raw, "Q4_1"), exact_x=False)
+    if not lib.quant_groups:
+        lin.weight = weight.interleave()
+        with pytest.raises(QuantError, match="refused"):
+            lin(x)
 
 
 def test_rounding_x_to_int8_is_what_the_bound_allows() -> None:

@@ -6,6 +6,7 @@ file served quantized; and every way a file can be wrong, refused clearly."""
 from __future__ import annotations
 
 import copy
+import os
 import random
 import sys
 from pathlib import Path
@@ -208,3 +209,36 @@ def test_a_file_without_a_tokenizer_takes_one_from_tokenizer(tmp_path: Path) -> 
     out = llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=4))[0]
     assert out.prompt_token_ids == load_tokenizer(tok_dir).encode("the cat")
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_files_tokenizer_is_rebuilt_once_then_loaded_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer rebuilt from a GGUF file's metadata is saved in the flowllm cache and
+    loaded from there next time (the same ids and chat template); a changed file gets a new
+    entry, and an entry that cannot be read is rebuilt over."""
+    from flowllm.models import gguf_file
+
+    monkeypatch.setenv("FLOWLLM_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(qwen(2, hidden=64), tmp_path / "model.gguf", Q8_0)
+    entry = gguf_file.tokenizer_cache_entry(path)
+    assert not entry.exists()
+    first = load_tokenizer(tmp_path, None, path)
+    assert (entry / "tokenizer.json").is_file()
+    rebuilt: list[Path] = []
+    from_file = gguf_file.rebuild_tokenizer
+    monkeypatch.setattr(
+        gguf_file, "rebuild_tokenizer", lambda p: rebuilt.append(p) or from_file(p)
+    )
+    again = load_tokenizer(tmp_path, None, path)
+    assert rebuilt == []
+    text = "the cat sat on the mat"
+    assert again.encode(text) == first.encode(text)
+    assert again.chat_template == first.chat_template and again.eos_token == first.eos_token
+    (entry / "tokenizer.json").write_text("not json")
+    assert load_tokenizer(tmp_path, None, path).encode(text) == first.encode(text)
+    assert rebuilt == [path]
+    assert load_tokenizer(tmp_path, None, path).encode(text) == first.encode(text)
+    assert rebuilt == [path]  # the entry was written again
+    os.utime(path, ns=(0, 0))  # the file changed: another entry
+    assert gguf_file.tokenizer_cache_entry(path) != entry

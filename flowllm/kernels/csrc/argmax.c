@@ -26,7 +26,7 @@ static int64_t argmax_row_f32(const float *x, int64_t n) {
   int32_t indices[VL];
   vf_store(values, best);
   vi_store(indices, best_at);
-  const float max = vf_max_lanes(best);
+  const float max = vf_max_of(best);
   int64_t first = INT64_MAX;
   for (int l = 0; l < VL; l++)
     if (values[l] == max && indices[l] < first) first = indices[l];

@@ -136,7 +136,7 @@ INLINE float softmax_numerators(float *scores, int64_t n) {
   vf mx = lowest;
   for (int64_t t = 0; t < n; t += LANES) /* lanes past n hold scratch garbage */
     mx = vf_max(mx, vf_select(vm_first(n - t), lowest, vf_load(scores + t)));
-  const vf m = vf_set1(vf_max_lanes(mx));
+  const vf m = vf_set1(vf_max_of(mx));
   vf sum = vf_zero();
   for (int64_t t = 0; t < n; t += LANES) {
     const vf e = vf_exp(vf_sub(vf_load(scores + t), m));

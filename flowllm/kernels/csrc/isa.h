@@ -22,6 +22,12 @@ static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vf_sum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vf_max_of(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vf vf_abs(vf v) { return _mm512_abs_ps(v); }
+/* VL integral floats in [-128, 127] stored as int8. */
+static inline void vf_store_i8(int8_t *p, vf v) {
+  _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+}
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 /* min and max answer b where either lane is NaN. */
@@ -29,7 +35,6 @@ static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 /* c - a b, rounded once. */
 static inline vf vf_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
-static inline float vf_max_lanes(vf v) { return _mm512_reduce_max_ps(v); }
 /* To the nearest integer, ties to even. */
 static inline vf vf_round(vf v) {
   return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -192,17 +197,7 @@ static inline float vf_sum(vf v) {
 static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
-static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf vf_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
-static inline float vf_max_lanes(vf v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-static inline vf vf_round(vf v) {
-  return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
 /* Two exact powers of two, 2^a and 2^(n - a) with a = n / 2 both normal floats: v 2^a is
  * exact (|v| near 1), so only the second product rounds, as scalef's one rounding. */
 static inline vf vf_scale_pow2(vf v, vf n) {
@@ -286,6 +281,23 @@ static inline void vf_store_bf16_odd(uint16_t *p, vf v) {
 static inline vf vf_from_i8(const int8_t *p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+static inline float vf_max_of(vf v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+static inline vf vf_abs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_round(vf v) {
+  return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline void vf_store_i8(int8_t *p, vf v) {
+  const __m256i i = _mm256_cvtps_epi32(v);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(w, w));
+}
+
 static inline void vf_from_nibbles(const uint8_t *p, vf *lo, vf *hi) {
   __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
   *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));

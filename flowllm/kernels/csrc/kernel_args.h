@@ -134,7 +134,8 @@ typedef uint16_t f16_t;
   F(S, int64_t *, out)
 
 /* x [m][k] float32 -> y [m][n]; W [n][k] as codes C, scales and offsets SC [n][k / group]
- * (mins NULL: no offsets), bias [n] or NULL (csrc/quant.c describes the layouts) */
+ * (mins NULL: no offsets), bias [n] or NULL; interleaved: W's codes, scales and offsets
+ * in the 16-row interleaved layout (csrc/quant.c describes the layouts) */
 #define FLOWLLM_QLINEAR_ARGS(F, S, C, SC) \
   F(S, const float *, x)                  \
   F(S, const C *, codes)                  \
@@ -145,7 +146,8 @@ typedef uint16_t f16_t;
   F(S, int64_t, m)                        \
   F(S, int64_t, n)                        \
   F(S, int64_t, k)                        \
-  F(S, int64_t, group)
+  F(S, int64_t, group)                    \
+  F(S, int64_t, interleaved)
 
 /* out [rows][k] float32 = W[ids[i]], or W[row0 + i] when ids is NULL */
 #define FLOWLLM_DEQUANT_ARGS(F, S, C, SC) \
@@ -158,7 +160,8 @@ typedef uint16_t f16_t;
   F(S, float *, out)                      \
   F(S, int64_t, n)                        \
   F(S, int64_t, k)                        \
-  F(S, int64_t, group)
+  F(S, int64_t, group)                    \
+  F(S, int64_t, interleaved)
 
 /* W[row0 .. row0 + rows] as bfloat16 in csrc/linear.c's packed layout */
 #define FLOWLLM_DEQUANT_BF16_ARGS(F, S, C, SC) \
@@ -170,7 +173,8 @@ typedef uint16_t f16_t;
   F(S, bf16_t *, out)                          \
   F(S, int64_t, n)                             \
   F(S, int64_t, k)                             \
-  F(S, int64_t, group)
+  F(S, int64_t, group)                         \
+  F(S, int64_t, interleaved)
 
 #define FLOWLLM_OMP_SET_THREADS_ARGS(F, S, ...) F(S, int64_t, threads)
 

@@ -7,6 +7,11 @@ and one offset m (0 without offsets), a value being q * s + m:
       q in [0, 16), G = 32, k a multiple of 64;
   q8: codes int8 [n][k], G a multiple of 16;
   scales, offsets: [n][k / G], float16 or float32.
+Interleaved (`interleaved` set; where the group kernel is built, quant_linear interleaves
+every integer weight at load): n a multiple of 16 (pad rows zero), and each 16 rows' codes
+stored as [row bytes / 4][16] dwords (4 bytes of each of the 16 rows, then the next 4),
+their scales and offsets as [k / G][16], so that the group kernel reads both in the order
+it uses them.
 
 Products with G a multiple of 32 (every format but Q6_K's groups of 16) and rows of a
 multiple of 64 values run on integers,
@@ -18,12 +23,12 @@ float sum of x. So W's values are exact and x is rounded to 8 bits a block, the 
 bounded by sum |w| x (x block scale) / 2. Other groups dequantize to float32 in registers
 and multiply with x as it is.
 
-With AVX-512 VNNI, integer products run 16 output rows at a time (output_group): their
-codes transposed once so that each vector holds 4 codes of each of the 16 rows, then dotted
-with up to XROWS rows of x by byte dots against each row's 4 values broadcast. Elsewhere,
-and for the last n % 16 outputs, each output row is one dot product per row of x
-(output_row): its codes read once per pass of up to ROWS rows of x (the row's codes stay
-in L1 for the next pass). Outputs are split across OpenMP threads in contiguous runs. */
+With AVX-512 VNNI, integer products of interleaved weights run 16 output rows at a time
+(output_group): each vector of codes holds 4 codes of each of the 16 rows, dotted with up
+to XROWS rows of x by byte dots against each row's 4 values broadcast. Elsewhere each
+output row is one dot product per row of x (output_row): its codes read once per pass of
+up to ROWS rows of x (the row's codes stay in L1 for the next pass). Outputs are split
+across OpenMP threads in contiguous runs. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -62,20 +67,22 @@ static int quantize_x(const float *x, int m, int k, QuantX *qx) {
 #pragma omp parallel for schedule(static) if (blocks >= 4096)
   for (size_t b = 0; b < blocks; b++) {
     const float *xb = x + b * QBLOCK;
-    float amax = 0.0f, sum = 0.0f;
-    for (int i = 0; i < QBLOCK; i++) {
-      amax = fmaxf(amax, fabsf(xb[i]));
-      sum += xb[i];
+    vf amax = vf_zero(), sum = vf_zero();
+    for (int i = 0; i < QBLOCK; i += VL) {
+      amax = vf_max(amax, vf_abs(vf_load(xb + i)));
+      sum = vf_add(sum, vf_load(xb + i));
     }
-    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t qsum = 0;
-    for (int i = 0; i < QBLOCK; i++) {
-      qx->q[b * QBLOCK + i] = (int8_t)nearbyintf(xb[i] * inv);
-      qsum += qx->q[b * QBLOCK + i];
+    const float top = vf_max_of(amax), d = top / 127.0f;
+    const vf inv = vf_set1(top > 0.0f ? 127.0f / top : 0.0f);
+    vf qsum = vf_zero();
+    for (int i = 0; i < QBLOCK; i += VL) {
+      const vf q = vf_round(vf_mul(vf_load(xb + i), inv));
+      vf_store_i8(qx->q + b * QBLOCK + i, q);
+      qsum = vf_add(qsum, q);
     }
-    qx->qsum[b] = qsum;
+    qx->qsum[b] = (int32_t)vf_sum(qsum); /* exact: at most 32 x 127 */
     for (int i = 0; i < QBLOCK / 4; i++) qx->d[b * (QBLOCK / 4) + i] = d;
-    qx->sum[b] = sum;
+    qx->sum[b] = vf_sum(sum);
   }
   return 0;
 }
@@ -201,27 +208,8 @@ ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *c
   }
 }
 
-/* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows split across threads. One
-   function per layout (Q4, F16 constants), so OpenMP's outlined loop is specialized.
-   Returns -1 when the scratch for x cannot be allocated (before writing y). */
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-/* ---- Blocked integer product (AVX-512 VNNI): 16 output rows at once, one per int32 lane.
-   Each 4 bytes of codes the 16 rows hold at one position are gathered into a vector once
-   and dotted with up to XROWS rows of x, each row's 4 int8 values broadcast
-   (vpdpbusd: unsigned codes x signed x), so a block of 32 values costs a row of x 8 byte
-   dots, one conversion and two multiply-adds for all 16 outputs, where the per-row path
-   above pays about as much for each output. q8 codes enter offset by 128 (unsigned), the
-   dot corrected by 128 times the block's sum of x's codes. ---- */
-
-#define LANES 16 /* output rows per group */
-#define XROWS 8  /* rows of x per pass over a group's codes */
-
-static inline int32_t load_i32(const int8_t *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return v;
-}
-
+/* ---- Transposition of 16 rows of dwords (products and bf16 tiles) ---- */
+#if defined(__AVX512F__)
 /* The 16 rows' dwords [d0, d0 + 16) (rows row_bytes apart, `dwords` long; dwords past the
    end read as 0) transposed into out: out[t * 16 + o] = row o's dword d0 + t, for the
    `count` first t. */
@@ -255,20 +243,59 @@ static inline void transpose16(const uint8_t *rows, int row_bytes, int d0, int d
   }
 }
 
+/* 16 interleaved scales (or offsets) as float32 lanes. */
+ALWAYS_INLINE __m512 lane_scales(const char *p, size_t i, int f16) {
+  return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+             : _mm512_loadu_ps((const float *)p + i);
+}
+
 /* 16 rows of `dwords` 4-byte values each, one after another, transposed: out[t * 16 + o] =
    row o's value t. */
 static inline void transpose_rows(const void *rows, int dwords, int32_t *out) {
   for (int d0 = 0; d0 < dwords; d0 += 16)
-    transpose16(rows, dwords * 4, d0, dwords, dwords - d0 < 16 ? dwords - d0 : 16,
-                out + d0 * LANES);
+    transpose16(rows, dwords * 4, d0, dwords, dwords - d0 < 16 ? dwords - d0 : 16, out + d0 * 16);
 }
 
-/* One group of LANES output rows, its codes transposed (tw: [row_bytes / 4][LANES] dwords),
-   against M rows of quantized x from r0: acc[r] = the group's 16 sums for row r0 + r
-   (scales applied). ws, wm: [k / 32][LANES] block scales and offsets (wm NULL: none). */
-ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw, const float *ws,
-                              const float *wm, int k, int q4, __m512 acc[XROWS]) {
-  const int blocks = k / QBLOCK;
+#else
+static inline void transpose_rows(const void *rows, int dwords, int32_t *out) {
+  const int32_t *in = rows;
+  for (int t = 0; t < dwords; t++)
+    for (int o = 0; o < 16; o++) out[t * 16 + o] = in[(size_t)o * dwords + t];
+}
+#endif
+
+#define LANES 16 /* output rows per group of the interleaved layout */
+
+/* Where row j's group scale g (or offset) is: the row layout's [n][S], or the interleaved
+   [n / 16][S][16]. */
+ALWAYS_INLINE size_t scale_index(int64_t j, int g, int S, int interleaved) {
+  return interleaved ? ((size_t)(j / LANES) * S + g) * LANES + j % LANES : (size_t)j * S + g;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define GROUP_KERNEL 1
+/* ---- Blocked integer product (AVX-512 VNNI) over the interleaved layout: 16 output rows
+   at once, one per int32 lane. Each vector of codes holds 4 bytes of each of the 16 rows
+   at one position and is dotted with up to XROWS rows of x, each row's 4 int8 values
+   broadcast (vpdpbusd: unsigned codes x signed x), so a block of 32 values costs a row of x
+   8 byte dots, one conversion and two multiply-adds for all 16 outputs, where the per-row
+   path pays about as much for each output. q8 codes enter offset by 128 (unsigned), the
+   dot corrected by 128 times the block's sum of x's codes. ---- */
+
+#define XROWS 8 /* rows of x per pass over a group's codes */
+
+static inline int32_t load_i32(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+/* One group of LANES output rows (tw: its [row_bytes / 4][LANES] dwords of codes; ws, wm:
+   its [k / G][LANES] scales and offsets, wm NULL: none) against M rows of quantized x from
+   r0: acc[r] = the group's 16 sums for row r0 + r. */
+ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw, const char *ws,
+                              const char *wm, int k, int G, int q4, int f16, __m512 acc[XROWS]) {
+  const int blocks = k / QBLOCK, per = G / QBLOCK;
   const __m512i nibble = _mm512_set1_epi8(15), bias8 = _mm512_set1_epi8((char)0x80);
 #pragma GCC unroll 8
   for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
@@ -282,7 +309,8 @@ ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw
       w[t] = q4 ? _mm512_and_si512(b & 1 ? _mm512_srli_epi16(raw, 4) : raw, nibble)
                 : _mm512_xor_si512(raw, bias8);
     }
-    const __m512 sb = _mm512_loadu_ps(ws + b * LANES);
+    const __m512 sb = lane_scales(ws, (size_t)(b / per) * LANES, f16);
+    const __m512 mb = wm ? lane_scales(wm, (size_t)(b / per) * LANES, f16) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++) {
       const size_t row = (size_t)(r0 + r);
@@ -297,68 +325,50 @@ ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw
       const __m512 dx = _mm512_set1_ps(qx->d[(row * k + b * QBLOCK) / 4]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[0], d[1])),
                                _mm512_mul_ps(sb, dx), acc[r]);
-      if (wm)
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * LANES),
-                                 _mm512_set1_ps(qx->sum[row * blocks + b]), acc[r]);
+      if (wm) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(qx->sum[row * blocks + b]), acc[r]);
     }
   }
 }
 
-/* Output rows j0 .. j0 + LANES of every row of x. */
+/* Output rows 16 gi .. 16 gi + 16 (those below n) of every row of x. */
 ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const char *scales,
-                                const char *mins, const float *bias, float *y, int64_t j0, int m,
+                                const char *mins, const float *bias, float *y, int64_t gi, int m,
                                 int n, int k, int G, int q4, int f16) {
-  const int blocks = k / QBLOCK;
-  const int row_bytes = q4 ? k / 2 : k;
-  const size_t scale_bytes = (size_t)(k / G) * (f16 ? 2 : 4);
-  float ws[blocks * LANES], wm[mins ? blocks * LANES : 1], by_row[LANES * blocks];
-  for (int o = 0; o < LANES; o++)
-    block_scales(scales + (size_t)(j0 + o) * scale_bytes, k, G, f16, by_row + o * blocks);
-  transpose_rows(by_row, blocks, (int32_t *)ws);
-  if (mins) {
-    for (int o = 0; o < LANES; o++)
-      block_scales(mins + (size_t)(j0 + o) * scale_bytes, k, G, f16, by_row + o * blocks);
-    transpose_rows(by_row, blocks, (int32_t *)wm);
-  }
-  const uint8_t *c = codes + (size_t)j0 * row_bytes;
-  /* the next group's codes (one run of memory) to L2 now: the transposition reads 16 rows
-     a line each at a time, which the hardware prefetchers do not follow */
-  if (j0 + 2 * LANES <= n)
-    for (int line = 0; line < LANES * row_bytes; line += 64)
-      _mm_prefetch((const char *)c + LANES * row_bytes + line, _MM_HINT_T1);
-  int32_t tw[row_bytes / 4 * LANES];
-  transpose_rows(c, row_bytes / 4, tw);
-  const __m512 bv = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
+  const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
+  const size_t scale_bytes = (size_t)(k / G) * LANES * (f16 ? 2 : 4);
+  const int32_t *tw = (const int32_t *)(codes + (size_t)gi * LANES * row_bytes);
+  const char *ws = scales + (size_t)gi * scale_bytes;
+  const char *wm = mins ? mins + (size_t)gi * scale_bytes : NULL;
+  const int64_t j0 = gi * LANES;
+  const __mmask16 keep = n - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + j0) : _mm512_setzero_ps();
   for (int r0 = 0; r0 < m; r0 += XROWS) {
     __m512 acc[XROWS];
     const int rows = m - r0 < XROWS ? m - r0 : XROWS;
-    const float *on = mins ? wm : NULL;
     switch (rows) {
-      case 1: group_dots(qx, r0, 1, tw, ws, on, k, q4, acc); break;
-      case 2: group_dots(qx, r0, 2, tw, ws, on, k, q4, acc); break;
-      case 3: group_dots(qx, r0, 3, tw, ws, on, k, q4, acc); break;
-      case 4: group_dots(qx, r0, 4, tw, ws, on, k, q4, acc); break;
-      case 5: group_dots(qx, r0, 5, tw, ws, on, k, q4, acc); break;
-      case 6: group_dots(qx, r0, 6, tw, ws, on, k, q4, acc); break;
-      case 7: group_dots(qx, r0, 7, tw, ws, on, k, q4, acc); break;
-      default: group_dots(qx, r0, XROWS, tw, ws, on, k, q4, acc); break;
+      case 1: group_dots(qx, r0, 1, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 2: group_dots(qx, r0, 2, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 3: group_dots(qx, r0, 3, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 4: group_dots(qx, r0, 4, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 5: group_dots(qx, r0, 5, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 6: group_dots(qx, r0, 6, tw, ws, wm, k, G, q4, f16, acc); break;
+      case 7: group_dots(qx, r0, 7, tw, ws, wm, k, G, q4, f16, acc); break;
+      default: group_dots(qx, r0, XROWS, tw, ws, wm, k, G, q4, f16, acc); break;
     }
     for (int r = 0; r < rows; r++)
-      _mm512_storeu_ps(y + (size_t)(r0 + r) * n + j0, _mm512_add_ps(acc[r], bv));
+      _mm512_mask_storeu_ps(y + (size_t)(r0 + r) * n + j0, keep, _mm512_add_ps(acc[r], bv));
   }
 }
+#define GROUP_OUTPUT output_group
 #else
-#define LANES 16
-
-/* Without VNNI: the same outputs, one row at a time. */
-ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const char *scales,
-                                const char *mins, const float *bias, float *y, int64_t j0, int m,
-                                int n, int k, int G, int q4, int f16) {
-  for (int64_t j = j0; j < j0 + LANES; j++)
-    output_row(NULL, qx, codes, scales, mins, bias, y, j, m, n, k, G, q4, f16);
-}
+#define GROUP_KERNEL 0
+#define GROUP_OUTPUT(...) ((void)0)
 #endif
 
+/* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows (or groups of 16, interleaved)
+   split across threads. One function per layout (Q4, F16 constants), so OpenMP's outlined
+   loop is specialized. Returns -1 when the scratch for x cannot be allocated, -2 for an
+   interleaved W this build cannot read (before writing y). */
 // clang-format off: it would put the _Pragma and the loop on one line
 #define QLINEAR(NAME, Q4, F16)                                                              \
   int64_t flowllm_##NAME(const struct flowllm_##NAME##_args *a) {                           \
@@ -366,53 +376,65 @@ ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const ch
     const uint8_t *codes = (const uint8_t *)a->codes;                                       \
     const char *scales = (const char *)a->scales, *mins = (const char *)a->mins;            \
     const int m = (int)a->m, n = (int)a->n, k = (int)a->k, G = (int)a->group;               \
+    const int integer = G % QBLOCK == 0 && k % 64 == 0, grouped = a->interleaved != 0;      \
+    if (grouped && !(GROUP_KERNEL && integer)) return -2;                                   \
     QuantX qx;                                                                              \
-    const int integer = G % QBLOCK == 0 && k % 64 == 0;                                     \
     if (integer && quantize_x(x, m, k, &qx)) return -1;                                     \
-    const int64_t groups = integer ? n / LANES : 0;                                        \
-    const int64_t items = groups + n - groups * LANES;                                      \
+    const int64_t items = grouped ? (n + LANES - 1) / LANES : n;                            \
     _Pragma("omp parallel for schedule(static) if ((int64_t)n * k * m >= PARALLEL_FROM)")   \
     for (int64_t t = 0; t < items; t++) {                                                   \
-      if (t < groups)                                                                       \
-        output_group(&qx, codes, scales, mins, a->bias, a->y, t * LANES, m, n, k, G, Q4, F16); \
+      if (grouped)                                                                          \
+        GROUP_OUTPUT(&qx, codes, scales, mins, a->bias, a->y, t, m, n, k, G, Q4, F16);      \
       else                                                                                  \
-        output_row(x, integer ? &qx : NULL, codes, scales, mins, a->bias, a->y,             \
-                   groups * LANES + t - groups, m, n, k, G, Q4, F16);                        \
+        output_row(x, integer ? &qx : NULL, codes, scales, mins, a->bias, a->y, t, m, n, k, \
+                   G, Q4, F16);                                                             \
     }                                                                                       \
     if (integer) free(qx.q);                                                                \
     return 0;                                                                               \
   }
 // clang-format on
-
 /* ---- Entry points (kernel_args.h) ---- */
+
+/* 1 when integer products of interleaved weights run here (the group kernel is built). */
+int flowllm_quant_groups(void) { return GROUP_KERNEL; }
 
 QLINEAR(qlinear_q4_f16, 1, 1)
 QLINEAR(qlinear_q4_f32, 1, 0)
 QLINEAR(qlinear_q8_f16, 0, 1)
 QLINEAR(qlinear_q8_f32, 0, 0)
 
-/* float32 -> bfloat16, rounded to nearest even (NaN kept quiet). */
+/* float32 -> bfloat16, rounded to nearest even (NaN kept quiet); without branches, so that
+   a loop over it vectorizes. */
 static inline uint16_t to_bf16(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
-/* Row j of W dequantized into dst [k] float32. */
+/* Row j of W (rows or interleaved layout) dequantized into dst [k] float32. */
 ALWAYS_INLINE void dequant_row(const uint8_t *codes, const char *scales, const char *mins,
-                               int64_t j, int k, int G, int q4, int f16, float *dst) {
-  const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
-  const size_t scale_bytes = (size_t)(k / G) * (f16 ? 2 : 4);
+                               int64_t j, int k, int G, int q4, int f16, int interleaved,
+                               float *dst) {
+  const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k, esize = f16 ? 2 : 4;
+  const int S = k / G;
+  uint8_t gathered[interleaved ? row_bytes : 1];
   const uint8_t *c = codes + (size_t)j * row_bytes;
-  const char *s = scales + (size_t)j * scale_bytes;
-  const char *o = mins ? mins + (size_t)j * scale_bytes : NULL;
+  if (interleaved) { /* dword t of row j: the group's [t][j % 16] */
+    const uint8_t *group = codes + (size_t)(j / LANES) * LANES * row_bytes;
+    for (size_t t = 0; t < row_bytes / 4; t++)
+      memcpy(gathered + 4 * t, group + (t * LANES + j % LANES) * 4, 4);
+    c = gathered;
+  }
+  const char *s = scales + scale_index(j, 0, S, interleaved) * esize;
+  const char *o = mins ? mins + scale_index(j, 0, S, interleaved) * esize : NULL;
+  const size_t stride = interleaved ? LANES : 1; /* between a row's scales */
   if (q4) { /* G = 32: the pair's low nibbles are group 2p, its high ones 2p + 1 */
     for (int p = 0; p < k / 64; p++)
       for (int h = 0; h < 2; h++) {
-        const vf sv = vf_set1(load_scale(s, 2 * p + h, f16));
-        const vf mv = o ? vf_set1(load_scale(o, 2 * p + h, f16)) : vf_zero();
+        const size_t g = (size_t)(2 * p + h) * stride;
+        const vf sv = vf_set1(load_scale(s, g, f16));
+        const vf mv = o ? vf_set1(load_scale(o, g, f16)) : vf_zero();
         for (int cc = 0; cc < 32; cc += VL) {
           vf lo, hi;
           vf_from_nibbles(c + 32 * p + cc, &lo, &hi);
@@ -420,9 +442,9 @@ ALWAYS_INLINE void dequant_row(const uint8_t *codes, const char *scales, const c
         }
       }
   } else {
-    for (int g = 0; g < k / G; g++) {
-      const vf sv = vf_set1(load_scale(s, g, f16));
-      const vf mv = o ? vf_set1(load_scale(o, g, f16)) : vf_zero();
+    for (int g = 0; g < S; g++) {
+      const vf sv = vf_set1(load_scale(s, g * stride, f16));
+      const vf mv = o ? vf_set1(load_scale(o, g * stride, f16)) : vf_zero();
       for (int cc = 0; cc < G; cc += VL)
         vf_store(dst + g * G + cc, vf_fma(vf_from_i8((const int8_t *)c + g * G + cc), sv, mv));
     }
@@ -433,7 +455,7 @@ ALWAYS_INLINE void dequant_row(const uint8_t *codes, const char *scales, const c
    Returns 1 + i for the first id out of [0, n), before writing anything. */
 ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, const void *mins_p,
                                    const int64_t *ids, int64_t rows, int64_t row0, float *out,
-                                   int n, int k, int G, int q4, int f16) {
+                                   int n, int k, int G, int q4, int f16, int interleaved) {
   const char *scales = scales_p, *mins = mins_p;
   if (ids)
     for (int64_t i = 0; i < rows; i++)
@@ -441,51 +463,138 @@ ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, cons
   if (!ids && (row0 < 0 || row0 + rows > n)) return 1;
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_FROM)
   for (int64_t i = 0; i < rows; i++)
-    dequant_row(codes, scales, mins, ids ? ids[i] : row0 + i, k, G, q4, f16, out + (size_t)i * k);
+    dequant_row(codes, scales, mins, ids ? ids[i] : row0 + i, k, G, q4, f16, interleaved,
+                out + (size_t)i * k);
   return 0;
 }
 
+#if defined(__AVX512F__)
+/* 16 floats as bf16, rounded as to_bf16, each in the low half of its dword. */
+static inline __m512i bf16_lanes(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+  const __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+/* The dwords of 16 rows' values a, b (codes as int32 lanes) as bf16 pairs: a | b << 16. */
+static inline __m512i bf16_pairs(__m512i a, __m512i b, __m512 s, __m512 m) {
+  const __m512i lo = bf16_lanes(_mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, m));
+  const __m512i hi = bf16_lanes(_mm512_fmadd_ps(_mm512_cvtepi32_ps(b), s, m));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* One interleaved group of 16 rows (codes [row bytes / 4][16] dwords, scales and offsets
+   [k / G][16]) straight into the bf16 kernel's layout, out [k / 2][16] dwords; lanes
+   outside `keep` are 0. */
+ALWAYS_INLINE void group_to_bf16(const int32_t *tw, const char *ws, const char *wm, int k, int G,
+                                 int q4, int f16, __mmask16 keep, int32_t *out) {
+  const __m512i byte = _mm512_set1_epi32(0xff);
+  if (q4) { /* G = 32: chunk c's low nibbles are block 2c, its high ones 2c + 1 */
+    const __m512i nibbles = _mm512_set1_epi8(15);
+    for (int c = 0; c < k / 64; c++)
+      for (int h = 0; h < 2; h++) {
+        const __m512 s = lane_scales(ws, (size_t)(2 * c + h) * LANES, f16);
+        const __m512 m =
+            wm ? lane_scales(wm, (size_t)(2 * c + h) * LANES, f16) : _mm512_setzero_ps();
+        for (int u = 0; u < 8; u++) {
+          const __m512i raw = _mm512_loadu_si512(tw + (size_t)(8 * c + u) * LANES);
+          const __m512i x = _mm512_and_si512(h ? _mm512_srli_epi32(raw, 4) : raw, nibbles);
+          const __m512i b0 = _mm512_and_si512(x, byte);
+          const __m512i b1 = _mm512_and_si512(_mm512_srli_epi32(x, 8), byte);
+          const __m512i b2 = _mm512_and_si512(_mm512_srli_epi32(x, 16), byte);
+          const __m512i b3 = _mm512_srli_epi32(x, 24);
+          const size_t p = (size_t)32 * c + 16 * h + 2 * u;
+          _mm512_storeu_si512(out + p * LANES,
+                              _mm512_maskz_mov_epi32(keep, bf16_pairs(b0, b1, s, m)));
+          _mm512_storeu_si512(out + (p + 1) * LANES,
+                              _mm512_maskz_mov_epi32(keep, bf16_pairs(b2, b3, s, m)));
+        }
+      }
+  } else { /* dword t: values 4t .. 4t + 3, signed */
+    for (int t = 0; t < k / 4; t++) {
+      const size_t g = (size_t)(4 * t / G) * LANES;
+      const __m512 s = lane_scales(ws, g, f16);
+      const __m512 m = wm ? lane_scales(wm, g, f16) : _mm512_setzero_ps();
+      const __m512i raw = _mm512_loadu_si512(tw + (size_t)t * LANES);
+      const __m512i b0 = _mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24);
+      const __m512i b1 = _mm512_srai_epi32(_mm512_slli_epi32(raw, 16), 24);
+      const __m512i b2 = _mm512_srai_epi32(_mm512_slli_epi32(raw, 8), 24);
+      const __m512i b3 = _mm512_srai_epi32(raw, 24);
+      _mm512_storeu_si512(out + (size_t)2 * t * LANES,
+                          _mm512_maskz_mov_epi32(keep, bf16_pairs(b0, b1, s, m)));
+      _mm512_storeu_si512(out + (size_t)(2 * t + 1) * LANES,
+                          _mm512_maskz_mov_epi32(keep, bf16_pairs(b2, b3, s, m)));
+    }
+  }
+}
+#endif
+
 /* Rows row0 .. row0 + rows of W as bfloat16 in the native bf16 linear kernel's layout
    (csrc/linear.c: [rows' / 16][k / 2][16][2], rows' = rows rounded up to 16, pad rows 0),
-   so large batches multiply a dequantized tile at the bf16 kernel's speed. k is even. */
+   so large batches multiply a dequantized tile at the bf16 kernel's speed. k is even.
+   Returns 1 for rows outside [0, n), -1 when scratch memory cannot be had. */
 ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_p,
                                           const void *mins_p, int64_t rows, int64_t row0,
-                                          uint16_t *out, int n, int k, int G, int q4, int f16) {
+                                          uint16_t *out, int n, int k, int G, int q4, int f16,
+                                          int interleaved) {
   const char *scales = scales_p, *mins = mins_p;
   if (row0 < 0 || row0 + rows > n || k % 2) return 1;
   const int64_t blocks = (rows + 15) / 16;
-#pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_FROM)
-  for (int64_t b = 0; b < blocks; b++) {
-    /* the block's 16 rows as float32, then each column pair of them as 16 bf16 pairs */
-    float *tmp = malloc((size_t)16 * k * sizeof(float));
-    uint32_t *dst = (uint32_t *)(out + (size_t)b * k * 16);
-    if (tmp == NULL) continue; /* never with a few tens of KiB */
-    for (int lane = 0; lane < 16; lane++) {
-      const int64_t i = b * 16 + lane;
-      if (i < rows) {
-        dequant_row(codes, scales, mins, row0 + i, k, G, q4, f16, tmp + (size_t)lane * k);
-      } else {
-        memset(tmp + (size_t)lane * k, 0, (size_t)k * sizeof(float));
+  int failed = 0;
+  /* each block's 16 rows as float32 rows, then as bf16 rows (one dword a column pair),
+     then transposed: the block's [k / 2][16] dwords */
+#pragma omp parallel if (rows * k >= PARALLEL_FROM)
+  {
+    float *tmp = malloc((size_t)16 * k * (sizeof(float) + sizeof(uint16_t)));
+    uint16_t *half = (uint16_t *)(tmp + (size_t)16 * k);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+      if (tmp == NULL) {
+#pragma omp atomic write
+        failed = 1;
+        continue;
       }
-    }
-    for (int p = 0; p < k / 2; p++)
+#if defined(__AVX512F__)
+      if (interleaved && row0 % LANES == 0) { /* block b is one whole group */
+        const int64_t gi = row0 / LANES + b, left = rows - b * 16;
+        const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
+        const size_t scale_bytes = (size_t)(k / G) * LANES * (f16 ? 2 : 4);
+        group_to_bf16((const int32_t *)((const uint8_t *)codes + gi * LANES * row_bytes),
+                      scales + gi * scale_bytes, mins ? mins + gi * scale_bytes : NULL, k, G, q4,
+                      f16, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1),
+                      (int32_t *)(out + (size_t)b * k * 16));
+        continue;
+      }
+#endif
       for (int lane = 0; lane < 16; lane++) {
-        const float *t = tmp + (size_t)lane * k + 2 * p;
-        dst[(size_t)p * 16 + lane] = (uint32_t)to_bf16(t[0]) | (uint32_t)to_bf16(t[1]) << 16;
+        const int64_t i = b * 16 + lane;
+        if (i < rows) {
+          dequant_row(codes, scales, mins, row0 + i, k, G, q4, f16, interleaved,
+                      tmp + (size_t)lane * k);
+        } else {
+          memset(tmp + (size_t)lane * k, 0, (size_t)k * sizeof(float));
+        }
       }
+      for (size_t v = 0; v < (size_t)16 * k; v++) half[v] = to_bf16(tmp[v]);
+      transpose_rows(half, k / 2, (int32_t *)(out + (size_t)b * k * 16));
+    }
     free(tmp);
   }
-  return 0;
+  return failed ? -1 : 0;
 }
 
 #define DEQUANT(NAME, Q4, F16)                                                                     \
   int64_t flowllm_dequant_##NAME(const struct flowllm_dequant_##NAME##_args *a) {                  \
     return dequant_rows(a->codes, a->scales, a->mins, a->ids, a->rows, a->row0, a->out, (int)a->n, \
-                        (int)a->k, (int)a->group, Q4, F16);                                        \
+                        (int)a->k, (int)a->group, Q4, F16, a->interleaved != 0);                   \
   }                                                                                                \
   int64_t flowllm_dequant_bf16_##NAME(const struct flowllm_dequant_bf16_##NAME##_args *a) {        \
     return dequant_bf16_blocks(a->codes, a->scales, a->mins, a->rows, a->row0, a->out, (int)a->n,  \
-                               (int)a->k, (int)a->group, Q4, F16);                                 \
+                               (int)a->k, (int)a->group, Q4, F16, a->interleaved != 0);            \
   }
 
 DEQUANT(q4_f16, 1, 1)
