@@ -10,6 +10,8 @@ end it prints one Markdown table of every server.
 
 Servers (`--servers`, in order):
   - `flowllm`: the HF-format directory in `--dtype` (the dequantized model);
+  - `flowllm-avx2`: the same in float32 with `FLOWLLM_NATIVE_ISA=avx2`, as a CPU without
+    AVX-512 serves it (`--dtype auto` picks float32 there: it has no bf16 product);
   - `flowllm-q4`: the GGUF file, weights served quantized (float32 activations);
   - `flowllm-q4-avx2`: the same with `FLOWLLM_NATIVE_ISA=avx2`, the AVX2 build of the
     kernels (what a CPU without AVX-512 runs);
@@ -54,7 +56,15 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("flowllm", "flowllm-q4", "flowllm-q4-avx2", "llama-server", "transformers")
+SERVERS = (
+    "flowllm",
+    "flowllm-avx2",
+    "flowllm-q4",
+    "flowllm-q4-avx2",
+    "llama-server",
+    "transformers",
+)
+AVX2_SERVERS = {"flowllm-avx2": "flowllm", "flowllm-q4-avx2": "flowllm-q4"}  # -> AVX-512 twin
 GGUF_SERVERS = frozenset({"flowllm-q4", "flowllm-q4-avx2", "llama-server"})
 # transformers serve's continuous-batching cache sized for this model and these lengths: on
 # CPU its default sizing made each decode step several times slower here.
@@ -139,7 +149,7 @@ def _server_command(args: argparse.Namespace, name: str, port: int) -> list[str]
             sys.executable, "-m", "flowllm", "serve", str(model),
             "--served-model-name", str(args.model_dir),
             "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "auto" if quantized else args.dtype,
+            "--dtype", "auto" if quantized else "float32" if name == "flowllm-avx2" else args.dtype,
             "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory,
             "--log-level", "warning",
         ]  # fmt: skip
@@ -209,7 +219,7 @@ def start(args: argparse.Namespace, name: str, out_dir: Path) -> tuple[Server, s
         hub_cache = out_dir / "hf-hub-cache"  # must exist; nothing is downloaded into it
         hub_cache.mkdir(exist_ok=True)
         env.update(HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
-    if name == "flowllm-q4-avx2":
+    if name in AVX2_SERVERS:
         env["FLOWLLM_NATIVE_ISA"] = "avx2"
     server = Server(name, _server_command(args, name, port), env, out_dir / f"{name}.log")
     try:
@@ -283,7 +293,20 @@ def table(results: dict[str, dict[int, dict[str, Any]]]) -> str:
         for name in SERVERS:
             if concurrency in results.get(name, {}):
                 lines.append(_row(name, concurrency, results[name][concurrency]))
-    for ours_name in ("flowllm", "flowllm-q4", "flowllm-q4-avx2"):
+    for avx2, avx512 in AVX2_SERVERS.items():
+        ratios = []
+        for concurrency in concurrencies:
+            try:
+                a = results[avx2][concurrency]["metrics"]["tpot"].get("median_ms")
+                b = results[avx512][concurrency]["metrics"]["tpot"].get("median_ms")
+            except KeyError:
+                continue
+            if a and b:
+                ratios.append(f"concurrency {concurrency}: {a / b:.2f}x")
+        if ratios:
+            lines.append("")
+            lines.append(f"{avx2} / {avx512} median TPOT: " + ", ".join(ratios))
+    for ours_name in ("flowllm", "flowllm-avx2", "flowllm-q4", "flowllm-q4-avx2"):
         for peer in ("transformers", "llama-server"):
             ratios = []
             for concurrency in concurrencies:

@@ -2,7 +2,7 @@
 
 - CUDA: the Triton kernels (`flowllm.kernels.triton_attention`, imported on first use so
   CPU-only installs never load Triton).
-- CPU with the native library (`flowllm.kernels.native`: x86-64 with AVX-512, a C
+- CPU with the native library (`flowllm.kernels.native`: x86-64 with AVX-512 or AVX2, a C
   compiler, `FLOWLLM_NATIVE_KERNELS` not 0), float32 or bfloat16, head_dim a multiple
   of 16 or 32 respectively: decode rows (one query per sequence) run the C kernel
   straight from the cache (`flowllm.kernels.cpu_attention`) and K/V are stored by it too;

@@ -21,10 +21,15 @@ BLOCKED_FROM = 1 << 15  # torch fallback: from this many logits on, argmax by bl
 _BLOCK = 64  # torch fallback: block length
 
 
-@functools.cache
 def _kernel() -> tuple[native.NativeLibrary, native.Kernel] | None:
-    lib = native.avx512_library()
-    return None if lib is None else (lib, lib.kernel("flowllm_argmax_rows_f32"))
+    """The loaded library and its kernel; None without one."""
+    lib = native.library()
+    return None if lib is None else (lib, _bind(lib))
+
+
+@functools.cache
+def _bind(lib: native.NativeLibrary) -> native.Kernel:
+    return lib.kernel("flowllm_argmax_rows_f32")
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ C side relies on.
 Why: the torch reference gathers each decode sequence's blocks into a workspace before
 attending, and in half precision scores every query head against every kv head (its
 block-diagonal product); the kernel reads each K/V row once, where it lies, for the query
-heads that share it. float32 and bfloat16 (widened by a shift or a mask: any AVX-512
-CPU); the math is float32, bf16 outputs rounded to nearest even.
+heads that share it. float32 and bfloat16 (widened by a shift or a mask: any CPU the
+library is built for); the math is float32, bf16 outputs rounded to nearest even.
 
 Index contents (sequence and row indices, lengths, block ids, slots) are checked in C
 before anything is read; shapes, dtypes and strides here. Both raise `KernelInputError`.
@@ -36,17 +36,21 @@ class _Kernels:
         self.store_kv = lib.kernel("flowllm_store_kv")
 
 
-@functools.cache
 def _functions() -> _Kernels | None:
-    """The kernels; None without the library."""
-    lib = native.avx512_library()
-    return None if lib is None else _Kernels(lib)
+    """The kernels of the loaded library; None without one."""
+    lib = native.library()
+    return None if lib is None else _bind(lib)
+
+
+@functools.cache
+def _bind(lib: native.NativeLibrary) -> _Kernels:
+    return _Kernels(lib)
 
 
 def serves(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the native kernels run this attention and K/V store: a CPU with the
     library, one dtype they handle for the query and the cache, and a head_dim in whole
-    AVX-512 registers of it."""
+    512-bit registers of it (pairs of AVX2 ones)."""
     return (
         query.is_cpu
         and query.dtype in DTYPES

@@ -28,18 +28,22 @@ class NativeLinearError(ValueError):
 
 def serves(dtype: torch.dtype) -> bool:
     """Whether the native kernel runs products in `dtype` on this machine."""
-    lib = native.avx512_library()
+    lib = native.library()
     if lib is None or dtype not in _KERNELS:
         return False
     return dtype != torch.bfloat16 or lib.has_bf16
 
 
-@functools.cache
 def _kernel(dtype: torch.dtype) -> native.Kernel:
-    """The kernel for `dtype`, bound."""
-    lib = native.avx512_library()
+    """The loaded library's kernel for `dtype`, bound."""
+    lib = native.library()
     if lib is None or not serves(dtype):
         raise NativeLinearError(f"the native linear kernel cannot run {dtype} on this machine")
+    return _bind(lib, dtype)
+
+
+@functools.cache
+def _bind(lib: native.NativeLibrary, dtype: torch.dtype) -> native.Kernel:
     return lib.kernel(_KERNELS[dtype])
 
 

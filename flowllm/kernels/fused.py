@@ -36,10 +36,15 @@ class _Kernels:
         self.gelu_tanh = by_dtype("gelu_tanh")
 
 
-@functools.cache
 def _bound() -> _Kernels | None:
-    lib = native.avx512_library()
-    return None if lib is None else _Kernels(lib)
+    """The kernels of the loaded library; None without one."""
+    lib = native.library()
+    return None if lib is None else _bind(lib)
+
+
+@functools.cache
+def _bind(lib: native.NativeLibrary) -> _Kernels:
+    return _Kernels(lib)
 
 
 def _kernels() -> _Kernels:

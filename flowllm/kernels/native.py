@@ -10,13 +10,13 @@ oneDNN and `F.linear` read it, and one C call costs a fraction of a torch op's f
 The sources are compiled with the system C compiler (`$CC`, else `cc`/`gcc`) into
 `$FLOWLLM_CACHE/kernels/<hash>/`, the hash covering the sources, the flags and the
 compiler's version, and written atomically (a crash leaves no half library). Two builds
-exist (`ISAS`): AVX-512 (F, BW, VL, DQ) compiles every source; AVX2 + FMA + F16C compiles
-the sources written over the vector layer of `csrc/isa.h` (the quantized linear kernels)
-and the library plumbing, so the other kernels' callers keep their torch paths there
-(`avx512_library()` is None). `FLOWLLM_NATIVE_ISA=avx2` forces the AVX2 build on an AVX-512
-machine (the tests run both); `auto` (the default) takes the widest the CPU runs. bf16
-functions are compiled for AVX512-BF16 by their own target attribute and called only where
-the CPU has it (`has_bf16`). Elsewhere — another architecture, no compiler,
+exist (`ISAS`), AVX-512 (F, BW, VL, DQ) and AVX2 + FMA + F16C, each of every source: the
+kernels are written once over the vector layer of `csrc/isa.h`, which the build's target
+flags resolve to 16 or 8 float32 lanes. `FLOWLLM_NATIVE_ISA=avx2` forces the AVX2 build on
+an AVX-512 machine (the tests run both); `auto` (the default) takes the widest the CPU
+runs. The bf16 linear product needs AVX512-BF16: the AVX-512 build compiles it for that by
+its own target attribute, it is called only where the CPU has it (`has_bf16`), and the
+AVX2 build leaves it out (`has_bf16` False). Elsewhere — another architecture, no compiler,
 `FLOWLLM_NATIVE_KERNELS=0` — `library()` returns None and the callers keep their torch
 paths; `status()` says which build runs or why none does, and the server prints it at
 startup.
@@ -71,14 +71,12 @@ ISA_ENV = "FLOWLLM_NATIVE_ISA"
 
 @dataclass(frozen=True)
 class Isa:
-    """One build of the library: its target flags, the CPU flags it needs, its sources
-    (None: every source), and target flags added where the CPU has a feature (the library
-    is built on the machine that runs it)."""
+    """One build of the library: its target flags, the CPU flags it needs, and target flags
+    added where the CPU has a feature (the library is built on the machine that runs it)."""
 
     name: str
     flags: tuple[str, ...]
     cpu_flags: frozenset[str]
-    sources: tuple[str, ...] | None
     optional: tuple[tuple[str, str], ...] = ()
 
     def target_flags(self, cpu: frozenset[str]) -> tuple[str, ...]:
@@ -90,14 +88,12 @@ ISAS = {
         "avx512",
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"),
         frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}),
-        None,
         (("avx512_vnni", "-mavx512vnni"),),  # one instruction for quant.c's byte dots
     ),
     "avx2": Isa(
         "avx2",
         ("-mavx2", "-mfma", "-mf16c"),
         frozenset({"avx2", "fma", "f16c"}),
-        ("common.c", "module.c", "quant.c"),
     ),
 }
 
@@ -203,8 +199,8 @@ class NativeStatus:
         if self.isa == "avx2":
             why = f" ({self.reason})" if self.reason else ""
             return (
-                f"native CPU kernels: AVX2 build{why}: quantized linear layers native; "
-                "fp32/bf16 linear, attention, fused norms and argmax on torch (AVX-512 only)"
+                f"native CPU kernels: AVX2 build{why}: every kernel on but the bf16 linear "
+                "product (AVX512-BF16), whose layers run on torch"
             )
         return f"native CPU kernels off ({self.reason}): every kernel on torch"
 
@@ -272,11 +268,11 @@ def library() -> NativeLibrary | None:
     return _load()[0]
 
 
-def avx512_library() -> NativeLibrary | None:
-    """The library when it is the AVX-512 build, which alone has the kernels other than the
-    quantized linear ones."""
-    lib = library()
-    return lib if lib is not None and lib.isa == "avx512" else None
+def reload() -> None:
+    """Forget the loaded build, so that the next `library()` reads the environment again:
+    the tests switch builds (`FLOWLLM_NATIVE_ISA`) within one process. The kernels' callers
+    bind per library, so they follow."""
+    _load.cache_clear()
 
 
 def status() -> NativeStatus:
@@ -288,22 +284,17 @@ def _python_include() -> str:
     return sysconfig.get_paths()["include"]
 
 
-def _sources(isa: Isa) -> list[Path]:
-    if isa.sources is None:
-        return sorted(SOURCE_DIR.glob("*.c"))
-    return [SOURCE_DIR / name for name in isa.sources]
-
-
 def _build(compiler: str, root: Path, isa: Isa) -> Path:
     """Compile the sources into `root/<hash>/` unless that library exists already."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     digest = hashlib.sha256()
+    sources = sorted(SOURCE_DIR.glob("*.c"))
     flags = (*COMMON_FLAGS, *isa.target_flags(cpu_flags()))
     for part in (compiler, version, " ".join(flags), LIBRARY_NAME, _python_include()):
         digest.update(part.encode())
-    for src in [*_sources(isa), *sorted(SOURCE_DIR.glob("*.h"))]:
+    for src in [*sources, *sorted(SOURCE_DIR.glob("*.h"))]:
         digest.update(src.name.encode())
         digest.update(src.read_bytes())
     target = root / digest.hexdigest()[:16] / LIBRARY_NAME
@@ -314,7 +305,7 @@ def _build(compiler: str, root: Path, isa: Isa) -> Path:
     os.close(fd)
     try:
         includes = ["-I", str(SOURCE_DIR), "-I", _python_include()]
-        cmd = [compiler, *flags, *includes, *map(str, _sources(isa)), "-o", tmp, "-lm"]
+        cmd = [compiler, *flags, *includes, *map(str, sources), "-o", tmp, "-lm"]
         _log.info(
             "compiling the native kernels (once)",
             compiler=compiler,

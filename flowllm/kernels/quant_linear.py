@@ -50,7 +50,7 @@ from flowllm.kernels import call_plan, cpu_linear, native
 Codes = Literal["q4", "q8"]
 TILE_FROM = 16  # rows of x from which an eager product (prefills) dequantizes bf16 tiles
 # ... where the CPU lacks the bf16 kernel, tiles are float32 torch products, which pay more:
-# the AVX2 build, which replays no decode step, keeps its eager decode batches below this
+# its eager steps (a decode shape's first, mixed steps) keep small batches below this
 FP32_TILE_FROM = 64
 TILE_VALUES = 1 << 20  # weight values dequantized per tile (4 MiB of float32)
 LANES = 16  # rows of the interleaved layout's groups

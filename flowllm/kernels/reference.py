@@ -1,12 +1,11 @@
 """Torch reference attention over the paged KV cache: the oracle the native and Triton
 kernels are tested against, and the CPU path wherever the native library does not serve.
 
-On CPU with the native library (float32 or bfloat16, head_dim in whole 512-bit
-registers: a multiple of 16 or 32), decode rows go to `flowllm.kernels.cpu_attention`,
-3-10x faster per layer than `_decode` here (it reads each K/V row once, in place, where
-`_decode` gathers first and, in half precision, scores every kv head); the multi-query
-rows still run `attend_prefills` here.
-Without the library (`FLOWLLM_NATIVE_KERNELS=0`, no AVX-512, float16, other head sizes)
+On CPU with the native library (float32 or bfloat16, head_dim a multiple of 16 or 32),
+decode rows go to `flowllm.kernels.cpu_attention`, 3-10x faster per layer than `_decode`
+here (it reads each K/V row once, in place, where `_decode` gathers first and, in half
+precision, scores every kv head); the multi-query rows still run `attend_prefills` here.
+Without the library (`FLOWLLM_NATIVE_KERNELS=0`, no AVX2, float16, other head sizes)
 everything below runs.
 
 Decode rows (one query per sequence) of a step run together, in chunks of sequences: a

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from flowllm.kernels import argmax
-from flowllm.kernels.native import library
 
-needs_native = pytest.mark.skipif(library() is None, reason="no native kernels on this CPU")
+needs_native = pytest.mark.usefixtures("native_build")  # each build in turn
 
 
 def hard_rows(rows: int, vocab: int) -> torch.Tensor:

@@ -16,9 +16,7 @@ from flowllm.kernels import call_plan, fused, native
 from flowllm.kernels.reference import KernelInputError
 from flowllm.models.layers import RotaryEmbedding, rope_inv_freq
 
-pytestmark = pytest.mark.skipif(
-    not fused.serves(torch.empty(1)), reason="no native kernels on this machine"
-)
+pytestmark = pytest.mark.usefixtures("native_build")  # each build in turn
 D = 64
 
 

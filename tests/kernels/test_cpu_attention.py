@@ -8,12 +8,10 @@ import torch
 from attention_cases import expected, make_case
 
 from flowllm import kernels
-from flowllm.kernels import cpu_attention, native, reference
+from flowllm.kernels import cpu_attention, reference
 from flowllm.kernels.reference import KernelInputError
 
-pytestmark = pytest.mark.skipif(
-    native.library() is None, reason="no AVX-512 CPU or C compiler here"
-)
+pytestmark = pytest.mark.usefixtures("native_build")  # each build in turn
 
 SCALE = 0.2
 

@@ -11,10 +11,14 @@ from flowllm.kernels import cpu_linear
 from flowllm.kernels.cpu_linear import NativeLinearError, PackedLinear
 from flowllm.models.layers import Linear, pack_linears
 
-DTYPES = [
-    pytest.param(dt, marks=pytest.mark.skipif(not cpu_linear.serves(dt), reason=f"no {dt} here"))
-    for dt in (torch.float32, torch.bfloat16)
-]
+DTYPES = [torch.float32, torch.bfloat16]
+# each build in turn (bf16 products only where it has them: AVX-512 with AVX512-BF16)
+each_build = pytest.mark.usefixtures("native_build")
+
+
+def _needs(dtype: torch.dtype) -> None:
+    if not cpu_linear.serves(dtype):
+        pytest.skip(f"no native {dtype} product in this build on this CPU")
 
 
 def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -25,10 +29,12 @@ def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.
     return y
 
 
+@each_build
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(("n", "k"), [(37, 19), (16, 64), (100, 258), (5, 1)])
 def test_matches_float64(dtype: torch.dtype, bias: bool, n: int, k: int) -> None:
+    _needs(dtype)
     torch.manual_seed(n * k)
     w = torch.randn(n, k).to(dtype)
     b = torch.randn(n).to(dtype) if bias else None
@@ -48,18 +54,19 @@ def test_matches_float64(dtype: torch.dtype, bias: bool, n: int, k: int) -> None
             assert ((got.double() - want).abs() <= tol).all()
 
 
+@each_build
 @pytest.mark.parametrize(
     ("dtype", "out_dtype"),
-    [*((p.values[0], None) for p in DTYPES), (DTYPES[1].values[0], torch.float32)],
+    [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)],
 )
 @pytest.mark.parametrize("n", [80, 50, 37])  # blocks of 16: 5, 4 (the last partial), 3
 def test_a_rows_output_does_not_depend_on_its_batch(
     dtype: torch.dtype, out_dtype: torch.dtype | None, n: int
 ) -> None:
-    """One block per pass below 16 rows, two from 16 on (the odd last block alone), six or
-    eight rows at a time: every row's outputs are the same bits in every batch."""
-    if not cpu_linear.serves(dtype):
-        pytest.skip(f"no {dtype} here")
+    """AVX-512: one block per pass below 16 rows, two from 16 on (the odd last block alone),
+    six or eight rows at a time; AVX2: one block, three rows at a time. Every row's outputs
+    are the same bits in every batch."""
+    _needs(dtype)
     torch.manual_seed(n)
     k = 67
     layer = PackedLinear(torch.randn(n, k).to(dtype), torch.randn(n).to(dtype), out_dtype)
@@ -69,10 +76,12 @@ def test_a_rows_output_does_not_depend_on_its_batch(
         torch.testing.assert_close(layer(x[:m]), alone[:m], rtol=0, atol=0)
 
 
+@each_build
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bf16_odd_k_ignores_the_next_row(dtype: torch.dtype) -> None:
     """With an odd k the last pair of a row is padded: the next row's first value (here
     inf) never enters the product."""
+    _needs(dtype)
     w = torch.randn(20, 7).to(dtype)
     x = torch.randn(2, 7).to(dtype)
     x[1, 0] = float("inf")
@@ -81,16 +90,15 @@ def test_bf16_odd_k_ignores_the_next_row(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got[0].double(), _product(x[:1], w, None)[0], rtol=0.02, atol=0.05)
 
 
+@each_build
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_no_rows(dtype: torch.dtype) -> None:
+    _needs(dtype)
     layer = PackedLinear(torch.randn(20, 8).to(dtype))
     assert layer(torch.empty(0, 8, dtype=dtype)).shape == (0, 20)
 
 
-needs_fp32 = pytest.mark.skipif(not cpu_linear.serves(torch.float32), reason="no native kernels")
-
-
-@needs_fp32
+@each_build
 @pytest.mark.parametrize(
     "x",
     [
@@ -105,7 +113,7 @@ def test_rejects_an_input_that_does_not_fit(x: torch.Tensor) -> None:
         PackedLinear(torch.randn(20, 8))(x)
 
 
-@needs_fp32
+@each_build
 @pytest.mark.parametrize(
     "bias", [torch.randn(19), torch.randn(20, dtype=torch.float64), torch.randn(40)[::2]]
 )
@@ -114,7 +122,7 @@ def test_rejects_a_bias_that_does_not_fit(bias: torch.Tensor) -> None:
         PackedLinear(torch.randn(20, 8), bias)
 
 
-@needs_fp32
+@each_build
 def test_rejects_weights_it_cannot_pack() -> None:
     with pytest.raises(NativeLinearError, match="2-D CPU"):
         PackedLinear(torch.randn(20))
@@ -122,13 +130,11 @@ def test_rejects_weights_it_cannot_pack() -> None:
         PackedLinear(torch.randn(20, 8, dtype=torch.float16))
 
 
-needs_bf16 = pytest.mark.skipif(not cpu_linear.serves(torch.bfloat16), reason="no bf16 kernel")
-
-
-@needs_bf16
+@each_build
 @pytest.mark.parametrize("bias", [True, False])
 def test_bf16_products_can_hand_out_float32_sums(bias: bool) -> None:
     """An LM head's logits: the fp32 sums unrounded, which round to the bf16 outputs."""
+    _needs(torch.bfloat16)
     torch.manual_seed(3)
     w = torch.randn(100, 64).to(torch.bfloat16)
     b = torch.randn(100).to(torch.bfloat16) if bias else None

@@ -20,9 +20,7 @@ from flowllm.models.layers import (
     rope_inv_freq,
 )
 
-pytestmark = pytest.mark.skipif(
-    not fused.serves(torch.empty(1)), reason="no native kernels on this machine"
-)
+pytestmark = pytest.mark.usefixtures("native_build")  # each build in turn
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 

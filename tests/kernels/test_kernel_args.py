@@ -33,24 +33,25 @@ def test_every_struct_matches_the_library(isa: str) -> None:
 
 @pytest.mark.parametrize("isa", list(native.ISAS))
 def test_each_kernel_of_the_build_binds(isa: str) -> None:
-    """The AVX-512 build exports every declared kernel, the AVX2 one the quantized products
-    and the library plumbing; each binds to its struct."""
+    """Both builds export every declared kernel but the AVX2 one the bf16 linear product
+    (AVX512-BF16), which it reports absent (`has_bf16`); each binds to its struct."""
     lib = _lib(isa)
     exported = {s for s in ARGS if hasattr(lib._symbols, s)}
     if isa == "avx512":
         assert exported == set(ARGS)
     else:
-        plumbing = {"flowllm_omp_set_threads", "flowllm_run_calls"}
-        quant = {s for s in ARGS if s.startswith(("flowllm_qlinear_", "flowllm_dequant"))}
-        assert exported == plumbing | quant
+        assert exported == set(ARGS) - {"flowllm_linear_bf16"}
+        assert not lib.has_bf16
     for symbol in exported:
         assert lib.kernel(symbol).args is ARGS[symbol]
 
 
-def test_a_layout_that_differs_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_layout_that_differs_is_refused(
+    native_build: native.NativeLibrary, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Python declaration with two fields swapped no longer matches the library: binding the
     kernel raises instead of handing it misplaced arguments."""
-    lib = _lib("avx512")
+    lib = native_build
     original = ARGS["flowllm_silu_mul_f32"]
     x = Tensor("float", (torch.float32,))
     out = Tensor("float", (torch.float32,), const=False)
@@ -62,9 +63,9 @@ def test_a_layout_that_differs_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
     assert lib.kernel("flowllm_silu_mul_f32").args is original
 
 
-def test_named_arguments_run_the_kernel() -> None:
+def test_named_arguments_run_the_kernel(native_build: native.NativeLibrary) -> None:
     """silu(gate) * up through the typed call, against torch."""
-    silu_mul = _lib("avx512").kernel("flowllm_silu_mul_f32")
+    silu_mul = native_build.kernel("flowllm_silu_mul_f32")
     gate_up = torch.randn(3, 32)
     out = torch.empty(3, 16)
     assert silu_mul(gate_up=gate_up, out=out, n=3, inter=16) == 0
@@ -86,8 +87,10 @@ def test_named_arguments_run_the_kernel() -> None:
         ({"inter": None}, "inter must be an int"),
     ],
 )
-def test_bad_arguments_raise_before_the_call(change: dict[str, object], message: str) -> None:
-    silu_mul = _lib("avx512").kernel("flowllm_silu_mul_f32")
+def test_bad_arguments_raise_before_the_call(
+    native_build: native.NativeLibrary, change: dict[str, object], message: str
+) -> None:
+    silu_mul = native_build.kernel("flowllm_silu_mul_f32")
     out = torch.full((3, 16), 7.0)
     named: dict[str, object] = {"gate_up": torch.randn(3, 32), "out": out, "n": 3, "inter": 16}
     named.update(change)
@@ -96,8 +99,8 @@ def test_bad_arguments_raise_before_the_call(change: dict[str, object], message:
     assert bool((out == 7.0).all())  # nothing ran
 
 
-def test_missing_and_unknown_names_raise() -> None:
-    silu_mul = _lib("avx512").kernel("flowllm_silu_mul_f32")
+def test_missing_and_unknown_names_raise(native_build: native.NativeLibrary) -> None:
+    silu_mul = native_build.kernel("flowllm_silu_mul_f32")
     gate_up, out = torch.randn(3, 32), torch.empty(3, 16)
     with pytest.raises(KernelArgumentError, match=r"missing \['inter'\]"):
         silu_mul(gate_up=gate_up, out=out, n=3)
@@ -105,10 +108,10 @@ def test_missing_and_unknown_names_raise() -> None:
         silu_mul(gate_up=gate_up, out=out, n=3, width=16)
 
 
-def test_floats_and_optional_pointers() -> None:
+def test_floats_and_optional_pointers(native_build: native.NativeLibrary) -> None:
     """A double field takes ints and floats; an optional pointer None (NULL), which the RMSNorm
     kernel reads as "no residual"."""
-    rms_norm = _lib("avx512").kernel("flowllm_rms_norm_f32")
+    rms_norm = native_build.kernel("flowllm_rms_norm_f32")
     x, w = torch.randn(2, 16), torch.rand(16)
     out = torch.empty(2, 16)
     rms_norm(x=x, residual=None, weight=w, out=out, n=2, d=16, eps=1)

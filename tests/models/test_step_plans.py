@@ -16,7 +16,7 @@ from transformers import GPT2Config, LlamaConfig
 
 from flowllm.config import engine_config
 from flowllm.engine.args import add_engine_arguments, config_from_args
-from flowllm.kernels import fused
+from flowllm.kernels import cpu_linear
 from flowllm.kernels.reference import KernelInputError
 from flowllm.messages import ScheduledSeq
 from flowllm.models.gpt2 import GPT2Model
@@ -27,9 +27,7 @@ from flowllm.models.runner import ModelRunner
 from flowllm.stages.execute import Execute
 from flowllm.stages.services import EngineServices
 
-pytestmark = pytest.mark.skipif(
-    not fused.serves(torch.empty(1)), reason="no native kernels on this machine"
-)
+pytestmark = pytest.mark.usefixtures("native_build")  # each build in turn
 BLOCK = 4
 VOCAB = 300
 NUM_BLOCKS = 64
@@ -85,6 +83,9 @@ def test_replayed_decode_steps_match_eager_ones_bit_for_bit(
 ) -> None:
     eager, planned = runners(build(dtype))
     assert eager.plans is None and planned.plans is not None
+    # without the bf16 product (the AVX2 build, or no AVX512-BF16) bf16 linear layers are
+    # torch's: every step stays eager, and still computes the same
+    recordable = cpu_linear.serves(dtype)
     rng = random.Random(dtype.itemsize)
     seqs = [PagedSeq(i, [rng.randrange(VOCAB) for _ in range(60)]) for i in range(3)]
     blocks = Blocks(NUM_BLOCKS)
@@ -103,7 +104,7 @@ def test_replayed_decode_steps_match_eager_ones_bit_for_bit(
     step([(0, 1), (1, 1), (2, 1)])  # first decode of this shape: eager
     assert not planned.plans.plans
     step([(0, 1), (1, 1), (2, 1)])  # the second: recorded
-    assert len(planned.plans.plans) == 1
+    assert len(planned.plans.plans) == recordable
     # Decodes crossing block boundaries and table widths 2 -> 4 -> 8 -> 16, a mixed step in
     # between (eager), then two of the three sequences (another shape).
     for k in range(25):
@@ -112,8 +113,11 @@ def test_replayed_decode_steps_match_eager_ones_bit_for_bit(
         step([(2, 1), (0, 1)])
     assert_same_caches(eager, planned)
     widths = sorted(key[2] for key in planned.plans.plans)
-    assert widths == [(2, 16), (3, 2), (3, 4), (3, 8)]
-    assert planned.plans.refused is None
+    if recordable:
+        assert widths == [(2, 16), (3, 2), (3, 4), (3, 8)]
+        assert planned.plans.refused is None
+    else:
+        assert widths == [] and (planned.plans.refused or "").startswith("it runs the torch op")
 
 
 def test_models_computing_with_torch_in_their_layers_stay_eager() -> None:

@@ -2,7 +2,6 @@
  * the first index of each row's maximum, and the first NaN if the row holds one (argmax
  * ranks NaN above everything). torch's CPU argmax along rows is a scalar loop; this is one
  * vectorized pass per row that keeps each lane's best value and its first index. */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -10,23 +9,28 @@
 #include "kernel_args.h"
 
 static int64_t argmax_row_f32(const float *x, int64_t n) {
-  const __m512i step = _mm512_set1_epi32(16);
-  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  __m512i best_at = at; /* a row of -inf answers 0, as torch */
-  for (int64_t j = 0; j < n; j += 16) {
-    __mmask16 m = lanes16(n - j);
-    __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, x + j);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const vf lowest = vf_set1(-INFINITY);
+  vi at = vi_iota();
+  vf best = lowest;
+  vi best_at = at; /* a row of -inf answers 0, as torch */
+  for (int64_t j = 0; j < n; j += VL) {
+    const vf v = vf_select(vm_first(n - j), lowest, vf_load_n(x + j, n - j));
+    const unsigned nan = vm_bits(vf_isnan(v));
     if (nan) return j + __builtin_ctz(nan);
-    __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ); /* strict: first one kept */
-    best = _mm512_mask_mov_ps(best, gt, v);
-    best_at = _mm512_mask_mov_epi32(best_at, gt, at);
-    at = _mm512_add_epi32(at, step);
+    const vm gt = vf_gt(v, best); /* strict: the first one kept */
+    best = vf_select(gt, best, v);
+    best_at = vi_select(gt, best_at, at);
+    at = vi_add(at, vi_set1(VL));
   }
-  float max = _mm512_reduce_max_ps(best);
-  __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(max), _CMP_EQ_OQ);
-  return _mm512_mask_reduce_min_epi32(top, best_at);
+  float values[VL];
+  int32_t indices[VL];
+  vf_store(values, best);
+  vi_store(indices, best_at);
+  const float max = vf_max_of(best);
+  int64_t first = INT64_MAX;
+  for (int l = 0; l < VL; l++)
+    if (values[l] == max && indices[l] < first) first = indices[l];
+  return first;
 }
 
 #define PARALLEL_ELEMENTS (1 << 20) /* smaller batches run on the calling thread */

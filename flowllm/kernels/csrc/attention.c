@@ -3,17 +3,16 @@
 Layouts (elements, row-major): query and out [num_tokens, H, D] with any token stride;
 k_cache, v_cache [num_blocks, block_size, kv_heads, D]; block_tables [num_seqs,
 table_stride] int32; seq_lens [num_seqs] int32. Caches, query and out share one dtype,
-float32 or bfloat16; the math is float32 (bf16 widened by a shift or a mask, AVX-512F/BW
-only, so the library serves bf16 on any AVX-512 CPU; the output is rounded to nearest
-even). D must be a multiple of 16 (float32) or 32 (bfloat16).
+float32 or bfloat16; the math is float32 (bf16 widened by a shift or a mask, so bf16 runs
+on any CPU the library is built for; the output is rounded to nearest even). D must be a
+multiple of 16 (float32) or 32 (bfloat16), whole vectors (or pairs) of either build.
 
 One work item is one (decode sequence, kv head): its `group` query heads are scored
-against the sequence's keys 16 tokens at a time (16 dot products, then one transposing
-reduction), the scores go to a per-thread scratch, a softmax runs over them in place, and
-a second walk over the blocks sums the values weighted by the probabilities. (An online
-softmax in one walk measured 5-40% slower: benchmarks/README.md.)
+against the sequence's keys LANES tokens at a time (LANES dot products, then one
+transposing reduction), the scores go to a per-thread scratch, a softmax runs over them in
+place, and a second walk over the blocks sums the values weighted by the probabilities. (An
+online softmax in one walk measured 5-40% slower: benchmarks/README.md.)
 */
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,58 +22,30 @@ softmax in one walk measured 5-40% slower: benchmarks/README.md.)
 
 #define INLINE static inline __attribute__((always_inline))
 
-enum { LANES = 16, HEADS_PER_PASS = 4, VECS_PER_PASS = 4, PREFETCH_ROWS = 32 };
+enum { LANES = VL, HEADS_PER_PASS = 4, VECS_PER_PASS = 4, PREFETCH_ROWS = 32 };
 enum { OK = 0, BAD_SEQ_LEN = 1, BAD_BLOCK = 2, BAD_INDEX = 3, NO_MEMORY = 4 };
 
-/* The 16 float32 lanes of a row's elements [p + 16 half, p + 16 half + 16), p a multiple
-   of 32. bf16 rows go in 32-element pairs, one 512-bit load widened by a shift (half 0:
-   the even elements) or a mask (half 1: the odd ones): lane k is element p + 16 half + k
-   for float32 but p + 2k + half for bf16. Queries, keys, values and outputs all use this
-   order, so dot products and sums see each element once and store16 undoes it. */
-INLINE __m512 load16(const void *base, int64_t p, const int half, const int bf16) {
-  if (!bf16) return _mm512_loadu_ps((const float *)base + p + 16 * half);
-  const __m512i pair = _mm512_loadu_si512((const uint16_t *)base + p);
-  return _mm512_castsi512_ps(half ? _mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF0000))
-                                  : _mm512_slli_epi32(pair, 16));
+/* The LANES float32 lanes of a row's elements [p + LANES half, p + LANES (half + 1)), p a
+   multiple of 2 LANES. bf16 rows go in runs of 2 LANES elements, one load widened by a
+   shift (half 0: the even elements) or a mask (half 1: the odd ones): lane k is element
+   p + LANES half + k for float32 but p + 2k + half for bf16. Queries, keys, values and
+   outputs all use this order, so dot products and sums see each element once and store_lanes
+   undoes it. */
+INLINE vf load_lanes(const void *base, int64_t p, const int half, const int bf16) {
+  if (!bf16) return vf_load((const float *)base + p + LANES * half);
+  const uint16_t *pair = (const uint16_t *)base + p;
+  return half ? vf_bf16_odd(pair) : vf_bf16_even(pair);
 }
 
-/* Store lanes in load16's order, bf16 rounded to nearest even (NaN stays a quiet NaN)
-   into every other 16-bit slot of the pair. */
-INLINE void store16(void *base, int64_t p, const int half, __m512 x, const int bf16) {
-  if (!bf16) {
-    _mm512_storeu_ps((float *)base + p + 16 * half, x);
-    return;
-  }
-  __m512i bits = _mm512_castps_si512(x);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
-  uint16_t *pair = (uint16_t *)base + p;
-  if (half) /* the odd elements: the high halves */
-    _mm512_mask_storeu_epi16(pair, 0xAAAAAAAA, rounded);
+/* Store lanes in load_lanes' order, bf16 rounded to nearest even into every other 16-bit
+   slot of the pair. */
+INLINE void store_lanes(void *base, int64_t p, const int half, vf x, const int bf16) {
+  if (!bf16)
+    vf_store((float *)base + p + LANES * half, x);
+  else if (half)
+    vf_store_bf16_odd((uint16_t *)base + p, x);
   else
-    _mm512_mask_storeu_epi16(pair, 0x55555555, _mm512_srli_epi32(rounded, 16));
-}
-
-/* Lane t of the result is the sum of v[t]'s lanes. */
-INLINE __m512 sum16(const __m512 v[16]) {
-  __m512 x[8], y[4], z[2];
-  for (int i = 0; i < 8; i++) /* 256-bit halves: v[2i] in 128-bit lanes 0-1, v[2i+1] in 2-3 */
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; i++) /* 128-bit lane l: token 4i + l */
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; i++) /* lane l: tokens 8i + l and 8i + 4 + l, two floats each */
-    z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * i], y[2 * i + 1]),
-                         _mm512_unpackhi_ps(y[2 * i], y[2 * i + 1]));
-  __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
-  __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]));
-  /* float 4l + i of w holds token l + 4i */
-  __m512 w = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, w);
+    vf_store_bf16_even((uint16_t *)base + p, x);
 }
 
 /* Walks one sequence's cache rows for one kv head in token order. */
@@ -138,45 +109,42 @@ INLINE void score(const float *qf, int64_t group, int64_t D, Cursor keys, int64_
     for (int j = 0; j < m; j++) k[j] = stream_next(&rows);
     for (int j = m; j < LANES; j++) k[j] = k[0]; /* any valid row: the lane is dropped */
     for (int64_t h = 0; h < group; h++) {
-      /* 16 independent sums (one per token) over the head's chunks of 16 */
-      __m512 part[LANES];
-      for (int j = 0; j < LANES; j++) part[j] = _mm512_setzero_ps();
+      /* LANES independent sums (one per token) over the head's chunks of LANES */
+      vf part[LANES];
+      for (int j = 0; j < LANES; j++) part[j] = vf_zero();
       int64_t c = 0;
       for (; c + 2 * LANES <= D; c += 2 * LANES) {
-        const __m512 q0 = _mm512_loadu_ps(qf + h * D + c);
-        const __m512 q1 = _mm512_loadu_ps(qf + h * D + c + LANES);
+        const vf q0 = vf_load(qf + h * D + c);
+        const vf q1 = vf_load(qf + h * D + c + LANES);
         for (int j = 0; j < LANES; j++) {
-          part[j] = _mm512_fmadd_ps(q0, load16(k[j], c, 0, bf16), part[j]);
-          part[j] = _mm512_fmadd_ps(q1, load16(k[j], c, 1, bf16), part[j]);
+          part[j] = vf_fma(q0, load_lanes(k[j], c, 0, bf16), part[j]);
+          part[j] = vf_fma(q1, load_lanes(k[j], c, 1, bf16), part[j]);
         }
       }
-      if (c < D) { /* float32 rows of 16 (mod 32) elements */
-        const __m512 q0 = _mm512_loadu_ps(qf + h * D + c);
-        for (int j = 0; j < LANES; j++)
-          part[j] = _mm512_fmadd_ps(q0, load16(k[j], c, 0, bf16), part[j]);
+      if (c < D) { /* float32 rows of LANES (mod 2 LANES) elements */
+        const vf q0 = vf_load(qf + h * D + c);
+        for (int j = 0; j < LANES; j++) part[j] = vf_fma(q0, load_lanes(k[j], c, 0, bf16), part[j]);
       }
-      _mm512_mask_storeu_ps(scores + h * stride + t0, (__mmask16)((1u << m) - 1), sum16(part));
+      vf_store_n(scores + h * stride + t0, m, vf_transpose_sums(part));
     }
   }
 }
 
 /* scores[0..n) -> exp(scores - max) in place; returns their sum. */
 INLINE float softmax_numerators(float *scores, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-__builtin_inff());
+  const vf lowest = vf_set1(-__builtin_inff());
+  vf mx = lowest;
+  for (int64_t t = 0; t < n; t += LANES) /* lanes past n hold scratch garbage */
+    mx = vf_max(mx, vf_select(vm_first(n - t), lowest, vf_load(scores + t)));
+  const vf m = vf_set1(vf_max_of(mx));
+  vf sum = vf_zero();
   for (int64_t t = 0; t < n; t += LANES) {
-    __mmask16 valid = n - t < LANES ? (__mmask16)((1u << (n - t)) - 1) : 0xFFFF;
-    mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_loadu_ps(scores + t));
+    const vf e = vf_exp(vf_sub(vf_load(scores + t), m));
+    const vf valid = vf_select(vm_first(n - t), vf_zero(), e);
+    vf_store(scores + t, valid);
+    sum = vf_add(sum, valid);
   }
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += LANES) {
-    __mmask16 valid = n - t < LANES ? (__mmask16)((1u << (n - t)) - 1) : 0xFFFF;
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), m));
-    e = _mm512_maskz_mov_ps(valid, e); /* lanes past n hold scratch garbage */
-    _mm512_storeu_ps(scores + t, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
+  return vf_sum(sum);
 }
 
 /* out[h][c0 + c] = sum_t p[h][t] v[t][c0 + c] * inv[h] for HN heads and CN vectors of D,
@@ -185,23 +153,22 @@ INLINE void weigh_values(const float *p, int64_t stride, const float *inv, Curso
                          int64_t c0, void *out, int64_t D, const int HN, const int CN,
                          const int bf16) {
   const int esz = bf16 ? 2 : 4;
-  __m512 acc[HEADS_PER_PASS][VECS_PER_PASS];
+  vf acc[HEADS_PER_PASS][VECS_PER_PASS];
   for (int h = 0; h < HN; h++)
-    for (int c = 0; c < CN; c++) acc[h][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CN; c++) acc[h][c] = vf_zero();
   values.cache += c0 * esz;
   Stream rows = stream(values, n, CN * LANES * esz);
   for (int64_t t = 0; t < n; t++) {
     const char *row = stream_next(&rows);
     for (int c = 0; c < CN; c++) {
-      const __m512 v = load16(row, c / 2 * 2 * LANES, c % 2, bf16);
-      for (int h = 0; h < HN; h++)
-        acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * stride + t]), v, acc[h][c]);
+      const vf v = load_lanes(row, c / 2 * 2 * LANES, c % 2, bf16);
+      for (int h = 0; h < HN; h++) acc[h][c] = vf_fma(vf_set1(p[h * stride + t]), v, acc[h][c]);
     }
   }
   for (int h = 0; h < HN; h++)
     for (int c = 0; c < CN; c++)
-      store16(out, h * D + c0 + c / 2 * 2 * LANES, c % 2,
-              _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])), bf16);
+      store_lanes(out, h * D + c0 + c / 2 * 2 * LANES, c % 2, vf_mul(acc[h][c], vf_set1(inv[h])),
+                  bf16);
 }
 
 #define WEIGH_CASE(H, C)                                             \
@@ -241,8 +208,8 @@ INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t
   float *inv = qf + group * D; /* [group] */
   float *scores = inv + group; /* [group, stride] */
   for (int64_t i = 0; i < group * D; i += LANES) {
-    const __m512 x = i & LANES ? load16(q, i - LANES, 1, bf16) : load16(q, i, 0, bf16);
-    _mm512_storeu_ps(qf + i, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
+    const vf x = i & LANES ? load_lanes(q, i - LANES, 1, bf16) : load_lanes(q, i, 0, bf16);
+    vf_store(qf + i, vf_mul(x, vf_set1(scale)));
   }
   score(qf, group, D, keys, n, scores, stride, bf16);
   for (int64_t h = 0; h < group; h++) inv[h] = 1.0f / softmax_numerators(scores + h * stride, n);

@@ -6,7 +6,6 @@
  * Rounding follows the torch ops they replace, so bf16 results differ from them only
  * where float32 sums are added in another order: every intermediate torch rounds to the
  * model dtype is rounded here too (round to nearest even). Math is float32. */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -20,17 +19,17 @@
  * (bf16: the normalized row is rounded to bf16 before the weight multiplies it). */
 static void rms_norm_row_f32(const float *xi, float *ri, const float *w, float *oi, int64_t d,
                              float eps) {
-  __m512 acc = _mm512_setzero_ps();
+  vf acc = vf_zero();
   int64_t j = 0;
-  for (; j + 16 <= d; j += 16) {
-    __m512 h = _mm512_loadu_ps(xi + j);
+  for (; j + VL <= d; j += VL) {
+    vf h = vf_load(xi + j);
     if (ri) {
-      h = _mm512_add_ps(h, _mm512_loadu_ps(ri + j));
-      _mm512_storeu_ps(ri + j, h);
+      h = vf_add(h, vf_load(ri + j));
+      vf_store(ri + j, h);
     }
-    acc = _mm512_fmadd_ps(h, h, acc);
+    acc = vf_fma(h, h, acc);
   }
-  float sum = _mm512_reduce_add_ps(acc);
+  float sum = vf_sum(acc);
   for (; j < d; j++) {
     float h = xi[j];
     if (ri) ri[j] = h = h + ri[j];
@@ -38,26 +37,25 @@ static void rms_norm_row_f32(const float *xi, float *ri, const float *w, float *
   }
   const float *h = ri ? ri : xi;
   float inv = 1.0f / sqrtf(sum / (float)d + eps);
-  __m512 vinv = _mm512_set1_ps(inv);
-  for (j = 0; j + 16 <= d; j += 16)
-    _mm512_storeu_ps(
-        oi + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(h + j), vinv), _mm512_loadu_ps(w + j)));
+  const vf vinv = vf_set1(inv);
+  for (j = 0; j + VL <= d; j += VL)
+    vf_store(oi + j, vf_mul(vf_mul(vf_load(h + j), vinv), vf_load(w + j)));
   for (; j < d; j++) oi[j] = h[j] * inv * w[j];
 }
 
 static void rms_norm_row_bf16(const uint16_t *xi, uint16_t *ri, const uint16_t *w, uint16_t *oi,
                               int64_t d, float eps) {
-  __m512 acc = _mm512_setzero_ps();
+  vf acc = vf_zero();
   int64_t j = 0;
-  for (; j + 16 <= d; j += 16) {
-    __m512 h = bf16x16_load(xi + j);
+  for (; j + VL <= d; j += VL) {
+    vf h = vf_load_bf16(xi + j);
     if (ri) {
-      h = bf16x16_round(_mm512_add_ps(h, bf16x16_load(ri + j)));
-      bf16x16_store(ri + j, h);
+      h = vf_round_bf16(vf_add(h, vf_load_bf16(ri + j)));
+      vf_store_bf16(ri + j, h);
     }
-    acc = _mm512_fmadd_ps(h, h, acc);
+    acc = vf_fma(h, h, acc);
   }
-  float sum = _mm512_reduce_add_ps(acc);
+  float sum = vf_sum(acc);
   for (; j < d; j++) {
     float h = bf16_to_f32(xi[j]);
     if (ri) {
@@ -68,10 +66,10 @@ static void rms_norm_row_bf16(const uint16_t *xi, uint16_t *ri, const uint16_t *
   }
   const uint16_t *h = ri ? ri : xi;
   float inv = 1.0f / sqrtf(sum / (float)d + eps);
-  __m512 vinv = _mm512_set1_ps(inv);
-  for (j = 0; j + 16 <= d; j += 16) {
-    __m512 normed = bf16x16_round(_mm512_mul_ps(bf16x16_load(h + j), vinv));
-    bf16x16_store(oi + j, _mm512_mul_ps(normed, bf16x16_load(w + j)));
+  const vf vinv = vf_set1(inv);
+  for (j = 0; j + VL <= d; j += VL) {
+    const vf normed = vf_round_bf16(vf_mul(vf_load_bf16(h + j), vinv));
+    vf_store_bf16(oi + j, vf_mul(normed, vf_load_bf16(w + j)));
   }
   for (; j < d; j++) {
     float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(h[j]) * inv));
@@ -84,42 +82,36 @@ static void rms_norm_row_bf16(const uint16_t *xi, uint16_t *ri, const uint16_t *
 /* h = x (+ residual, rounded to the dtype and written back to residual);
  * out = (h - mean(h)) * rsqrt(var(h) + eps) * w + b, float32 math rounded once, as
  * F.layer_norm. Two passes over h for the moments (the row is in L1). One body for both
- * dtypes: LOAD(m, p) and STORE(p, m, v) move the lanes of mask m, ROUND rounds as the
- * dtype stores. */
-#define F32_LOAD(m, p) _mm512_maskz_loadu_ps(m, p)
-#define F32_STORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+ * dtypes: LOAD(p, n) and STORE(p, n, v) move the first n lanes (at most VL), ROUND rounds
+ * as the dtype stores. */
 #define F32_ROUND(v) (v)
-#define BF16_ROUND(v) bf16x16_round(v)
-#define LAYER_NORM_ROW(suffix, T, LOAD, STORE, ROUND)                                             \
-  static void layer_norm_row_##suffix(const T *x, T *r, const T *w, const T *b, T *o, int64_t d,  \
-                                      float eps) {                                                \
-    __m512 acc = _mm512_setzero_ps();                                                             \
-    for (int64_t j = 0; j < d; j += 16) {                                                         \
-      const __mmask16 m = lanes16(d - j);                                                         \
-      __m512 h = LOAD(m, x + j);                                                                  \
-      if (r) {                                                                                    \
-        h = ROUND(_mm512_add_ps(h, LOAD(m, r + j)));                                              \
-        STORE(r + j, m, h);                                                                       \
-      }                                                                                           \
-      acc = _mm512_add_ps(acc, h);                                                                \
-    }                                                                                             \
-    const T *h = r ? r : x;                                                                       \
-    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(acc) / (float)d);                     \
-    acc = _mm512_setzero_ps();                                                                    \
-    for (int64_t j = 0; j < d; j += 16) {                                                         \
-      const __mmask16 m = lanes16(d - j);                                                         \
-      const __m512 c = _mm512_maskz_sub_ps(m, LOAD(m, h + j), mean);                              \
-      acc = _mm512_fmadd_ps(c, c, acc);                                                           \
-    }                                                                                             \
-    const __m512 rstd = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps)); \
-    for (int64_t j = 0; j < d; j += 16) {                                                         \
-      const __mmask16 m = lanes16(d - j);                                                         \
-      const __m512 c = _mm512_mul_ps(_mm512_sub_ps(LOAD(m, h + j), mean), rstd);                  \
-      STORE(o + j, m, _mm512_fmadd_ps(c, LOAD(m, w + j), LOAD(m, b + j)));                        \
-    }                                                                                             \
+#define LAYER_NORM_ROW(suffix, T, LOAD, STORE, ROUND)                                            \
+  static void layer_norm_row_##suffix(const T *x, T *r, const T *w, const T *b, T *o, int64_t d, \
+                                      float eps) {                                               \
+    vf acc = vf_zero();                                                                          \
+    for (int64_t j = 0; j < d; j += VL) {                                                        \
+      vf h = LOAD(x + j, d - j);                                                                 \
+      if (r) {                                                                                   \
+        h = ROUND(vf_add(h, LOAD(r + j, d - j)));                                                \
+        STORE(r + j, d - j, h);                                                                  \
+      }                                                                                          \
+      acc = vf_add(acc, h);                                                                      \
+    }                                                                                            \
+    const T *h = r ? r : x;                                                                      \
+    const vf mean = vf_set1(vf_sum(acc) / (float)d);                                             \
+    acc = vf_zero();                                                                             \
+    for (int64_t j = 0; j < d; j += VL) {                                                        \
+      const vf c = vf_select(vm_first(d - j), vf_zero(), vf_sub(LOAD(h + j, d - j), mean));      \
+      acc = vf_fma(c, c, acc);                                                                   \
+    }                                                                                            \
+    const vf rstd = vf_set1(1.0f / sqrtf(vf_sum(acc) / (float)d + eps));                         \
+    for (int64_t j = 0; j < d; j += VL) {                                                        \
+      const vf c = vf_mul(vf_sub(LOAD(h + j, d - j), mean), rstd);                               \
+      STORE(o + j, d - j, vf_fma(c, LOAD(w + j, d - j), LOAD(b + j, d - j)));                    \
+    }                                                                                            \
   }
-LAYER_NORM_ROW(f32, float, F32_LOAD, F32_STORE, F32_ROUND)
-LAYER_NORM_ROW(bf16, uint16_t, bf16x16_maskz_load, bf16x16_mask_store, BF16_ROUND)
+LAYER_NORM_ROW(f32, float, vf_load_n, vf_store_n, F32_ROUND)
+LAYER_NORM_ROW(bf16, uint16_t, vf_load_bf16_n, vf_store_bf16_n, vf_round_bf16)
 
 /* ---- Rotary embeddings ---------------------------------------------------------------- */
 
@@ -165,17 +157,16 @@ static void rope_row_bf16(uint16_t *row, const uint16_t *cs, int64_t heads, int6
 static void silu_mul_row_f32(const float *g, float *o, int64_t inter) {
   const float *u = g + inter;
   int64_t j = 0;
-  for (; j + 16 <= inter; j += 16)
-    _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)), _mm512_loadu_ps(u + j)));
+  for (; j + VL <= inter; j += VL) vf_store(o + j, vf_mul(vf_silu(vf_load(g + j)), vf_load(u + j)));
   for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
 }
 
 static void silu_mul_row_bf16(const uint16_t *g, uint16_t *o, int64_t inter) {
   const uint16_t *u = g + inter;
   int64_t j = 0;
-  for (; j + 16 <= inter; j += 16) {
-    __m512 act = bf16x16_round(silu16(bf16x16_load(g + j)));
-    bf16x16_store(o + j, _mm512_mul_ps(act, bf16x16_load(u + j)));
+  for (; j + VL <= inter; j += VL) {
+    const vf act = vf_round_bf16(vf_silu(vf_load_bf16(g + j)));
+    vf_store_bf16(o + j, vf_mul(act, vf_load_bf16(u + j)));
   }
   for (; j < inter; j++) {
     float gj = bf16_to_f32(g[j]);
@@ -187,40 +178,28 @@ static void silu_mul_row_bf16(const uint16_t *g, uint16_t *o, int64_t inter) {
 /* ---- GELU, tanh approximation ----------------------------------------------------------- */
 
 /* 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), with tanh(u) = 1 - 2 / (exp(2u) + 1)
- * (exp16 saturates to 0 and inf, so tanh reaches -1 and 1); float32 math, bf16 rounded
+ * (vf_exp saturates to 0 and inf, so tanh reaches -1 and 1); float32 math, bf16 rounded
  * once, as torch's `F.gelu(x, approximate="tanh")` does. */
-static inline __m512 gelu_tanh16(__m512 x) {
-  const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608f),
-                                 _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
-  const __m512 e = exp16(_mm512_add_ps(u, u));
-  const __m512 tanh_u =
-      _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                    _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x),
-                       _mm512_add_ps(_mm512_set1_ps(1.0f), tanh_u));
+static inline vf vf_gelu_tanh(vf x) {
+  const vf x3 = vf_mul(vf_mul(x, x), x);
+  const vf u = vf_mul(vf_set1(0.7978845608f), vf_fma(vf_set1(0.044715f), x3, x));
+  const vf e = vf_exp(vf_add(u, u));
+  const vf tanh_u = vf_sub(vf_set1(1.0f), vf_div(vf_set1(2.0f), vf_add(e, vf_set1(1.0f))));
+  return vf_mul(vf_mul(vf_set1(0.5f), x), vf_add(vf_set1(1.0f), tanh_u));
 }
 
 #define GELU_CHUNK 4096 /* elements per parallel work item */
 
 static void gelu_tanh_chunk_f32(const float *x, float *y, int64_t n) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(y + j, gelu_tanh16(_mm512_loadu_ps(x + j)));
-  if (j < n) {
-    const __mmask16 m = (__mmask16)((1u << (n - j)) - 1);
-    _mm512_mask_storeu_ps(y + j, m, gelu_tanh16(_mm512_maskz_loadu_ps(m, x + j)));
-  }
+  for (; j + VL <= n; j += VL) vf_store(y + j, vf_gelu_tanh(vf_load(x + j)));
+  if (j < n) vf_store_n(y + j, n - j, vf_gelu_tanh(vf_load_n(x + j, n - j)));
 }
 
 static void gelu_tanh_chunk_bf16(const uint16_t *x, uint16_t *y, int64_t n) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) bf16x16_store(y + j, gelu_tanh16(bf16x16_load(x + j)));
-  for (; j < n; j++) {
-    uint16_t in[16] = {0}, out[16];
-    in[0] = x[j];
-    bf16x16_store(out, gelu_tanh16(bf16x16_load(in)));
-    y[j] = out[0];
-  }
+  for (; j + VL <= n; j += VL) vf_store_bf16(y + j, vf_gelu_tanh(vf_load_bf16(x + j)));
+  if (j < n) vf_store_bf16_n(y + j, n - j, vf_gelu_tanh(vf_load_bf16_n(x + j, n - j)));
 }
 
 /* ---- Entry points (kernel_args.h) ---- */

@@ -14,21 +14,35 @@ bound the product: 355-384 GFLOP/s -> 421-455 bf16 at 2,048 rows, two threads, w
 oneDNN reads 406-433). Blocks are split across OpenMP threads; a thread's blocks are
 contiguous, so each thread streams one run, prefetched PREFETCH lines ahead.
 
+The fp32 product is written over the vector layer (isa.h): a line is BV vectors (one of
+AVX-512, two of AVX2), and AVX2's 16 registers hold the accumulators of fewer rows, so
+there ROWS is smaller and blocks never pair. The bf16 product needs AVX512-BF16 (dpbf16):
+it is compiled for it by its own target attribute in the AVX-512 build, called only where
+the CPU has it (flowllm/kernels/native.py `has_bf16`), and absent from the AVX2 build.
+
 Accumulation is fp32 in both; bf16 outputs are rounded to nearest even after the bias. */
-#include <immintrin.h>
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "isa.h"
 #include "kernel_args.h"
 
-#define BLOCK 16       /* outputs per block: one 512-bit fp32 vector */
+#define BLOCK 16        /* outputs per block: one 64-byte fp32 line */
+#define BV (BLOCK / VL) /* vectors per fp32 line */
+#define UNROLL 4        /* weight lines per inner iteration */
+#define PREFETCH 32     /* lines ahead (2 KiB); measured: as fast at one row, ~10% faster at four */
+#define MAX_NB 2        /* blocks per pass, at most */
+#if VL == 16
 #define ROWS 8         /* rows of x sharing one pass over a block */
-#define UNROLL 4       /* weight lines per inner iteration */
-#define PREFETCH 32    /* lines ahead (2 KiB); measured: as fast at one row, ~10% faster at four */
-#define MAX_NB 2       /* blocks per pass, at most */
 #define PAIRED_FROM 16 /* rows from which blocks go two per pass */
 #define PAIRED_ROWS 6  /* rows per pass then: 6 x 2 blocks x CHAINS accumulators */
+#else
+#define ROWS 3 /* 3 rows x CHAINS x BV accumulators, 2 weight vectors and x: 15 registers */
+#define PAIRED_FROM INT_MAX
+#define PAIRED_ROWS 1
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -37,39 +51,36 @@ Accumulation is fp32 in both; bf16 outputs are rounded to nearest even after the
    same for every row count, so a row's sums do not depend on how many rows share its pass:
    a row's output is the same whichever batch it is in. */
 #define CHAINS 2
+#define SUMS (CHAINS * BV) /* accumulators per row and block: chain c's vector v at c BV + v */
 
-/* Output lanes of block b that exist (the last block may be partial). */
-ALWAYS_INLINE __mmask16 block_mask(int b, int n) {
-  const int left = n - b * BLOCK;
-  return left >= BLOCK ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
-
-ALWAYS_INLINE __m512 sum_chains(const __m512 *acc) {
-  __m512 s = acc[0];
-  for (int j = 1; j < CHAINS; j++) s = _mm512_add_ps(s, acc[j]);
+/* Vector v of a line's sum over its chains. */
+ALWAYS_INLINE vf sum_chains(const vf *acc, int v) {
+  vf s = acc[v];
+  for (int c = 1; c < CHAINS; c++) s = vf_add(s, acc[c * BV + v]);
   return s;
 }
 
 /* Blocks b .. b + NB - 1 of every row of x, G rows at a time: ROWS_FN(x rows, w, bias,
    y rows, b, n, k, M, NB) with M and NB constants, so each group size compiles to its own
-   unrolled loop (G <= ROWS). */
-#define ROW_GROUPS(ROWS_FN, G, NB, x, w, bias, y, b, m, n, k)           \
-  for (int r0 = 0; r0 < (m); r0 += (G)) {                               \
-    const size_t xo = (size_t)r0 * (k), yo = (size_t)r0 * (n);          \
-    switch ((m) - r0 < (G) ? (m) - r0 : (G)) {                          \
-      case 1: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 1, NB); break;  \
-      case 2: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 2, NB); break;  \
-      case 3: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 3, NB); break;  \
-      case 4: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 4, NB); break;  \
-      case 5: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 5, NB); break;  \
-      case 6: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 6, NB); break;  \
-      case 7: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 7, NB); break;  \
-      default: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, G, NB); break; \
-    }                                                                   \
+   unrolled loop (G <= ROWS; a case past G is never reached, AT_MOST keeps it in bounds). */
+#define AT_MOST(c, G) ((c) < (G) ? (c) : (G))
+#define ROW_GROUPS(ROWS_FN, G, NB, x, w, bias, y, b, m, n, k)                      \
+  for (int r0 = 0; r0 < (m); r0 += (G)) {                                          \
+    const size_t xo = (size_t)r0 * (k), yo = (size_t)r0 * (n);                     \
+    switch ((m) - r0 < (G) ? (m) - r0 : (G)) {                                     \
+      case 1: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, 1, NB); break;             \
+      case 2: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, AT_MOST(2, G), NB); break; \
+      case 3: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, AT_MOST(3, G), NB); break; \
+      case 4: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, AT_MOST(4, G), NB); break; \
+      case 5: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, AT_MOST(5, G), NB); break; \
+      case 6: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, AT_MOST(6, G), NB); break; \
+      case 7: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, AT_MOST(7, G), NB); break; \
+      default: ROWS_FN(x + xo, w, bias, y + yo, b, n, k, G, NB); break;            \
+    }                                                                              \
   }
 
 /* Blocks of every row: one per pass below PAIRED_FROM rows, else two (PAIRED_ROWS rows at
-   a time, so the accumulators fit the 32 registers); the odd last block goes alone. */
+   a time, so the accumulators fit AVX-512's 32 registers); the odd last block goes alone. */
 // clang-format off: it would put the _Pragma and the loop on one line
 #define FOR_BLOCKS(ROWS_FN, x, w, bias, y, m, n, k)                                \
   do {                                                                             \
@@ -88,13 +99,13 @@ ALWAYS_INLINE __m512 sum_chains(const __m512 *acc) {
 
 /* Both dtypes' passes: zeroed accumulators, and the UNROLL weight lines (64 bytes each)
    PREFETCH lines ahead of `step` in each of the NB blocks (bstride bytes apart). */
-ALWAYS_INLINE void zero_accumulators(__m512 acc[ROWS][MAX_NB][CHAINS], int M, int NB) {
+ALWAYS_INLINE void zero_accumulators(vf acc[ROWS][MAX_NB][SUMS], int M, int NB) {
 #pragma GCC unroll 8
   for (int r = 0; r < M; r++)
 #pragma GCC unroll 2
     for (int j = 0; j < NB; j++)
 #pragma GCC unroll 4
-      for (int c = 0; c < CHAINS; c++) acc[r][j][c] = _mm512_setzero_ps();
+      for (int c = 0; c < SUMS; c++) acc[r][j][c] = vf_zero();
 }
 
 ALWAYS_INLINE void prefetch_ahead(const char *step, size_t bstride, int NB) {
@@ -110,24 +121,30 @@ ALWAYS_INLINE void prefetch_ahead(const char *step, size_t bstride, int NB) {
 /* out[r][j] = block j of NB (at wb + j * bstride, each [k][16]) times x row r, for M rows
    (M and NB constants after inlining; see blocks_bf16 for why two blocks per pass). */
 ALWAYS_INLINE void blocks_f32(const float *x, const float *wb, size_t bstride, int k, int M, int NB,
-                              __m512 out[][MAX_NB]) {
-  __m512 acc[ROWS][MAX_NB][CHAINS];
+                              vf out[][MAX_NB][BV]) {
+  vf acc[ROWS][MAX_NB][SUMS];
   zero_accumulators(acc, M, NB);
   int c = 0;
   for (; c + UNROLL <= k; c += UNROLL) {
     prefetch_ahead((const char *)(wb + (size_t)c * BLOCK), bstride * sizeof(float), NB);
 #pragma GCC unroll 4
     for (int u = 0; u < UNROLL; u++) {
-      __m512 w[MAX_NB];
+      vf w[MAX_NB][BV];
 #pragma GCC unroll 2
       for (int j = 0; j < NB; j++)
-        w[j] = _mm512_loadu_ps(wb + j * bstride + (size_t)(c + u) * BLOCK);
+#pragma GCC unroll 2
+        for (int v = 0; v < BV; v++)
+          w[j][v] = vf_load(wb + j * bstride + (size_t)(c + u) * BLOCK + v * VL);
 #pragma GCC unroll 8
       for (int r = 0; r < M; r++) {
-        const __m512 xv = _mm512_set1_ps(x[(size_t)r * k + c + u]);
+        const vf xv = vf_set1(x[(size_t)r * k + c + u]);
 #pragma GCC unroll 2
         for (int j = 0; j < NB; j++)
-          acc[r][j][u % CHAINS] = _mm512_fmadd_ps(w[j], xv, acc[r][j][u % CHAINS]);
+#pragma GCC unroll 2
+          for (int v = 0; v < BV; v++) {
+            vf *a = &acc[r][j][u % CHAINS * BV + v];
+            *a = vf_fma(w[j][v], xv, *a);
+          }
       }
     }
   }
@@ -136,30 +153,37 @@ ALWAYS_INLINE void blocks_f32(const float *x, const float *wb, size_t bstride, i
     for (int r = 0; r < M; r++)
 #pragma GCC unroll 2
       for (int j = 0; j < NB; j++)
-        acc[r][j][0] = _mm512_fmadd_ps(_mm512_loadu_ps(wb + j * bstride + (size_t)c * BLOCK),
-                                       _mm512_set1_ps(x[(size_t)r * k + c]), acc[r][j][0]);
+#pragma GCC unroll 2
+        for (int v = 0; v < BV; v++)
+          acc[r][j][v] = vf_fma(vf_load(wb + j * bstride + (size_t)c * BLOCK + v * VL),
+                                vf_set1(x[(size_t)r * k + c]), acc[r][j][v]);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < M; r++)
 #pragma GCC unroll 2
-    for (int j = 0; j < NB; j++) out[r][j] = sum_chains(acc[r][j]);
+    for (int j = 0; j < NB; j++)
+#pragma GCC unroll 2
+      for (int v = 0; v < BV; v++) out[r][j][v] = sum_chains(acc[r][j], v);
 }
 
-/* Rows [0, M) of x against blocks b .. b + NB - 1, bias added, stored into y. */
+/* Rows [0, M) of x against blocks b .. b + NB - 1, bias added, stored into y (the outputs
+   of the last block that exist). */
 ALWAYS_INLINE void rows_f32(const float *x, const float *w, const float *bias, float *y, int b,
                             int n, int k, int M, int NB) {
-  __m512 out[ROWS][MAX_NB];
+  vf out[ROWS][MAX_NB][BV];
   const size_t bstride = (size_t)BLOCK * k;
   blocks_f32(x, w + (size_t)b * bstride, bstride, k, M, NB, out);
 #pragma GCC unroll 2
   for (int j = 0; j < NB; j++) {
-    const __mmask16 mask = block_mask(b + j, n);
-    const __m512 bv =
-        bias ? _mm512_maskz_loadu_ps(mask, bias + (b + j) * BLOCK) : _mm512_setzero_ps();
+    const int o = (b + j) * BLOCK;
+#pragma GCC unroll 2
+    for (int v = 0; v < BV; v++) {
+      const int left = n - o - v * VL;
+      const vf bv = bias ? vf_load_n(bias + o + v * VL, left) : vf_zero();
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++)
-      _mm512_mask_storeu_ps(y + (size_t)r * n + (b + j) * BLOCK, mask,
-                            _mm512_add_ps(out[r][j], bv));
+      for (int r = 0; r < M; r++)
+        vf_store_n(y + (size_t)r * n + o + v * VL, left, vf_add(out[r][j][v], bv));
+    }
   }
 }
 
@@ -169,9 +193,20 @@ static void linear_f32(const float *x, const float *w, const float *bias, float 
   FOR_BLOCKS(rows_f32, x, w, bias, y, m, n, k);
 }
 
-/* ---- bf16 ---- */
+/* The entry points (kernel_args.h): this one and, in the AVX-512 build, flowllm_linear_bf16. */
+int64_t flowllm_linear_f32(const struct flowllm_linear_f32_args *a) {
+  linear_f32(a->x, a->w, a->bias, a->y, (int)a->m, (int)a->n, (int)a->k);
+  return 0;
+}
 
+/* ---- bf16 (AVX-512 build only) ---- */
+
+#if defined(__AVX512F__)
 #define BF16 __attribute__((target("avx512bf16")))
+_Static_assert(BV == 1, "a bf16 line is one AVX-512 vector");
+
+/* Output lanes of block b that exist (the last block may be partial). */
+ALWAYS_INLINE __mmask16 block_mask(int b, int n) { return vm_first(n - b * BLOCK); }
 
 /* The bf16 pair x[i], x[i + 1] broadcast to every 32-bit lane. */
 BF16 ALWAYS_INLINE __m512bh pair_bf16(const uint16_t *x, size_t i) {
@@ -189,7 +224,7 @@ BF16 ALWAYS_INLINE void blocks_bf16(const uint16_t *x, const uint16_t *wb, size_
                                     int M, int NB, __m512 out[][MAX_NB]) {
   const int pairs = k / 2;
   const size_t line = 2 * BLOCK; /* bf16 values per step */
-  __m512 acc[ROWS][MAX_NB][CHAINS];
+  vf acc[ROWS][MAX_NB][SUMS];
   zero_accumulators(acc, M, NB);
   int p = 0;
   for (; p + UNROLL <= pairs; p += UNROLL) {
@@ -232,7 +267,7 @@ BF16 ALWAYS_INLINE void blocks_bf16(const uint16_t *x, const uint16_t *wb, size_
 #pragma GCC unroll 8
   for (int r = 0; r < M; r++)
 #pragma GCC unroll 2
-    for (int j = 0; j < NB; j++) out[r][j] = sum_chains(acc[r][j]);
+    for (int j = 0; j < NB; j++) out[r][j] = sum_chains(acc[r][j], 0);
 }
 
 /* bf16 [16] (masked) -> fp32 [16]: the bf16 bits are the fp32's upper half. */
@@ -297,14 +332,8 @@ BF16 static void linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_
   }
 }
 
-/* ---- Entry points (kernel_args.h) ---- */
-
-int64_t flowllm_linear_f32(const struct flowllm_linear_f32_args *a) {
-  linear_f32(a->x, a->w, a->bias, a->y, (int)a->m, (int)a->n, (int)a->k);
-  return 0;
-}
-
 BF16 int64_t flowllm_linear_bf16(const struct flowllm_linear_bf16_args *a) {
   linear_bf16(a->x, a->w, a->bias, a->y, (int)a->m, (int)a->n, (int)a->k, (int)a->f32_out);
   return 0;
 }
+#endif
