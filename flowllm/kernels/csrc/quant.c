@@ -403,15 +403,6 @@ QLINEAR(qlinear_q4_f32, 1, 0)
 QLINEAR(qlinear_q8_f16, 0, 1)
 QLINEAR(qlinear_q8_f32, 0, 0)
 
-/* float32 -> bfloat16, rounded to nearest even (NaN kept quiet); without branches, so that
-   a loop over it vectorizes. */
-static inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
-}
-
 /* Row j of W (rows or interleaved layout) dequantized into dst [k] float32. */
 ALWAYS_INLINE void dequant_row(const uint8_t *codes, const char *scales, const char *mins,
                                int64_t j, int k, int G, int q4, int f16, int interleaved,
@@ -469,15 +460,9 @@ ALWAYS_INLINE int64_t dequant_rows(const void *codes, const void *scales_p, cons
 }
 
 #if defined(__AVX512F__)
-/* 16 floats as bf16, rounded as to_bf16, each in the low half of its dword. */
+/* 16 floats as bf16 (isa.h's rounding), each in the low half of its dword. */
 static inline __m512i bf16_lanes(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-  const __m512i r =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_srli_epi32(_mm512_castps_si512(vf_round_bf16(v)), 16);
 }
 
 /* The dwords of 16 rows' values a, b (codes as int32 lanes) as bf16 pairs: a | b << 16. */
@@ -579,7 +564,7 @@ ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_
           memset(tmp + (size_t)lane * k, 0, (size_t)k * sizeof(float));
         }
       }
-      for (size_t v = 0; v < (size_t)16 * k; v++) half[v] = to_bf16(tmp[v]);
+      for (size_t v = 0; v < (size_t)16 * k; v += VL) vf_store_bf16(half + v, vf_load(tmp + v));
       transpose_rows(half, k / 2, (int32_t *)(out + (size_t)b * k * 16));
     }
     free(tmp);
