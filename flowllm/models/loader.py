@@ -158,16 +158,12 @@ def _looks_like_path(name: str) -> bool:
 def resolve_model(name: str, quantization: str = "auto") -> ResolvedModel:
     """Resolve a model name to an HF-format directory or a GGUF file (see the module
     docstring for the order)."""
-    from flowllm.models.bundled import bundled_gguf_path
     from flowllm.models.gguf_file import is_gguf
 
     if not name or not name.strip():
         raise ModelNotFoundError("no model name given")
     if name == BUNDLED_MODEL:
-        # The converted directory's config and tokenizer (no rebuilding from the file's
-        # metadata) and, unless asked to dequantize, the file's quantized weights.
-        gguf = bundled_gguf_path() if quantization == "auto" else None
-        return ResolvedModel(path=_bundled_dir(), name=name, gguf=gguf)
+        return _bundled(quantization)
     path = Path(name).expanduser()
     if path.exists() or _looks_like_path(name):
         if not path.exists():
@@ -184,13 +180,18 @@ def resolve_model(name: str, quantization: str = "auto") -> ResolvedModel:
     return ResolvedModel(path=_hub_snapshot(name), name=name)
 
 
-def _bundled_dir() -> Path:
-    from flowllm.models.bundled import BundledModelError, ensure_bundled_model
+def _bundled(quantization: str) -> ResolvedModel:
+    """The bundled model: the converted directory's config and tokenizer (nothing rebuilt
+    from the file's metadata) and, unless asked to dequantize, the file's quantized
+    weights."""
+    from flowllm.models.bundled import BundledModelError, bundled_gguf_path, ensure_bundled_model
 
     try:
-        return ensure_bundled_model()
+        path = ensure_bundled_model()
+        gguf = bundled_gguf_path() if quantization == "auto" else None
     except BundledModelError as e:
         raise BundledModelLoadError(str(e)) from e
+    return ResolvedModel(path=path, name=BUNDLED_MODEL, gguf=gguf)
 
 
 def _hub_snapshot(name: str) -> Path:
