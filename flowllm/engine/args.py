@@ -83,8 +83,8 @@ def add_engine_arguments(
         "--quantization",
         choices=QUANTIZATIONS,
         default=_MODEL.quantization,
-        help="auto: a GGUF file's quantized weights are served quantized (the bundled model "
-        "by name is served dequantized); none: dequantized at load, as the float model; "
+        help="auto: a GGUF file's quantized weights are served quantized (the bundled "
+        "model's Q4_1 file too); none: dequantized at load, as the float model; "
         "int8: a float checkpoint's linear layers quantized to int8 per output channel "
         "(weights only)",
     )

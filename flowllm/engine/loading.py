@@ -66,7 +66,7 @@ def build_services(config: EngineConfig) -> EngineServices:
     transformers, which overlaps with reading and packing weights (native code that
     releases the GIL)."""
     # Resolving converts the bundled model if needed.
-    resolved = resolve_model(config.model.model)
+    resolved = resolve_model(config.model.model, config.model.quantization)
     if config.model.tokenizer is not None:
         tokenizer_args: tuple[Path, str | None, Path | None] = (
             resolve_model(config.model.tokenizer).path,

@@ -1,9 +1,9 @@
 """Find a model's HF-format directory and load its weights into one of flowllm's model classes.
 
 A model name resolves, in order, to:
-  1. the bundled `smollm2-135m-instruct`: the HF-format directory converted once from its
-     Q4_1 GGUF file (bundled.py), its weights dequantized; the file itself, given as a
-     path, is served quantized like any GGUF file;
+  1. the bundled `smollm2-135m-instruct`: its Q4_1 GGUF file's quantized weights, with
+     the config and tokenizer of the HF-format directory converted once from that file
+     (bundled.py); with quantization `none`, that directory's dequantized weights;
   2. a GGUF file (`*.gguf`): weights, config and tokenizer from the file (gguf_file.py);
   3. a local directory (an existing path, or anything spelled like a path);
   4. a Hugging Face Hub id, fetched with `huggingface_hub.snapshot_download` (only config,
@@ -155,7 +155,7 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
-def resolve_model(name: str) -> ResolvedModel:
+def resolve_model(name: str, quantization: str = "auto") -> ResolvedModel:
     """Resolve a model name to an HF-format directory or a GGUF file (see the module
     docstring for the order)."""
     from flowllm.models.gguf_file import is_gguf
@@ -163,9 +163,7 @@ def resolve_model(name: str) -> ResolvedModel:
     if not name or not name.strip():
         raise ModelNotFoundError("no model name given")
     if name == BUNDLED_MODEL:
-        # Dequantized until the quantized products serve batches of 8 and more as fast
-        # as bf16 ones (benchmarks/README.md, "Quantized weights").
-        return ResolvedModel(path=_bundled_dir(), name=name)
+        return _bundled(quantization)
     path = Path(name).expanduser()
     if path.exists() or _looks_like_path(name):
         if not path.exists():
@@ -182,13 +180,18 @@ def resolve_model(name: str) -> ResolvedModel:
     return ResolvedModel(path=_hub_snapshot(name), name=name)
 
 
-def _bundled_dir() -> Path:
-    from flowllm.models.bundled import BundledModelError, ensure_bundled_model
+def _bundled(quantization: str) -> ResolvedModel:
+    """The bundled model: the converted directory's config and tokenizer (nothing rebuilt
+    from the file's metadata) and, unless asked to dequantize, the file's quantized
+    weights."""
+    from flowllm.models.bundled import BundledModelError, bundled_gguf_path, ensure_bundled_model
 
     try:
-        return ensure_bundled_model()
+        path = ensure_bundled_model()
+        gguf = bundled_gguf_path() if quantization == "auto" else None
     except BundledModelError as e:
         raise BundledModelLoadError(str(e)) from e
+    return ResolvedModel(path=path, name=BUNDLED_MODEL, gguf=gguf)
 
 
 def _hub_snapshot(name: str) -> Path:
@@ -434,11 +437,11 @@ def load_model(
 ) -> LoadedModel:
     """Resolve `name_or_path`, build its flowllm model class and load the weights into it.
 
-    quantization: `auto` keeps a GGUF file's quantized weights quantized on the CPU and
-    loads others as stored; `none` dequantizes them at load (the bundled model then loads
-    from its converted directory, as an HF model); `int8` quantizes a float checkpoint's
-    linear layers (but the LM head) to int8 per output channel. Quantized weights run with
-    float32 activations when `dtype` is auto."""
+    quantization: `auto` keeps a GGUF file's quantized weights (the bundled model's too)
+    quantized on the CPU and loads others as stored; `none` dequantizes them at load (the
+    bundled model then loads from its converted directory, as an HF model); `int8`
+    quantizes a float checkpoint's linear layers (but the LM head) to int8 per output
+    channel. Quantized weights run with float32 activations when `dtype` is auto."""
     from flowllm.models import gguf_file
     from flowllm.models.errors import ModelError, UnsupportedModelError, WeightLoadError
     from flowllm.models.registry import model_class_for
@@ -447,7 +450,7 @@ def load_model(
         raise ModelLoadError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
         )
-    resolved = resolve_model(name_or_path)
+    resolved = resolve_model(name_or_path, quantization)
     dev = resolve_device(device)
     if resolved.gguf is not None and quantization == "int8":
         raise ModelLoadError(

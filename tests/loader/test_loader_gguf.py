@@ -29,6 +29,7 @@ from flowllm.models.loader import (
     ModelNotFoundError,
     UnknownArchitectureError,
     load_model,
+    resolve_model,
 )
 from flowllm.models.runner import ModelRunner
 from flowllm.models.tokenizer import TokenizerLoadError, load_tokenizer
@@ -143,14 +144,26 @@ def test_llama_gguf_rows_are_unpermuted(tmp_path: Path) -> None:
     assert diff < 1e-4
 
 
-def test_the_bundled_file_is_served_quantized_and_the_bundled_name_dequantized(
+def test_the_bundled_model_is_served_quantized_unless_asked_to_dequantize(
     flowllm_cache_with_smollm2: Path,
 ) -> None:
-    by_name = load_model(BUNDLED_MODEL, device="cpu")
-    assert all(m.quantized is None for m in by_name.model.modules() if isinstance(m, Linear))
-    loaded = load_model(str(bundled_gguf_path()), device="cpu")
+    """By name or as its file, the bundled model's Q4_1 weights stay quantized; by name it
+    keeps the converted directory's config and tokenizer; `none` loads that directory's
+    dequantized weights."""
+    dequantized = load_model(BUNDLED_MODEL, device="cpu", quantization="none")
+    assert all(m.quantized is None for m in dequantized.model.modules() if isinstance(m, Linear))
+    assert dequantized.path == resolve_model(BUNDLED_MODEL).path
+    as_file = load_model(str(bundled_gguf_path()), device="cpu")
+    assert as_file.tokenizer_gguf == bundled_gguf_path().resolve()
+    loaded = load_model(BUNDLED_MODEL, device="cpu")
+    assert loaded.tokenizer_gguf is None and loaded.name == BUNDLED_MODEL
+    assert loaded.hf_config == dequantized.hf_config
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
     assert {m.quantized.weight.source for m in linears} == {"Q4_1", "Q8_0"}
+    toks = tokens(16)
+    torch.testing.assert_close(
+        logits_of(loaded.model, toks, 16), logits_of(as_file.model, toks, 16), rtol=0, atol=0
+    )
     # Weights against the bf16 model's: its linear weights, and the embedding table it
     # keeps beside its packed head.
     params = sum(m.in_features * m.out_features for m in linears)
