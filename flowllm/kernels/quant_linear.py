@@ -247,8 +247,8 @@ class QuantizedWeight:
 
 
 def _interleave(t: torch.Tensor, width: int, inverse: bool = False) -> torch.Tensor:
-    """[n, c] (n a multiple of 16) with each 16 rows' runs of `width` bytes transposed,
-    [n / 16][c / items][16]; or (inverse) back. The same shape and dtype."""
+    """[n, c] (n a multiple of 16) with each 16 rows' runs of `width` bytes transposed:
+    [n / 16][runs per row][16 rows][width]; or (inverse) back. The same shape and dtype."""
     n, c = t.shape
     items = t.contiguous().view(torch.uint8).view(n // LANES, LANES, -1, width)
     if inverse:

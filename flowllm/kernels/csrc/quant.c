@@ -216,7 +216,7 @@ ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *c
 static inline void transpose16(const uint8_t *rows, int row_bytes, int d0, int dwords, int count,
                                int32_t *out) {
   const int left = dwords - d0;
-  const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+  const __mmask16 mask = vm_first(left);
   __m512i r[16], a[16], b[16];
   for (int o = 0; o < 16; o++)
     r[o] = _mm512_maskz_loadu_epi32(mask, rows + (size_t)o * row_bytes + (size_t)d0 * 4);
@@ -245,8 +245,7 @@ static inline void transpose16(const uint8_t *rows, int row_bytes, int d0, int d
 
 /* 16 interleaved scales (or offsets) as float32 lanes. */
 ALWAYS_INLINE __m512 lane_scales(const char *p, size_t i, int f16) {
-  return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
-             : _mm512_loadu_ps((const float *)p + i);
+  return f16 ? vf_load_f16((const uint16_t *)p + i) : vf_load((const float *)p + i);
 }
 
 /* 16 rows of `dwords` 4-byte values each, one after another, transposed: out[t * 16 + o] =
@@ -340,7 +339,7 @@ ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const ch
   const char *ws = scales + (size_t)gi * scale_bytes;
   const char *wm = mins ? mins + (size_t)gi * scale_bytes : NULL;
   const int64_t j0 = gi * LANES;
-  const __mmask16 keep = n - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1);
+  const __mmask16 keep = vm_first(n - j0);
   const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + j0) : _mm512_setzero_ps();
   for (int r0 = 0; r0 < m; r0 += XROWS) {
     __m512 acc[XROWS];
@@ -393,6 +392,7 @@ ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const ch
     return 0;                                                                               \
   }
 // clang-format on
+
 /* ---- Entry points (kernel_args.h) ---- */
 
 /* 1 when integer products of interleaved weights run here (the group kernel is built). */
@@ -550,8 +550,7 @@ ALWAYS_INLINE int64_t dequant_bf16_blocks(const void *codes, const void *scales_
         const size_t scale_bytes = (size_t)(k / G) * LANES * (f16 ? 2 : 4);
         group_to_bf16((const int32_t *)((const uint8_t *)codes + gi * LANES * row_bytes),
                       scales + gi * scale_bytes, mins ? mins + gi * scale_bytes : NULL, k, G, q4,
-                      f16, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1),
-                      (int32_t *)(out + (size_t)b * k * 16));
+                      f16, vm_first(left), (int32_t *)(out + (size_t)b * k * 16));
         continue;
       }
 #endif
