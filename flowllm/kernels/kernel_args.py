@@ -170,7 +170,7 @@ INT64, DOUBLE = Int(), Float()
 _ELEMENT = {"f32": ("float", F32), "bf16": ("bf16_t", BF16)}
 _CODES = {"q4": ("uint8_t", (torch.uint8,)), "q8": ("int8_t", (torch.int8,))}
 _SCALES = {"f16": ("f16_t", F16), "f32": ("float", F32)}
-_ATTENTION = (torch.float32, torch.bfloat16)
+_ACTIVATIONS = (torch.float32, torch.bfloat16)
 
 
 def _typed(suffix: str) -> Iterator[type[KernelArgs]]:
@@ -223,17 +223,18 @@ def _quantized(codes: str, scales: str) -> Iterator[type[KernelArgs]]:
     name = f"{codes}_{scales}"
     yield _args(
         f"qlinear_{name}",
-        ("x", Tensor("float", F32)),
+        ("x", Tensor("void", _ACTIVATIONS)),
         ("codes", c),
         ("scales", s),
         ("mins", mins),
-        ("bias", Tensor("float", F32, optional=True)),
-        ("y", Tensor("float", F32, const=False)),
+        ("bias", Tensor("void", _ACTIVATIONS, optional=True)),
+        ("y", Tensor("void", _ACTIVATIONS, const=False)),
         ("m", INT64),
         ("n", INT64),
         ("k", INT64),
         ("group", INT64),
         ("interleaved", INT64),
+        ("bf16", INT64),
     )
     yield _args(
         f"dequant_{name}",
@@ -286,11 +287,11 @@ def _all() -> Iterator[type[KernelArgs]]:
         ("k", INT64),
         ("f32_out", INT64),
     )
-    cache = Tensor("void", _ATTENTION)
+    cache = Tensor("void", _ACTIVATIONS)
     yield _args(
         "decode_attention",
         ("bf16", INT64),
-        ("query", Tensor("void", _ATTENTION, rows=True)),
+        ("query", Tensor("void", _ACTIVATIONS, rows=True)),
         ("q_stride", INT64),
         ("k_cache", cache),
         ("v_cache", cache),
@@ -308,17 +309,17 @@ def _all() -> Iterator[type[KernelArgs]]:
         ("n", INT64),
         ("num_tokens", INT64),
         ("scale", DOUBLE),
-        ("out", Tensor("void", _ATTENTION, const=False, rows=True)),
+        ("out", Tensor("void", _ACTIVATIONS, const=False, rows=True)),
         ("out_stride", INT64),
     )
     yield _args(
         "store_kv",
-        ("key", Tensor("void", _ATTENTION, rows=True)),
+        ("key", Tensor("void", _ACTIVATIONS, rows=True)),
         ("key_stride", INT64),
-        ("value", Tensor("void", _ATTENTION, rows=True)),
+        ("value", Tensor("void", _ACTIVATIONS, rows=True)),
         ("value_stride", INT64),
-        ("k_cache", Tensor("void", _ATTENTION, const=False)),
-        ("v_cache", Tensor("void", _ATTENTION, const=False)),
+        ("k_cache", Tensor("void", _ACTIVATIONS, const=False)),
+        ("v_cache", Tensor("void", _ACTIVATIONS, const=False)),
         ("num_slots", INT64),
         ("slots", Tensor("int64_t", I64)),
         ("n", INT64),

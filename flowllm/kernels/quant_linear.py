@@ -18,7 +18,10 @@ meet in the widest (q8, float32 scales, the smaller group).
 
 The kernel multiplies groups of 32 or more on integers, x rounded to int8 a block of 32
 as llama.cpp does (`csrc/quant.c` says how, and the error's bound); Q6_K's groups of 16
-dequantize to float32 in registers.
+dequantize to float32 in registers. x and y are float32 or, in a bf16 model, bf16 as they
+are (the kernel widens x as it reads it and rounds y once), so a bf16 model keeps its bf16
+KV cache and attention with quantized weights, and its decode steps record without a
+conversion.
 
 Decode steps, recorded and replayed (`flowllm.kernels.call_plan`), run that kernel at any
 batch: on AVX-512 VNNI it takes 16 outputs at a time, their codes unpacked once and dotted
@@ -369,8 +372,10 @@ def _kernel_name(prefix: str, weight: QuantizedWeight) -> str:
 
 
 class QuantizedLinear:
-    """y = x W^T + b over a QuantizedWeight: x [m, k] -> y [m, n] in `out_dtype`, sums and
-    the bias (kept by reference) in float32."""
+    """y = x W^T + b over a QuantizedWeight: x [m, k] -> y [m, n] in `out_dtype`, sums in
+    float32, the bias kept by reference. bf16 x, bias and y (a bf16 model's layers) go to
+    the kernel as they are, so a recorded step needs no conversions; other mixes convert
+    to float32 first."""
 
     def __init__(
         self,
@@ -417,34 +422,40 @@ class QuantizedLinear:
         n, k = self.out_features, self.in_features
         if x.dim() != 2 or x.shape[1] != k or not x.is_cpu:
             raise QuantError(f"x must be [m, {k}] on the CPU, got {tuple(x.shape)} {x.device}")
-        x32 = x.to(torch.float32).contiguous()
-        m = x32.shape[0]
+        m = x.shape[0]
         if (
             self.lib is None
             or self._product is None
             or (m >= self._tile_from and not call_plan.recording())
         ):
-            y = self._tiled(x32)
+            y = self._tiled(x)
+            return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
+        bf16 = x.dtype == self.out_dtype == torch.bfloat16 and (
+            self.bias is None or self.bias.dtype == torch.bfloat16
+        )
+        if bf16:
+            x, bias, y = x.contiguous(), self.bias, torch.empty(m, n, dtype=torch.bfloat16)
         else:
+            x, bias = x.to(torch.float32).contiguous(), self._bias32()
             y = torch.empty(m, n, dtype=torch.float32)
-            bias = self._bias32()
-            w = self.weight
-            if m:
-                _check(self._product(
-                    x=x32, codes=w.codes, scales=w.scales, mins=w.mins, bias=bias, y=y,
-                    m=m, n=n, k=k, group=w.group, interleaved=int(w.interleaved),
-                ))  # fmt: skip
-        return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
+        w = self.weight
+        if m:
+            _check(self._product(
+                x=x, codes=w.codes, scales=w.scales, mins=w.mins, bias=bias, y=y, m=m, n=n,
+                k=k, group=w.group, interleaved=int(w.interleaved), bf16=int(bf16),
+            ))  # fmt: skip
+        return y if y.dtype == self.out_dtype else y.to(self.out_dtype)
 
-    def _tiled(self, x32: torch.Tensor) -> torch.Tensor:
-        """x W^T + b, W dequantized one tile of rows at a time and multiplied in bf16 where
-        the CPU has fast bf16 products (as the unquantized model would), else float32."""
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b in float32, W dequantized one tile of rows at a time and multiplied in
+        bf16 where the CPU has fast bf16 products (as the unquantized model would), else
+        float32."""
         n, k = self.out_features, self.in_features
-        y = torch.empty(x32.shape[0], n, dtype=torch.float32)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
         step = max(LANES, TILE_VALUES // k // LANES * LANES)  # whole groups of 16 rows
         bias = self._bias32()
         bf16 = self.lib is not None and cpu_linear.serves(torch.bfloat16)
-        x = x32.to(torch.bfloat16) if bf16 else x32
+        x = x.to(torch.bfloat16 if bf16 else torch.float32).contiguous()
         for r0 in range(0, n, step):
             rows = min(step, n - r0)
             part_bias = None if bias is None else bias[r0 : r0 + rows]

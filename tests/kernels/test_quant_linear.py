@@ -10,7 +10,7 @@ import torch
 from gguf.quants import dequantize
 from quant_blocks import random_blocks
 
-from flowllm.kernels import cpu_linear, native, quant_linear
+from flowllm.kernels import call_plan, cpu_linear, native, quant_linear
 from flowllm.kernels.quant_linear import QuantError, QuantizedLinear, QuantizedWeight
 
 ISAS = [
@@ -73,6 +73,31 @@ def test_products_match_dequantize_then_matmul(isa: str, type_name: str) -> None
     x = torch.randn(quant_linear.TILE_FROM + 3, K)
     expect = x @ w.T + bias
     torch.testing.assert_close(lin(x), expect, rtol=2e-2, atol=2e-2 * float(expect.abs().max()))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", quant_linear.GGUF_FORMATS)
+def test_bf16_activations_give_the_float32_product_rounded_once(isa: str, type_name: str) -> None:
+    """bf16 x, bias and y go through the kernel unconverted (a decode step replays them
+    without torch ops) and give the float32 product of the same values, rounded to bf16."""
+    n = N + 8
+    raw = random_blocks(type_name, n, K, seed=5)
+    weight = quant_linear.from_gguf(raw, type_name, (n, K))
+    lib = native.isa_library(isa)
+    assert lib is not None
+    bias = torch.randn(n).to(torch.bfloat16)
+    lin = QuantizedLinear(weight, bias, out_dtype=torch.bfloat16, lib=lib)
+    lin32 = QuantizedLinear(weight, bias.float(), lib=lib)
+    for m in (1, 3, 8, 9, quant_linear.TILE_FROM - 1):
+        x = torch.randn(m, K).to(torch.bfloat16)
+        recorded = call_plan.record(lib, lambda a: (lin(a),), (x,))
+        assert recorded.plan is not None, recorded.refused
+        (y,) = recorded.outputs
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, lin32(x.float()).to(torch.bfloat16))
+        x2 = torch.randn(m, K).to(torch.bfloat16)
+        (replayed,) = recorded.plan.replay((x2,))
+        assert torch.equal(replayed, lin32(x2.float()).to(torch.bfloat16))
 
 
 @pytest.mark.skipif(not cpu_linear.serves(torch.bfloat16), reason="no bf16 kernel here")

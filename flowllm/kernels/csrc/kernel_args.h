@@ -133,21 +133,23 @@ typedef uint16_t f16_t;
   F(S, int64_t, row_stride)            \
   F(S, int64_t *, out)
 
-/* x [m][k] float32 -> y [m][n]; W [n][k] as codes C, scales and offsets SC [n][k / group]
+/* x [m][k] -> y [m][n]; W [n][k] as codes C, scales and offsets SC [n][k / group]
  * (mins NULL: no offsets), bias [n] or NULL; interleaved: W's codes, scales and offsets
- * in the 16-row interleaved layout (csrc/quant.c describes the layouts) */
+ * in the 16-row interleaved layout (csrc/quant.c describes the layouts); x, bias and y
+ * float32, or bfloat16 with bf16 set */
 #define FLOWLLM_QLINEAR_ARGS(F, S, C, SC) \
-  F(S, const float *, x)                  \
+  F(S, const void *, x)                   \
   F(S, const C *, codes)                  \
   F(S, const SC *, scales)                \
   F(S, const SC *, mins)                  \
-  F(S, const float *, bias)               \
-  F(S, float *, y)                        \
+  F(S, const void *, bias)                \
+  F(S, void *, y)                         \
   F(S, int64_t, m)                        \
   F(S, int64_t, n)                        \
   F(S, int64_t, k)                        \
   F(S, int64_t, group)                    \
-  F(S, int64_t, interleaved)
+  F(S, int64_t, interleaved)              \
+  F(S, int64_t, bf16)
 
 /* out [rows][k] float32 = W[ids[i]], or W[row0 + i] when ids is NULL */
 #define FLOWLLM_DEQUANT_ARGS(F, S, C, SC) \

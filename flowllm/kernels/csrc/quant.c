@@ -21,31 +21,53 @@ lanes (maddubs: unsigned x signed bytes; a signed code's sign moves onto x), and
 the weight group's s times the block's x scale; the offsets add m times the block's exact
 float sum of x. So W's values are exact and x is rounded to 8 bits a block, the error
 bounded by sum |w| x (x block scale) / 2. Other groups dequantize to float32 in registers
-and multiply with x as it is.
+and multiply with x as it is. x, the bias and y are float32, or bfloat16 (`bf16`): x
+widened as it is read, y rounded once.
 
 With AVX-512 VNNI, integer products of interleaved weights run 16 output rows at a time
 (output_group): each vector of codes holds 4 codes of each of the 16 rows, dotted with up
 to XROWS rows of x by byte dots against each row's 4 values broadcast. Elsewhere each
 output row is one dot product per row of x (output_row): its codes read once per pass of
 up to ROWS rows of x (the row's codes stay in L1 for the next pass). Outputs are split
-across OpenMP threads in contiguous runs. */
+across OpenMP threads in contiguous runs. A product streams its weights once, so its reads
+of codes and scales are prefetched AHEAD bytes ahead: with the hardware prefetchers alone,
+a step's products waited on memory. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "flowllm.h"
 #include "isa.h"
 #include "kernel_args.h"
 
 #define ROWS 4              /* rows of x per pass over a weight row */
 #define PARALLEL_FROM 65536 /* weight values x rows of x from which threads split */
 #define QBLOCK 32           /* values of x per int8 block */
+#define AHEAD                                                             \
+  8192 /* bytes of codes prefetched ahead of a product's reads (a scale's \
+          bytes ahead: an eighth) */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE float load_scale(const void *p, size_t i, int f16) {
   return f16 ? f16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Activations (x, the bias, y) are float32, or bfloat16 with `bf16` set: widened exactly as
+   they are read, and y rounded to bf16 once, from the float32 sum plus the bias. */
+ALWAYS_INLINE vf load_x(const void *x, size_t i, int bf16) {
+  return bf16 ? vf_load_bf16((const uint16_t *)x + i) : vf_load((const float *)x + i);
+}
+ALWAYS_INLINE float load_act(const void *p, size_t i, int bf16) {
+  return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+ALWAYS_INLINE void store_act(void *p, size_t i, float v, int bf16) {
+  if (bf16)
+    ((uint16_t *)p)[i] = f32_to_bf16(v);
+  else
+    ((float *)p)[i] = v;
 }
 
 /* x rows quantized to int8 blocks of 32, with each block's scale and exact float sum. */
@@ -56,7 +78,7 @@ typedef struct {
   int32_t *qsum; /* [m][k / 32]: each block's sum of codes */
 } QuantX;
 
-static int quantize_x(const float *x, int m, int k, QuantX *qx) {
+static int quantize_x(const void *x, int bf16, int m, int k, QuantX *qx) {
   const size_t blocks = (size_t)m * (k / QBLOCK);
   qx->q = malloc((size_t)m * k + (size_t)m * k / 4 * sizeof(float) +
                  blocks * (sizeof(float) + sizeof(int32_t)));
@@ -66,17 +88,18 @@ static int quantize_x(const float *x, int m, int k, QuantX *qx) {
   qx->qsum = (int32_t *)(qx->sum + blocks);
 #pragma omp parallel for schedule(static) if (blocks >= 4096)
   for (size_t b = 0; b < blocks; b++) {
-    const float *xb = x + b * QBLOCK;
+    const size_t xb = b * QBLOCK;
     vf amax = vf_zero(), sum = vf_zero();
     for (int i = 0; i < QBLOCK; i += VL) {
-      amax = vf_max(amax, vf_abs(vf_load(xb + i)));
-      sum = vf_add(sum, vf_load(xb + i));
+      const vf v = load_x(x, xb + i, bf16);
+      amax = vf_max(amax, vf_abs(v));
+      sum = vf_add(sum, v);
     }
     const float top = vf_max_of(amax), d = top / 127.0f;
     const vf inv = vf_set1(top > 0.0f ? 127.0f / top : 0.0f);
     vf qsum = vf_zero();
     for (int i = 0; i < QBLOCK; i += VL) {
-      const vf q = vf_round(vf_mul(vf_load(xb + i), inv));
+      const vf q = vf_round(vf_mul(load_x(x, xb + i, bf16), inv));
       vf_store_i8(qx->q + b * QBLOCK + i, q);
       qsum = vf_add(qsum, q);
     }
@@ -85,6 +108,15 @@ static int quantize_x(const float *x, int m, int k, QuantX *qx) {
     qx->sum[b] = vf_sum(sum);
   }
   return 0;
+}
+
+/* bf16 x [count] (a multiple of VL) widened to float32 for the float path; NULL when out of
+   memory. */
+static float *widen_x(const uint16_t *x, size_t count) {
+  float *out = malloc(count * sizeof(float));
+  if (out)
+    for (size_t i = 0; i < count; i += VL) vf_store(out + i, vf_load_bf16(x + i));
+  return out;
 }
 
 /* One weight row's group scales (or offsets) as float32 per block of 32: `out` [k / 32]. */
@@ -171,14 +203,19 @@ ALWAYS_INLINE void row_dots_float(const float *x, const void *codes, const void 
 
 /* Output row j of every row of x, ROWS rows at a time. */
 ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *codes,
-                              const char *scales, const char *mins, const float *bias, float *y,
-                              int64_t j, int m, int n, int k, int G, int q4, int f16) {
+                              const char *scales, const char *mins, const void *bias, void *y,
+                              int bf16, int64_t j, int m, int n, int k, int G, int q4, int f16) {
   const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
   const size_t scale_bytes = (size_t)(k / G) * (f16 ? 2 : 4);
   const void *c = codes + (size_t)j * row_bytes;
   const void *s = scales + (size_t)j * scale_bytes;
   const void *o = mins ? mins + (size_t)j * scale_bytes : NULL;
-  const float b = bias ? bias[j] : 0.0f;
+  const float b = bias ? load_act(bias, j, bf16) : 0.0f;
+  for (size_t i = 0; i < row_bytes; i += 64) __builtin_prefetch((const char *)c + AHEAD + i);
+  for (size_t i = 0; i < scale_bytes; i += 64) {
+    __builtin_prefetch((const char *)s + AHEAD / 8 + i);
+    if (o) __builtin_prefetch((const char *)o + AHEAD / 8 + i);
+  }
   float sc[qx ? k / QBLOCK + 1 : 1], mn[qx && o ? k / QBLOCK + 1 : 1];
   if (qx) {
     block_scales(s, k, G, f16, sc);
@@ -204,7 +241,7 @@ ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *c
         default: row_dots_float(xr, c, s, o, k, G, ROWS, f16, out); break;
       }
     }
-    for (int r = 0; r < rows; r++) y[(size_t)(r0 + r) * n + j] = out[r] + b;
+    for (int r = 0; r < rows; r++) store_act(y, (size_t)(r0 + r) * n + j, out[r] + b, bf16);
   }
 }
 
@@ -301,6 +338,9 @@ ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw
   for (int b = 0; b < blocks; b++) {
     __m512i w[8];
     const int32_t *col = tw + (size_t)(q4 ? b / 2 : b) * 8 * LANES;
+    if (!q4 || b % 2 == 0)
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; t++) __builtin_prefetch((const char *)col + AHEAD + t * 64);
 #pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
       const __m512i raw = _mm512_loadu_si512(col + t * LANES);
@@ -308,6 +348,9 @@ ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw
       w[t] = q4 ? _mm512_and_si512(b & 1 ? _mm512_srli_epi16(raw, 4) : raw, nibble)
                 : _mm512_xor_si512(raw, bias8);
     }
+    const size_t sat = (size_t)(b / per) * LANES * (f16 ? 2 : 4);
+    __builtin_prefetch(ws + sat + AHEAD / 8);
+    if (wm) __builtin_prefetch(wm + sat + AHEAD / 8);
     const __m512 sb = lane_scales(ws, (size_t)(b / per) * LANES, f16);
     const __m512 mb = wm ? lane_scales(wm, (size_t)(b / per) * LANES, f16) : _mm512_setzero_ps();
 #pragma GCC unroll 8
@@ -331,8 +374,8 @@ ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw
 
 /* Output rows 16 gi .. 16 gi + 16 (those below n) of every row of x. */
 ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const char *scales,
-                                const char *mins, const float *bias, float *y, int64_t gi, int m,
-                                int n, int k, int G, int q4, int f16) {
+                                const char *mins, const void *bias, void *y, int bf16, int64_t gi,
+                                int m, int n, int k, int G, int q4, int f16) {
   const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
   const size_t scale_bytes = (size_t)(k / G) * LANES * (f16 ? 2 : 4);
   const int32_t *tw = (const int32_t *)(codes + (size_t)gi * LANES * row_bytes);
@@ -340,7 +383,9 @@ ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const ch
   const char *wm = mins ? mins + (size_t)gi * scale_bytes : NULL;
   const int64_t j0 = gi * LANES;
   const __mmask16 keep = vm_first(n - j0);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + j0) : _mm512_setzero_ps();
+  const __m512 bv = !bias  ? _mm512_setzero_ps()
+                    : bf16 ? vf_load_bf16_n((const uint16_t *)bias + j0, n - j0)
+                           : _mm512_maskz_loadu_ps(keep, (const float *)bias + j0);
   for (int r0 = 0; r0 < m; r0 += XROWS) {
     __m512 acc[XROWS];
     const int rows = m - r0 < XROWS ? m - r0 : XROWS;
@@ -354,8 +399,13 @@ ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const ch
       case 7: group_dots(qx, r0, 7, tw, ws, wm, k, G, q4, f16, acc); break;
       default: group_dots(qx, r0, XROWS, tw, ws, wm, k, G, q4, f16, acc); break;
     }
-    for (int r = 0; r < rows; r++)
-      _mm512_mask_storeu_ps(y + (size_t)(r0 + r) * n + j0, keep, _mm512_add_ps(acc[r], bv));
+    for (int r = 0; r < rows; r++) {
+      const size_t at = (size_t)(r0 + r) * n + j0;
+      if (bf16)
+        vf_store_bf16_n((uint16_t *)y + at, n - j0, _mm512_add_ps(acc[r], bv));
+      else
+        _mm512_mask_storeu_ps((float *)y + at, keep, _mm512_add_ps(acc[r], bv));
+    }
   }
 }
 #define GROUP_OUTPUT output_group
@@ -367,28 +417,32 @@ ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const ch
 /* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows (or groups of 16, interleaved)
    split across threads. One function per layout (Q4, F16 constants), so OpenMP's outlined
    loop is specialized. Returns -1 when the scratch for x cannot be allocated, -2 for an
-   interleaved W this build cannot read (before writing y). */
+   interleaved W this build cannot read (before writing y). k is a multiple of 16. */
 // clang-format off: it would put the _Pragma and the loop on one line
 #define QLINEAR(NAME, Q4, F16)                                                              \
   int64_t flowllm_##NAME(const struct flowllm_##NAME##_args *a) {                           \
-    const float *x = a->x;                                                                  \
     const uint8_t *codes = (const uint8_t *)a->codes;                                       \
     const char *scales = (const char *)a->scales, *mins = (const char *)a->mins;            \
     const int m = (int)a->m, n = (int)a->n, k = (int)a->k, G = (int)a->group;               \
     const int integer = G % QBLOCK == 0 && k % 64 == 0, grouped = a->interleaved != 0;      \
     if (grouped && !(GROUP_KERNEL && integer)) return -2;                                   \
+    const int bf16 = a->bf16 != 0;                                                          \
     QuantX qx;                                                                              \
-    if (integer && quantize_x(x, m, k, &qx)) return -1;                                     \
+    float *wide = NULL; /* the float path's x, widened from bf16 */                         \
+    if (integer && quantize_x(a->x, bf16, m, k, &qx)) return -1;                            \
+    if (!integer && bf16 && !(wide = widen_x(a->x, (size_t)m * k))) return -1;              \
+    const float *x = integer ? NULL : bf16 ? wide : (const float *)a->x;                    \
     const int64_t items = grouped ? (n + LANES - 1) / LANES : n;                            \
     _Pragma("omp parallel for schedule(static) if ((int64_t)n * k * m >= PARALLEL_FROM)")   \
     for (int64_t t = 0; t < items; t++) {                                                   \
       if (grouped)                                                                          \
-        GROUP_OUTPUT(&qx, codes, scales, mins, a->bias, a->y, t, m, n, k, G, Q4, F16);      \
+        GROUP_OUTPUT(&qx, codes, scales, mins, a->bias, a->y, bf16, t, m, n, k, G, Q4, F16);\
       else                                                                                  \
-        output_row(x, integer ? &qx : NULL, codes, scales, mins, a->bias, a->y, t, m, n, k, \
-                   G, Q4, F16);                                                             \
+        output_row(x, integer ? &qx : NULL, codes, scales, mins, a->bias, a->y, bf16, t, m, \
+                   n, k, G, Q4, F16);                                                       \
     }                                                                                       \
     if (integer) free(qx.q);                                                                \
+    free(wide);                                                                             \
     return 0;                                                                               \
   }
 // clang-format on
