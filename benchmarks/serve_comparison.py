@@ -12,9 +12,10 @@ Servers (`--servers`, in order):
   - `flowllm`: the HF-format directory in `--dtype` (the dequantized model);
   - `flowllm-avx2`: the same in float32 with `FLOWLLM_NATIVE_ISA=avx2`, as a CPU without
     AVX-512 serves it (`--dtype auto` picks float32 there: it has no bf16 product);
-  - `flowllm-q4`: the GGUF file, weights served quantized (float32 activations);
+  - `flowllm-q4`: the GGUF file, weights served quantized (`--dtype auto`: bf16
+    activations where the CPU has AVX512-BF16);
   - `flowllm-q4-avx2`: the same with `FLOWLLM_NATIVE_ISA=avx2`, the AVX2 build of the
-    kernels (what a CPU without AVX-512 runs);
+    kernels (what a CPU without AVX-512 runs, float32 activations as there);
   - `llama-server`: the GGUF file, by the binary given with `--llama-server` (built e.g.
     from the llama.cpp sources vendored in the llama-cpp-python sdist), one slot per
     concurrent request;

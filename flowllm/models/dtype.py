@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from flowllm.config import DTYPES, ConfigError
+from flowllm.kernels import native
 from flowllm.models.layers import config_get
 
 _NAMED: dict[str, torch.dtype] = {
@@ -32,6 +33,13 @@ def cpu_has_fast_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     return False
 
 
+def native_build_lacks_bf16() -> bool:
+    """Whether the native kernels run a build without bf16 products (the AVX2 build, also
+    where it is forced on a CPU with AVX-512): such a machine computes bf16 slowly."""
+    lib = native.library()
+    return lib is not None and lib.isa != "avx512"
+
+
 def _config_dtype(hf_config: Any) -> torch.dtype | None:
     value = config_get(hf_config, "torch_dtype", None) or config_get(hf_config, "dtype", None)
     if isinstance(value, torch.dtype):
@@ -47,8 +55,9 @@ def resolve_dtype(
     hf_config: Any,
     cpuinfo: str | Path = "/proc/cpuinfo",
 ) -> torch.dtype:
-    """The dtype to run in: an explicit name as given; `auto` = bf16 on CPUs with fast bf16,
-    else fp32; on CUDA the config's dtype (fp16 where it says bf16 but the GPU lacks it)."""
+    """The dtype to run in: an explicit name as given; `auto` = bf16 on CPUs with fast bf16
+    (unless the native kernels run a build without bf16 products), else fp32; on CUDA the
+    config's dtype (fp16 where it says bf16 but the GPU lacks it)."""
     if name not in DTYPES:
         raise ConfigError(f"dtype must be one of {DTYPES}, got {name!r}")
     if name != "auto":
@@ -59,4 +68,5 @@ def resolve_dtype(
         if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             return torch.float16
         return dtype
-    return torch.bfloat16 if cpu_has_fast_bf16(cpuinfo) else torch.float32
+    fast = cpu_has_fast_bf16(cpuinfo) and not native_build_lacks_bf16()
+    return torch.bfloat16 if fast else torch.float32

@@ -441,7 +441,7 @@ def load_model(
     quantized on the CPU and loads others as stored; `none` dequantizes them at load (the
     bundled model then loads from its converted directory, as an HF model); `int8`
     quantizes a float checkpoint's linear layers (but the LM head) to int8 per output
-    channel. Quantized weights run with float32 activations when `dtype` is auto."""
+    channel."""
     from flowllm.models import gguf_file
     from flowllm.models.errors import ModelError, UnsupportedModelError, WeightLoadError
     from flowllm.models.registry import model_class_for
@@ -473,8 +473,6 @@ def load_model(
     quantized = quantization == "int8" or (
         resolved.gguf is not None and quantization == "auto" and dev.type == "cpu"
     )
-    if quantized and dtype == "auto":
-        dtype = "float32"
     torch_dtype = resolve_dtype(dtype, hf_config, dev)
     try:
         cls = model_class_for(hf_config)

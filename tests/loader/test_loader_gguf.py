@@ -22,6 +22,7 @@ from model_test_utils import Blocks, PagedSeq, reference_logits, schedule
 
 from flowllm.config import BUNDLED_MODEL
 from flowllm.models.bundled import bundled_gguf_path
+from flowllm.models.dtype import resolve_dtype
 from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.layers import Linear
 from flowllm.models.loader import (
@@ -107,20 +108,25 @@ def test_gguf_quantized_and_dequantized_against_transformers(
     plain = load_model(str(path), dtype="float32", device="cpu", quantization="none")
     assert all(m.quantized is None for m in plain.model.modules() if isinstance(m, Linear))
     assert (logits_of(plain.model, toks, 40) - oracle).abs().max() < 1e-4
-    # Served quantized (the default): every linear layer keeps the file's blocks.
-    loaded = load_model(str(path), device="cpu")
-    assert loaded.dtype == torch.float32
-    sources = {m.quantized.weight.source for m in loaded.model.modules() if isinstance(m, Linear)}
-    assert qtype.name in "+".join(sources)
-    got = logits_of(loaded.model, toks, 40)
-    # x rounded to int8 a block of 32 (as llama.cpp does): on these random models the
-    # logits move by 2-6% of their spread on average (Q4_K's own rounding of the weights
-    # moves them 5-8 times more), and the greedy choice changes only at near-ties. How
-    # often depends on the build: AVX-512 prefills multiply bf16 tiles of the exact
-    # weights, AVX2 prefills round x to int8 too; over token seeds 0-5 agreement ranged
-    # 0.85-1.0 on both, so 0.8 fails a broken product, not a near-tie.
-    assert (got - oracle).abs().mean() < 0.075 * oracle.std()
-    assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.8
+    # Served quantized (the default): every linear layer keeps the file's blocks, with
+    # activations in `auto`'s dtype: bf16 where the CPU has fast bf16 products, as an
+    # unquantized model's.
+    auto = load_model(str(path), device="cpu")
+    assert auto.dtype == resolve_dtype("auto", "cpu", {})
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded = auto if auto.dtype == dtype else load_model(str(path), dtype, "cpu")
+        linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
+        assert qtype.name in "+".join({m.quantized.weight.source for m in linears})
+        got = logits_of(loaded.model, toks, 40)
+        # x rounded to int8 a block of 32 (as llama.cpp does): on these random models the
+        # logits move by 2-6% of their spread on average (Q4_K's own rounding of the
+        # weights moves them 5-8 times more; bf16 activations about as much as int8 x),
+        # and the greedy choice changes only at near-ties. How often depends on the build:
+        # AVX-512 prefills multiply bf16 tiles of the exact weights, AVX2 prefills round x
+        # to int8 too; over token seeds 0-5 agreement ranged 0.85-1.0 on both, so 0.8
+        # fails a broken product, not a near-tie.
+        assert (got - oracle).abs().mean() < 0.075 * oracle.std()
+        assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.8
     # The file's tokenizer and chat template.
     tok = load_tokenizer(path.parent, None, path)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == VOCAB - 1

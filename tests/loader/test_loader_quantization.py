@@ -23,11 +23,13 @@ from flowllm.models.layers import Linear
 from flowllm.models.loader import load_model
 
 
-def test_int8_weights_against_transformers_on_their_values(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: what auto picks
+def test_int8_weights_against_transformers_on_their_values(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
     ref = llama_reference("gqa_untied")
     ref.save_pretrained(tmp_path)
-    loaded = load_model(str(tmp_path), device="cpu", quantization="int8")
-    assert loaded.dtype == torch.float32
+    loaded = load_model(str(tmp_path), dtype, "cpu", quantization="int8")
     model = loaded.model
     quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantized]
     assert len(quantized) == 4 * len(model.layers)  # qkv, o, gate_up, down; not the head

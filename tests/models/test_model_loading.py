@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -185,7 +186,8 @@ def test_llama3_rope_frequencies_match_transformers() -> None:
     assert not torch.allclose(rope_inv_freq({"rope_theta": 500000.0}, 32), want)
 
 
-def test_resolve_dtype(tmp_path: Path) -> None:
+def test_resolve_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dtype_mod.native, "library", lambda: None)
     with_bf16 = tmp_path / "bf16"
     with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")
     with_amx = tmp_path / "amx"
@@ -197,6 +199,11 @@ def test_resolve_dtype(tmp_path: Path) -> None:
     assert dtype_mod.resolve_dtype("auto", "cpu", cfg, cpuinfo=with_amx) == torch.bfloat16
     assert dtype_mod.resolve_dtype("auto", "cpu", cfg, cpuinfo=plain) == torch.float32
     assert dtype_mod.resolve_dtype("auto", "cpu", cfg, cpuinfo=tmp_path / "none") == torch.float32
+    # the AVX2 build stands for a machine without fast bf16, even where it is forced
+    monkeypatch.setattr(dtype_mod.native, "library", lambda: SimpleNamespace(isa="avx2"))
+    assert dtype_mod.resolve_dtype("auto", "cpu", cfg, cpuinfo=with_bf16) == torch.float32
+    monkeypatch.setattr(dtype_mod.native, "library", lambda: SimpleNamespace(isa="avx512"))
+    assert dtype_mod.resolve_dtype("auto", "cpu", cfg, cpuinfo=with_bf16) == torch.bfloat16
     assert dtype_mod.resolve_dtype("float16", "cpu", cfg) == torch.float16
     assert dtype_mod.resolve_dtype("float32", "cpu", cfg) == torch.float32
     with pytest.raises(ConfigError, match="dtype"):
