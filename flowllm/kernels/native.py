@@ -132,11 +132,6 @@ class NativeLibrary:
         self.isa = isa
         self.has_bf16 = has_bf16 and isa == "avx512"
         self.layouts = c_layout(self._symbols)
-        # whether the quantized products have the 16-row group kernel (csrc/quant.c), which
-        # reads the interleaved layout (quant_linear.QuantizedWeight.interleave)
-        self.quant_groups = bool(
-            ctypes.CFUNCTYPE(ctypes.c_int)(self.address("flowllm_quant_groups"))()
-        )
         self._omp_max_threads = ctypes.CFUNCTYPE(ctypes.c_int)(
             self.address("flowllm_omp_max_threads")
         )

@@ -24,11 +24,11 @@ KV cache and attention with quantized weights, and its decode steps record witho
 conversion.
 
 Decode steps, recorded and replayed (`flowllm.kernels.call_plan`), run that kernel at any
-batch: on AVX-512 VNNI it takes 16 outputs at a time, their codes unpacked once and dotted
-with up to 8 rows of x, so an extra row costs byte dots and a scale, not another unpack.
-That kernel reads each 16 rows' codes and scales interleaved (`QuantizedWeight.interleave`),
-which QuantizedLinear makes at load where the library has it (`NativeLibrary.quant_groups`),
-so a step reads them in order instead of transposing them.
+batch: it takes 16 outputs at a time, their codes unpacked once and dotted with up to 8
+rows of x (4 on AVX2), so an extra row costs byte dots and a scale, not another unpack.
+It reads each 16 rows' codes and scales interleaved (`QuantizedWeight.interleave`), which
+QuantizedLinear makes once at load for every weight multiplied on integers, so a step
+reads them in the order it uses them.
 Eager products of `TILE_FROM` rows or more (prefills, mixed steps) dequantize tiles of rows
 and multiply them with the native bf16 kernel where the CPU has AVX512-BF16 (float32 torch
 from `FP32_TILE_FROM` rows otherwise): the exact weights with x in bf16, so a prompt's
@@ -386,7 +386,7 @@ class QuantizedLinear:
     ) -> None:
         self.out_features, self.in_features = weight.shape
         self.lib = lib if lib is not None else native.library()
-        if self.lib is not None and self.lib.quant_groups and weight.integer:
+        if self.lib is not None and weight.integer:
             weight = weight.interleave()
         self.weight = weight
         if bias is not None and bias.shape != (self.out_features,):

@@ -180,8 +180,10 @@ def call(client: openai.OpenAI, **fields: Any) -> Any:
     )
 
 
-def check_calls(choice: Any, names: set[str] | None = None) -> list[Any]:
-    assert choice.finish_reason == "tool_calls"
+def check_calls(
+    choice: Any, names: set[str] | None = None, finishes: tuple[str, ...] = ("tool_calls",)
+) -> list[Any]:
+    assert choice.finish_reason in finishes
     calls = choice.message.tool_calls
     assert calls and choice.message.content is None
     for c in calls:
@@ -193,7 +195,10 @@ def check_calls(choice: Any, names: set[str] | None = None) -> list[Any]:
 
 
 def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
-    check_calls(call(client, tool_choice="required").choices[0])
+    # With parallel calls allowed the model may repeat its call until max_tokens (which it
+    # does hinges on the last bits of its logits: the AVX2 and AVX-512 builds differ);
+    # every call it made is whole either way.
+    check_calls(call(client, tool_choice="required").choices[0], finishes=("tool_calls", "length"))
     single = check_calls(call(client, tool_choice="required", parallel_tool_calls=False).choices[0])
     assert len(single) == 1
     named = {"type": "function", "function": {"name": "get_time"}}
@@ -221,7 +226,7 @@ def assembled(stream: Any) -> tuple[list[tuple[str, str]], str | None]:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"tool_choice": "required"},
+        {"tool_choice": "required", "parallel_tool_calls": False},
         {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
         # auto, read by the hermes parser; the output is pinned so that it calls a tool
         {"extra_body": {"structured_outputs": {"choice": [

@@ -3,6 +3,8 @@ builds of the native kernels (AVX-512 and AVX2), and without them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -150,20 +152,26 @@ def test_interleaving_keeps_every_value(type_name: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_only_builds_with_the_group_kernel_take_interleaved_weights(isa: str) -> None:
-    """Integer weights interleave where the group kernel is built; a build without it
-    refuses an interleaved weight instead of reading it as rows."""
+def test_each_product_reads_its_own_layout(isa: str) -> None:
+    """Integer weights interleave at load and float ones (groups of 16) stay in rows; the
+    kernel refuses an integer weight in rows instead of misreading it, and a float weight
+    cannot interleave."""
     lib = native.isa_library(isa)
-    raw = random_blocks("Q4_1", N, K, seed=6)
-    weight = quant_linear.from_gguf(raw, "Q4_1", (N, K))
-    lin = QuantizedLinear(weight, lib=lib)
-    assert lin.weight.interleaved == lib.quant_groups
     x = torch.randn(2, K)
-    assert_product(lin(x), x, reference(raw, "Q4_1"), exact_x=False)
-    if not lib.quant_groups:
-        lin.weight = weight.interleave()
-        with pytest.raises(QuantError, match="refused"):
-            lin(x)
+    q4, q6 = (
+        quant_linear.from_gguf(random_blocks(t, N, K, seed=6), t, (N, K)) for t in ("Q4_1", "Q6_K")
+    )
+    for weight, exact_x in ((q4, False), (q6, True)):
+        lin = QuantizedLinear(weight, lib=lib)
+        assert lin.weight.interleaved == weight.integer
+        assert_product(lin(x), x, weight.dequantize(), exact_x=exact_x)
+    assert q4.integer and not q6.integer
+    with pytest.raises(QuantError, match="cannot interleave"):
+        replace(q6, interleaved=True)
+    lin = QuantizedLinear(q4, lib=lib)
+    lin.weight = q4
+    with pytest.raises(QuantError, match="refused"):
+        lin(x)
 
 
 def test_rounding_x_to_int8_is_what_the_bound_allows() -> None:

@@ -140,36 +140,26 @@ static inline vf vf_load_f16(const uint16_t *p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/* Integer vectors of 4 VL bytes (VL int32 lanes): 2 blocks of 32 codes. */
+/* Integer vectors of 4 VL bytes (VL int32 lanes, or 2 VL int16 ones). */
 typedef __m512i vi;
-#define PAIR_VECS 1 /* vectors per 64 codes */
 static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
-/* 32 bytes of nibble pairs (byte j: code j | code j + 32 << 4) -> the 64 codes in order. */
-static inline void vi_nibbles(const uint8_t *p, vi out[PAIR_VECS]) {
-  const __m256i b = _mm256_loadu_si256((const __m256i *)p), m = _mm256_set1_epi8(15);
-  out[0] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, m)),
-                              _mm256_and_si256(_mm256_srli_epi16(b, 4), m), 1);
-}
-/* Each int32 lane: the sum of its 4 products of unsigned u and signed s bytes (no lane
- * of pairs saturates: |u| < 129 and |s| < 128). */
-static inline vi vi_dot_u8s8(vi u, vi s) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
-#else
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
-#endif
-}
-/* The same for signed w: |w| times s with w's sign. */
-static inline vi vi_dot_s8s8(vi w, vi s) {
-  const __mmask64 neg = _mm512_movepi8_mask(w);
-  const vi signed_s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
-  return vi_dot_u8s8(_mm512_abs_epi8(w), signed_s);
-}
 static inline vf vf_from_vi(vi v) { return _mm512_cvtepi32_ps(v); }
-/* Lane scales of the VL / 8 blocks of 32 values a vi covers: p[0] x 8, p[1] x 8. */
-static inline vf vf_block_scales(const float *p) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(p[0])), _mm256_set1_ps(p[1]), 1);
+/* Bytes: v in each; xor; each byte's low nibble, or (high) its high one; |w| (as unsigned);
+ * s with w's sign (negated where w < 0). */
+static inline vi vi_set1_8(char v) { return _mm512_set1_epi8(v); }
+static inline vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+static inline vi vi_nibbles_of(vi v, int high) {
+  return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(15));
 }
+static inline vi vi_abs8(vi w) { return _mm512_abs_epi8(w); }
+static inline vi vi_sign8(vi s, vi w) {
+  return _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s);
+}
+/* int16 lanes: each pair of unsigned u times signed s bytes, summed (saturating); int16
+ * lanes added; pairs of int16 lanes summed into int32 ones. */
+static inline vi vi_dot_pairs(vi u, vi s) { return _mm512_maddubs_epi16(u, s); }
+static inline vi vi_add16(vi a, vi b) { return _mm512_add_epi16(a, b); }
+static inline vi vi_sum_pairs(vi v) { return _mm512_madd_epi16(v, _mm512_set1_epi16(1)); }
 /* Integer lanes: 0, 1, ..., VL - 1; v in every lane; sums; b in the lanes of m; stored. */
 static inline vi vi_iota(void) {
   return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -308,21 +298,18 @@ static inline vf vf_load_f16(const uint16_t *p) {
 }
 
 typedef __m256i vi;
-#define PAIR_VECS 2
 static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline void vi_nibbles(const uint8_t *p, vi out[PAIR_VECS]) {
-  const __m256i b = _mm256_loadu_si256((const __m256i *)p), m = _mm256_set1_epi8(15);
-  out[0] = _mm256_and_si256(b, m);
-  out[1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-}
-static inline vi vi_dot_u8s8(vi u, vi s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-static inline vi vi_dot_s8s8(vi w, vi s) {
-  return vi_dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
-}
 static inline vf vf_from_vi(vi v) { return _mm256_cvtepi32_ps(v); }
-static inline vf vf_block_scales(const float *p) { return _mm256_set1_ps(p[0]); }
+static inline vi vi_set1_8(char v) { return _mm256_set1_epi8(v); }
+static inline vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
+static inline vi vi_nibbles_of(vi v, int high) {
+  return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+}
+static inline vi vi_abs8(vi w) { return _mm256_abs_epi8(w); }
+static inline vi vi_sign8(vi s, vi w) { return _mm256_sign_epi8(s, w); }
+static inline vi vi_dot_pairs(vi u, vi s) { return _mm256_maddubs_epi16(u, s); }
+static inline vi vi_add16(vi a, vi b) { return _mm256_add_epi16(a, b); }
+static inline vi vi_sum_pairs(vi v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 static inline vi vi_iota(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 static inline vi vi_set1(int32_t v) { return _mm256_set1_epi32(v); }
 static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }

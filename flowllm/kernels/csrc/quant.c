@@ -7,28 +7,28 @@ and one offset m (0 without offsets), a value being q * s + m:
       q in [0, 16), G = 32, k a multiple of 64;
   q8: codes int8 [n][k], G a multiple of 16;
   scales, offsets: [n][k / G], float16 or float32.
-Interleaved (`interleaved` set; where the group kernel is built, quant_linear interleaves
-every integer weight at load): n a multiple of 16 (pad rows zero), and each 16 rows' codes
-stored as [row bytes / 4][16] dwords (4 bytes of each of the 16 rows, then the next 4),
-their scales and offsets as [k / G][16], so that the group kernel reads both in the order
-it uses them.
+Interleaved (`interleaved` set; quant_linear interleaves every integer weight at load, the
+product of integer weights reads only this layout): n a multiple of 16 (pad rows zero),
+and each 16 rows' codes stored as [row bytes / 4][16] dwords (4 bytes of each of the 16
+rows, then the next 4), their scales and offsets as [k / G][16], so that the product reads
+both in the order it uses them.
 
 Products with G a multiple of 32 (every format but Q6_K's groups of 16) and rows of a
-multiple of 64 values run on integers,
-as llama.cpp's do: each row of x is quantized to int8 in blocks of 32 (scale absmax / 127,
-rounded to nearest), each block's dot product with the codes is summed exactly in int32
-lanes (maddubs: unsigned x signed bytes; a signed code's sign moves onto x), and scaled by
-the weight group's s times the block's x scale; the offsets add m times the block's exact
-float sum of x. So W's values are exact and x is rounded to 8 bits a block, the error
+multiple of 64 values run on integers, as llama.cpp's do: each row of x is quantized to
+int8 in blocks of 32 (scale absmax / 127, rounded to nearest), each block's dot product
+with the codes is summed exactly in integer lanes (block_dot), and scaled by the weight
+group's s times the block's x scale; the offsets add m times the block's exact float sum
+of x. So W's values are exact and x is rounded to 8 bits a block, the error
 bounded by sum |w| x (x block scale) / 2. Other groups dequantize to float32 in registers
 and multiply with x as it is. x, the bias and y are float32, or bfloat16 (`bf16`): x
 widened as it is read, y rounded once.
 
-With AVX-512 VNNI, integer products of interleaved weights run 16 output rows at a time
-(output_group): each vector of codes holds 4 codes of each of the 16 rows, dotted with up
-to XROWS rows of x by byte dots against each row's 4 values broadcast. Elsewhere each
-output row is one dot product per row of x (output_row): its codes read once per pass of
-up to ROWS rows of x (the row's codes stay in L1 for the next pass). Outputs are split
+Integer products run 16 output rows at a time (output_group): each vector of codes holds 4
+codes of each of VL of the 16 rows, unpacked once per block and dotted with up to XROWS
+rows of x, each row's 4 int8 values broadcast (vpdpbusd with AVX-512 VNNI, pmaddubsw and
+pmaddwd elsewhere), so an extra row of x costs byte dots and a scale, not another unpack,
+and no output needs a horizontal sum. The float path takes one output row at a time
+(output_row), its codes read once per pass of up to ROWS rows of x. Outputs are split
 across OpenMP threads in contiguous runs. A product streams its weights once, so its reads
 of codes and scales are prefetched AHEAD bytes ahead: with the hardware prefetchers alone,
 a step's products waited on memory. */
@@ -42,12 +42,11 @@ a step's products waited on memory. */
 #include "isa.h"
 #include "kernel_args.h"
 
-#define ROWS 4              /* rows of x per pass over a weight row */
+#define ROWS 4              /* rows of x per pass over a weight row (the float path) */
 #define PARALLEL_FROM 65536 /* weight values x rows of x from which threads split */
 #define QBLOCK 32           /* values of x per int8 block */
-#define AHEAD                                                             \
-  8192 /* bytes of codes prefetched ahead of a product's reads (a scale's \
-          bytes ahead: an eighth) */
+/* bytes of codes prefetched ahead of a product's reads (of scales, an eighth of it) */
+#define AHEAD 8192
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -73,18 +72,17 @@ ALWAYS_INLINE void store_act(void *p, size_t i, float v, int bf16) {
 /* x rows quantized to int8 blocks of 32, with each block's scale and exact float sum. */
 typedef struct {
   int8_t *q;     /* [m][k] */
-  float *d;      /* [m][k / 4]: each block's scale once per int32 lane of a vi (4 values) */
+  float *d;      /* [m][k / 32] */
   float *sum;    /* [m][k / 32] */
   int32_t *qsum; /* [m][k / 32]: each block's sum of codes */
 } QuantX;
 
 static int quantize_x(const void *x, int bf16, int m, int k, QuantX *qx) {
   const size_t blocks = (size_t)m * (k / QBLOCK);
-  qx->q = malloc((size_t)m * k + (size_t)m * k / 4 * sizeof(float) +
-                 blocks * (sizeof(float) + sizeof(int32_t)));
+  qx->q = malloc((size_t)m * k + blocks * (2 * sizeof(float) + sizeof(int32_t)));
   if (!qx->q) return -1;
   qx->d = (float *)(qx->q + (size_t)m * k);
-  qx->sum = qx->d + (size_t)m * k / 4;
+  qx->sum = qx->d + blocks;
   qx->qsum = (int32_t *)(qx->sum + blocks);
 #pragma omp parallel for schedule(static) if (blocks >= 4096)
   for (size_t b = 0; b < blocks; b++) {
@@ -104,7 +102,7 @@ static int quantize_x(const void *x, int bf16, int m, int k, QuantX *qx) {
       qsum = vf_add(qsum, q);
     }
     qx->qsum[b] = (int32_t)vf_sum(qsum); /* exact: at most 32 x 127 */
-    for (int i = 0; i < QBLOCK / 4; i++) qx->d[b * (QBLOCK / 4) + i] = d;
+    qx->d[b] = d;
     qx->sum[b] = vf_sum(sum);
   }
   return 0;
@@ -117,64 +115,6 @@ static float *widen_x(const uint16_t *x, size_t count) {
   if (out)
     for (size_t i = 0; i < count; i += VL) vf_store(out + i, vf_load_bf16(x + i));
   return out;
-}
-
-/* One weight row's group scales (or offsets) as float32 per block of 32: `out` [k / 32]. */
-ALWAYS_INLINE void block_scales(const void *src, int k, int G, int f16, float *out) {
-  const int blocks = k / QBLOCK, per = G / QBLOCK;
-  if (f16 && per == 1) {
-    int b = 0;
-    for (; b + VL <= blocks; b += VL) vf_store(out + b, vf_load_f16((const uint16_t *)src + b));
-    for (; b < blocks; b++) out[b] = load_scale(src, b, 1);
-  } else {
-    for (int b = 0; b < blocks; b++) out[b] = load_scale(src, b / per, f16);
-  }
-}
-
-ALWAYS_INLINE float dot_f32(const float *a, const float *b, int n) {
-  vf acc = vf_zero();
-  int i = 0;
-  for (; i + VL <= n; i += VL) acc = vf_fma(vf_load(a + i), vf_load(b + i), acc);
-  float s = vf_sum(acc);
-  for (; i < n; i++) s += a[i] * b[i];
-  return s;
-}
-
-/* Integer path: one weight row against M rows of quantized x: out[r]. */
-ALWAYS_INLINE void row_dots_int(const QuantX *qx, int r0, const void *codes, const float *sc,
-                                const float *mn, int k, int M, int q4, float *out) {
-  const int blocks = k / QBLOCK;
-  vf acc[ROWS];
-#pragma GCC unroll 4
-  for (int r = 0; r < M; r++) acc[r] = vf_zero();
-  const int step = 4 * VL; /* values per vi */
-  for (int i0 = 0; i0 < k; i0 += 64) {
-    vi w[64 / (4 * VL)];
-    if (q4) {
-      vi_nibbles((const uint8_t *)codes + i0 / 2, w);
-    } else {
-#pragma GCC unroll 2
-      for (int v = 0; v < 64 / step; v++) w[v] = vi_load((const int8_t *)codes + i0 + v * step);
-    }
-#pragma GCC unroll 2
-    for (int v = 0; v < 64 / step; v++) {
-      const int at = i0 + v * step, b = at / QBLOCK;
-      const vf ws = vf_block_scales(sc + b);
-#pragma GCC unroll 4
-      for (int r = 0; r < M; r++) {
-        const size_t row = (size_t)(r0 + r);
-        const vi xv = vi_load(qx->q + row * k + at);
-        const vi d = q4 ? vi_dot_u8s8(w[v], xv) : vi_dot_s8s8(w[v], xv);
-        const vf s = vf_mul(ws, vf_load(qx->d + (row * k + at) / 4));
-        acc[r] = vf_fma(vf_from_vi(d), s, acc[r]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < M; r++) {
-    out[r] = vf_sum(acc[r]);
-    if (mn) out[r] += dot_f32(mn, qx->sum + (size_t)(r0 + r) * blocks, blocks);
-  }
 }
 
 /* Float path (q8 codes in groups of 16): one weight row against M rows of x: out[r]. */
@@ -201,45 +141,29 @@ ALWAYS_INLINE void row_dots_float(const float *x, const void *codes, const void 
   for (int r = 0; r < M; r++) out[r] = vf_sum(vf_add(acc[r][0], acc[r][1]));
 }
 
-/* Output row j of every row of x, ROWS rows at a time. */
-ALWAYS_INLINE void output_row(const float *x, const QuantX *qx, const uint8_t *codes,
-                              const char *scales, const char *mins, const void *bias, void *y,
-                              int bf16, int64_t j, int m, int n, int k, int G, int q4, int f16) {
-  const size_t row_bytes = q4 ? (size_t)k / 2 : (size_t)k;
+/* Output row j (q8 codes in rows) of every row of x, ROWS rows at a time. */
+ALWAYS_INLINE void output_row(const float *x, const uint8_t *codes, const char *scales,
+                              const char *mins, const void *bias, void *y, int bf16, int64_t j,
+                              int m, int n, int k, int G, int f16) {
   const size_t scale_bytes = (size_t)(k / G) * (f16 ? 2 : 4);
-  const void *c = codes + (size_t)j * row_bytes;
+  const void *c = codes + (size_t)j * k;
   const void *s = scales + (size_t)j * scale_bytes;
   const void *o = mins ? mins + (size_t)j * scale_bytes : NULL;
   const float b = bias ? load_act(bias, j, bf16) : 0.0f;
-  for (size_t i = 0; i < row_bytes; i += 64) __builtin_prefetch((const char *)c + AHEAD + i);
+  for (int i = 0; i < k; i += 64) __builtin_prefetch((const char *)c + AHEAD + i);
   for (size_t i = 0; i < scale_bytes; i += 64) {
     __builtin_prefetch((const char *)s + AHEAD / 8 + i);
     if (o) __builtin_prefetch((const char *)o + AHEAD / 8 + i);
   }
-  float sc[qx ? k / QBLOCK + 1 : 1], mn[qx && o ? k / QBLOCK + 1 : 1];
-  if (qx) {
-    block_scales(s, k, G, f16, sc);
-    if (o) block_scales(o, k, G, f16, mn);
-  }
   for (int r0 = 0; r0 < m; r0 += ROWS) {
     float out[ROWS];
     const int rows = m - r0 < ROWS ? m - r0 : ROWS;
-    if (qx) {
-      const float *on = o ? mn : NULL;
-      switch (rows) {
-        case 1: row_dots_int(qx, r0, c, sc, on, k, 1, q4, out); break;
-        case 2: row_dots_int(qx, r0, c, sc, on, k, 2, q4, out); break;
-        case 3: row_dots_int(qx, r0, c, sc, on, k, 3, q4, out); break;
-        default: row_dots_int(qx, r0, c, sc, on, k, ROWS, q4, out); break;
-      }
-    } else {
-      const float *xr = x + (size_t)r0 * k;
-      switch (rows) {
-        case 1: row_dots_float(xr, c, s, o, k, G, 1, f16, out); break;
-        case 2: row_dots_float(xr, c, s, o, k, G, 2, f16, out); break;
-        case 3: row_dots_float(xr, c, s, o, k, G, 3, f16, out); break;
-        default: row_dots_float(xr, c, s, o, k, G, ROWS, f16, out); break;
-      }
+    const float *xr = x + (size_t)r0 * k;
+    switch (rows) {
+      case 1: row_dots_float(xr, c, s, o, k, G, 1, f16, out); break;
+      case 2: row_dots_float(xr, c, s, o, k, G, 2, f16, out); break;
+      case 3: row_dots_float(xr, c, s, o, k, G, 3, f16, out); break;
+      default: row_dots_float(xr, c, s, o, k, G, ROWS, f16, out); break;
     }
     for (int r = 0; r < rows; r++) store_act(y, (size_t)(r0 + r) * n + j, out[r] + b, bf16);
   }
@@ -280,11 +204,6 @@ static inline void transpose16(const uint8_t *rows, int row_bytes, int d0, int d
   }
 }
 
-/* 16 interleaved scales (or offsets) as float32 lanes. */
-ALWAYS_INLINE __m512 lane_scales(const char *p, size_t i, int f16) {
-  return f16 ? vf_load_f16((const uint16_t *)p + i) : vf_load((const float *)p + i);
-}
-
 /* 16 rows of `dwords` 4-byte values each, one after another, transposed: out[t * 16 + o] =
    row o's value t. */
 static inline void transpose_rows(const void *rows, int dwords, int32_t *out) {
@@ -300,7 +219,9 @@ static inline void transpose_rows(const void *rows, int dwords, int32_t *out) {
 }
 #endif
 
-#define LANES 16 /* output rows per group of the interleaved layout */
+#define LANES 16                 /* output rows per group of the interleaved layout */
+#define HALVES (LANES / VL)      /* vectors per group of LANES outputs */
+#define XROWS (VL == 16 ? 8 : 4) /* rows of x per pass over a group's codes */
 
 /* Where row j's group scale g (or offset) is: the row layout's [n][S], or the interleaved
    [n / 16][S][16]. */
@@ -308,17 +229,10 @@ ALWAYS_INLINE size_t scale_index(int64_t j, int g, int S, int interleaved) {
   return interleaved ? ((size_t)(j / LANES) * S + g) * LANES + j % LANES : (size_t)j * S + g;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-#define GROUP_KERNEL 1
-/* ---- Blocked integer product (AVX-512 VNNI) over the interleaved layout: 16 output rows
-   at once, one per int32 lane. Each vector of codes holds 4 bytes of each of the 16 rows
-   at one position and is dotted with up to XROWS rows of x, each row's 4 int8 values
-   broadcast (vpdpbusd: unsigned codes x signed x), so a block of 32 values costs a row of x
-   8 byte dots, one conversion and two multiply-adds for all 16 outputs, where the per-row
-   path pays about as much for each output. q8 codes enter offset by 128 (unsigned), the
-   dot corrected by 128 times the block's sum of x's codes. ---- */
-
-#define XROWS 8 /* rows of x per pass over a group's codes */
+/* VL interleaved scales (or offsets) as float32 lanes. */
+ALWAYS_INLINE vf lane_scales(const char *p, size_t i, int f16) {
+  return f16 ? vf_load_f16((const uint16_t *)p + i) : vf_load((const float *)p + i);
+}
 
 static inline int32_t load_i32(const int8_t *p) {
   int32_t v;
@@ -326,48 +240,107 @@ static inline int32_t load_i32(const int8_t *p) {
   return v;
 }
 
+/* ---- Byte dots of one block of 32 values: w[t][h] holds the codes at position t (4 bytes
+   of each of VL rows) of half h of a group, prepared once per block by block_codes; each
+   row of x dots them by block_dot, its 4 int8 values at t broadcast. ---- */
+#if defined(__AVX512VNNI__)
+/* vpdpbusd (unsigned codes x signed x, summed in int32): q8 codes enter offset by 128, the
+   dot corrected by 128 times the block's sum of x's codes. */
+ALWAYS_INLINE void block_codes(const int32_t *col, int q4, int high, vi w[8][HALVES],
+                               vi sign[8][HALVES]) {
+  (void)sign;
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; t++)
+#pragma GCC unroll 2
+    for (int h = 0; h < HALVES; h++) {
+      const vi raw = vi_load(col + t * LANES + h * VL);
+      w[t][h] = q4 ? vi_nibbles_of(raw, high) : vi_xor(raw, vi_set1_8((char)0x80));
+    }
+}
+ALWAYS_INLINE vi block_dot(vi w[8][HALVES], vi sign[8][HALVES], int h, const int8_t *xq,
+                           int32_t qsum, int q4) {
+  (void)sign;
+  /* two chains, so that one row alone is not bound by their latency */
+  vi d[2] = {q4 ? vi_set1(0) : vi_set1(-128 * qsum), vi_set1(0)};
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; t++)
+    d[t & 1] = _mm512_dpbusd_epi32(d[t & 1], w[t][h], vi_set1(load_i32(xq + 4 * t)));
+  return vi_add(d[0], d[1]);
+}
+#else
+/* pmaddubsw (pairs of unsigned x signed bytes, summed in int16), then pmaddwd by ones into
+   int32. q4 codes (< 16) against |x| < 128 sum a whole block in int16 (8 x 2 x 15 x 127 <
+   2^15); q8 codes enter as |w|, their signs moved onto x, each position widened at once. */
+ALWAYS_INLINE void block_codes(const int32_t *col, int q4, int high, vi w[8][HALVES],
+                               vi sign[8][HALVES]) {
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; t++)
+#pragma GCC unroll 2
+    for (int h = 0; h < HALVES; h++) {
+      const vi raw = vi_load(col + t * LANES + h * VL);
+      w[t][h] = q4 ? vi_nibbles_of(raw, high) : vi_abs8(raw);
+      sign[t][h] = raw;
+    }
+}
+ALWAYS_INLINE vi block_dot(vi w[8][HALVES], vi sign[8][HALVES], int h, const int8_t *xq,
+                           int32_t qsum, int q4) {
+  (void)qsum;
+  vi d = vi_set1(0);
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; t++) {
+    const vi x = vi_set1(load_i32(xq + 4 * t));
+    if (q4)
+      d = vi_add16(d, vi_dot_pairs(w[t][h], x));
+    else
+      d = vi_add(d, vi_sum_pairs(vi_dot_pairs(w[t][h], vi_sign8(x, sign[t][h]))));
+  }
+  return q4 ? vi_sum_pairs(d) : d;
+}
+#endif
+
 /* One group of LANES output rows (tw: its [row_bytes / 4][LANES] dwords of codes; ws, wm:
    its [k / G][LANES] scales and offsets, wm NULL: none) against M rows of quantized x from
-   r0: acc[r] = the group's 16 sums for row r0 + r. */
+   r0: acc[r][h] = the group's sums for row r0 + r, VL outputs a half. A block of 32 values
+   costs a row of x 8 byte dots a half, one conversion and two multiply-adds for all 16
+   outputs. */
 ALWAYS_INLINE void group_dots(const QuantX *qx, int r0, int M, const int32_t *tw, const char *ws,
-                              const char *wm, int k, int G, int q4, int f16, __m512 acc[XROWS]) {
+                              const char *wm, int k, int G, int q4, int f16,
+                              vf acc[XROWS][HALVES]) {
   const int blocks = k / QBLOCK, per = G / QBLOCK;
-  const __m512i nibble = _mm512_set1_epi8(15), bias8 = _mm512_set1_epi8((char)0x80);
+  const size_t esize = f16 ? 2 : 4;
 #pragma GCC unroll 8
-  for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < M; r++)
+#pragma GCC unroll 2
+    for (int h = 0; h < HALVES; h++) acc[r][h] = vf_zero();
   for (int b = 0; b < blocks; b++) {
-    __m512i w[8];
+    /* q4 block b: the low nibbles of its chunk's bytes, or (b odd) the high ones */
     const int32_t *col = tw + (size_t)(q4 ? b / 2 : b) * 8 * LANES;
+    const size_t at = (size_t)(b / per) * LANES;
     if (!q4 || b % 2 == 0)
 #pragma GCC unroll 8
       for (int t = 0; t < 8; t++) __builtin_prefetch((const char *)col + AHEAD + t * 64);
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; t++) {
-      const __m512i raw = _mm512_loadu_si512(col + t * LANES);
-      /* q4 block b: the low nibbles of its chunk's bytes, or (b odd) the high ones */
-      w[t] = q4 ? _mm512_and_si512(b & 1 ? _mm512_srli_epi16(raw, 4) : raw, nibble)
-                : _mm512_xor_si512(raw, bias8);
+    __builtin_prefetch(ws + at * esize + AHEAD / 8);
+    if (wm) __builtin_prefetch(wm + at * esize + AHEAD / 8);
+    vi w[8][HALVES], sign[8][HALVES];
+    block_codes(col, q4, b & 1, w, sign);
+    vf sb[HALVES], mb[HALVES];
+#pragma GCC unroll 2
+    for (int h = 0; h < HALVES; h++) {
+      sb[h] = lane_scales(ws, at + h * VL, f16);
+      mb[h] = wm ? lane_scales(wm, at + h * VL, f16) : vf_zero();
     }
-    const size_t sat = (size_t)(b / per) * LANES * (f16 ? 2 : 4);
-    __builtin_prefetch(ws + sat + AHEAD / 8);
-    if (wm) __builtin_prefetch(wm + sat + AHEAD / 8);
-    const __m512 sb = lane_scales(ws, (size_t)(b / per) * LANES, f16);
-    const __m512 mb = wm ? lane_scales(wm, (size_t)(b / per) * LANES, f16) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++) {
       const size_t row = (size_t)(r0 + r);
       const int8_t *xq = qx->q + row * k + b * QBLOCK;
-      /* two chains of byte dots, so that one row alone is not bound by their latency */
-      __m512i d[2] = {
-          q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * qx->qsum[row * blocks + b]),
-          _mm512_setzero_si512()};
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; t++)
-        d[t & 1] = _mm512_dpbusd_epi32(d[t & 1], w[t], _mm512_set1_epi32(load_i32(xq + 4 * t)));
-      const __m512 dx = _mm512_set1_ps(qx->d[(row * k + b * QBLOCK) / 4]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[0], d[1])),
-                               _mm512_mul_ps(sb, dx), acc[r]);
-      if (wm) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(qx->sum[row * blocks + b]), acc[r]);
+      const vf dx = vf_set1(qx->d[row * blocks + b]);
+      const vf xsum = vf_set1(qx->sum[row * blocks + b]);
+#pragma GCC unroll 2
+      for (int h = 0; h < HALVES; h++) {
+        const vi d = block_dot(w, sign, h, xq, qx->qsum[row * blocks + b], q4);
+        acc[r][h] = vf_fma(vf_from_vi(d), vf_mul(sb[h], dx), acc[r][h]);
+        if (wm) acc[r][h] = vf_fma(mb[h], xsum, acc[r][h]);
+      }
     }
   }
 }
@@ -382,64 +355,69 @@ ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const ch
   const char *ws = scales + (size_t)gi * scale_bytes;
   const char *wm = mins ? mins + (size_t)gi * scale_bytes : NULL;
   const int64_t j0 = gi * LANES;
-  const __mmask16 keep = vm_first(n - j0);
-  const __m512 bv = !bias  ? _mm512_setzero_ps()
-                    : bf16 ? vf_load_bf16_n((const uint16_t *)bias + j0, n - j0)
-                           : _mm512_maskz_loadu_ps(keep, (const float *)bias + j0);
+  vf bv[HALVES];
+#pragma GCC unroll 2
+  for (int h = 0; h < HALVES; h++) {
+    const int64_t j = j0 + h * VL;
+    bv[h] = !bias  ? vf_zero()
+            : bf16 ? vf_load_bf16_n((const uint16_t *)bias + j, n - j)
+                   : vf_load_n((const float *)bias + j, n - j);
+  }
   for (int r0 = 0; r0 < m; r0 += XROWS) {
-    __m512 acc[XROWS];
+    vf acc[XROWS][HALVES];
     const int rows = m - r0 < XROWS ? m - r0 : XROWS;
     switch (rows) {
       case 1: group_dots(qx, r0, 1, tw, ws, wm, k, G, q4, f16, acc); break;
       case 2: group_dots(qx, r0, 2, tw, ws, wm, k, G, q4, f16, acc); break;
       case 3: group_dots(qx, r0, 3, tw, ws, wm, k, G, q4, f16, acc); break;
+#if XROWS > 4
       case 4: group_dots(qx, r0, 4, tw, ws, wm, k, G, q4, f16, acc); break;
       case 5: group_dots(qx, r0, 5, tw, ws, wm, k, G, q4, f16, acc); break;
       case 6: group_dots(qx, r0, 6, tw, ws, wm, k, G, q4, f16, acc); break;
       case 7: group_dots(qx, r0, 7, tw, ws, wm, k, G, q4, f16, acc); break;
+#endif
       default: group_dots(qx, r0, XROWS, tw, ws, wm, k, G, q4, f16, acc); break;
     }
-    for (int r = 0; r < rows; r++) {
-      const size_t at = (size_t)(r0 + r) * n + j0;
-      if (bf16)
-        vf_store_bf16_n((uint16_t *)y + at, n - j0, _mm512_add_ps(acc[r], bv));
-      else
-        _mm512_mask_storeu_ps((float *)y + at, keep, _mm512_add_ps(acc[r], bv));
-    }
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 2
+      for (int h = 0; h < HALVES; h++) {
+        const int64_t j = j0 + h * VL;
+        const size_t at = (size_t)(r0 + r) * n + j;
+        const vf v = vf_add(acc[r][h], bv[h]);
+        if (bf16)
+          vf_store_bf16_n((uint16_t *)y + at, n - j, v);
+        else
+          vf_store_n((float *)y + at, n - j, v);
+      }
   }
 }
-#define GROUP_OUTPUT output_group
-#else
-#define GROUP_KERNEL 0
-#define GROUP_OUTPUT(...) ((void)0)
-#endif
 
-/* x [m, k], W, bias [n] or NULL -> y [m, n]: output rows (or groups of 16, interleaved)
-   split across threads. One function per layout (Q4, F16 constants), so OpenMP's outlined
-   loop is specialized. Returns -1 when the scratch for x cannot be allocated, -2 for an
-   interleaved W this build cannot read (before writing y). k is a multiple of 16. */
+/* x [m, k], W, bias [n] or NULL -> y [m, n]: groups of 16 outputs (integer products, W
+   interleaved) or output rows (the float path, W in rows) split across threads. One
+   function per layout (Q4, F16 constants), so OpenMP's outlined loop is specialized.
+   Returns -1 when the scratch for x cannot be allocated, -2 for W in the other layout than
+   its product reads (before writing y). k is a multiple of 16. */
 // clang-format off: it would put the _Pragma and the loop on one line
 #define QLINEAR(NAME, Q4, F16)                                                              \
   int64_t flowllm_##NAME(const struct flowllm_##NAME##_args *a) {                           \
     const uint8_t *codes = (const uint8_t *)a->codes;                                       \
     const char *scales = (const char *)a->scales, *mins = (const char *)a->mins;            \
     const int m = (int)a->m, n = (int)a->n, k = (int)a->k, G = (int)a->group;               \
-    const int integer = G % QBLOCK == 0 && k % 64 == 0, grouped = a->interleaved != 0;      \
-    if (grouped && !(GROUP_KERNEL && integer)) return -2;                                   \
+    const int integer = G % QBLOCK == 0 && k % 64 == 0;                                     \
+    if ((a->interleaved != 0) != integer) return -2;                                        \
     const int bf16 = a->bf16 != 0;                                                          \
     QuantX qx;                                                                              \
     float *wide = NULL; /* the float path's x, widened from bf16 */                         \
     if (integer && quantize_x(a->x, bf16, m, k, &qx)) return -1;                            \
     if (!integer && bf16 && !(wide = widen_x(a->x, (size_t)m * k))) return -1;              \
     const float *x = integer ? NULL : bf16 ? wide : (const float *)a->x;                    \
-    const int64_t items = grouped ? (n + LANES - 1) / LANES : n;                            \
+    const int64_t items = integer ? (n + LANES - 1) / LANES : n;                            \
     _Pragma("omp parallel for schedule(static) if ((int64_t)n * k * m >= PARALLEL_FROM)")   \
     for (int64_t t = 0; t < items; t++) {                                                   \
-      if (grouped)                                                                          \
-        GROUP_OUTPUT(&qx, codes, scales, mins, a->bias, a->y, bf16, t, m, n, k, G, Q4, F16);\
+      if (integer)                                                                          \
+        output_group(&qx, codes, scales, mins, a->bias, a->y, bf16, t, m, n, k, G, Q4, F16);\
       else                                                                                  \
-        output_row(x, integer ? &qx : NULL, codes, scales, mins, a->bias, a->y, bf16, t, m, \
-                   n, k, G, Q4, F16);                                                       \
+        output_row(x, codes, scales, mins, a->bias, a->y, bf16, t, m, n, k, G, F16);        \
     }                                                                                       \
     if (integer) free(qx.q);                                                                \
     free(wide);                                                                             \
@@ -448,9 +426,6 @@ ALWAYS_INLINE void output_group(const QuantX *qx, const uint8_t *codes, const ch
 // clang-format on
 
 /* ---- Entry points (kernel_args.h) ---- */
-
-/* 1 when integer products of interleaved weights run here (the group kernel is built). */
-int flowllm_quant_groups(void) { return GROUP_KERNEL; }
 
 QLINEAR(qlinear_q4_f16, 1, 1)
 QLINEAR(qlinear_q4_f32, 1, 0)
