@@ -7,7 +7,8 @@ script measures what that costs, against the float32 model with the file's value
 
 - perplexity of a fixed text (below), the prompt's own logprobs: once with prefill chunks of
   8 tokens (below `TILE_FROM`: the integer kernel) and once as one prefill (the bf16
-  tiles);
+  tiles), each with float32 and with bf16 activations (`--dtype auto` picks bf16 on CPUs
+  with AVX512-BF16);
 - greedy agreement: the share of generated tokens equal to the reference's, position by
   position, and how many tokens come before the first difference, over a set of prompts.
 
@@ -99,9 +100,13 @@ def main() -> int:
     variants = [
         ("float32, dequantized (reference)", {"quantization": "none", "dtype": "float32"}),
         ("bfloat16, dequantized (for scale)", {"quantization": "none", "dtype": "bfloat16"}),
-        ("quantized, prefill chunks of 8 (int8 x)", {"max_num_batched_tokens": 8}),
-        ("quantized, one prefill (bf16 tiles)", {}),
-    ]
+        ("quantized, float32 activations, prefill chunks of 8 (int8 x)",
+         {"dtype": "float32", "max_num_batched_tokens": 8}),
+        ("quantized, float32 activations, one prefill (bf16 tiles)", {"dtype": "float32"}),
+        ("quantized, bf16 activations, prefill chunks of 8 (int8 x)",
+         {"dtype": "bfloat16", "max_num_batched_tokens": 8}),
+        ("quantized, bf16 activations, one prefill (bf16 tiles)", {"dtype": "bfloat16"}),
+    ]  # fmt: skip
     for name, kwargs in variants:
         llm = LLM(args.model, max_model_len=2048, **kwargs)  # type: ignore[arg-type]
         ppl, n = perplexity(llm, TEXT)
