@@ -246,14 +246,17 @@ def _load() -> tuple[NativeLibrary | None, NativeStatus]:
 
 
 @functools.cache
-def isa_library(isa: str, compiler: str | None = None) -> NativeLibrary:
+def isa_library(
+    isa: str, compiler: str | None = None, without: frozenset[str] = frozenset()
+) -> NativeLibrary:
     """The library built for `isa` (a key of ISAS), whatever the environment asks: the tests
-    run the AVX2 build beside the AVX-512 one. Raises OSError or CalledProcessError when it
-    cannot be built."""
+    run the AVX2 build beside the AVX-512 one, and that one `without` an optional feature
+    (avx512_vnni) as a CPU lacking it builds it. Raises OSError or CalledProcessError when
+    it cannot be built."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc, gcc or $CC)")
-    path = _build(compiler, flowllm_cache_dir() / "kernels", ISAS[isa])
+    path = _build(compiler, flowllm_cache_dir() / "kernels", ISAS[isa], cpu_flags() - without)
     return NativeLibrary(path, has_bf16="avx512_bf16" in cpu_flags(), isa=isa)
 
 
@@ -279,14 +282,15 @@ def _python_include() -> str:
     return sysconfig.get_paths()["include"]
 
 
-def _build(compiler: str, root: Path, isa: Isa) -> Path:
-    """Compile the sources into `root/<hash>/` unless that library exists already."""
+def _build(compiler: str, root: Path, isa: Isa, cpu: frozenset[str]) -> Path:
+    """Compile the sources for `isa` and the optional features of `cpu` into `root/<hash>/`
+    unless that library exists already."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     digest = hashlib.sha256()
     sources = sorted(SOURCE_DIR.glob("*.c"))
-    flags = (*COMMON_FLAGS, *isa.target_flags(cpu_flags()))
+    flags = (*COMMON_FLAGS, *isa.target_flags(cpu))
     for part in (compiler, version, " ".join(flags), LIBRARY_NAME, _python_include()):
         digest.update(part.encode())
     for src in [*sources, *sorted(SOURCE_DIR.glob("*.h"))]:

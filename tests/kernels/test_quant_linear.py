@@ -15,15 +15,29 @@ from quant_blocks import random_blocks
 from flowllm.kernels import call_plan, cpu_linear, native, quant_linear
 from flowllm.kernels.quant_linear import QuantError, QuantizedLinear, QuantizedWeight
 
+# Each build of the products: AVX-512 with VNNI's byte dots and without (pmaddubsw, as on
+# CPUs lacking VNNI), and AVX2.
+BUILDS = {
+    "avx512": ("avx512", frozenset()),
+    "avx512-no-vnni": ("avx512", frozenset({"avx512_vnni"})),
+    "avx2": ("avx2", frozenset()),
+}
 ISAS = [
     pytest.param(
-        isa,
+        name,
         marks=pytest.mark.skipif(
             not native.cpu_flags() >= native.ISAS[isa].cpu_flags, reason=f"no {isa} here"
         ),
     )
-    for isa in native.ISAS
+    for name, (isa, _) in BUILDS.items()
 ]
+
+
+def build(name: str) -> native.NativeLibrary:
+    isa, without = BUILDS[name]
+    return native.isa_library(isa, without=without)
+
+
 N, K = 80, 512  # 5 blocks of 16 outputs; two K-format super-blocks per row
 
 
@@ -60,9 +74,7 @@ def test_products_match_dequantize_then_matmul(isa: str, type_name: str) -> None
     raw = random_blocks(type_name, N, K, seed=1)
     w = reference(raw, type_name)
     bias = torch.randn(N)
-    lin = QuantizedLinear(
-        quant_linear.from_gguf(raw, type_name, (N, K)), bias, lib=native.isa_library(isa)
-    )
+    lin = QuantizedLinear(quant_linear.from_gguf(raw, type_name, (N, K)), bias, lib=build(isa))
     assert torch.equal(lin.rows(None, 0, N), w)  # the kernel's dequantization
     ids = torch.tensor([3, 0, N - 1, 3])
     assert torch.equal(lin.rows(ids), w[ids])
@@ -85,7 +97,7 @@ def test_bf16_activations_give_the_float32_product_rounded_once(isa: str, type_n
     n = N + 8
     raw = random_blocks(type_name, n, K, seed=5)
     weight = quant_linear.from_gguf(raw, type_name, (n, K))
-    lib = native.isa_library(isa)
+    lib = build(isa)
     assert lib is not None
     bias = torch.randn(n).to(torch.bfloat16)
     lin = QuantizedLinear(weight, bias, out_dtype=torch.bfloat16, lib=lib)
@@ -126,9 +138,7 @@ def test_outputs_past_the_last_group_of_16(isa: str, type_name: str) -> None:
     n = N + 8
     raw = random_blocks(type_name, n, K, seed=3)
     w = reference(raw, type_name, n)
-    lin = QuantizedLinear(
-        quant_linear.from_gguf(raw, type_name, (n, K)), lib=native.isa_library(isa)
-    )
+    lin = QuantizedLinear(quant_linear.from_gguf(raw, type_name, (n, K)), lib=build(isa))
     for m in (1, 8, 11):
         x = torch.randn(m, K)
         assert_product(lin(x), x, w, exact_x=False)
@@ -156,7 +166,7 @@ def test_each_product_reads_its_own_layout(isa: str) -> None:
     """Integer weights interleave at load and float ones (groups of 16) stay in rows; the
     kernel refuses an integer weight in rows instead of misreading it, and a float weight
     cannot interleave."""
-    lib = native.isa_library(isa)
+    lib = build(isa)
     x = torch.randn(2, K)
     q4, q6 = (
         quant_linear.from_gguf(random_blocks(t, N, K, seed=6), t, (N, K)) for t in ("Q4_1", "Q6_K")
@@ -207,7 +217,7 @@ def test_fused_parts_of_different_formats(isa: str) -> None:
     w = torch.cat([reference(r, t, n) for r, (t, n) in zip(raws, parts, strict=True)])
     assert fused.kind == "q8" and fused.group == 16
     assert torch.equal(fused.dequantize(), w)
-    lin = QuantizedLinear(fused, lib=native.isa_library(isa))
+    lin = QuantizedLinear(fused, lib=build(isa))
     x = torch.randn(2, K)
     assert_product(lin(x), x, w, exact_x=True)  # groups of 16 multiply floats
 
@@ -221,7 +231,7 @@ def test_int8_per_channel(isa: str, k: int) -> None:
     deq = weight.dequantize()
     # half a step of each row's own scale at most
     assert ((deq - w).abs() <= weight.scales / 2 + 1e-7).all()
-    lin = QuantizedLinear(weight, lib=native.isa_library(isa))
+    lin = QuantizedLinear(weight, lib=build(isa))
     x = torch.randn(3, k)
     assert_product(lin(x), x, deq, exact_x=k % 64 != 0)
 

@@ -38,7 +38,7 @@ def test_compiling_the_kernels_is_announced(tmp_path: Path) -> None:
     if compiler is None:
         pytest.skip("no C compiler")
     with capture_logs() as logs:
-        target = native._build(compiler, tmp_path, native.ISAS["avx2"])
+        target = native._build(compiler, tmp_path, native.ISAS["avx2"], native.cpu_flags())
     assert target.is_file()
     assert [e["event"] for e in logs] == [
         "compiling the native kernels (once)",
@@ -46,5 +46,5 @@ def test_compiling_the_kernels_is_announced(tmp_path: Path) -> None:
     ]
     assert logs[1]["seconds"] >= 0
     with capture_logs() as again:
-        assert native._build(compiler, tmp_path, native.ISAS["avx2"]) == target
+        assert native._build(compiler, tmp_path, native.ISAS["avx2"], native.cpu_flags()) == target
     assert again == []
