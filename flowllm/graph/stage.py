@@ -6,7 +6,7 @@ A stage class declares
     outputs = {"out": StepBatch, "errors": RequestError}
     class Params(msgspec.Struct, frozen=True): ...      # built from the YAML `with:` map
     credit_param = "max_inflight_steps"                 # only for a stage bounding a cycle
-    per_step_outputs = frozenset({"choices"})          # ports sending <= 1 message a step
+    per_step_outputs = frozenset({"choices"})           # ports sending <= 1 message a step
 
 and is constructed by the runtime as `StageClass(params, services)`. `run(ctx)` receives
 from `ctx`'s inboxes and emits on its outboxes; it returns once its inputs are closed and
