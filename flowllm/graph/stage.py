@@ -6,6 +6,7 @@ A stage class declares
     outputs = {"out": StepBatch, "errors": RequestError}
     class Params(msgspec.Struct, frozen=True): ...      # built from the YAML `with:` map
     credit_param = "max_inflight_steps"                 # only for a stage bounding a cycle
+    per_step_outputs = frozenset({"choices"})           # ports sending <= 1 message a step
 
 and is constructed by the runtime as `StageClass(params, services)`. `run(ctx)` receives
 from `ctx`'s inboxes and emits on its outboxes; it returns once its inputs are closed and
@@ -291,6 +292,11 @@ class Stage:
     # Name of an int param bounding the messages this stage keeps in flight around a
     # cycle (docs/stages.md); the validator accepts a cycle only through such a stage.
     credit_param: ClassVar[str | None] = None
+    # Output ports sending at most one message per credited step, beside the credited loop
+    # rather than around it (schedule's `choices`). Steps stop only once the consumer's
+    # input from the loop is full, so the validator sizes such a port's channel from that
+    # input's capacity, the credit bound and one (docs/stages.md), not the bound alone.
+    per_step_outputs: ClassVar[frozenset[str]] = frozenset()
     # What a failure does when the graph's `supervision:` entry does not say
     # (flowllm/graph/supervision.py): a stage with its own `run` may hold state across
     # requests, so it restarts with fresh state.

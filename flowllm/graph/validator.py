@@ -13,6 +13,10 @@ accepted only when some stage on it declares a credit bound B (`Stage.credit_par
 `schedule`'s `max_inflight_steps`: it never has more than B messages in flight around the
 loop; with `replicas: N` the bound is N x B) and every channel on the cycle has capacity
 >= B, so no send on the cycle can block.
+
+A port sending up to one message per step beside that loop (`Stage.per_step_outputs`, e.g.
+`schedule.choices`) is not bounded by B: its steps stop only once its consumer's input from
+the loop is full. Its channel, when on a cycle, needs that input's capacity + B + 1 instead.
 """
 
 from __future__ import annotations
@@ -203,6 +207,24 @@ class _Validator:
                         stage.line,
                     )
                     ok = False
+        if not ok:
+            return False
+        where = f"stage {stage.name!r}: {cls.__name__}.per_step_outputs"
+        stray = sorted(set(cls.per_step_outputs) - set(cls.outputs))
+        if stray:
+            self.problem(
+                f"{where} names {', '.join(map(repr, stray))}, not an output port; its "
+                f"output ports: {known(cls.outputs)}",
+                stage.line,
+            )
+            ok = False
+        if cls.per_step_outputs and cls.credit_param is None:
+            self.problem(
+                f"{where} needs a credit_param: only the steps a stage keeps in flight bound "
+                "what it sends once a step",
+                stage.line,
+            )
+            ok = False
         return ok
 
     def check_params(self, stage: StageSpec, cls: type[Stage]) -> msgspec.Struct | None:
@@ -381,7 +403,9 @@ class _Validator:
         for edge in edges:
             if edge.src.stage in succ and edge.dst.stage in succ:
                 succ[edge.src.stage].setdefault(edge.dst.stage, []).append(edge)
-        for cycle in simple_cycles(order, {n: list(s) for n, s in succ.items()}):
+        cycles = list(simple_cycles(order, {n: list(s) for n, s in succ.items()}))
+        per_step_checked: set[str] = set()
+        for cycle in cycles:
             on_cycle: list[EdgeSpec] = []
             for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
                 on_cycle.extend(succ[a][b])
@@ -398,29 +422,96 @@ class _Validator:
                 )
                 continue
             holder, bound = min(credited.items(), key=lambda item: item[1])
-            param = stages[holder].cls.credit_param
-            replicas = stages[holder].spec.replicas
-            if replicas > 1:
-                param = f"{param} x {replicas} replicas"
             if bound < 1:
                 self.problem(
-                    f"cycle {path}: stage {holder!r} has credit bound {bound} ({param}); "
-                    "it must be >= 1 for work to flow",
+                    f"cycle {path}: stage {holder!r} has credit bound {bound} "
+                    f"({credit_source(stages[holder])}); it must be >= 1 for work to flow",
                     stages[holder].spec.line,
                 )
                 continue
-            for channel_name in dict.fromkeys(str(e.dst) for e in on_cycle):
+            for channel_name, edge in {str(e.dst): e for e in on_cycle}.items():
+                head_bound = per_step_bound(edge.src, stages)
+                if head_bound is not None:
+                    if channel_name not in per_step_checked:
+                        per_step_checked.add(channel_name)
+                        self.check_per_step(edge, head_bound, path, stages, channels, cycles, succ)
+                    continue
                 capacity = channels[channel_name].capacity
                 if capacity < bound:
                     self.problem(
                         f"cycle {path}: channel {channel_name!r} has capacity {capacity}, below "
-                        f"the credit bound {bound} of stage {holder!r} ({param}); give it "
-                        f"capacity >= {bound}",
+                        f"the credit bound {bound} of stage {holder!r} "
+                        f"({credit_source(stages[holder])}); give it capacity >= {bound}",
                         line,
                     )
 
+    def check_per_step(
+        self,
+        edge: EdgeSpec,
+        bound: int,
+        path: str,
+        stages: dict[str, BoundStage],
+        channels: dict[str, ChannelSpec],
+        cycles: list[list[str]],
+        succ: dict[str, dict[str, list[EdgeSpec]]],
+    ) -> None:
+        """A per-step port's channel on a cycle: it holds a message for every step its
+        consumer has not taken yet, which the consumer's input from the credited loop bounds
+        (that input's capacity, the steps in flight, and one its producer holds back)."""
+        head, consumer = stages[edge.src.stage], edge.dst.stage
+        loop: set[str] = set()  # on cycles leaving `head` by a credited port, not via `consumer`
+        for cycle in cycles:
+            if head.name in cycle and consumer not in cycle:
+                after = cycle[(cycle.index(head.name) + 1) % len(cycle)]
+                if any(per_step_bound(e.src, stages) is None for e in succ[head.name][after]):
+                    loop.update(cycle)
+        intakes = [
+            channel
+            for channel in channels.values()
+            if channel.dst.stage == consumer
+            and any(
+                p.stage in loop and per_step_bound(p, stages) is None for p in channel.producers
+            )
+        ]
+        name = str(edge.dst)
+        if not intakes:
+            self.problem(
+                f"cycle {path}: channel {name!r} is not bounded: {edge.src} sends up to one "
+                f"message per step of stage {head.name!r}, but no input of stage "
+                f"{consumer!r} is fed by that stage's credited loop, so the steps do not stop "
+                f"while {consumer!r} waits; feed {consumer!r} from the loop or break the cycle",
+                edge.line,
+            )
+            return
+        intake = max(intakes, key=lambda channel: channel.capacity)
+        needed = intake.capacity + bound + 1
+        capacity = channels[name].capacity
+        if capacity < needed:
+            self.problem(
+                f"cycle {path}: channel {name!r} has capacity {capacity}, below the {needed} "
+                f"it needs: {edge.src} sends up to one message per step, and stage "
+                f"{head.name!r} stops starting steps only once {intake.name!r} is full; give "
+                f"it capacity >= {needed} (capacity {intake.capacity} of {intake.name!r} + the "
+                f"credit bound {bound} of stage {head.name!r} ({credit_source(head)}) + 1)",
+                edge.line,
+            )
+
 
 _MISSING: Final = object()
+
+
+def per_step_bound(port: PortRef, stages: dict[str, BoundStage]) -> int | None:
+    """The credit bound of `port`'s stage when `port` sends up to one message per step of
+    it (`Stage.per_step_outputs`), else None."""
+    stage = stages[port.stage]
+    return stage.credit_bound if port.port in stage.cls.per_step_outputs else None
+
+
+def credit_source(stage: BoundStage) -> str:
+    """What a stage's credit bound comes from: `max_inflight_steps x 2 replicas`."""
+    replicas = stage.spec.replicas
+    param = str(stage.cls.credit_param)
+    return f"{param} x {replicas} replicas" if replicas > 1 else param
 
 
 def type_name_of(tp: object) -> str:

@@ -49,6 +49,7 @@ class Schedule(Stage):
     Params = ScheduleParams
     params: ScheduleParams
     credit_param = "max_inflight_steps"
+    per_step_outputs = frozenset({"choices"})
 
     def __init__(self, params: ScheduleParams, services: EngineServices) -> None:
         super().__init__(params, services)

@@ -193,6 +193,9 @@ def test_the_guides_validation_messages(workdir: Path) -> None:
         base.replace("with: {phrases: [forbidden fruit]}", "with: {phrase: [x]}"),
         base.replace("blocklist.py:Blocklist", "blocklist.py:BlockList"),
         base.replace("  - {from: validate.out, to: blocklist.in, capacity: 256}\n", ""),
+        base.replace(
+            "to: detokenize.choices, capacity: 64}", "to: detokenize.choices, capacity: 9}"
+        ),
     ]
     assert stage_line in base and all(v != base for v in variants)
     reported = []

@@ -255,6 +255,40 @@ class Loop(Stage):
                 self.max_inflight_seen = max(self.max_inflight_seen, inflight)
 
 
+class PacedLoop(Loop):
+    """`Loop`'s declaration with a note per step beside the loop and finishes coming back,
+    shaped like `schedule` (validation fixtures only: it is never run)."""
+
+    inputs: ClassVar[dict[str, Any]] = {**Loop.inputs, "finishes": Item}
+    outputs: ClassVar[dict[str, Any]] = {**Loop.outputs, "notes": Step}
+    optional_inputs = frozenset({"finishes"})
+    per_step_outputs = frozenset({"notes"})
+
+
+class StrayPerStep(Stage):
+    """Declares a per-step port it does not have."""
+
+    outputs: ClassVar[dict[str, Any]] = {"notes": Step}
+    Params = LoopParams
+    credit_param = "max_inflight_steps"
+    per_step_outputs = frozenset({"notse"})
+
+
+class UncreditedPerStep(Stage):
+    """Declares a per-step port but no credit bound to count its steps by."""
+
+    outputs: ClassVar[dict[str, Any]] = {"notes": Step}
+    per_step_outputs = frozenset({"notes"})
+
+
+class NoteTaker(PerMessageStage):
+    """Takes a loop's notes and its steps, sends finishes back: `detokenize`'s shape
+    (validation fixtures only: it is never run)."""
+
+    inputs: ClassVar[dict[str, Any]] = {"notes": Step, "in": Step}
+    outputs: ClassVar[dict[str, Any]] = {"finishes": Item}
+
+
 class StepRelay(PerMessageStage):
     """Passes a Step on (a stand-in for execute / sample)."""
 

@@ -157,6 +157,77 @@ def test_a_credit_bounded_cycle_is_accepted() -> None:
     assert graph.stages["loop"].credit_bound == 2
 
 
+PER_STEP = (FIXTURES / "cycle_per_step.yaml").read_text()
+
+
+def test_a_per_step_channel_needs_its_consumers_loop_intake_plus_the_credit_bound_plus_one() -> (
+    None
+):
+    graph = load_graph(FIXTURES / "cycle_per_step.yaml")  # notes.notes: 3 + 2 + 1
+    assert graph.channels["notes.notes"].capacity == 6
+    (problem,) = problems_in(
+        PER_STEP.replace("notes.notes, capacity: 6", "notes.notes, capacity: 5")
+    )
+    assert problem == (
+        "g.yaml:15: cycle loop -> notes -> loop: channel 'notes.notes' has capacity 5, below "
+        "the 6 it needs: loop.notes sends up to one message per step, and stage 'loop' stops "
+        "starting steps only once 'notes.in' is full; give it capacity >= 6 (capacity 3 of "
+        "'notes.in' + the credit bound 2 of stage 'loop' (max_inflight_steps) + 1)"
+    )
+    (problem,) = problems_in(PER_STEP.replace("notes.in, capacity: 3", "notes.in, capacity: 4"))
+    assert "channel 'notes.notes' has capacity 6, below the 7 it needs" in problem
+    replicated = PER_STEP.replace("max_inflight_steps: 2}}", "max_inflight_steps: 2}, replicas: 2}")
+    problems = problems_in(replicated)
+    assert any(
+        "channel 'notes.notes' has capacity 6, below the 8 it needs" in p
+        and "credit bound 4 of stage 'loop' (max_inflight_steps x 2 replicas) + 1)" in p
+        for p in problems
+    ), problems
+
+
+def test_a_per_step_channel_off_every_cycle_needs_only_room_for_one() -> None:
+    text = PER_STEP.replace("notes.notes, capacity: 6", "notes.notes, capacity: 1")
+    assert problems_in(text)  # on the cycle through loop.finishes
+    graph = GraphSpec.from_yaml(
+        text.replace("to: loop.finishes", "to: sink.in"), source="g.yaml", base_dir=FIXTURES
+    ).validate()
+    assert graph.channels["notes.notes"].capacity == 1
+
+
+def test_a_per_step_channel_whose_consumer_takes_no_steps_from_the_loop_is_refused() -> None:
+    text = PER_STEP.replace(
+        "  - {from: sample.out, to: notes.in, capacity: 3}\n",
+        "  - {from: sample.out, to: relay.in, capacity: 3}\n"
+        "  - {from: relay.out, to: notes.in, capacity: 3}\n",
+    ).replace(
+        "  - {name: notes,", '  - {name: relay, use: "graph_toys:StepRelay"}\n  - {name: notes,'
+    )
+    (problem,) = problems_in(text)
+    assert problem == (
+        "g.yaml:17: cycle loop -> notes -> loop: channel 'notes.notes' is not bounded: "
+        "loop.notes sends up to one message per step of stage 'loop', but no input of stage "
+        "'notes' is fed by that stage's credited loop, so the steps do not stop while 'notes' "
+        "waits; feed 'notes' from the loop or break the cycle"
+    )
+
+
+def test_per_step_outputs_must_name_output_ports_of_a_credit_bounded_stage() -> None:
+    problems = problems_in(
+        """
+        stages:
+          - {name: stray, use: "graph_toys:StrayPerStep"}
+          - {name: uncredited, use: "graph_toys:UncreditedPerStep"}
+        edges: []
+        """
+    )
+    assert problems == [
+        "g.yaml:3: stage 'stray': StrayPerStep.per_step_outputs names 'notse', not an output "
+        "port; its output ports: notes",
+        "g.yaml:4: stage 'uncredited': UncreditedPerStep.per_step_outputs needs a "
+        "credit_param: only the steps a stage keeps in flight bound what it sends once a step",
+    ]
+
+
 def test_every_problem_is_reported_at_once_in_file_order() -> None:
     problems = problems_of("many_problems.yaml")
     expected = [
