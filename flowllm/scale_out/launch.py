@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -28,6 +29,11 @@ INGRESS_NAME = "ingress"
 # that matters, so Serve's own must be above it and never queue what admission would take.
 MAX_ONGOING_REQUESTS = 4096
 HEALTH_CHECK_PERIOD_S = 2.0
+# How often the launcher looks whether the stopping application is gone.
+SHUTDOWN_POLL_S = 0.2
+# Past the replicas' own drains, time for Serve to stop them before `serve.shutdown`
+# takes what is left.
+SHUTDOWN_GRACE_S = 10.0
 
 
 # Bounds on what a flag may ask for, checked before anything is built for it: a Ray Serve
@@ -124,6 +130,20 @@ def build_application(args: argparse.Namespace) -> Any:
     return ingress.bind(args, replicas)
 
 
+def stop_application(shutdown_timeout: float) -> None:
+    """Delete the application while Serve's HTTP proxy still runs, so that the requests in
+    flight finish through it: Serve stops the ingress first (it drains for up to
+    `shutdown_timeout`), then the engines. `serve.shutdown` alone would stop the proxy
+    at once and cut them."""
+    from ray import serve
+
+    serve.delete(APP_NAME, _blocking=False)
+    # The ingress's drain, then the engines' (theirs ended with the ingress's requests).
+    deadline = time.monotonic() + 2 * shutdown_timeout + SHUTDOWN_GRACE_S
+    while APP_NAME in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(SHUTDOWN_POLL_S)
+
+
 def serve_on_ray(args: argparse.Namespace) -> int:
     """Run the application until SIGINT/SIGTERM; 0 after a clean stop, 1 on a bad flag or
     when the application does not start."""
@@ -176,6 +196,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     take_signals()
     status = 0
     started_here = args.ray_address is None
+    # Serve runs: the application may be serving (its proxy answers before serve.run
+    # returns), so it is stopped with its requests drained.
+    serve_started = False
     needed = args.data_parallel_size * args.cpus_per_replica
     try:
         ray.init(
@@ -187,6 +210,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         )
         take_signals()  # Ray's core installs its own SIGTERM handler, which exits at once
         serve.start(http_options={"host": args.host, "port": args.port})
+        serve_started = True
         serve.run(build_application(args), name=APP_NAME, route_prefix="/")
         serving.set()
         print(
@@ -204,6 +228,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     finally:
         serving.set()  # from here a signal no longer interrupts: the shutdown completes
         try:
+            if serve_started:
+                stop_application(args.shutdown_timeout)
             if ray.is_initialized():
                 serve.shutdown()
         finally:
