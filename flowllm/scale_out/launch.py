@@ -3,9 +3,9 @@
 Starts a Ray cluster on this machine (or joins `--ray-address`), runs Serve's HTTP proxy
 on --host/--port, and deploys one application: the ingress and `--data-parallel-size`
 engine replicas, each replica a Serve deployment of its own so that the ingress routes to
-a known replica (and labels its metrics with it). SIGINT or SIGTERM shuts Serve down
-(replicas finish their requests for up to --shutdown-timeout) and then Ray: a cluster this
-command started leaves no process behind.
+a known replica (and labels its metrics with it). SIGINT or SIGTERM stops the application
+(replicas finish their requests for up to --shutdown-timeout, through the proxy), then
+Serve and Ray: a cluster this command started leaves no process behind.
 """
 
 from __future__ import annotations
@@ -29,11 +29,19 @@ INGRESS_NAME = "ingress"
 # that matters, so Serve's own must be above it and never queue what admission would take.
 MAX_ONGOING_REQUESTS = 4096
 HEALTH_CHECK_PERIOD_S = 2.0
-# How often the launcher looks whether the stopping application is gone.
+# How often a stopping replica looks for requests still running. Serve sleeps this long
+# before its first look even when none runs, once for the ingress and once for the
+# engines (Serve's default, 2 s, was most of an idle shutdown); shorter costs a counter
+# read, and a log line while requests drain.
 SHUTDOWN_POLL_S = 0.2
-# Past the replicas' own drains, time for Serve to stop them before `serve.shutdown`
-# takes what is left.
+# Past the replicas' drains, time for Serve to stop them before `serve.shutdown` takes
+# what is left.
 SHUTDOWN_GRACE_S = 10.0
+# Serve's direct-ingress mode keeps a stopping ingress reachable this long so that a load
+# balancer can deregister it (30 s by default, plus 5 s Serve adds to the ingress's
+# timeout). `flowllm serve` stops the whole application: no replica is left to take
+# over, so on a cluster it starts the window is off unless the environment sets one.
+DIRECT_INGRESS_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
 # Bounds on what a flag may ask for, checked before anything is built for it: a Ray Serve
@@ -102,6 +110,7 @@ def build_application(args: argparse.Namespace) -> Any:
         "num_replicas": 1,
         "max_ongoing_requests": MAX_ONGOING_REQUESTS,
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
         # Serve's line per call would log every probe; --log-requests is flowllm's own.
         "logging_config": {"enable_access_log": False},
     }
@@ -132,14 +141,13 @@ def build_application(args: argparse.Namespace) -> Any:
 
 def stop_application(shutdown_timeout: float) -> None:
     """Delete the application while Serve's HTTP proxy still runs, so that the requests in
-    flight finish through it: Serve stops the ingress first (it drains for up to
-    `shutdown_timeout`), then the engines. `serve.shutdown` alone would stop the proxy
-    at once and cut them."""
+    flight finish through it: the ingress and the engines stop together, each once its
+    requests are done (an engine's are the ingress's calls), for up to `shutdown_timeout`.
+    `serve.shutdown` alone would stop the proxy at once and cut them."""
     from ray import serve
 
     serve.delete(APP_NAME, _blocking=False)
-    # The ingress's drain, then the engines' (theirs ended with the ingress's requests).
-    deadline = time.monotonic() + 2 * shutdown_timeout + SHUTDOWN_GRACE_S
+    deadline = time.monotonic() + shutdown_timeout + SHUTDOWN_GRACE_S
     while APP_NAME in serve.status().applications and time.monotonic() < deadline:
         time.sleep(SHUTDOWN_POLL_S)
 
@@ -200,6 +208,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     # returns), so it is stopped with its requests drained.
     serve_started = False
     needed = args.data_parallel_size * args.cpus_per_replica
+    if started_here:  # read by the Serve processes of the cluster ray.init starts
+        os.environ.setdefault(DIRECT_INGRESS_DRAIN_ENV, "0")
     try:
         ray.init(
             # "local": a new cluster, never one some other program started here
