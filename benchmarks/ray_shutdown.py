@@ -26,6 +26,12 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "scale_out")]
+
+from ray_helpers import alive, descendants  # noqa: E402  (the tests' own, from /proc)
+
+from flowllm.models.random_gpt2 import build_gpt2_dir  # noqa: E402
+
 STARTUP_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 120.0
 FLAGS = [
@@ -39,40 +45,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process under `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found: set[int] = set()
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def running(pids: set[int]) -> set[int]:
-    """Those of `pids` still running (zombies count as gone)."""
-    alive = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(pid)
-    return alive
 
 
 def time_to_exit(
@@ -114,7 +86,7 @@ def time_to_exit(
             code = None
         took = time.perf_counter() - signalled
         time.sleep(5.0)
-        return took, code, len(running(started))
+        return took, code, len(alive(started))
     finally:
         if process.poll() is None:
             process.kill()
@@ -136,9 +108,6 @@ def main() -> None:
     checkouts = {"this": REPO}
     if args.baseline is not None:
         checkouts["baseline"] = args.baseline.resolve()
-
-    sys.path.insert(0, str(REPO))
-    from flowllm.models.random_gpt2 import build_gpt2_dir
 
     times: dict[str, list[float]] = {name: [] for name in checkouts}
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,10 +29,9 @@ INGRESS_NAME = "ingress"
 # that matters, so Serve's own must be above it and never queue what admission would take.
 MAX_ONGOING_REQUESTS = 4096
 HEALTH_CHECK_PERIOD_S = 2.0
-# How often a stopping replica looks for requests still running. Serve sleeps this long
-# before its first look even when none runs, once for the ingress and once for the
-# engines (Serve's default, 2 s, was most of an idle shutdown); shorter costs a counter
-# read, and a log line while requests drain.
+# How often a stopping replica looks for requests still running (Serve's default: 2 s).
+# Serve sleeps this long before its first look even when none runs, and an idle server
+# waits for it; shorter costs a counter read, and a log line while requests drain.
 SHUTDOWN_POLL_S = 0.2
 # Past the replicas' drains, time for Serve to stop them before `serve.shutdown` takes
 # what is left.

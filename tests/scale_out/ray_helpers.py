@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 from server_process import ServerProcess, wait_until
 
-# From SIGTERM to exit, for an idle server on a loaded 2-core machine (a quiet one takes
-# 3-4 s). Serve's defaults took 7 s, and 33 s with its direct ingress, whose drain period
-# alone is 30 s (benchmarks/README.md, "Scale-out on Ray").
+# From SIGTERM to exit, for an idle server on a loaded 2-core machine: room for Ray's own
+# stop, and below the drain period of Serve's direct ingress (30 s), which the launcher
+# turns off (benchmarks/README.md, "Stopping a Ray server").
 STOP_BOUND_S = 20.0
 GONE_S = 20.0  # for Ray's processes to be gone once the server has exited
 
