@@ -3,9 +3,9 @@
 Starts a Ray cluster on this machine (or joins `--ray-address`), runs Serve's HTTP proxy
 on --host/--port, and deploys one application: the ingress and `--data-parallel-size`
 engine replicas, each replica a Serve deployment of its own so that the ingress routes to
-a known replica (and labels its metrics with it). SIGINT or SIGTERM shuts Serve down
-(replicas finish their requests for up to --shutdown-timeout) and then Ray: a cluster this
-command started leaves no process behind.
+a known replica (and labels its metrics with it). SIGINT or SIGTERM stops the application
+(replicas finish their requests for up to --shutdown-timeout, through the proxy), then
+Serve and Ray: a cluster this command started leaves no process behind.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -28,6 +29,18 @@ INGRESS_NAME = "ingress"
 # that matters, so Serve's own must be above it and never queue what admission would take.
 MAX_ONGOING_REQUESTS = 4096
 HEALTH_CHECK_PERIOD_S = 2.0
+# How often a stopping replica looks for requests still running (Serve's default: 2 s).
+# Serve sleeps this long before its first look even when none runs, and an idle server
+# waits for it; shorter costs a counter read, and a log line while requests drain.
+SHUTDOWN_POLL_S = 0.2
+# Past the replicas' drains, time for Serve to stop them before `serve.shutdown` takes
+# what is left.
+SHUTDOWN_GRACE_S = 10.0
+# Serve's direct-ingress mode keeps a stopping ingress reachable this long so that a load
+# balancer can deregister it (30 s by default, plus 5 s Serve adds to the ingress's
+# timeout). `flowllm serve` stops the whole application: no replica is left to take
+# over, so on a cluster it starts the window is off unless the environment sets one.
+DIRECT_INGRESS_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
 # Bounds on what a flag may ask for, checked before anything is built for it: a Ray Serve
@@ -96,6 +109,7 @@ def build_application(args: argparse.Namespace) -> Any:
         "num_replicas": 1,
         "max_ongoing_requests": MAX_ONGOING_REQUESTS,
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
         # Serve's line per call would log every probe; --log-requests is flowllm's own.
         "logging_config": {"enable_access_log": False},
     }
@@ -122,6 +136,19 @@ def build_application(args: argparse.Namespace) -> Any:
         name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}, **common
     )
     return ingress.bind(args, replicas)
+
+
+def stop_application(shutdown_timeout: float) -> None:
+    """Delete the application while Serve's HTTP proxy still runs, so that the requests in
+    flight finish through it: the ingress and the engines stop together, each once its
+    requests are done (an engine's are the ingress's calls), for up to `shutdown_timeout`.
+    `serve.shutdown` alone would stop the proxy at once and cut them."""
+    from ray import serve
+
+    serve.delete(APP_NAME, _blocking=False)
+    deadline = time.monotonic() + shutdown_timeout + SHUTDOWN_GRACE_S
+    while APP_NAME in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(SHUTDOWN_POLL_S)
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
@@ -176,7 +203,12 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     take_signals()
     status = 0
     started_here = args.ray_address is None
+    # Serve runs: the application may be serving (its proxy answers before serve.run
+    # returns), so it is stopped with its requests drained.
+    serve_started = False
     needed = args.data_parallel_size * args.cpus_per_replica
+    if started_here:  # read by the Serve processes of the cluster ray.init starts
+        os.environ.setdefault(DIRECT_INGRESS_DRAIN_ENV, "0")
     try:
         ray.init(
             # "local": a new cluster, never one some other program started here
@@ -187,6 +219,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         )
         take_signals()  # Ray's core installs its own SIGTERM handler, which exits at once
         serve.start(http_options={"host": args.host, "port": args.port})
+        serve_started = True
         serve.run(build_application(args), name=APP_NAME, route_prefix="/")
         serving.set()
         print(
@@ -204,6 +237,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     finally:
         serving.set()  # from here a signal no longer interrupts: the shutdown completes
         try:
+            if serve_started:
+                stop_application(args.shutdown_timeout)
             if ray.is_initialized():
                 serve.shutdown()
         finally:

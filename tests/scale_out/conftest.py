@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_help
 
 import ray  # flowllm[ray]: `make test` installs it, and these tests are never skipped
 from e2e_helpers import API_KEY, CHAT_TEMPLATE, FLOOD_MAX_PENDING, start_server
-from ray_helpers import alive, descendants
-from server_process import TINY_FLAGS, ServerProcess, small_pending_graph, wait_until
+from ray_helpers import STOP_BOUND_S, stop_within
+from server_process import TINY_FLAGS, ServerProcess, small_pending_graph
 
 REPLICAS = 2
 RAY_FLAGS = (
@@ -60,10 +60,8 @@ def ray_address() -> Iterator[str]:
 
 def stop_leaving_nothing(proc: ServerProcess) -> None:
     """SIGTERM the server: it exits 0, and every process it started (Ray's) is gone."""
-    started = descendants(proc.process.pid)
-    code = proc.stop()
-    assert code == 0, f"flowllm serve exited with {code}"
-    assert wait_until(lambda: not alive(started), 20.0), alive(started)
+    code, took = stop_within(proc, STOP_BOUND_S)
+    assert code == 0, f"flowllm serve exited with {code} after {took:.1f} s"
 
 
 @pytest.fixture
@@ -119,6 +117,17 @@ def flood_server(
         yield proc
     finally:
         stop_leaving_nothing(proc)
+
+
+@pytest.fixture
+def start_own_cluster_server(gpt2_tiny_dir: Path) -> Callable[[dict[str, str]], ServerProcess]:
+    """Starts a server on a Ray cluster of its own, with `env` added to its environment;
+    the test stops it."""
+
+    def start(env: dict[str, str]) -> ServerProcess:
+        return start_ray_server(gpt2_tiny_dir, env={**NO_RAY_OOM_KILLER, **env})
+
+    return start
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,23 @@
-"""What the Ray tests read of a running server: labelled metrics, replica processes."""
+"""What the Ray tests read of a running server (labelled metrics, replica processes), and
+how they stop one."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import httpx
-from server_process import ServerProcess
+from server_process import ServerProcess, wait_until
+
+# From SIGTERM to exit, for an idle server on a loaded 2-core machine: room for Ray's own
+# stop, and below the drain period of Serve's direct ingress (30 s), which the launcher
+# turns off (benchmarks/README.md, "Stopping a Ray server").
+STOP_BOUND_S = 20.0
+GONE_S = 20.0  # for Ray's processes to be gone once the server has exited
 
 _SAMPLE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\{([^}]*)\} (\S+)")
 
@@ -83,3 +93,23 @@ def alive(pids: set[int]) -> set[int]:
         if state != "Z":
             running.add(pid)
     return running
+
+
+def stop_within(proc: ServerProcess, bound: float) -> tuple[int | None, float]:
+    """SIGTERM `proc`: its exit code (None if it outlived `bound`; it is killed then) and
+    the seconds it took. Fails unless every process it started (Ray's) is gone after."""
+    started = descendants(proc.process.pid)
+    signalled = time.monotonic()
+    proc.process.send_signal(signal.SIGTERM)
+    try:
+        code: int | None = proc.process.wait(bound)
+    except subprocess.TimeoutExpired:
+        code = None
+    took = time.monotonic() - signalled
+    proc.stop()  # kills a server that lingers; closes its log
+    wait_until(lambda: not alive(started), GONE_S)
+    left = alive(started)
+    for pid in left:  # not left to the tests that follow
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {sorted(left)}"
+    return code, took
