@@ -30,19 +30,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent(
     """
-    import argparse, ctypes, json, sys
+    import argparse, json, sys
     import torch
+    from flowllm.models.glibc_heap import in_use
     from flowllm.models.layers import Linear
     from linear_step import SHAPES
     from model_step import best_time, timing_clock
 
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-            "uordblks", "fordblks", "keepcost")]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Mallinfo2
     args = argparse.Namespace(**json.loads(sys.argv[1]))
     clock = timing_clock(args)
     layer, layers, biased, head = SHAPES["gpt2-124m"]
@@ -56,8 +50,7 @@ CHILD = textwrap.dedent(
         linears.append(linear)
 
     def heap_mb():
-        info = libc.mallinfo2()
-        return (info.uordblks + info.hblkhd) / 2**20
+        return in_use() / 2**20
 
     def cycle(counts):
         for rows in counts:

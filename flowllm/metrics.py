@@ -129,6 +129,9 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Sequences preempted (recompute).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished prefills.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.heap_trims = counter(
+            "heap_trims", "Times the heap gave freed memory back after the engine went idle."
+        )
         self.request_success = Counter(
             f"{PREFIX}request_success",
             "Requests that finished, by the first choice's finish reason.",

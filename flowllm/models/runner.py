@@ -9,8 +9,6 @@ sequences whose prompt logprobs were asked.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 from itertools import chain
@@ -23,6 +21,7 @@ import torch
 from flowllm.kernels import native
 from flowllm.kernels.workspace import Workspace
 from flowllm.messages import ScheduledSeq
+from flowllm.models import glibc_heap
 from flowllm.models.context import AttentionContext
 from flowllm.models.errors import ModelError
 from flowllm.models.step_plans import StepPlans
@@ -72,13 +71,11 @@ def keep_freed_memory_mapped() -> bool:
     run there): each thread gets its own arena, whose heaps hold at most 64 MiB, and a
     larger block is mmapped and unmapped every time whatever the thresholds say. So the
     arenas are limited to one (M_ARENA_MAX = 1) and threads created from now on share the
-    main heap.
+    main heap. What the heap keeps this way is given back once the engine goes idle
+    (`glibc_heap.trim`).
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    mallopt = getattr(libc, "mallopt", None)
+    libc = glibc_heap.libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
     if mallopt is None:
         return False
     return all(

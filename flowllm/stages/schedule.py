@@ -7,7 +7,9 @@ aborts — and, while fewer than `max_inflight_steps` steps are in flight, sends
 first (choices starting in that step, choices that ended unseen). The in-flight bound is
 the credit that keeps the schedule → execute → sample → schedule cycle deadlock free
 (every channel on it holds at least that many messages).
-It returns once its request input has closed and no sequence or step is left.
+It returns once its request input has closed and no sequence or step is left. While no
+sequence runs or waits, it waits for its next message through `IdleHeapTrim`, which gives
+the heap a burst freed back to the system once the idleness lasts.
 
 An Abort normally arrives after its request (both travel the request path). With a
 replicated stage upstream it may overtake it, so the ids of aborts for unknown requests
@@ -33,7 +35,9 @@ from flowllm.messages import (
     StepTokens,
     TokenizedRequest,
 )
+from flowllm.models import glibc_heap
 from flowllm.scheduling.scheduler import Scheduler, SchedulerError
+from flowllm.stages.idle_heap_trim import IdleHeapTrim
 from flowllm.stages.services import EngineServices
 
 EARLY_ABORTS_KEPT = 4096
@@ -60,6 +64,7 @@ class Schedule(Stage):
         self._metrics = services.metrics
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._lost: tuple[str, ...] = ()  # requests a failed step loop lost, to answer
+        self._idle_trim = IdleHeapTrim(trim=self._trim_heap)
 
     def restart_from(self, old: Stage) -> None:
         """After the step loop failed: requests not yet scheduled survive; the others are
@@ -122,8 +127,12 @@ class Schedule(Stage):
                         )
                     await ctx.emit("out", batch)
                     inflight += 1
+                    self._idle_trim.worked()
                     continue
-            port, message = await ctx.receive_any()
+            if inflight or scheduler.has_unfinished():
+                port, message = await ctx.receive_any()
+            else:
+                port, message = await self._idle_trim.receive(ctx.receive_any)
             started = time.perf_counter()
             if message is CLOSED:
                 intake_open &= port != "requests"
@@ -142,6 +151,10 @@ class Schedule(Stage):
             self._metrics.observe_scheduler(scheduler.stats)
             ctx.end()
             ctx.spans.record(message, started, ctx.last_wait)
+
+    def _trim_heap(self) -> None:
+        if glibc_heap.trim():
+            self._metrics.heap_trims.inc()
 
     def _abort(self, request_id: str) -> None:
         if self.scheduler.abort_request(request_id):

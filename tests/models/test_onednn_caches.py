@@ -6,7 +6,6 @@ read their capacity at their first use."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from flowllm.models import onednn_caches
+from flowllm.models import glibc_heap, onednn_caches
 from flowllm.models.layers import onednn_packs
 
 ROW_COUNTS = 200
@@ -25,21 +24,10 @@ ROW_COUNTS = 200
 # counts and prints how many bytes glibc's heap and mmapped chunks gained meanwhile.
 SCRIPT = textwrap.dedent(
     f"""
-    import ctypes, json
+    import json
     import torch
+    from flowllm.models.glibc_heap import in_use
     from flowllm.models.layers import Linear
-
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-            "uordblks", "fordblks", "keepcost")]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Mallinfo2
-
-    def in_use():
-        info = libc.mallinfo2()
-        return info.uordblks + info.hblkhd
 
     linear = Linear(64, 256, True, torch.float32, torch.device("cpu"))
     linear.pack()
@@ -67,15 +55,8 @@ def heap_growth(**env: str) -> int:
     return grown
 
 
-def has_mallinfo2() -> bool:
-    try:
-        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
-    except OSError:
-        return False
-
-
 needs_onednn = pytest.mark.skipif(
-    not onednn_packs(torch.float32, torch.device("cpu")) or not has_mallinfo2(),
+    not onednn_packs(torch.float32, torch.device("cpu")) or glibc_heap.in_use() is None,
     reason="needs oneDNN's packed fp32 products and glibc's mallinfo2 (2.33+)",
 )
 

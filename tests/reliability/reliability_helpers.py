@@ -103,6 +103,24 @@ def wait_for_no_leftovers(url: str, timeout: float = 2.0) -> Leftovers:
         time.sleep(0.05)
 
 
+HEAP_TRIMS = "flowllm:heap_trims_total"
+
+
+def wait_for_heap_trim(url: str, trims_before_load: float, timeout: float = 10.0) -> float:
+    """Wait for the heap trim of the idle period just begun (the engine trims once, a second
+    after its last step): until the count of trims rises past its value now, or, when that
+    trim came before this first scrape, `timeout` seconds. Returns the count, which must
+    exceed `trims_before_load` (the count before the load whose heap it gives back)."""
+    start = scrape(url).get(HEAP_TRIMS, 0.0)
+    deadline = time.monotonic() + timeout
+    while True:
+        trims = scrape(url).get(HEAP_TRIMS, 0.0)
+        if trims > start or time.monotonic() >= deadline:
+            assert trims > trims_before_load, f"no heap trim after the load ({trims})"
+            return trims
+        time.sleep(0.05)
+
+
 def assert_no_leftovers(url: str, timeout: float = 2.0, context: str = "") -> Leftovers:
     start = time.monotonic()
     state = wait_for_no_leftovers(url, timeout)

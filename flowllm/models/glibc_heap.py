@@ -1,0 +1,95 @@
+"""glibc's heap: how much of it is in use, and giving its free pages back to the system.
+
+Why: `runner.keep_freed_memory_mapped` raises glibc's trim and mmap thresholds so that a
+step's large temporaries reuse freed heap instead of fresh mappings; glibc then never
+gives back the heap a burst of steps freed, and the process stays as large as its largest
+burst. `trim` (glibc's `malloc_trim(0)`) gives it back: it shrinks the top of the main
+heap and releases every whole free page inside the heaps of all arenas. The schedule
+stage calls it once the engine has gone idle (`flowllm.stages.idle_heap_trim`).
+
+The C library is looked up once; where it is not glibc (musl, macOS) every function here
+does nothing and says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+_log = structlog.get_logger("flowllm.models")
+_STATM = Path("/proc/self/statm")
+
+
+class Mallinfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (2.33+): the heap's statistics, in bytes."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The process's C library, or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError as e:
+        _log.debug("no C library to load", error=str(e))
+        return None
+
+
+@functools.cache
+def _function(name: str, restype: Any) -> Callable[..., Any] | None:
+    lib = libc()
+    fn: Callable[..., Any] | None = getattr(lib, name, None) if lib is not None else None
+    if fn is None:
+        _log.debug("the C library has no glibc heap function", function=name)
+        return None
+    fn.restype = restype  # type: ignore[attr-defined]
+    return fn
+
+
+def in_use() -> int | None:
+    """Bytes the heap holds in use: blocks in its arenas plus mmapped blocks (None without
+    glibc's `mallinfo2`)."""
+    mallinfo2 = _function("mallinfo2", Mallinfo2)
+    if mallinfo2 is None:
+        return None
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def resident_bytes() -> int | None:
+    """The process's resident set size (None where `/proc` does not show it)."""
+    try:
+        pages = int(_STATM.read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def trim() -> bool:
+    """Give every free page of the heap back to the system (`malloc_trim(0)`); False where
+    the C library has no `malloc_trim`. Blocks other threads' allocations while it runs."""
+    malloc_trim = _function("malloc_trim", ctypes.c_int)
+    if malloc_trim is None:
+        return False
+    resident = resident_bytes()
+    started = time.perf_counter()
+    malloc_trim(ctypes.c_size_t(0))
+    seconds = time.perf_counter() - started
+    after = resident_bytes()
+    returned = resident - after if resident is not None and after is not None else None
+    _log.debug("heap trimmed", ms=round(seconds * 1e3, 2), returned_bytes=returned,
+               resident_bytes=after, in_use_bytes=in_use())  # fmt: skip
+    return True
