@@ -12,6 +12,11 @@ from flowllm.stages.idle_heap_trim import IdleHeapTrim
 HANG_GUARD_S = 30.0  # a broken trigger fails instead of hanging; not a duration check
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
 class Trims:
     def __init__(self) -> None:
         self.count = 0
@@ -22,7 +27,6 @@ class Trims:
         self.done.set()
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
 async def test_trims_once_after_idleness() -> None:
     trims = Trims()
@@ -58,7 +62,6 @@ async def test_trims_once_after_idleness() -> None:
         assert trims.count == 2
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
 async def test_no_trim_while_messages_keep_coming() -> None:
     trims = Trims()

@@ -144,10 +144,8 @@ static inline vf vf_load_f16(const uint16_t *p) {
 typedef __m512i vi;
 static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
 static inline vf vf_from_vi(vi v) { return _mm512_cvtepi32_ps(v); }
-/* Bytes: v in each; xor; each byte's low nibble, or (high) its high one; |w| (as unsigned);
- * s with w's sign (negated where w < 0). */
-static inline vi vi_set1_8(char v) { return _mm512_set1_epi8(v); }
-static inline vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+/* Bytes: each byte's low nibble, or (high) its high one; |w| (as unsigned); s with w's
+ * sign (negated where w < 0). */
 static inline vi vi_nibbles_of(vi v, int high) {
   return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(15));
 }
@@ -300,8 +298,6 @@ static inline vf vf_load_f16(const uint16_t *p) {
 typedef __m256i vi;
 static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vf vf_from_vi(vi v) { return _mm256_cvtepi32_ps(v); }
-static inline vi vi_set1_8(char v) { return _mm256_set1_epi8(v); }
-static inline vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
 static inline vi vi_nibbles_of(vi v, int high) {
   return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
 }

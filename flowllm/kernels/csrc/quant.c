@@ -254,7 +254,7 @@ ALWAYS_INLINE void block_codes(const int32_t *col, int q4, int high, vi w[8][HAL
 #pragma GCC unroll 2
     for (int h = 0; h < HALVES; h++) {
       const vi raw = vi_load(col + t * LANES + h * VL);
-      w[t][h] = q4 ? vi_nibbles_of(raw, high) : vi_xor(raw, vi_set1_8((char)0x80));
+      w[t][h] = q4 ? vi_nibbles_of(raw, high) : _mm512_xor_si512(raw, _mm512_set1_epi8((char)0x80));
     }
 }
 ALWAYS_INLINE vi block_dot(vi w[8][HALVES], vi sign[8][HALVES], int h, const int8_t *xq,
