@@ -12,11 +12,12 @@ vLLM's `model_name` label) at scrape time, so the `vllm:` series cost nothing pe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from flowllm.graph.metrics import LabelledHistogram
@@ -234,3 +235,28 @@ class MetricsView(Collector):
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
         return registry
+
+
+class MergedMetrics(Collector):
+    """This process's registry and another process's latest metrics (Prometheus text),
+    as one registry: one family per name, and a series both have is this process's."""
+
+    def __init__(self, local: CollectorRegistry, remote_text: Callable[[], str]) -> None:
+        self.local = local
+        self.remote_text = remote_text
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        for family in self.local.collect():
+            merged[family.name] = family
+            seen.update((s.name, tuple(sorted(s.labels.items()))) for s in family.samples)
+        for family in text_string_to_metric_families(self.remote_text()):
+            target = merged.get(family.name)
+            if target is None:
+                merged[family.name] = family
+                continue
+            target.samples.extend(
+                s for s in family.samples if (s.name, tuple(sorted(s.labels.items()))) not in seen
+            )
+        yield from merged.values()

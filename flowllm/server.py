@@ -8,15 +8,13 @@
 - A failure the graph escalates stops the server: the process exits with
   `EXIT_ENGINE_FAILED` so that its process manager starts it again.
 
-Over plain HTTP, connections are accepted by a process of its own (`health_fast_path`),
-which answers probes itself and passes the rest to the event loop; every tick of the loop
-publishes the engine's health to it.
+A front process of a placed graph runs this server over its share of the listening
+socket; `/health` reads the front's engine, which knows the core's heartbeat.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import socket
 from types import FrameType
 from typing import Any
@@ -25,7 +23,6 @@ import structlog
 import uvicorn
 
 from flowllm.engine.async_engine import AsyncEngine
-from flowllm.health_fast_path import HealthDoorProcess
 
 # sysexits' EX_SOFTWARE: the engine failed past its supervision; start the process again.
 EXIT_ENGINE_FAILED = 70
@@ -46,46 +43,10 @@ class GracefulServer(uvicorn.Server):
         self.escalated = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._door: HealthDoorProcess | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.config.ssl is not None or not self.started:
-            return
-        loop = asyncio.get_running_loop()
-        listeners = []
-        for server in self.servers:
-            for bound in server.sockets:
-                loop.remove_reader(bound.fileno())  # from now on the door accepts
-                listeners.append(socket.fromfd(bound.fileno(), bound.family, bound.type))
-        self._door = HealthDoorProcess(listeners, self._adopt)
-        self._door.start(loop)
-
-    def _adopt(self, conn: socket.socket) -> None:
-        self._spawn(self._serve_connection(conn))
-
-    async def _serve_connection(self, conn: socket.socket) -> None:
-        """Serve a connection the fast path accepted, as if the loop had accepted it."""
-        # uvicorn declares http_protocol_class a bare asyncio.Protocol; its classes take these.
-        protocol = functools.partial(  # type: ignore[call-arg]
-            self.config.http_protocol_class,
-            config=self.config,
-            server_state=self.server_state,
-            app_state=self.lifespan.state,
-        )
-        try:
-            await asyncio.get_running_loop().connect_accepted_socket(protocol, conn)
-        except OSError:
-            conn.close()
-
-    async def on_tick(self, counter: int) -> bool:
-        if self._door is not None:
-            self._door.publish(self.engine is not None and self.engine.healthy)
-        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and self._loop is not None:
@@ -104,8 +65,6 @@ class GracefulServer(uvicorn.Server):
             self._spawn(self.engine.graph.stop(0.0))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        if self._door is not None:
-            self._door.stop()
         if self.engine is not None:
             self._spawn(self.engine.graph.stop(self.shutdown_timeout))
         await super().shutdown(sockets)

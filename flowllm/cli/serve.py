@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import structlog
 
 from flowllm.config import TOOL_CALL_PARSERS, ConfigError
 from flowllm.engine.async_engine import DEFAULT_GRAPH
@@ -24,20 +25,21 @@ from flowllm.logging_config import configure_logging
 
 
 def serving_threads(
-    requested: int | None, cpu_count: int | None, env: dict[str, str]
+    requested: int | None, cpu_count: int | None, env: dict[str, str], *, placed: bool = False
 ) -> int | None:
-    """Torch's intra-op CPU threads for `flowllm serve`: all cores but one unless asked.
+    """Torch's intra-op CPU threads for `flowllm serve`, unless asked: every core for an
+    engine core of its own (`placed`), all cores but one when the model shares its process
+    with the HTTP server.
 
-    The server's event loop (HTTP, tokenize, schedule, detokenize, deliver) needs a core of
-    its own beside the model's threads, or the model's threads and the loop preempt each
-    other every step (benchmarks/README.md, "Serving: flowllm vs transformers serve";
-    offline batches, with no event loop to feed, keep every core). None: leave torch's
+    A server's event loop (HTTP, tokenize, detokenize, deliver) beside the model's threads
+    in one process needs a core of its own, or the two preempt each other every step
+    (benchmarks/README.md, "Serving: flowllm vs transformers serve"). None: leave torch's
     setting (OMP_NUM_THREADS chose it)."""
     if requested is not None:
         return max(1, requested)
     if "OMP_NUM_THREADS" in env:
         return None
-    return max(1, (cpu_count or 1) - 1)
+    return max(1, (cpu_count or 1) - (0 if placed else 1))
 
 
 class ServeError(ValueError):
@@ -163,7 +165,11 @@ def request_tracing(args: argparse.Namespace) -> Any:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    """Load the model, then serve the OpenAI API until SIGINT/SIGTERM; exit 0 after a drain."""
+    """Load the model, then serve the OpenAI API until SIGINT/SIGTERM; exit 0 after a drain.
+
+    A graph placed across processes (the default) is served by a supervisor process, an
+    engine core and `--api-server-count` fronts (flowllm/cli/processes.py); an unplaced
+    one in this process alone."""
     if args.distributed_executor_backend == "ray":
         from flowllm.scale_out.launch import serve_on_ray
 
@@ -173,42 +179,132 @@ def serve_command(args: argparse.Namespace) -> int:
             "error: --data-parallel-size needs --distributed-executor-backend ray", file=sys.stderr
         )
         return 1
-    import structlog
-    import uvicorn
-
-    from flowllm.api.app import create_app
     from flowllm.engine.args import config_from_args
+    from flowllm.engine.core import placement_of
+    from flowllm.models.loader import ModelLoadError, resolve_model
+
+    configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
+    try:  # flag errors first: one line, before the model loads
+        http_settings(args)
+        config = config_from_args(args)
+        graph = load_graph(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
+        if args.api_server_count < 1:
+            raise ServeError("--api-server-count must be >= 1")
+        if graph.placement:
+            front, core = placement_of(graph)
+        elif args.api_server_count != 1:
+            raise ServeError(
+                "--api-server-count needs a graph placed in a front and a core process "
+                "(stages with process:, as the default graph)"
+            )
+    except (ServeError, ConfigError, GraphValidationError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    threads = serving_threads(
+        args.cpu_threads, os.cpu_count(), dict(os.environ), placed=bool(graph.placement)
+    )
+    if not graph.placement:
+        return serve_in_one_process(args, config, graph, threads)
+    from flowllm.cli.processes import Supervisor
+
+    try:
+        resolve_model(config.model.model, config.model.quantization)  # converts once, here
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        supervisor = Supervisor(args, config, graph, core, threads)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+        return 1
+    del front
+    return supervisor.run()
+
+
+def http_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The HTTP flags, checked (raises ServeError): key, CORS, TLS, tool parser, tracing."""
+    return {
+        "api_key": resolve_api_key(args.api_key, dict(os.environ)),
+        "cors": cors_config(args),
+        "tls": ssl_settings(args),
+        "tool_parser": auto_tool_parser(args),
+        "tracing": request_tracing(args),
+    }
+
+
+def serve_in_one_process(
+    args: argparse.Namespace, config: Any, graph: Any, threads: int | None
+) -> int:
+    """Every stage and the HTTP server in this process (a graph without `process:`)."""
     from flowllm.engine.async_engine import AsyncEngine
     from flowllm.engine.loading import build_services
     from flowllm.models.loader import ModelLoadError
-    from flowllm.server import EXIT_ENGINE_FAILED, GracefulServer
 
-    configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
-    log = structlog.get_logger("flowllm.serve")
-    try:  # flag errors first: one line, before the model loads
-        api_key = resolve_api_key(args.api_key, dict(os.environ))
-        cors = cors_config(args)
-        tls = ssl_settings(args)
-        tool_parser = auto_tool_parser(args)
-        tracing = request_tracing(args)
-    except ServeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    warning = exposure_warning(args.host, api_key)
-    if warning is not None:
-        log.warning(warning)
-    threads = serving_threads(args.cpu_threads, os.cpu_count(), dict(os.environ))
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     try:
-        config = config_from_args(args)
-        graph = load_graph(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
         services = build_services(config)  # before binding the port: errors are one line
-    except (ConfigError, ModelLoadError, GraphValidationError) as e:
+    except (ConfigError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+    def engine(recorder: Any, span_sinks: Any) -> Any:
+        return AsyncEngine.start(
+            graph=graph,
+            services=services,
+            stop_timeout=args.shutdown_timeout,
+            recorder=recorder,
+            span_sinks=span_sinks,
+        )
+
+    return run_http(args, config, engine)
+
+
+def serve_front(args: argparse.Namespace, listener: Any, index: int, socket_path: str) -> int:
+    """A front process: the HTTP server and the front's stages, the core at `socket_path`."""
+    from flowllm.engine.args import config_from_args
+    from flowllm.engine.front import FrontEngine
+
+    configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
+    structlog.contextvars.bind_contextvars(front=index)
+    config = config_from_args(args)
+    graph = load_graph(args.graph or DEFAULT_GRAPH)
+
+    def engine(recorder: Any, span_sinks: Any) -> Any:
+        return FrontEngine.connect(
+            config,
+            graph,
+            socket_path,
+            index=index,
+            stop_timeout=args.shutdown_timeout,
+            span_sinks=span_sinks,
+            recorder=recorder,
+        )
+
+    return run_http(args, config, engine, sockets=[listener])
+
+
+def run_http(
+    args: argparse.Namespace,
+    config: Any,
+    start_engine: Any,
+    sockets: list[Any] | None = None,
+) -> int:
+    """Serve the OpenAI API over the engine `start_engine(recorder, span_sinks)` runs."""
+    import uvicorn
+
+    from flowllm.api.app import create_app
+    from flowllm.engine.async_engine import AsyncEngine
+    from flowllm.server import EXIT_ENGINE_FAILED, GracefulServer
+
+    log = structlog.get_logger("flowllm.serve")
+    settings = http_settings(args)
+    tls, tracing = settings["tls"], settings["tracing"]
+    warning = exposure_warning(args.host, settings["api_key"])
+    if warning is not None:
+        log.warning(warning)
     url = f"{'https' if tls else 'http'}://{args.host}:{args.port}"
 
     @asynccontextmanager
@@ -220,13 +316,8 @@ def serve_command(args: argparse.Namespace) -> int:
             recorder = TraceRecorder(
                 args.trace_dir, channels=args.trace_channels, max_bytes=args.trace_max_bytes
             )
-        async with AsyncEngine.start(
-            graph=graph,
-            services=services,
-            stop_timeout=args.shutdown_timeout,
-            recorder=recorder,
-            span_sinks=(tracing.span_sink,) if tracing is not None else (),
-        ) as running:
+        sinks = (tracing.span_sink,) if tracing is not None else ()
+        async with start_engine(recorder, sinks) as running:
             log.info("flowllm serving", model=config.model.name, url=f"{url}/v1")
             server.engine = running
             async with anyio.create_task_group() as watch:
@@ -236,11 +327,11 @@ def serve_command(args: argparse.Namespace) -> int:
 
     app = create_app(
         engine,
-        api_key=api_key,
+        api_key=settings["api_key"],
         served_model_name=config.model.name,
         trust_request_chat_template=args.trust_request_chat_template,
-        cors=cors,
-        tool_call_parser=tool_parser,
+        cors=settings["cors"],
+        tool_call_parser=settings["tool_parser"],
         metrics_prefix=args.metrics_prefix,
         tracing=tracing,
         log_requests=args.log_requests,
@@ -254,12 +345,8 @@ def serve_command(args: argparse.Namespace) -> int:
             log_level=args.log_level.lower(),
             log_config=None,  # uvicorn's loggers go through structlog (configure_logging)
             access_log=not args.disable_uvicorn_access_log,
-            # Named, not "auto": the health door takes over accepting from asyncio's own
-            # loop (uvloop would keep accepting), and h11 is the parser the fuzzing and
-            # limits tests hold to. Installing uvicorn[standard] (ray[serve] does) must
-            # not change either.
-            loop="asyncio",
-            http="h11",
+            loop=args.uvicorn_loop,
+            http=args.uvicorn_http,
             **tls,
         ),
         args.shutdown_timeout,
@@ -272,7 +359,7 @@ def serve_command(args: argparse.Namespace) -> int:
     # collector's sight, a full collection no longer stalls the event loop for scanning them.
     gc.freeze()
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         if tracing is not None:
             tracing.shutdown()  # export what the batch processor still holds
@@ -295,6 +382,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from flowllm.scale_out.arguments import add_scale_out_arguments
 
     add_engine_arguments(parser, model_optional=True)
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="front processes (HTTP, tokenization, detokenization) sharing the port and one "
+        "engine core (default 1; needs a graph placed in processes, as the default one)",
+    )
+    parser.add_argument(
+        "--uvicorn-loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="uvicorn's event loop (auto: uvloop where installed)",
+    )
+    parser.add_argument(
+        "--uvicorn-http",
+        choices=("auto", "h11", "httptools"),
+        default="auto",
+        help="uvicorn's HTTP parser (auto: httptools where installed)",
+    )
     parser.add_argument(
         "--cpu-threads",
         type=int,

@@ -59,23 +59,23 @@ def report_native_kernels(loaded: LoadedModel) -> None:
     )
 
 
+def tokenizer_source(config: EngineConfig) -> tuple[Path, str | None, Path | None]:
+    """`load_tokenizer`'s arguments for `config`. Resolving converts the bundled model
+    if needed."""
+    if config.model.tokenizer is not None:
+        return resolve_model(config.model.tokenizer).path, config.model.chat_template, None
+    resolved = resolve_model(config.model.model, config.model.quantization)
+    gguf = resolved.gguf if resolved.config_from_gguf else None
+    return resolved.path, config.model.chat_template, gguf
+
+
 def build_services(config: EngineConfig) -> EngineServices:
     """Load the model and tokenizer and allocate the KV cache for `config`.
 
     The tokenizer loads in a thread while the weights load: most of its time is importing
     transformers, which overlaps with reading and packing weights (native code that
     releases the GIL)."""
-    # Resolving converts the bundled model if needed.
-    resolved = resolve_model(config.model.model, config.model.quantization)
-    if config.model.tokenizer is not None:
-        tokenizer_args: tuple[Path, str | None, Path | None] = (
-            resolve_model(config.model.tokenizer).path,
-            config.model.chat_template,
-            None,
-        )
-    else:
-        gguf = resolved.gguf if resolved.config_from_gguf else None
-        tokenizer_args = (resolved.path, config.model.chat_template, gguf)
+    tokenizer_args = tokenizer_source(config)
     with ThreadPoolExecutor(1, thread_name_prefix="flowllm-tokenizer") as pool:
         tokenizer_loading = pool.submit(load_tokenizer, *tokenizer_args)
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import HistogramMetricFamily
@@ -14,6 +14,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from flowllm.graph.channel import Channel
+
+if TYPE_CHECKING:
+    from flowllm.graph.remote import RemoteChannel
 
 # Stage durations span from a few µs (a relay) to seconds (a prefill on CPU).
 DURATION_BUCKETS = (
@@ -137,7 +140,7 @@ class GraphMetrics:
             registry=self.registry,
         )
 
-    def watch_channel(self, channel: Channel[Any]) -> None:
+    def watch_channel(self, channel: Channel[Any] | RemoteChannel) -> None:
         """Sample the channel's depth at scrape time (no cost per message)."""
         self.channel_depth.labels(channel.name).set_function(channel.depth)
 

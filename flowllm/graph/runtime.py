@@ -24,6 +24,12 @@ restart intensity, fails all in-flight work, marks the graph failed and cancels 
 failure stays on `graph.failure`). `/health` reads `healthy`: false while a group
 restarts, a stage is overdue, or the graph has failed.
 
+Placement. A graph whose stages name processes runs one `Graph` per process, each built
+with `process=` (its own stages only) and a `Boundary` (flowllm/graph/remote.py): a
+channel whose consumer runs elsewhere is a `RemoteChannel` here, and one fed from
+elsewhere is a local channel the boundary's peers also send into. Without `process=`
+the whole graph runs here, placed or not.
+
 Graceful stop. `stop(timeout)` sets every context's `stop_requested` event and calls each
 stage's `stop_intake()` (source stages stop taking work and return), waits up to `timeout`
 for the graph to drain and finish; if it has not, it calls `fail_inflight` with a
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +55,7 @@ from structlog.typing import FilteringBoundLogger
 
 from flowllm.graph.channel import Channel
 from flowllm.graph.metrics import GraphMetrics
+from flowllm.graph.remote import Boundary, RemoteChannel
 from flowllm.graph.spans import SpanRecorder, SpanSink
 from flowllm.graph.spec import GraphSpec, PortRef
 from flowllm.graph.stage import (
@@ -61,7 +68,7 @@ from flowllm.graph.stage import (
     StageContext,
 )
 from flowllm.graph.supervision import RestartIntensity
-from flowllm.graph.validator import ValidGraph, load_graph
+from flowllm.graph.validator import ChannelSpec, ValidGraph, load_graph
 from flowllm.logging_config import configure_logging
 from flowllm.messages import ErrorKind, RequestError
 
@@ -136,6 +143,9 @@ class Graph:
         span_events: bool | None = None,
         fail_inflight_timeout: float = 5.0,
         fail_request: FailRequest | None = None,
+        process: str | None = None,
+        boundary: Boundary | None = None,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if isinstance(graph, (str, Path)):
             graph = load_graph(graph)
@@ -164,9 +174,25 @@ class Graph:
         self._stop_requested: anyio.Event | None = None
         self.metrics.graph_healthy.set_function(lambda: 1.0 if self.healthy else 0.0)
 
-        self.channels: dict[str, Channel[Any]] = {}
+        self.process = process if graph.placement else None
+        # Run once a graceful stop has stopped intake, before the graph drains: a front
+        # waits there for its requests, then ends what its core feeds it.
+        self._on_stop = on_stop
+        self._boundary = boundary
+        self.channels: dict[str, Channel[Any] | RemoteChannel] = {}
+        self._fed_from_afar: list[tuple[ChannelSpec, Channel[Any]]] = []
         for spec in graph.channels.values():
-            channel: Channel[Any] = Channel(spec.name, spec.message_type, spec.capacity)
+            channel: Channel[Any] | RemoteChannel
+            if self.runs_here(spec.dst.stage):
+                channel = Channel(spec.name, spec.message_type, spec.capacity)
+                if not all(self.runs_here(p.stage) for p in spec.producers):
+                    self._fed_from_afar.append((spec, channel))
+            elif any(self.runs_here(p.stage) for p in spec.producers):
+                channel = self._require_boundary(spec).outbound(
+                    spec, graph.placement[spec.dst.stage]
+                )
+            else:
+                continue
             self.channels[spec.name] = channel
             self.metrics.watch_channel(channel)
 
@@ -174,6 +200,8 @@ class Graph:
         self._tasks: list[_Task] = []
         self._groups: dict[str, _Group] = {}
         for bound in graph.stages.values():
+            if not self.runs_here(bound.name):
+                continue
             plan = bound.supervision
             group = self._groups.get(plan.group)
             if group is None:
@@ -191,6 +219,18 @@ class Graph:
                 self.metrics.live_sequences.labels(bound.name).set_function(
                     functools.partial(self._live_sequences, bound.name)
                 )
+
+    def runs_here(self, stage: str) -> bool:
+        """Whether `stage` runs in this process (every stage does in an unplaced run)."""
+        return self.process is None or self.spec.placement[stage] == self.process
+
+    def _require_boundary(self, spec: ChannelSpec) -> Boundary:
+        if self._boundary is None:
+            raise GraphBuildError(
+                f"channel {spec.name!r} crosses processes, and process {self.process!r} was "
+                "given no boundary to carry it"
+            )
+        return self._boundary
 
     def _live_sequences(self, name: str) -> int:
         """The live sequences of a stage's replicas (its current instances, after restarts)."""
@@ -322,7 +362,9 @@ class Graph:
             return True
         if self._finished:
             return self.failure is None
+        on_stop = None
         if not self._stopping:
+            on_stop = self._on_stop
             self._stopping = True
             self.log.info("graph stopping", timeout_s=timeout)
             self._stop_requested.set()
@@ -332,6 +374,8 @@ class Graph:
                 except Exception as exc:
                     self.log.warning("stop_intake raised", stage=task.name, exc_info=exc)
         with anyio.move_on_after(timeout):
+            if on_stop is not None:
+                await on_stop()
             await self._done.wait()
             return self.failure is None
         self.log.warning("graph did not drain in time; cancelling", timeout_s=timeout)
@@ -359,9 +403,10 @@ class Graph:
         for task in self._tasks:
             bound = spec.stages[task.name]
             inboxes = {
-                port: self.channels[f"{task.name}.{port}"].receiver()
+                port: channel.receiver()
                 for port in bound.cls.inputs
-                if f"{task.name}.{port}" in self.channels  # an optional port may be unwired
+                # an optional port may be unwired; an input here is a local channel
+                if isinstance(channel := self.channels.get(f"{task.name}.{port}"), Channel)
             }
             outboxes = {}
             for port in bound.cls.outputs:
@@ -386,6 +431,9 @@ class Graph:
                 stop_requested=self._stop_requested,
             )
             task.stage.bind(task.ctx)
+        for fed, local in self._fed_from_afar:
+            far = {self.spec.placement[p.stage] for p in fed.producers} - {self.process}
+            self._require_boundary(fed).inbound(fed, local, sorted(far))
         for channel in self.channels.values():
             channel.close()
 

@@ -10,6 +10,7 @@ The schema (docs/stages.md, "The graph file"):
         with: {param: value}          # checked against Class.Params (a msgspec Struct)
         replicas: 2                   # optional: N tasks sharing one inbox
         supervision: {on_error: restart, group: step_loop, timeout_s: 60}  # optional
+        process: core                 # optional: the process it runs in (all stages or none)
     edges:
       - a.out -> b.in                 # default capacity (64 messages)
       - {from: a.out, to: b.in, capacity: 8}
@@ -17,6 +18,10 @@ The schema (docs/stages.md, "The graph file"):
 Channels. Each connected input port is one channel, named `stage.port`; several edges into
 one port (fan-in) share it and its capacity is the largest they give. An output port
 connected to several inputs (fan-out) sends every message to each of them.
+
+Placement. A stage's `process:` names the operating-system process it runs in. A graph
+whose stages name no process runs in one; an edge between two processes is a
+cross-process channel (flowllm/graph/remote.py) with the same contract as a local one.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ _NAME = r"[A-Za-z_][A-Za-z0-9_\-]*"
 _PORT_REF = re.compile(rf"^\s*({_NAME})\.([A-Za-z_][A-Za-z0-9_]*)\s*$")
 _EDGE = re.compile(rf"^\s*({_NAME}\.[A-Za-z_]\w*)\s*->\s*({_NAME}\.[A-Za-z_]\w*)\s*$")
 _TOP_KEYS = ("graph", "stages", "edges")
-_STAGE_KEYS = ("name", "use", "with", "replicas", "supervision")
+_STAGE_KEYS = ("name", "use", "with", "replicas", "supervision", "process")
 _EDGE_KEYS = ("from", "to", "capacity")
 
 
@@ -63,6 +68,7 @@ class StageSpec:
     replicas: int = 1
     line: int | None = None
     supervision: object = None  # the raw `supervision:` mapping, checked by the validator
+    process: str | None = None  # where it runs; None: the graph's one process
 
 
 @dataclass(frozen=True)
@@ -227,7 +233,17 @@ class _Reader:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             self.problem(f"{label}: 'replicas' must be an int >= 1, got {replicas!r}", line)
             replicas = 1
-        return StageSpec(name, use, dict(params), replicas, line, item.get("supervision"))
+        process = item.get("process")
+        if process is not None and (
+            not isinstance(process, str) or not re.fullmatch(_NAME, process)
+        ):
+            self.problem(
+                f"{label}: 'process' must be a process name (letters, digits, _ or -), "
+                f"got {process!r}",
+                line,
+            )
+            process = None
+        return StageSpec(name, use, dict(params), replicas, line, item.get("supervision"), process)
 
     def read_edge(self, item: object, node: yaml.Node | None, index: int) -> EdgeSpec | None:
         line = _line(node)

@@ -27,7 +27,7 @@ Three shapes cover the graph:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
 from typing import Any, ClassVar, Final, Protocol, runtime_checkable
 
@@ -36,7 +36,7 @@ import anyio.lowlevel
 import msgspec
 from structlog.typing import FilteringBoundLogger
 
-from flowllm.graph.channel import ChannelReceiver, ChannelSender
+from flowllm.graph.channel import ChannelReceiver
 from flowllm.graph.spans import Span, SpanRecorder
 from flowllm.messages import RequestError, request_ids_of
 
@@ -70,12 +70,35 @@ class _Closed:
 CLOSED: Final = _Closed()
 
 
+class _HasCapacity(Protocol):
+    @property
+    def capacity(self) -> int: ...
+
+
+class Sender(Protocol):
+    """A send end: a local channel's (`ChannelSender`) or a cross-process one's
+    (flowllm/graph/remote.py's `RemoteSender`)."""
+
+    @property
+    def channel(self) -> _HasCapacity: ...
+
+    async def send(self, message: Any) -> None: ...
+
+    def send_nowait(self, message: Any) -> None: ...
+
+    def has_room(self) -> bool: ...
+
+    def room(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class Outbox:
     """One output port of one stage task: a sender per connected channel (fan-out)."""
 
     __slots__ = ("_one", "port", "senders")
 
-    def __init__(self, port: str, senders: list[ChannelSender[Any]]) -> None:
+    def __init__(self, port: str, senders: Sequence[Sender]) -> None:
         self.port = port
         self.senders = senders
         # The common case, one consumer channel, skips the loop.

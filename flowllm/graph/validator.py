@@ -17,13 +17,17 @@ loop; with `replicas: N` the bound is N x B) and every channel on the cycle has 
 A port sending up to one message per step beside that loop (`Stage.per_step_outputs`, e.g.
 `schedule.choices`) is not bounded by B: its steps stop only once its consumer's input from
 the loop is full. Its channel, when on a cycle, needs that input's capacity + B + 1 instead.
+
+Placement. Stages that name a `process:` must all name one; an edge between processes
+must carry messages with a wire encoding (flowllm/graph/wire.py), and holds its capacity
+on each side of the boundary, which the capacity rules count (`ChannelSpec.held`).
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Final
@@ -42,6 +46,7 @@ from flowllm.graph.supervision import (
     parse_supervision,
     plan_groups,
 )
+from flowllm.graph.wire import wire_problem
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,13 @@ class ChannelSpec:
     message_type: object  # a type, or a union of types
     capacity: int
     producers: tuple[PortRef, ...]
+    crosses: bool = False  # some producer runs in another process than the consumer
+
+    @property
+    def held(self) -> int:
+        """The most messages the channel holds: its capacity, or twice that across a
+        process boundary (capacity in transit, capacity in the consumer's process)."""
+        return 2 * self.capacity if self.crosses else self.capacity
 
 
 @dataclass(frozen=True)
@@ -83,10 +95,16 @@ class ValidGraph:
     stages: dict[str, BoundStage]
     channels: dict[str, ChannelSpec]  # by input port "stage.port"
     fanout: dict[PortRef, tuple[str, ...]]  # output port -> the channels it feeds
+    placement: dict[str, str] = field(default_factory=dict)  # stage -> process; {}: one
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def processes(self) -> tuple[str, ...]:
+        """The processes the graph is placed in, in order of first mention (() if one)."""
+        return tuple(dict.fromkeys(self.placement.values()))
 
 
 class _Validator:
@@ -101,12 +119,27 @@ class _Validator:
         stages = self.check_stages()
         edges = self.check_edges(stages)
         self.check_unconnected(stages, edges)
-        channels, fanout = self.build_channels(stages, edges)
+        placement = self.check_placement(stages)
+        channels, fanout = self.build_channels(stages, edges, placement)
         self.check_cycles(stages, edges, channels)
         if self.problems:
             # In file order; problems without a line (file-level) first. sorted() is stable.
             raise GraphValidationError(sorted(self.problems, key=lambda p: p.line or 0))
-        return ValidGraph(self.spec, stages, channels, fanout)
+        return ValidGraph(self.spec, stages, channels, fanout, placement)
+
+    def check_placement(self, stages: dict[str, BoundStage]) -> dict[str, str]:
+        """Every stage's process, or {} when none names one."""
+        placed = [s for s in self.spec.stages if s.process is not None]
+        if not placed:
+            return {}
+        for stage in self.spec.stages:
+            if stage.process is None:
+                self.problem(
+                    f"stage {stage.name!r} names no process, but other stages do "
+                    f"({placed[0].name!r}: {placed[0].process!r}); place every stage or none",
+                    stage.line,
+                )
+        return {name: bound.spec.process or "" for name, bound in stages.items()}
 
     # -- stages ---------------------------------------------------------------------------
 
@@ -370,7 +403,7 @@ class _Validator:
                     )
 
     def build_channels(
-        self, stages: dict[str, BoundStage], edges: list[EdgeSpec]
+        self, stages: dict[str, BoundStage], edges: list[EdgeSpec], placement: dict[str, str]
     ) -> tuple[dict[str, ChannelSpec], dict[PortRef, tuple[str, ...]]]:
         by_dst: dict[PortRef, list[EdgeSpec]] = {}
         for edge in edges:
@@ -378,12 +411,26 @@ class _Validator:
         channels: dict[str, ChannelSpec] = {}
         for dst, into in by_dst.items():
             # Only edges between resolved stages reach here (check_edges dropped the rest).
+            message_type = stages[dst.stage].cls.inputs[dst.port]
+            crossing = [
+                e for e in into if placement.get(e.src.stage) != placement.get(dst.stage)
+            ]
+            problem = wire_problem(message_type) if crossing else None
+            if problem is not None:
+                edge = crossing[0]
+                self.problem(
+                    f"edge {edge} crosses from process {placement[edge.src.stage]!r} to "
+                    f"{placement[dst.stage]!r}, but its messages cannot: {problem}; place "
+                    "both stages in one process",
+                    edge.line,
+                )
             channels[str(dst)] = ChannelSpec(
                 str(dst),
                 dst,
-                stages[dst.stage].cls.inputs[dst.port],
+                message_type,
                 max(e.capacity for e in into),
                 tuple(e.src for e in into),
+                crosses=bool(crossing),
             )
         fanout: dict[PortRef, list[str]] = {}
         for edge in edges:
@@ -483,9 +530,25 @@ class _Validator:
                 edge.line,
             )
             return
-        intake = max(intakes, key=lambda channel: channel.capacity)
+        channel = channels[name]
+        # Run in one process, the channels hold their capacities; placed across
+        # processes, what each holds (`held`): the rule must hold either way.
+        intake = max(intakes, key=lambda c: c.held)
+        if channel.crosses or intake.crosses:
+            needed = intake.held + bound + 1
+            if channel.held < needed:
+                self.problem(
+                    f"cycle {path}: channel {name!r} holds {channel.held} across processes, "
+                    f"below the {needed} it needs: {edge.src} sends up to one message per "
+                    f"step, and stage {head.name!r} stops starting steps only once "
+                    f"{intake.name!r} is full (it holds {intake.held}); give it capacity "
+                    f">= {-(-needed // (2 if channel.crosses else 1))}",
+                    edge.line,
+                )
+                return
+        intake = max(intakes, key=lambda c: c.capacity)
         needed = intake.capacity + bound + 1
-        capacity = channels[name].capacity
+        capacity = channel.capacity
         if capacity < needed:
             self.problem(
                 f"cycle {path}: channel {name!r} has capacity {capacity}, below the {needed} "

@@ -1,0 +1,188 @@
+"""`flowllm serve` of a graph placed across processes: one core, N fronts, supervised.
+
+This process binds the listening socket, converts the model if needed, then starts the
+engine core (flowllm/engine/core.py) and `--api-server-count` front processes, which
+share the socket and connect to the core over a Unix socket. It runs no stage itself:
+
+- **The core exits** (died, or escalated): the fronts answer what was in flight with a
+  503 at once and `/health` with 503; the core is started again under the step loop's
+  restart intensity (its `supervision:` settings in the graph). Past it, the server
+  escalates: the fronts stop and this process exits with `EXIT_ENGINE_FAILED`.
+- **A front exits**: the others keep serving; the core aborts the dead front's requests,
+  and a new front takes its place, under the same intensity.
+- **SIGTERM or SIGINT**: the fronts drain their requests (`--shutdown-timeout`), then the
+  core stops; a second signal passes on to the fronts, which then answer and go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from flowllm.config import EngineConfig
+from flowllm.engine.core import CoreSpec, run_core
+from flowllm.graph.supervision import RestartIntensity
+from flowllm.graph.validator import ValidGraph
+
+EXIT_ENGINE_FAILED = 70  # as a single-process server's escalation (flowllm/server.py)
+FRONT_STOP_GRACE_S = 5.0  # past the shutdown timeout, before a front is killed
+
+
+@dataclass(frozen=True)
+class FrontSpec:
+    args: argparse.Namespace
+    listener: socket.socket
+    index: int
+    socket_path: str
+
+
+def step_loop_intensity(graph: ValidGraph, core: str) -> RestartIntensity:
+    """The restart intensity of the core's restartable group (the step loop)."""
+    for bound in graph.stages.values():
+        if graph.placement[bound.name] == core and bound.supervision.on_error == "restart":
+            settings = bound.supervision.settings
+            return RestartIntensity(settings.max_restarts, settings.within_s)
+    return RestartIntensity(5, 60.0)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Supervisor:
+    """Starts, watches and restarts the core and the fronts of one `flowllm serve`."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        config: EngineConfig,
+        graph: ValidGraph,
+        core: str,
+        threads: int | None,
+    ) -> None:
+        self.args = args
+        self.log = structlog.get_logger("flowllm.serve")
+        self.context = multiprocessing.get_context("spawn")
+        self.folder = tempfile.mkdtemp(prefix="flowllm-")
+        self.core_spec = CoreSpec(
+            config=config,
+            graph_file=graph.spec.source,
+            socket_path=os.path.join(self.folder, "core.sock"),
+            fronts=args.api_server_count,
+            threads=threads,
+            log_format=args.log_format,
+            log_level=args.log_level,
+            stop_timeout=args.shutdown_timeout,
+        )
+        self.intensity = step_loop_intensity(graph, core)
+        self.front_intensity = RestartIntensity(
+            self.intensity.max_restarts, self.intensity.within_s
+        )
+        self.listener = bind(args.host, args.port)
+        self.core: Any = None
+        self.fronts: list[Any] = []
+        self.signals = 0
+
+    def _start_core(self) -> None:
+        self.core = self.context.Process(
+            target=run_core, args=(self.core_spec,), name="flowllm-core"
+        )
+        self.core.start()
+        self.log.info("engine core started", pid=self.core.pid)
+
+    def _start_front(self, index: int) -> Any:
+        spec = FrontSpec(self.args, self.listener, index, self.core_spec.socket_path)
+        process = self.context.Process(
+            target=run_front, args=(spec,), name=f"flowllm-front-{index}"
+        )
+        process.start()
+        return process
+
+    def _on_signal(self, _sig: int, _frame: object) -> None:
+        self.signals += 1
+        for front in self.fronts:
+            if front.is_alive():
+                os.kill(front.pid, signal.SIGTERM)
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            self._start_core()
+            self.fronts = [self._start_front(i) for i in range(self.args.api_server_count)]
+            return self._watch()
+        finally:
+            self._stop_all()
+            self.listener.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _watch(self) -> int:
+        while True:
+            if self.signals:
+                return self._drain()
+            sentinels = [self.core.sentinel, *(f.sentinel for f in self.fronts)]
+            multiprocessing.connection.wait(sentinels, timeout=0.2)
+            if not self.core.is_alive() and not self.signals:
+                code = self.core.exitcode
+                if not self.intensity.admit():
+                    self.log.error(
+                        "the engine core failed past its restart intensity; exiting",
+                        exitcode=code,
+                        max_restarts=self.intensity.max_restarts,
+                        within_s=self.intensity.within_s,
+                    )
+                    return EXIT_ENGINE_FAILED
+                self.log.error("the engine core exited; starting it again", exitcode=code)
+                self._start_core()
+            for index, front in enumerate(self.fronts):
+                if not front.is_alive() and not self.signals:
+                    code = front.exitcode
+                    if code == EXIT_ENGINE_FAILED or not self.front_intensity.admit():
+                        self.log.error("a front failed for good; exiting", front=index)
+                        return EXIT_ENGINE_FAILED
+                    self.log.error("a front exited; starting it again", front=index, exitcode=code)
+                    self.fronts[index] = self._start_front(index)
+
+    def _drain(self) -> int:
+        """Fronts first (they finish their requests), then the core."""
+        deadline = self.args.shutdown_timeout + FRONT_STOP_GRACE_S
+        for front in self.fronts:
+            front.join(deadline)
+        failed = any(f.exitcode not in (0, None) for f in self.fronts)
+        if self.core.is_alive():
+            os.kill(self.core.pid, signal.SIGTERM)
+            self.core.join(deadline)
+        return EXIT_ENGINE_FAILED if failed else 0
+
+    def _stop_all(self) -> None:
+        for process in [*self.fronts, self.core]:
+            if process is not None and process.is_alive():
+                process.terminate()
+                process.join(FRONT_STOP_GRACE_S)
+                if process.is_alive():
+                    process.kill()
+
+
+def run_front(spec: FrontSpec) -> None:
+    """A front process's entry point: the HTTP server over the front's part of the graph."""
+    from flowllm.cli.serve import serve_front
+    from flowllm.engine.core import die_with_parent
+
+    die_with_parent()
+    raise SystemExit(serve_front(spec.args, spec.listener, spec.index, spec.socket_path))

@@ -1,0 +1,260 @@
+"""The engine core: the step loop's stages and the model, in a process of their own.
+
+A graph placed across processes (flowllm/engine/default.yaml) runs its per-request
+stages with the HTTP server in the front processes and the rest here. The core loads the
+model, listens on a Unix socket, and runs its part of the graph with one `Peer` per
+front (flowllm/graph/remote.py); `Ownership` sends each front the outputs of its own
+requests. A front that goes away has its requests aborted here, so their blocks are
+freed; the core beats (`Heartbeat`) to every front, which is what their `/health` reads.
+
+`CoreSpec` is everything the process needs, picklable, so that the process that
+supervises it (flowllm/engine/supervisor.py) can start it, and start it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+import structlog
+from prometheus_client import generate_latest
+
+from flowllm.config import EngineConfig
+from flowllm.engine.core_protocol import (
+    CONTROL_DECODER,
+    HEARTBEAT_INTERVAL_S,
+    METRICS_EVERY,
+    CoreReady,
+    FailRequest,
+    Heartbeat,
+    Hello,
+    Refused,
+)
+from flowllm.engine.ownership import Ownership
+from flowllm.graph.channel import type_members
+from flowllm.graph.remote import Boundary, Peer, PeerGone
+from flowllm.graph.runtime import Graph
+from flowllm.graph.validator import ValidGraph, load_graph
+from flowllm.graph.wire import CONTROL, WireError, channel_codecs, read_one_frame, wiring_digest
+from flowllm.logging_config import configure_logging
+from flowllm.messages import Abort, RequestError
+from flowllm.stages.services import EngineServices
+
+# Exit statuses of the core process, read by its supervisor.
+EXIT_ESCALATED = 70  # the graph failed past its supervision (sysexits' EX_SOFTWARE)
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """How to start a core: the engine config, the graph file, where to listen."""
+
+    config: EngineConfig
+    graph_file: str
+    socket_path: str
+    fronts: int  # how many front processes connect (--api-server-count)
+    threads: int | None = None  # torch's intra-op threads (None: torch's default)
+    log_format: str | None = None
+    log_level: str | None = None
+    stop_timeout: float = 30.0
+
+
+def placement_of(graph: ValidGraph) -> tuple[str, str]:
+    """The front's and the core's process names of a placed graph: the front is where
+    `ingest` runs (requests enter there), the core is the one other process."""
+    if "ingest" not in graph.placement:
+        raise ValueError(f"graph {graph.name!r} has no 'ingest' stage to take requests")
+    front = graph.placement["ingest"]
+    others = [p for p in graph.processes if p != front]
+    if len(others) != 1:
+        raise ValueError(
+            f"graph {graph.name!r} is placed in {len(graph.processes)} processes "
+            f"({', '.join(graph.processes)}); flowllm runs the front (where 'ingest' is) "
+            "and one core process"
+        )
+    return front, others[0]
+
+
+def run_core(spec: CoreSpec) -> None:
+    """The core process's entry point: load, serve the fronts, exit when told to."""
+    die_with_parent()
+    configure_logging(fmt=spec.log_format, level=spec.log_level, force=True)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor handles Ctrl-C
+    if spec.threads is not None:
+        import torch
+
+        torch.set_num_threads(spec.threads)
+    from flowllm.engine.loading import build_services
+
+    graph = load_graph(spec.graph_file)
+    services = build_services(spec.config)
+    code = anyio.run(_serve, spec, graph, services)
+    os._exit(code)  # no interpreter teardown: the model's memory goes with the process
+
+
+def die_with_parent() -> None:
+    """Ask Linux to end this process when its parent dies (no orphan keeps the port or
+    the model)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Core:
+    """One run of the core's graph and its fronts' connections."""
+
+    def __init__(self, spec: CoreSpec, graph: ValidGraph, services: EngineServices) -> None:
+        self.spec = spec
+        self.services = services
+        self.log = structlog.get_logger("flowllm.core")
+        front, core = placement_of(graph)
+        self.wiring = wiring_digest(graph.channels)
+        self.ownership = Ownership()
+        codecs = channel_codecs(graph.channels)
+        self.fronts = [
+            Peer(
+                front,
+                index,
+                codecs,
+                on_control=self._on_control,
+                undeliverable=lambda _name, _message: None,  # its front is gone: drop
+                observe=self._arrived,
+            )
+            for index in range(spec.fronts)
+        ]
+        # Where requests arrive from the fronts: aborts for a vanished front's go there.
+        self._request_channels = [
+            name
+            for name, channel in graph.channels.items()
+            if channel.crosses
+            and graph.placement[channel.dst.stage] == core
+            and Abort in (type_members(channel.message_type) or ())
+        ]
+        self.graph = Graph(
+            graph,
+            services,
+            registry=services.registry,
+            fail_request=self._fail_request,
+            process=core,
+            boundary=Boundary({front: self.fronts}, self.ownership.route),
+        )
+
+    def _arrived(self, peer: Peer, _channel: str, message: object) -> None:
+        self.ownership.arrived(peer.index, message)
+
+    def _on_control(self, peer: Peer, payload: Any) -> None:
+        self.log.warning("unexpected control message from a front", front=peer.index)
+
+    def _fail_request(self, error: RequestError) -> None:
+        front = self.ownership.front_of_request(error.request_id)
+        if front is not None:
+            self.fronts[front].send_control(FailRequest(error))
+
+    def ready(self) -> CoreReady:
+        services = self.services
+        return CoreReady(
+            max_model_len=services.max_model_len,
+            vocab_size=services.logits_size,
+            eos_token_ids=services.eos_token_ids,
+            num_blocks=services.num_blocks,
+            pid=os.getpid(),
+        )
+
+    async def serve(self) -> int:
+        listener = await anyio.create_unix_listener(self.spec.socket_path)
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._signals, stop)
+            await tg.start(self.graph.run)
+            for peer in self.fronts:
+                tg.start_soon(peer.pump_overflow)
+            tg.start_soon(self._heartbeat)
+            tg.start_soon(listener.serve, self._connection)
+            self.log.info(
+                "engine core ready", socket=self.spec.socket_path, fronts=len(self.fronts)
+            )
+            with anyio.CancelScope() as waiting:
+                tg.start_soon(self._end_with_graph, waiting)
+                await stop.wait()
+            if not self.graph.finished:
+                # Stopping: the fronts have drained; nothing more comes from them.
+                for peer in self.fronts:
+                    peer.close_inbound()
+                await self.graph.stop(self.spec.stop_timeout)
+            tg.cancel_scope.cancel()
+        await listener.aclose()
+        return EXIT_ESCALATED if self.graph.failed else 0
+
+    async def _end_with_graph(self, waiting: anyio.CancelScope) -> None:
+        await self.graph.wait_finished()
+        waiting.cancel()
+
+    async def _signals(self, stop: anyio.Event) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                stop.set()
+
+    async def _heartbeat(self) -> None:
+        beat = 0
+        while True:
+            metrics = generate_latest(self.services.registry) if beat % METRICS_EVERY == 0 else None
+            message = Heartbeat(healthy=self.graph.healthy, metrics=metrics)
+            for peer in self.fronts:
+                peer.send_control(message)
+            beat += 1
+            await anyio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+        try:
+            with anyio.fail_after(5):
+                frame = await read_one_frame(stream)
+            hello = CONTROL_DECODER.decode(frame.payload) if frame.kind == CONTROL else None
+        except (TimeoutError, WireError, anyio.EndOfStream, OSError, ValueError) as exc:
+            self.log.warning("a connection did not greet the core", error=repr(exc))
+            await stream.aclose()
+            return
+        reason = self._refusal(hello)
+        if reason is not None or not isinstance(hello, Hello):
+            self.log.error("front refused", reason=reason)
+            from flowllm.graph.wire import encode_control
+
+            await stream.send(encode_control(Refused(reason or "no hello")))
+            await stream.aclose()
+            return
+        peer = self.fronts[hello.front]
+        self.log.info("front connected", front=hello.front, pid=hello.pid)
+        with contextlib.suppress(PeerGone):
+            await peer.attach(stream, greeting=self.ready())
+        self._front_gone(hello.front)
+
+    def _refusal(self, hello: object) -> str | None:
+        if not isinstance(hello, Hello):
+            return f"expected a Hello, got {type(hello).__name__}"
+        if hello.wiring != self.wiring:
+            return "the front runs another graph than the core"
+        if not 0 <= hello.front < len(self.fronts):
+            return f"front {hello.front} is not among the {len(self.fronts)} this core serves"
+        if self.fronts[hello.front].attached:
+            return f"front {hello.front} is already connected"
+        return None
+
+    def _front_gone(self, front: int) -> None:
+        """Abort what the front had running: nobody is left to read it."""
+        request_ids = self.ownership.requests_of(front)
+        self.log.warning("front disconnected", front=front, aborted=len(request_ids))
+        if not self._request_channels:
+            return
+        peer = self.fronts[front]
+        for request_id in request_ids:
+            peer.inject(self._request_channels[0], Abort(request_id, reason="front gone"))
+
+
+async def _serve(spec: CoreSpec, graph: ValidGraph, services: EngineServices) -> int:
+    return await Core(spec, graph, services).serve()

@@ -1,0 +1,53 @@
+"""What the front processes and the engine core say to each other besides channel traffic.
+
+A front connects to the core's Unix socket and greets it (`Hello`); the core answers
+with what the front's stages need to know of the model (`CoreReady`), then sends a
+`Heartbeat` every `HEARTBEAT_INTERVAL_S`, with its metrics every `METRICS_EVERY`th beat.
+A request the core fails outside a channel (a step-loop stage without an `errors` port)
+travels as `FailRequest`. All are control frames (flowllm/graph/wire.py).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from flowllm.messages import RequestError
+
+HEARTBEAT_INTERVAL_S = 0.1
+METRICS_EVERY = 10  # heartbeats: the core's metrics reach the fronts once a second
+# A front whose core has not beaten for this long answers /health with 503: a core
+# stuck (its event loop or a step) is as unavailable as a dead one.
+HEARTBEAT_STALE_S = 1.0
+
+
+class Hello(msgspec.Struct, frozen=True, tag=True):
+    front: int  # which front this is, 0 .. api_server_count - 1
+    wiring: str  # the graph's wiring digest: both ends run the same graph
+    pid: int
+
+
+class CoreReady(msgspec.Struct, frozen=True, tag=True):
+    """The model facts the front's stages read (validation, tokenization, detokenization)."""
+
+    max_model_len: int
+    vocab_size: int  # the model's logits width
+    eos_token_ids: tuple[int, ...]
+    num_blocks: int
+    pid: int
+
+
+class Refused(msgspec.Struct, frozen=True, tag=True):
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    healthy: bool
+    metrics: bytes | None = None  # the core's registry as Prometheus text
+
+
+class FailRequest(msgspec.Struct, frozen=True, tag=True):
+    error: RequestError
+
+
+Control = Hello | CoreReady | Refused | Heartbeat | FailRequest
+CONTROL_DECODER = msgspec.msgpack.Decoder(Control)

@@ -1,0 +1,251 @@
+"""A front process's engine: the per-request stages here, the step loop in the core.
+
+`FrontEngine.start` connects to the core's socket (waiting for it to come up), learns
+the model's facts from its `CoreReady`, loads the tokenizer meanwhile, and runs the
+front's part of the graph with the core as its one `Peer`. Seen from the HTTP API and
+the offline `LLM` it is an `AsyncEngine`; `healthy` also needs a core that beat within
+`HEARTBEAT_STALE_S` and said it was healthy.
+
+When the core goes away (it died, or was restarted by its supervisor), every request in
+flight is answered at once with an `unavailable` error, the sequences the core was
+running are ended for the stages here, and the front reconnects to the next core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from time import monotonic
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+import torch
+from prometheus_client import CollectorRegistry
+
+from flowllm.config import EngineConfig
+from flowllm.engine.async_engine import AsyncEngine
+from flowllm.engine.core import placement_of
+from flowllm.engine.core_protocol import (
+    CONTROL_DECODER,
+    HEARTBEAT_STALE_S,
+    CoreReady,
+    FailRequest,
+    Heartbeat,
+    Hello,
+    Refused,
+)
+from flowllm.engine.ownership import Ownership
+from flowllm.graph.channel import type_members
+from flowllm.graph.remote import Boundary, Peer, PeerGone, RemoteChannel
+from flowllm.graph.runtime import Graph
+from flowllm.graph.spans import SpanSink
+from flowllm.graph.validator import ValidGraph
+from flowllm.graph.wire import channel_codecs, wiring_digest
+from flowllm.messages import ChoiceEvents, RequestError, request_ids_of
+from flowllm.metrics import MergedMetrics
+from flowllm.stages.services import EngineServices
+
+RECONNECT_INTERVAL_S = 0.05
+CORE_LOST = "The engine core stopped while this request ran; retry it."
+
+
+class ModelFacts:
+    """What the front's stages read of the model, which lives in the core."""
+
+    def __init__(self, ready: CoreReady) -> None:
+        self.vocab_size = ready.vocab_size
+        self.max_position_embeddings = ready.max_model_len
+
+
+class CoreLink:
+    """The front's connection to the core: the `Peer`, its heartbeat, what it runs."""
+
+    def __init__(self, graph: ValidGraph, socket_path: str, index: int) -> None:
+        self.socket_path = socket_path
+        self.index = index
+        self.wiring = wiring_digest(graph.channels)
+        self.front, self.core = placement_of(graph)
+        self.log = structlog.get_logger("flowllm.front").bind(front=index)
+        self.ready: CoreReady | None = None
+        self.connected = anyio.Event()
+        self.last_beat = 0.0
+        self.core_healthy = False
+        self.core_metrics: bytes = b""
+        self.ownership = Ownership()  # the sequences the core runs for this front
+        self.services: EngineServices | None = None
+        self.peer = Peer(
+            self.core,
+            0,
+            channel_codecs(graph.channels),
+            on_control=self._on_control,
+            undeliverable=self._undeliverable,
+            observe=self._observe,
+        )
+        self._choice_channels = [
+            name
+            for name, channel in graph.channels.items()
+            if channel.crosses
+            and graph.placement[channel.dst.stage] == self.front
+            and ChoiceEvents in (type_members(channel.message_type) or ())
+        ]
+        self.stopping = False
+
+    @property
+    def alive(self) -> bool:
+        """Connected, and the core beat lately and says its graph is healthy."""
+        return (
+            self.peer.attached
+            and self.core_healthy
+            and monotonic() - self.last_beat < HEARTBEAT_STALE_S
+        )
+
+    def _on_control(self, _peer: Peer, payload: Any) -> None:
+        message = CONTROL_DECODER.decode(payload)
+        if isinstance(message, Heartbeat):
+            self.last_beat = monotonic()
+            self.core_healthy = message.healthy
+            if message.metrics is not None:
+                self.core_metrics = message.metrics
+        elif isinstance(message, CoreReady):
+            self.ready = message
+            self.last_beat = monotonic()
+            self.connected.set()
+        elif isinstance(message, FailRequest):
+            if self.services is not None:
+                self.services.mailboxes.fail(message.error)
+        elif isinstance(message, Refused):
+            self.log.error("the core refused this front", reason=message.reason)
+
+    def _observe(self, _peer: Peer, channel: str, message: object) -> None:
+        self.ownership.route(channel, message)  # learns which sequences run, and end
+
+    def watch_outbound(self, channels: dict[str, Any]) -> None:
+        """Learn requests and finishes from what this front sends the core."""
+        for channel in channels.values():
+            if isinstance(channel, RemoteChannel):
+                channel.add_tap(lambda message, _sent: self.ownership.arrived(0, message))
+
+    def _undeliverable(self, _channel: str, message: object) -> None:
+        if self.services is None:
+            return
+        for request_id in request_ids_of(message):
+            self.services.mailboxes.fail(_core_lost(request_id))
+
+    async def run(self) -> None:
+        """Connect, carry the channels, reconnect after the core went away; forever."""
+        while not self.stopping:
+            try:
+                stream = await anyio.connect_unix(self.socket_path)
+            except OSError:
+                await anyio.sleep(RECONNECT_INTERVAL_S)
+                continue
+            hello = Hello(front=self.index, wiring=self.wiring, pid=os.getpid())
+            with contextlib.suppress(PeerGone):
+                await self.peer.attach(stream, greeting=hello)
+            if not self.stopping:
+                self._core_lost()
+
+    def _core_lost(self) -> None:
+        self.core_healthy = False
+        if self.connected.is_set():
+            self.log.error("the engine core went away; failing requests in flight")
+        if self.services is not None:
+            self.services.mailboxes.fail_all(_core_lost)
+        ended = tuple(self.ownership.live_seqs_of(0))
+        self.ownership = Ownership()
+        if ended:
+            for name in self._choice_channels:
+                self.peer.inject(name, ChoiceEvents(step_id=-1, ended=ended))
+
+
+def _core_lost(request_id: str) -> RequestError:
+    return RequestError(request_id=request_id, message=CORE_LOST, kind="unavailable")
+
+
+class FrontEngine(AsyncEngine):
+    """The front's part of a placed graph, joined to the core by `link`."""
+
+    def __init__(self, graph: Graph, services: EngineServices, link: CoreLink) -> None:
+        super().__init__(graph, services)
+        self.link = link
+
+    @property
+    def healthy(self) -> bool:
+        return self.graph.healthy and self.link.alive
+
+    @functools.cached_property
+    def metrics_registry(self) -> CollectorRegistry:
+        """This front's metrics and the core's latest, one family per name."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(
+            MergedMetrics(self.services.registry, lambda: self.link.core_metrics.decode())
+        )
+        return registry
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        config: EngineConfig,
+        graph: ValidGraph,
+        socket_path: str,
+        *,
+        index: int = 0,
+        stop_timeout: float = 30.0,
+        span_sinks: Sequence[SpanSink] = (),
+        **graph_options: Any,
+    ) -> AsyncIterator[FrontEngine]:
+        """Run the front's part of `graph` for the body, the core at `socket_path`."""
+        from flowllm.engine.loading import tokenizer_source
+        from flowllm.models.tokenizer import load_tokenizer
+
+        link = CoreLink(graph, socket_path, index)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(link.run)
+            tokenizer = await anyio.to_thread.run_sync(
+                lambda: load_tokenizer(*tokenizer_source(config))
+            )
+            await link.connected.wait()
+            assert link.ready is not None
+            services = EngineServices(
+                config=config,
+                model=ModelFacts(link.ready),
+                tokenizer=tokenizer,
+                kv_caches=[],
+                num_blocks=link.ready.num_blocks,
+                max_model_len=link.ready.max_model_len,
+                eos_token_ids=link.ready.eos_token_ids,
+                device=torch.device("cpu"),
+            )
+            link.services = services
+            tg.start_soon(link.peer.pump_overflow)
+            async with AsyncEngine.start(
+                graph=graph,
+                services=services,
+                stop_timeout=stop_timeout,
+                span_sinks=span_sinks,
+                process=link.front,
+                boundary=Boundary({link.core: [link.peer]}),
+                on_stop=lambda: _drain(link, services),
+                **graph_options,
+            ) as engine:
+                link.watch_outbound(engine.graph.channels)
+                yield cls(engine.graph, services, link)
+            link.stopping = True
+            await link.peer.detach()
+            tg.cancel_scope.cancel()
+
+
+async def _drain(link: CoreLink, services: EngineServices) -> None:
+    """A graceful stop, intake stopped: let the requests here finish (the graph's stop
+    bounds the wait), then end what the core feeds here, so the stages drain and return."""
+    try:
+        while len(services.mailboxes) and link.peer.attached:
+            await anyio.sleep(0.02)
+    finally:
+        link.peer.close_inbound()
