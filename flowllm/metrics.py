@@ -237,9 +237,18 @@ class MetricsView(Collector):
         return registry
 
 
+HEALTHY = f"{PREFIX}graph_healthy"
+
+
 class MergedMetrics(Collector):
-    """This process's registry and another process's latest metrics (Prometheus text),
-    as one registry: one family per name, and a series both have is this process's."""
+    """This process's registry and another process's latest metrics (Prometheus text) as
+    one registry, one family per name.
+
+    Each process counts its own events (a front its requests' latencies, the core its
+    steps), so a series both have is their sum; a series with the same value on both
+    sides (an info gauge, a count neither has moved) appears once, and a graph is healthy
+    only while both parts are.
+    """
 
     def __init__(self, local: CollectorRegistry, remote_text: Callable[[], str]) -> None:
         self.local = local
@@ -247,16 +256,27 @@ class MergedMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
-        seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        index: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Metric, int]] = {}
         for family in self.local.collect():
             merged[family.name] = family
-            seen.update((s.name, tuple(sorted(s.labels.items()))) for s in family.samples)
+            for i, s in enumerate(family.samples):
+                index[(s.name, tuple(sorted(s.labels.items())))] = (family, i)
         for family in text_string_to_metric_families(self.remote_text()):
-            target = merged.get(family.name)
-            if target is None:
-                merged[family.name] = family
+            target = merged.setdefault(family.name, family)
+            if target is family:
                 continue
-            target.samples.extend(
-                s for s in family.samples if (s.name, tuple(sorted(s.labels.items()))) not in seen
-            )
+            for sample in family.samples:
+                found = index.get((sample.name, tuple(sorted(sample.labels.items()))))
+                if found is None:
+                    target.samples.append(sample)
+                    continue
+                owner, i = found
+                mine = owner.samples[i]
+                if sample.value == mine.value:
+                    continue
+                if sample.name == HEALTHY:
+                    value = min(sample.value, mine.value)
+                else:
+                    value = mine.value + sample.value
+                owner.samples[i] = mine._replace(value=value)
         yield from merged.values()

@@ -153,6 +153,10 @@ def check_sampling_params(
             "integer_below_min_value",
         )
     _in_range("min_p", params.min_p, 0.0, 1.0)
+    if params.seed is not None:
+        # A 64-bit integer, signed or not: what the generators take, and what crosses to
+        # the engine core.
+        _in_range("seed", params.seed, -(2**63), 2**64 - 1, integer=True)
     _in_range("presence_penalty", params.presence_penalty, -2.0, 2.0)
     _in_range("frequency_penalty", params.frequency_penalty, -2.0, 2.0)
     _finite("repetition_penalty", params.repetition_penalty)

@@ -37,6 +37,21 @@ class ServerFailed(RuntimeError):
     """`flowllm serve` exited or never answered /health; the message holds its output."""
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants: a server is its supervisor, its engine core and its
+    fronts."""
+    pids, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        pids.append(current)
+        try:
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:
+            continue
+        queue.extend(int(child) for child in children)
+    return pids
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -158,4 +158,6 @@ def live_feed_of(engine: Any) -> LiveFeed | None:
     if graph is None:
         return None
     services = getattr(engine, "services", None)
-    return LiveFeed(graph, getattr(services, "metrics", None))
+    return LiveFeed(
+        graph, getattr(services, "metrics", None), elsewhere=getattr(engine, "elsewhere", None)
+    )

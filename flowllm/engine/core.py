@@ -36,6 +36,7 @@ from flowllm.engine.core_protocol import (
     Refused,
 )
 from flowllm.engine.ownership import Ownership
+from flowllm.engine.span_relay import SpanBatcher, WantSpans
 from flowllm.graph.channel import type_members
 from flowllm.graph.remote import Boundary, Peer, PeerGone
 from flowllm.graph.runtime import Graph
@@ -145,12 +146,23 @@ class Core:
             process=core,
             boundary=Boundary({front: self.fronts}, self.ownership.route),
         )
+        self.spans = SpanBatcher()
+        self._span_wanted: set[int] = set()  # fronts whose span sinks want the core's spans
+        self.graph.add_span_sink(self.spans)
 
     def _arrived(self, peer: Peer, _channel: str, message: object) -> None:
         self.ownership.arrived(peer.index, message)
 
     def _on_control(self, peer: Peer, payload: Any) -> None:
-        self.log.warning("unexpected control message from a front", front=peer.index)
+        message = CONTROL_DECODER.decode(payload)
+        if isinstance(message, WantSpans):
+            if message.want:
+                self._span_wanted.add(peer.index)
+            else:
+                self._span_wanted.discard(peer.index)
+            self.spans.wanted = bool(self._span_wanted)
+        else:
+            self.log.warning("unexpected control message from a front", front=peer.index)
 
     def _fail_request(self, error: RequestError) -> None:
         front = self.ownership.front_of_request(error.request_id)
@@ -206,8 +218,11 @@ class Core:
         while True:
             metrics = generate_latest(self.services.registry) if beat % METRICS_EVERY == 0 else None
             message = Heartbeat(healthy=self.graph.healthy, metrics=metrics)
+            spans = self.spans.take()
             for peer in self.fronts:
                 peer.send_control(message)
+                if spans is not None and peer.index in self._span_wanted:
+                    peer.send_control(spans)
             beat += 1
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
@@ -247,6 +262,8 @@ class Core:
 
     def _front_gone(self, front: int) -> None:
         """Abort what the front had running: nobody is left to read it."""
+        self._span_wanted.discard(front)
+        self.spans.wanted = bool(self._span_wanted)
         request_ids = self.ownership.requests_of(front)
         self.log.warning("front disconnected", front=front, aborted=len(request_ids))
         if not self._request_channels:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from flowllm.engine.span_relay import Spans, WantSpans
 from flowllm.messages import RequestError
 
 HEARTBEAT_INTERVAL_S = 0.1
@@ -49,5 +50,5 @@ class FailRequest(msgspec.Struct, frozen=True, tag=True):
     error: RequestError
 
 
-Control = Hello | CoreReady | Refused | Heartbeat | FailRequest
+Control = Hello | CoreReady | Refused | Heartbeat | FailRequest | Spans | WantSpans
 CONTROL_DECODER = msgspec.msgpack.Decoder(Control)

@@ -40,6 +40,7 @@ from flowllm.engine.core_protocol import (
     Refused,
 )
 from flowllm.engine.ownership import Ownership
+from flowllm.engine.span_relay import Spans, WantSpans, decode_span
 from flowllm.graph.channel import type_members
 from flowllm.graph.remote import Boundary, Peer, PeerGone, RemoteChannel
 from flowllm.graph.runtime import Graph
@@ -51,6 +52,7 @@ from flowllm.metrics import MergedMetrics
 from flowllm.stages.services import EngineServices
 
 RECONNECT_INTERVAL_S = 0.05
+SPAN_WISH_INTERVAL_S = 0.1
 CORE_LOST = "The engine core stopped while this request ran; retry it."
 
 
@@ -94,6 +96,18 @@ class CoreLink:
             and ChoiceEvents in (type_members(channel.message_type) or ())
         ]
         self.stopping = False
+        self.graph: Graph | None = None  # the front's graph, once it runs
+        self._spans_asked: bool | None = None
+
+    async def ask_for_spans(self) -> None:
+        """Keep the core told whether this front's graph has span sinks (they come and go:
+        a page's timelines), so that the core sends its spans only while they are read."""
+        while True:
+            want = self.graph is not None and self.graph.has_span_sinks
+            if self.peer.attached and want != self._spans_asked:
+                self.peer.send_control(WantSpans(want))
+                self._spans_asked = want
+            await anyio.sleep(SPAN_WISH_INTERVAL_S)
 
     @property
     def alive(self) -> bool:
@@ -114,7 +128,14 @@ class CoreLink:
         elif isinstance(message, CoreReady):
             self.ready = message
             self.last_beat = monotonic()
+            self._spans_asked = None  # a new core: tell it afresh
             self.connected.set()
+        elif isinstance(message, Spans):
+            if self.graph is not None:
+                for span in message.spans:
+                    self.graph.relay_span(
+                        span.stage, decode_span(span), span.started, span.duration, span.queue_wait
+                    )
         elif isinstance(message, FailRequest):
             if self.services is not None:
                 self.services.mailboxes.fail(message.error)
@@ -178,12 +199,16 @@ class FrontEngine(AsyncEngine):
     def healthy(self) -> bool:
         return self.graph.healthy and self.link.alive
 
+    def elsewhere(self) -> str:
+        """The core's latest metrics, as Prometheus text (the web page's live view)."""
+        return self.link.core_metrics.decode()
+
     @functools.cached_property
     def metrics_registry(self) -> CollectorRegistry:
         """This front's metrics and the core's latest, one family per name."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(
-            MergedMetrics(self.services.registry, lambda: self.link.core_metrics.decode())
+            MergedMetrics(self.services.registry, self.elsewhere)
         )
         return registry
 
@@ -235,6 +260,8 @@ class FrontEngine(AsyncEngine):
                 **graph_options,
             ) as engine:
                 link.watch_outbound(engine.graph.channels)
+                link.graph = engine.graph
+                tg.start_soon(link.ask_for_spans)
                 yield cls(engine.graph, services, link)
             link.stopping = True
             await link.peer.detach()

@@ -110,6 +110,7 @@ class Peer:
         self._pending_credits: dict[int, int] = {}
         self._out: list[bytes] = []
         self._wake: anyio.Event | None = None
+        self._pumps: anyio.abc.TaskGroup | None = None
         self._attached = False
         self._stream: anyio.abc.ByteStream | None = None
         self.log = structlog.get_logger("flowllm.graph").bind(peer=process, index=index)
@@ -125,7 +126,9 @@ class Peer:
 
     def add_inbound(self, name: str, sender: ChannelSender[Any]) -> None:
         number, codec = self._codecs[name]
-        self._inbound[number] = _Inbound(number, codec, sender)
+        inbound = self._inbound[number] = _Inbound(number, codec, sender)
+        if self._pumps is not None:
+            self._pumps.start_soon(self._pump, inbound)
 
     @property
     def attached(self) -> bool:
@@ -288,10 +291,12 @@ class Peer:
 
     async def pump_overflow(self) -> None:
         """Move what arrived while local channels were full into them, in order (run for
-        the peer's lifetime beside `attach`)."""
+        the peer's lifetime beside `attach`; channels wired later get their pump then)."""
         async with anyio.create_task_group() as tg:
+            self._pumps = tg
             for inbound in self._inbound.values():
                 tg.start_soon(self._pump, inbound)
+            await anyio.sleep_forever()
 
     async def _pump(self, inbound: _Inbound) -> None:
         inbound.ready = anyio.Event()

@@ -303,6 +303,18 @@ class Graph:
         """Stop handing spans to `sink` (an observer that left): no cost remains."""
         self._span_sinks.remove(sink)
 
+    @property
+    def has_span_sinks(self) -> bool:
+        return bool(self._span_sinks)
+
+    def relay_span(
+        self, stage: str, message: object, started: float, duration: float, queue_wait: float
+    ) -> None:
+        """Hand this graph's sinks a span its other process recorded (clocks agree: both
+        read the machine's monotonic clock)."""
+        for sink in self._span_sinks:
+            sink(stage, message, started, duration, queue_wait)
+
     @asynccontextmanager
     async def serve(self, stop_timeout: float = 10.0) -> AsyncIterator[Graph]:
         """Run the graph in the background for the body; on exit, stop it gracefully.

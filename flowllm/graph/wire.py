@@ -88,7 +88,9 @@ class ChannelCodec:
         members = type_members(message_type) or ()
         self.name = name
         self._index = {member: i for i, member in enumerate(members)}
-        self._decoders: list[msgspec.msgpack.Decoder[Any]] = [msgspec.msgpack.Decoder(member) for member in members]
+        self._decoders: list[msgspec.msgpack.Decoder[Any]] = [
+            msgspec.msgpack.Decoder(member) for member in members
+        ]
 
     def member(self, message: object) -> int:
         try:

@@ -10,7 +10,7 @@ last one removes it. At most `max_subscribers` connect at once; one more is refu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +18,10 @@ from time import monotonic, time
 from typing import Any
 
 from prometheus_client import Counter, Gauge
+from prometheus_client.parser import text_string_to_metric_families
 
 from flowllm.graph.runtime import Graph
-from flowllm.metrics import EngineMetrics
+from flowllm.metrics import PREFIX, EngineMetrics
 from flowllm.ui.timelines import RequestTimelines
 
 INTERVAL_S = 1.0
@@ -52,6 +53,34 @@ def _value(metric: Counter | Gauge, **labels: str) -> float:
     return 0.0
 
 
+class _Elsewhere:
+    """The other process's latest metrics, looked up by sample name and labels."""
+
+    def __init__(self, text: str) -> None:
+        self._samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                self._samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+
+    def value(self, name: str, **labels: str) -> float:
+        for have, value in self._samples.get(name, ()):
+            if all(have.get(k) == v for k, v in labels.items()):
+                return value
+        return 0.0
+
+    def durations(self, stage: str, buckets: int) -> tuple[list[int], float]:
+        """A stage's duration histogram: per-bucket counts (not cumulative), and its sum."""
+        cumulative = [
+            int(value)
+            for labels, value in self._samples.get(f"{PREFIX}stage_duration_seconds_bucket", ())
+            if labels.get("stage") == stage
+        ]
+        if len(cumulative) != buckets:
+            return [0] * buckets, 0.0
+        counts = [b - a for a, b in zip([0, *cumulative[:-1]], cumulative, strict=True)]
+        return counts, self.value(f"{PREFIX}stage_duration_seconds_sum", stage=stage)
+
+
 def quantile(bounds: tuple[float, ...], counts: list[int], q: float) -> float | None:
     """The q-quantile of a histogram (per-bucket counts, last is +Inf), interpolated
     linearly within its bucket as Prometheus' histogram_quantile does; None if empty."""
@@ -78,11 +107,15 @@ class LiveFeed:
         graph: Graph,
         engine_metrics: EngineMetrics | None,
         *,
+        elsewhere: Callable[[], str] | None = None,
         interval_s: float = INTERVAL_S,
         max_subscribers: int = MAX_SUBSCRIBERS,
     ) -> None:
         self.graph = graph
         self.engine_metrics = engine_metrics
+        # The metrics of the graph's other process (Prometheus text), for the stages and
+        # channels that run there; None when the whole graph runs here.
+        self.elsewhere = elsewhere
         self.interval_s = interval_s
         self.max_subscribers = max_subscribers
         self.timelines = RequestTimelines(list(graph.spec.stages), graph.name)
@@ -101,6 +134,7 @@ class LiveFeed:
             stages.append(
                 {
                     "name": name,
+                    "process": spec.placement.get(name),
                     "use": bound.spec.use,
                     "replicas": bound.spec.replicas,
                     "group": bound.supervision.group,
@@ -169,39 +203,57 @@ class LiveFeed:
         sample = _Sample(now, {}, {}, 0.0)
         last = self._last
         elapsed = now - last.at if last is not None else 0.0
+        there = _Elsewhere(self.elsewhere() if self.elsewhere is not None else "")
         stages: dict[str, Any] = {}
         for name, bound in graph.spec.stages.items():
-            series = durations.labels(name)
-            counts = list(series.counts)
+            group = bound.supervision.group
+            if graph.runs_here(name):
+                series = durations.labels(name)
+                counts, busy_s = list(series.counts), series.sum
+                errors = _value(metrics.stage_errors, stage=name)
+                restarts = _value(metrics.stage_restarts, group=group)
+            else:
+                counts, busy_s = there.durations(name, len(durations.buckets) + 1)
+                errors = there.value(f"{PREFIX}stage_errors_total", stage=name)
+                restarts = there.value(f"{PREFIX}stage_restarts_total", group=group)
             sample.counts[name] = counts
-            sample.busy[name] = series.sum
+            sample.busy[name] = busy_s
             entry: dict[str, Any] = {
                 "messages": sum(counts),
-                "errors": int(_value(metrics.stage_errors, stage=name)),
-                "restarts": int(_value(metrics.stage_restarts, group=bound.supervision.group)),
+                "errors": int(errors),
+                "restarts": int(restarts),
                 "busy": None,
                 "rate": None,
                 "p50_s": None,
             }
             if last is not None and elapsed > 0:
                 window = [c - p for c, p in zip(counts, last.counts[name], strict=True)]
-                busy = (series.sum - last.busy[name]) / elapsed / bound.spec.replicas
+                busy = (busy_s - last.busy[name]) / elapsed / bound.spec.replicas
                 entry["busy"] = min(1.0, max(0.0, busy))
                 entry["rate"] = sum(window) / elapsed
                 entry["p50_s"] = quantile(durations.buckets, window, 0.5)
             stages[name] = entry
         channels = {
-            name: {"depth": channel.depth(), "capacity": channel.capacity}
-            for name, channel in graph.channels.items()
+            name: {
+                "depth": (channel.depth() if name in graph.channels else 0)
+                + int(there.value(f"{PREFIX}channel_depth", channel=name)),
+                "capacity": channel.capacity,
+            }
+            for name, channel in graph.spec.channels.items()
         }
         engine: dict[str, Any] = {}
         if self.engine_metrics is not None:
             em = self.engine_metrics
-            sample.generated = _value(em.generation_tokens)
+            sample.generated = _value(em.generation_tokens) + there.value(
+                f"{PREFIX}generation_tokens_total"
+            )
             engine = {
-                "running": _value(em.num_requests_running),
-                "waiting": _value(em.num_requests_waiting),
-                "kv_cache_usage": _value(em.kv_cache_usage_perc),
+                "running": _value(em.num_requests_running)
+                + there.value(f"{PREFIX}num_requests_running"),
+                "waiting": _value(em.num_requests_waiting)
+                + there.value(f"{PREFIX}num_requests_waiting"),
+                "kv_cache_usage": _value(em.kv_cache_usage_perc)
+                + there.value(f"{PREFIX}kv_cache_usage_perc"),
                 "generated_tokens": sample.generated,
                 "tokens_per_s": (
                     (sample.generated - last.generated) / elapsed

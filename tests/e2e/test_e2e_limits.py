@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, process_tree
 
 HUGE = "9" * 400
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -131,10 +131,13 @@ def _fuzzed_bodies(rng: random.Random, count: int) -> list[tuple[str, bytes]]:
 
 
 def _rss_mib(server: ServerProcess) -> float:
-    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    """The resident memory of the server's processes."""
+    total = 0
+    for pid in process_tree(server.process.pid):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024
 
 
 def test_fuzzed_bad_bodies_never_break_the_server(bundled_server: ServerProcess) -> None:

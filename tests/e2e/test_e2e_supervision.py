@@ -5,8 +5,6 @@ flight and exits with status 70, for its process manager to restart it."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -31,17 +29,6 @@ def boom_graph(path: Path, max_restarts: int, timeout_s: float = 60) -> Path:
     )
     path.write_text(text)
     return path
-
-
-def door_pid(server_pid: int) -> int:
-    """The server's child process that answers probes (flowllm/health_fast_path.py)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    (door,) = [
-        int(pid)
-        for pid in children
-        if b"health_fast_path" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
-    return door
 
 
 def complete(url: str, prompt: str) -> httpx.Response:
@@ -101,12 +88,7 @@ def test_a_stuck_stage_makes_health_503_until_it_is_idle(
         str(gpt2_tiny_dir), TINY_FLAGS, graph=boom_graph(tmp_path / "hang.yaml", 5, 0.5)
     )
     try:
-        probe = httpx.get(f"{server.url}/health")  # a new connection: the fast path answers
-        assert probe.status_code == 200 and probe.headers["connection"] == "close"
-        with httpx.Client(base_url=server.url) as client:  # kept alive: the app answers
-            assert client.get("/v1/models").status_code == 200
-            kept = client.get("/health")
-            assert kept.status_code == 200 and "connection" not in kept.headers
+        assert httpx.get(f"{server.url}/health").status_code == 200
         answers: list[httpx.Response] = []
         stuck = threading.Thread(target=lambda: answers.append(complete(server.url, "HANG")))
         stuck.start()
@@ -125,12 +107,5 @@ def test_a_stuck_stage_makes_health_503_until_it_is_idle(
             assert time.monotonic() < deadline, "still unhealthy once the stage is idle"
             time.sleep(0.1)
         assert complete(server.url, "Hello there").status_code == 200
-        # The process that answers probes dies: the server accepts by itself and serves on.
-        os.kill(door_pid(server.process.pid), signal.SIGKILL)
-        time.sleep(0.5)
-        health = httpx.get(f"{server.url}/health")
-        assert health.status_code == 200 and "connection" not in health.headers
-        assert complete(server.url, "Hello there").status_code == 200
-        assert "health fast path exited" in server.output()
     finally:
         server.stop()

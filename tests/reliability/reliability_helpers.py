@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from server_process import process_tree
 
 # `make test` runs the suite at "ci" scale; `make reliability` sets "full".
 SCALE = os.environ.get("FLOWLLM_RELIABILITY_SCALE", "ci").strip().lower() or "ci"
@@ -132,33 +133,44 @@ def assert_no_leftovers(url: str, timeout: float = 2.0, context: str = "") -> Le
 
 
 def rss_mb(pid: int) -> float:
-    """VmRSS of a process, in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    """VmRSS of a server's processes (`pid` and its descendants), in MiB."""
+    return sum(_status_kib(p, "VmRSS:") for p in process_tree(pid)) / 1024
 
 
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User plus system CPU time a server's processes have used so far."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
-def vm_data_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmData:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmData for pid {pid}")
+def _status_kib(pid: int, key: str) -> int:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0  # it exited meanwhile
+    for line in lines:
+        if line.startswith(key):
+            return int(line.split()[1])
+    return 0
 
 
 def cap_memory(pid: int, headroom_mb: int = 3072) -> int:
-    """Limit a running server's data segment (RLIMIT_DATA) to what it has now plus
-    `headroom_mb`, so that a request that makes it allocate without bound gets a
-    MemoryError instead of taking the shared machine's memory; returns the limit in MiB."""
-    limit_mb = int(vm_data_mb(pid)) + headroom_mb
-    resource.prlimit(pid, resource.RLIMIT_DATA, (limit_mb << 20, limit_mb << 20))
-    return limit_mb
+    """Limit each of a running server's processes' data segment (RLIMIT_DATA) to what it
+    has now plus `headroom_mb`, so that a request that makes it allocate without bound gets
+    a MemoryError instead of taking the shared machine's memory; returns the largest limit
+    in MiB."""
+    largest = 0
+    for p in process_tree(pid):
+        limit_mb = _status_kib(p, "VmData:") // 1024 + headroom_mb
+        resource.prlimit(p, resource.RLIMIT_DATA, (limit_mb << 20, limit_mb << 20))
+        largest = max(largest, limit_mb)
+    return largest
 
 
 def percentile(values: list[float], q: float) -> float:

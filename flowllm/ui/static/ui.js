@@ -502,14 +502,20 @@ const graph = {
     for (const s of this.shape.stages) {
       const { x, y } = pos[s.name];
       const g = svg("g", { "data-stage": s.name });
-      const rect = svg("rect", { class: "box", x, y, width: W, height: H, rx: 6 });
+      const rect = svg("rect", { class: "box" + (s.process ? " process-" + s.process : ""),
+        x, y, width: W, height: H, rx: 6 });
       rect.append(svg("title", {}, `${s.name}: ${s.use}` + (s.replicas > 1 ? ` ×${s.replicas}` : "") +
-        `\nsupervision: ${s.on_error} (group ${s.group})`));
+        `\nsupervision: ${s.on_error} (group ${s.group})` +
+        (s.process ? `\nprocess: ${s.process}` : "")));
       const busybar = svg("rect", { class: "busybar", x, y: y + H - 5, width: 0, height: 5, rx: 2 });
       const name = svg("text", { class: "name", x: x + 8, y: y + 18 },
         s.name + (s.replicas > 1 ? ` ×${s.replicas}` : ""));
       const lines = [0, 1, 2, 3].map((i) => svg("text", { class: "metric", x: x + 8, y: y + 36 + i * 14 }));
       g.append(rect, busybar, name, ...lines);
+      if (s.process) {
+        g.append(svg("text", { class: "process", x: x + W - 8, y: y + 18, "text-anchor": "end",
+          "data-process": s.process }, s.process));
+      }
       boxLayer.append(g);
       this.boxes[s.name] = { rect, busybar, lines, width: W };
     }
