@@ -235,7 +235,7 @@ class LiveFeed:
             stages[name] = entry
         channels = {
             name: {
-                "depth": (channel.depth() if name in graph.channels else 0)
+                "depth": (graph.channels[name].depth() if name in graph.channels else 0)
                 + int(there.value(f"{PREFIX}channel_depth", channel=name)),
                 "capacity": channel.capacity,
             }
