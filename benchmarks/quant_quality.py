@@ -91,9 +91,12 @@ def windowed_perplexity(llm: LLM, text: str, ctx: int) -> tuple[float, int]:
 
 
 def llama_perplexity(binary: str, model: str, text_file: str, ctx: int) -> str:
-    """llama-perplexity's final estimate on the same file and windows (2 threads)."""
+    """llama-perplexity's final estimate on the same file and windows (2 threads; without
+    its repacked weights, whose kernels stopped on an illegal instruction on the AMX CPU
+    this was measured on)."""
     run = subprocess.run(
-        [binary, "-m", model, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "-t", "2"],
+        [binary, "-m", model, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "-t", "2",
+         "--no-repack"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     found = re.search(r"Final estimate: PPL = ([0-9.]+ \+/- [0-9.]+)", run.stdout + run.stderr)
