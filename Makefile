@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flowllm-installed
 
-.PHONY: serve test lint typecheck setup system-packages bench-channel traces reliability ui-screenshots
+.PHONY: serve test test-avx2 test-torch lint typecheck setup system-packages bench-channel traces reliability ui-screenshots
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
@@ -14,6 +14,14 @@ test: $(STAMP) system-packages
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+# The whole suite on the AVX2 build (as on a CPU without AVX-512), and with the native
+# kernels off (the torch paths); the kernel tests still run each build the CPU can run.
+test-avx2:
+	FLOWLLM_NATIVE_ISA=avx2 $(MAKE) test
+
+test-torch:
+	FLOWLLM_NATIVE_KERNELS=0 $(MAKE) test
 
 # The reliability suite (tests/reliability, docs/reliability.md) at full scale: 10,000 fuzz
 # cases from a fresh seed, 10,000 cut streams, 5,000 requests at once. `make test` runs it

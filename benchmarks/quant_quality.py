@@ -1,22 +1,26 @@
-"""Quality of a GGUF model served quantized against the same weights dequantized to float32.
+"""Quality of a GGUF model served quantized against the same weights dequantized to float32,
+and against llama.cpp's own perplexity of the same file.
 
 The quantized kernels keep the file's weights exactly and round each block of 32
-activations to int8 (as llama.cpp does; `flowllm/kernels/csrc/quant.c`), and prefills of
-`quant_linear.TILE_FROM` rows or more multiply bf16 tiles of the dequantized weights. This
-script measures what that costs, against the float32 model with the file's values:
+activations to int8 (as llama.cpp does; `flowllm/kernels/csrc/quant.c`), every row of
+every step the same way. This script measures what that costs, against the float32 model
+with the file's values:
 
-- perplexity of a fixed text (below), the prompt's own logprobs: once with prefill chunks of
-  8 tokens (below `TILE_FROM`: the integer kernel) and once as one prefill (the bf16
-  tiles), each with float32 and with bf16 activations (`--dtype auto` picks bf16 on CPUs
-  with AVX512-BF16);
+- perplexity of a fixed text (below), the prompt's own logprobs, with float32 and with bf16
+  activations (`--dtype auto` picks bf16 on CPUs with AVX512-BF16);
 - greedy agreement: the share of generated tokens equal to the reference's, position by
-  position, and how many tokens come before the first difference, over a set of prompts.
+  position, and how many tokens come before the first difference, over a set of prompts;
+- with `--text FILE`, perplexity as llama.cpp's `llama-perplexity -c CTX` computes it: the
+  file's tokens cut into windows of CTX, each scored on its second half; with
+  `--llama-perplexity BIN` that binary's figure on the same file and model beside it.
 
-The same weights dequantized to bf16 (the dtype the model ran in before) give the scale:
-how far rounding the activations alone moves a model this small.
+The same weights dequantized to bf16 give the scale: how far rounding the activations
+alone moves a model this small.
 
     .venv/bin/python benchmarks/quant_quality.py                     # the bundled Q4_1 file
     .venv/bin/python benchmarks/quant_quality.py --model path/to/model.gguf --max-tokens 64
+    .venv/bin/python benchmarks/quant_quality.py --text /usr/share/common-licenses/GPL-3 \
+        --ctx 256 --llama-perplexity path/to/llama.cpp/build/bin/llama-perplexity
 
 For scale: llama.cpp's own figures put Q4_1 against fp16 at +0.1 to +0.3 perplexity on
 7B models' wikitext (its quantize README), i.e. the weights' quantization, which both
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flowllm import LLM, SamplingParams
 from flowllm.config import BUNDLED_MODEL
+from flowllm.models.bundled import bundled_gguf_path
 
 # The opening of "Alice's Adventures in Wonderland" (Lewis Carroll, 1865; public domain).
 TEXT = (
@@ -73,6 +80,30 @@ def perplexity(llm: LLM, text: str) -> tuple[float, int]:
     return math.exp(-sum(logprobs) / len(logprobs)), len(logprobs)
 
 
+def windowed_perplexity(llm: LLM, text: str, ctx: int) -> tuple[float, int]:
+    """llama-perplexity's figure: the text's tokens in windows of `ctx`, each scoring the
+    tokens of its second half from their own prefix; (perplexity, tokens scored)."""
+    ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    windows = [ids[i : i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
+    outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    nll = [-t.logprob for o in outs for t in (o.prompt_logprobs or [])[ctx // 2 + 1 :]]
+    return math.exp(sum(nll) / len(nll)), len(nll)
+
+
+def llama_perplexity(binary: str, model: str, text_file: str, ctx: int) -> str:
+    """llama-perplexity's final estimate on the same file and windows (2 threads; without
+    its repacked weights, whose kernels stopped on an illegal instruction on the AMX CPU
+    this was measured on)."""
+    run = subprocess.run(
+        [binary, "-m", model, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "-t", "2",
+         "--no-repack"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    found = re.search(r"Final estimate: PPL = ([0-9.]+ \+/- [0-9.]+)", run.stdout + run.stderr)
+    assert found, run.stderr[-2000:]
+    return found.group(1)
+
+
 def greedy(llm: LLM, max_tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
@@ -94,19 +125,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=BUNDLED_MODEL, help="a GGUF file or the bundled model")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--text", help="a text file for llama-perplexity's windowed figure")
+    ap.add_argument("--ctx", type=int, default=256, help="its window (llama-perplexity -c)")
+    ap.add_argument("--llama-perplexity", help="llama.cpp's binary, run on the same file")
     args = ap.parse_args()
     rows = []
     reference: list[list[int]] | None = None
     variants = [
         ("float32, dequantized (reference)", {"quantization": "none", "dtype": "float32"}),
         ("bfloat16, dequantized (for scale)", {"quantization": "none", "dtype": "bfloat16"}),
-        ("quantized, float32 activations, prefill chunks of 8 (int8 x)",
-         {"dtype": "float32", "max_num_batched_tokens": 8}),
-        ("quantized, float32 activations, one prefill (bf16 tiles)", {"dtype": "float32"}),
-        ("quantized, bf16 activations, prefill chunks of 8 (int8 x)",
-         {"dtype": "bfloat16", "max_num_batched_tokens": 8}),
-        ("quantized, bf16 activations, one prefill (bf16 tiles)", {"dtype": "bfloat16"}),
-    ]  # fmt: skip
+        ("quantized, float32 activations", {"dtype": "float32"}),
+        ("quantized, bf16 activations", {"dtype": "bfloat16"}),
+    ]
+    text = Path(args.text).read_text() if args.text else None
     for name, kwargs in variants:
         llm = LLM(args.model, max_model_len=2048, **kwargs)  # type: ignore[arg-type]
         ppl, n = perplexity(llm, TEXT)
@@ -114,7 +145,11 @@ def main() -> int:
         if reference is None:
             reference = tokens
         same, prefix = agreement(tokens, reference)
-        rows.append(f"| {name} | {ppl:.4f} | {n} | {same:.1%} | {prefix:.1f} |")
+        row = f"| {name} | {ppl:.4f} | {n} | {same:.1%} | {prefix:.1f} |"
+        if text is not None:
+            wppl, wn = windowed_perplexity(llm, text, args.ctx)
+            row += f" {wppl:.4f} ({wn} tokens) |"
+        rows.append(row)
         print(rows[-1], flush=True)
         del llm
     print(f"\nmodel {args.model}; {len(PROMPTS)} prompts x {args.max_tokens} greedy tokens\n")
@@ -122,6 +157,10 @@ def main() -> int:
           "tokens before the first difference |")  # fmt: skip
     print("|---|---:|---:|---:|---:|")
     print("\n".join(rows))
+    if args.llama_perplexity and args.text:
+        model = args.model if args.model.endswith(".gguf") else str(bundled_gguf_path())
+        ppl = llama_perplexity(args.llama_perplexity, model, args.text, args.ctx)
+        print(f"\nllama-perplexity -c {args.ctx} on {args.text}: {ppl}")
     return 0
 
 

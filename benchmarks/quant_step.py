@@ -21,7 +21,7 @@ import torch
 from linear_step import SHAPES, run_all  # benchmarks/ is on sys.path
 from model_step import add_timing_options, best_times, timing_clock
 
-from flowllm.kernels import cpu_linear, quant_linear
+from flowllm.kernels import cpu_linear
 from flowllm.kernels.quant_linear import QuantizedLinear, QuantizedWeight
 
 F32 = torch.float32
@@ -45,16 +45,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,4,8,16,32,64")
     ap.add_argument("--no-bf16", action="store_true", help="time the quantized products only")
-    ap.add_argument(
-        "--tile-from",
-        type=int,
-        help="rows from which products dequantize bf16 tiles (quant_linear.TILE_FROM)",
-    )
     add_timing_options(ap)
     args = ap.parse_args()
     clock = timing_clock(args)
-    if args.tile_from is not None:
-        quant_linear.TILE_FROM = args.tile_from
     gen = torch.Generator().manual_seed(0)
     layer, layers, _, head = SHAPES["smollm2-135m"]
     shapes = layer * layers

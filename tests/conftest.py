@@ -7,7 +7,6 @@ are session-scoped and must be treated as read-only by tests.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import structlog
 # the real environment whatever order tests run in.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from kernel_builds import use_kernel_build
 from model_fixtures import (
     GPT2_REPO_ID,
     build_gpt2_dir,
@@ -37,28 +37,12 @@ if TYPE_CHECKING:
 
 @pytest.fixture(params=list(native.ISAS))
 def native_build(request: pytest.FixtureRequest) -> Iterator[native.NativeLibrary]:
-    """The process's native library as each build in turn (`FLOWLLM_NATIVE_ISA`), so a test
-    runs every kernel under both ISAs whatever the environment forces; skipped where the CPU
-    lacks the build's features, the kernels are off, or the build fails."""
-    isa = request.param
-    if not native.enabled():
-        pytest.skip(f"{native.DISABLE_ENV}=0: no native build")
-    if not native.cpu_flags() >= native.ISAS[isa].cpu_flags:
-        pytest.skip(f"this CPU cannot run the {isa} build")
-    saved = os.environ.get(native.ISA_ENV)
-    os.environ[native.ISA_ENV] = isa
-    native.reload()
-    try:
-        lib = native.library()
-        if lib is None:
-            pytest.skip(native.status().describe())
+    """The process's native library as each build in turn, so a test runs every kernel
+    under both ISAs whatever the environment forces; skipped where the CPU lacks the
+    build's features, the kernels are off, or the build fails."""
+    with use_kernel_build(request.param) as lib:
+        assert lib is not None
         yield lib
-    finally:
-        if saved is None:
-            os.environ.pop(native.ISA_ENV, None)
-        else:
-            os.environ[native.ISA_ENV] = saved
-        native.reload()
 
 
 @pytest.fixture(autouse=True)

@@ -4,13 +4,12 @@
   CPU-only installs never load Triton).
 - CPU with the native library (`flowllm.kernels.native`: x86-64 with AVX-512 or AVX2, a C
   compiler, `FLOWLLM_NATIVE_KERNELS` not 0), float32 or bfloat16, head_dim a multiple
-  of 16 or 32 respectively: decode rows (one query per sequence) run the C kernel
-  straight from the cache (`flowllm.kernels.cpu_attention`) and K/V are stored by it too;
-  rows with several queries (prefill chunks, cached prefixes) run the torch reference's
-  causal products (the kernel would score one query at a time). Per layer,
-  one thread, the kernel took 3-10x less time than the reference (which gathers each
-  sequence's blocks first and, in bf16, scores every kv head), and its store ~2x less at
-  batch 1 than two `index_copy_` calls (benchmarks/README.md, "Where the time goes").
+  of 16 or 32 respectively: every query row runs the C kernel straight from the cache
+  (`flowllm.kernels.cpu_attention`), a prefill chunk's rows each as a decode query over
+  the keys up to its own position, and K/V are stored by it too. So a row's attention is
+  computed the same way whatever the step holds (decodes, prefill chunks, a recompute
+  after preemption): batch invariance. Per layer, one thread, the kernel took 3-10x less
+  time than the reference at decode (benchmarks/README.md, "Where the time goes").
 - Otherwise: the torch reference (`flowllm.kernels.reference`), also the oracle of both.
 
 Two functions:
@@ -90,24 +89,29 @@ def _native_cpu(
     scale: float,
     max_query_len: int,
 ) -> torch.Tensor:
-    """Decode rows by the C kernel, the other rows by the reference's causal products."""
+    """Every row by the C kernel, each as one query over its sequence's keys up to its own
+    position."""
     # query: [num_tokens, H, D] -> [num_tokens, H, D], contiguous
     reference.check_attention_inputs(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     )
     out = torch.empty(query.shape, dtype=query.dtype)
-    num_seqs = seq_lens.shape[0]
-    if max_query_len == 1 and query.shape[0] == num_seqs:  # every sequence one query: row i
+    num_seqs, num_tokens = seq_lens.shape[0], query.shape[0]
+    if max_query_len == 1 and num_tokens == num_seqs:  # every sequence one query: row i
         cpu_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
         return out
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode = [i for i in range(num_seqs) if qsl[i + 1] - qsl[i] == 1]
-    if decode:
-        seqs = torch.tensor(decode, dtype=torch.int64)
-        rows = torch.tensor([qsl[i] for i in decode], dtype=torch.int64)
-        cpu_attention.decode_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, out, seqs, rows
+    ends = query_start_loc[1:].to(torch.int64)
+    q_lens = ends - query_start_loc[:-1].to(torch.int64)
+    if bool((q_lens > seq_lens).any()):
+        bad = int(torch.nonzero(q_lens > seq_lens)[0])
+        raise reference.KernelInputError(
+            f"sequence {bad} has {int(q_lens[bad])} queries but seq_len {int(seq_lens[bad])}"
         )
-    reference.attend_prefills(query, k_cache, v_cache, block_tables, qsl, lens, scale, out)
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+    # row r of sequence s sits at position seq_lens[s] - (ends[s] - r)
+    row_lens = seq_lens[seq_of_row] - ends[seq_of_row] + torch.arange(num_tokens) + 1
+    tables = block_tables.index_select(0, seq_of_row)
+    cpu_attention.decode_attention(
+        query, k_cache, v_cache, tables, row_lens.to(torch.int32), scale, out
+    )
     return out

@@ -107,21 +107,6 @@ class PackedLinear:
         self.bias = bias
         self.packed = pack(w.detach())
 
-    @classmethod
-    def from_packed(
-        cls, packed: torch.Tensor, n: int, k: int, out_dtype: torch.dtype | None = None
-    ) -> PackedLinear:
-        """A product over a weight already in `pack`'s layout (built by another kernel), no
-        bias."""
-        self = cls.__new__(cls)
-        self.out_features, self.in_features, self.dtype = n, k, packed.dtype
-        self._kernel = _kernel(packed.dtype)
-        self.out_dtype = packed.dtype if out_dtype is None else out_dtype
-        self._f32_out = int(self.out_dtype != packed.dtype)
-        self.bias = None
-        self.packed = packed
-        return self
-
     def unpack(self) -> torch.Tensor:
         """W [out, in] as a new tensor."""
         return unpack(self.packed, self.out_features, self.in_features)

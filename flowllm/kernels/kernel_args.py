@@ -250,19 +250,6 @@ def _quantized(codes: str, scales: str) -> Iterator[type[KernelArgs]]:
         ("group", INT64),
         ("interleaved", INT64),
     )
-    yield _args(
-        f"dequant_bf16_{name}",
-        ("codes", c),
-        ("scales", s),
-        ("mins", mins),
-        ("rows", INT64),
-        ("row0", INT64),
-        ("out", Tensor("bf16_t", BF16, const=False)),
-        ("n", INT64),
-        ("k", INT64),
-        ("group", INT64),
-        ("interleaved", INT64),
-    )
 
 
 def _all() -> Iterator[type[KernelArgs]]:

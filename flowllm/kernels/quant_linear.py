@@ -23,19 +23,20 @@ are (the kernel widens x as it reads it and rounds y once), so a bf16 model keep
 KV cache and attention with quantized weights, and its decode steps record without a
 conversion.
 
-Decode steps, recorded and replayed (`flowllm.kernels.call_plan`), run that kernel at any
-batch: it takes 16 outputs at a time, their codes unpacked once and dotted with up to 8
-rows of x (4 on AVX2), so an extra row costs byte dots and a scale, not another unpack.
-It reads each 16 rows' codes and scales interleaved (`QuantizedWeight.interleave`), which
-QuantizedLinear makes once at load for every weight multiplied on integers, so a step
-reads them in the order it uses them.
-Eager products of `TILE_FROM` rows or more (prefills, mixed steps) dequantize tiles of rows
-and multiply them with the native bf16 kernel where the CPU has AVX512-BF16 (float32 torch
-from `FP32_TILE_FROM` rows otherwise): the exact weights with x in bf16, so a prompt's
-logits stay near the float model's and do not hinge on how x's int8 rounding fell (with
-int8 prefills, any change in the order of the kernel's float sums flipped the bundled
-model's answer to the README's chat request; benchmarks/README.md "Quantized weights").
-Without the native library, tiles and torch run at every size.
+Every product runs that kernel, whatever its number of rows (decode steps, recorded and
+replayed by `flowllm.kernels.call_plan`, prefills, mixed steps): it takes 16 outputs at a
+time, their codes unpacked once and dotted with up to 8 rows of x (4 on AVX2), so an extra
+row costs byte dots and a scale, not another unpack. It reads each 16 rows' codes and
+scales interleaved (`QuantizedWeight.interleave`), which QuantizedLinear makes once at load
+for every weight multiplied on integers, so a step reads them in the order it uses them.
+
+Why one path: a row's result is then a function of that row alone (its int8 rounding, its
+sums in a fixed order), so a sequence's logits do not depend on the other sequences of
+its step, on how its prompt was chunked, or on a recompute after preemption. Choosing a
+path by the step's size (dequantized tiles for prefills, as before) made them depend on
+all three. Without the native library, products multiply dequantized float32 tiles by
+torch in blocks of ROW_BLOCK rows of x, padded, so that each call has the same shape
+whatever the step holds.
 """
 
 from __future__ import annotations
@@ -48,14 +49,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flowllm.kernels import call_plan, cpu_linear, native
+from flowllm.kernels import native
 
 Codes = Literal["q4", "q8"]
-TILE_FROM = 16  # rows of x from which an eager product (prefills) dequantizes bf16 tiles
-# ... where the CPU lacks the bf16 kernel, tiles are float32 torch products, which pay more:
-# its eager steps (a decode shape's first, mixed steps) keep small batches below this
-FP32_TILE_FROM = 64
-TILE_VALUES = 1 << 20  # weight values dequantized per tile (4 MiB of float32)
+TILE_VALUES = 1 << 20  # weight values dequantized per tile (4 MiB of float32), torch path
+ROW_BLOCK = 16  # rows of x per torch product, padded: one shape for every call
 LANES = 16  # rows of the interleaved layout's groups
 QK_K = 256  # values per K-format super-block
 
@@ -395,13 +393,9 @@ class QuantizedLinear:
         self.out_dtype = out_dtype
         self._product: native.Kernel | None = None
         self._dequant: native.Kernel | None = None
-        self._dequant_bf16: native.Kernel | None = None
-        bf16_tiles = self.lib is not None and cpu_linear.serves(torch.bfloat16)
-        self._tile_from = TILE_FROM if bf16_tiles else FP32_TILE_FROM
         if self.lib is not None:
             self._product = self.lib.kernel(_kernel_name("qlinear", weight))
             self._dequant = self.lib.kernel(_kernel_name("dequant", weight))
-            self._dequant_bf16 = self.lib.kernel(_kernel_name("dequant_bf16", weight))
 
     @property
     def nbytes(self) -> int:
@@ -423,12 +417,8 @@ class QuantizedLinear:
         if x.dim() != 2 or x.shape[1] != k or not x.is_cpu:
             raise QuantError(f"x must be [m, {k}] on the CPU, got {tuple(x.shape)} {x.device}")
         m = x.shape[0]
-        if (
-            self.lib is None
-            or self._product is None
-            or (m >= self._tile_from and not call_plan.recording())
-        ):
-            y = self._tiled(x)
+        if self.lib is None or self._product is None:
+            y = self._torch_product(x)
             return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
         bf16 = x.dtype == self.out_dtype == torch.bfloat16 and (
             self.bias is None or self.bias.dtype == torch.bfloat16
@@ -446,39 +436,28 @@ class QuantizedLinear:
             ))  # fmt: skip
         return y if y.dtype == self.out_dtype else y.to(self.out_dtype)
 
-    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T + b in float32, W dequantized one tile of rows at a time and multiplied in
-        bf16 where the CPU has fast bf16 products (as the unquantized model would), else
-        float32."""
+    def _torch_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b in float32 by torch, W dequantized one tile of rows at a time, each
+        tile multiplied with ROW_BLOCK rows of x at a time (the last block padded with
+        zeros), so that every product a row takes part in has the same shape."""
         n, k = self.out_features, self.in_features
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        m = x.shape[0]
+        rows_of_x = -(-m // ROW_BLOCK) * ROW_BLOCK
+        xp = torch.zeros(rows_of_x, k, dtype=torch.float32)
+        xp[:m] = x
+        blocks = xp.view(-1, ROW_BLOCK, k)
+        y = torch.empty(rows_of_x, n, dtype=torch.float32)
         step = max(LANES, TILE_VALUES // k // LANES * LANES)  # whole groups of 16 rows
         bias = self._bias32()
-        bf16 = self.lib is not None and cpu_linear.serves(torch.bfloat16)
-        x = x.to(torch.bfloat16 if bf16 else torch.float32).contiguous()
         for r0 in range(0, n, step):
             rows = min(step, n - r0)
+            tile = self.rows(None, r0, rows)
             part_bias = None if bias is None else bias[r0 : r0 + rows]
-            if bf16:
-                part = self._bf16_tile(r0, rows)(x)
-                if part_bias is not None:
-                    part += part_bias
-            else:
-                part = F.linear(x, self.rows(None, r0, rows), part_bias)
-            y[:, r0 : r0 + rows] = part
-        return y
-
-    def _bf16_tile(self, row0: int, rows: int) -> cpu_linear.PackedLinear:
-        """Rows row0 .. row0 + rows of W dequantized to bf16 in the native bf16 kernel's
-        layout, as a product with float32 outputs."""
-        assert self._dequant_bf16 is not None
-        k, w = self.in_features, self.weight
-        packed = torch.empty(-(-rows // 16), k // 2, 16, 2, dtype=torch.bfloat16)
-        _check(self._dequant_bf16(
-            codes=w.codes, scales=w.scales, mins=w.mins, rows=rows, row0=row0, out=packed,
-            n=self.out_features, k=k, group=w.group, interleaved=int(w.interleaved),
-        ))  # fmt: skip
-        return cpu_linear.PackedLinear.from_packed(packed, rows, k, torch.float32)
+            for b, block in enumerate(blocks):
+                y[b * ROW_BLOCK : (b + 1) * ROW_BLOCK, r0 : r0 + rows] = F.linear(
+                    block, tile, part_bias
+                )
+        return y[:m]
 
     def rows(self, ids: torch.Tensor | None, row0: int = 0, count: int = 0) -> torch.Tensor:
         """Rows of W as float32: W[ids] (int64 [r]), or W[row0 : row0 + count]."""

@@ -56,3 +56,20 @@ def expected(query, k_cache, v_cache, tables, qsl, seq_lens, scale):
         for j in range(a, b):
             out[j] = naive_attention(query[j], k, v, s - (b - a) + (j - a), scale)
     return out
+
+
+def rows_alone(case, scale, attend) -> torch.Tensor:
+    """Each query row of a `make_case` batch computed by `attend` (a paged_attention) as the
+    only query of a step, a decode row at its own position: what the row gives in any other
+    company, through any chunking of its prompt."""
+    query, k_cache, v_cache, tables, qsl, seq_lens = case
+    out = torch.empty_like(query)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    for i, s in enumerate(seq_lens.tolist()):
+        a, b = qsl[i].item(), qsl[i + 1].item()
+        for j in range(a, b):
+            length = s - (b - a) + (j - a) + 1
+            lens = torch.tensor([length], dtype=torch.int32)
+            out[j] = attend(query[j : j + 1], k_cache, v_cache, tables[i : i + 1], one, lens,
+                            scale, 1, length)[0]  # fmt: skip
+    return out

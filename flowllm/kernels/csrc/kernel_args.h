@@ -165,19 +165,6 @@ typedef uint16_t f16_t;
   F(S, int64_t, group)                    \
   F(S, int64_t, interleaved)
 
-/* W[row0 .. row0 + rows] as bfloat16 in csrc/linear.c's packed layout */
-#define FLOWLLM_DEQUANT_BF16_ARGS(F, S, C, SC) \
-  F(S, const C *, codes)                       \
-  F(S, const SC *, scales)                     \
-  F(S, const SC *, mins)                       \
-  F(S, int64_t, rows)                          \
-  F(S, int64_t, row0)                          \
-  F(S, bf16_t *, out)                          \
-  F(S, int64_t, n)                             \
-  F(S, int64_t, k)                             \
-  F(S, int64_t, group)                         \
-  F(S, int64_t, interleaved)
-
 #define FLOWLLM_OMP_SET_THREADS_ARGS(F, S, ...) F(S, int64_t, threads)
 
 /* a call list of `len` int64 words (module.c) */
@@ -197,21 +184,20 @@ typedef uint16_t f16_t;
   K(name##_f32, LIST, float)                 \
   K(name##_bf16, LIST, bf16_t)
 
-#define FLOWLLM_KERNELS(K)                                          \
-  K(linear_f32, FLOWLLM_LINEAR_F32_ARGS)                            \
-  K(linear_bf16, FLOWLLM_LINEAR_BF16_ARGS)                          \
-  K(decode_attention, FLOWLLM_DECODE_ATTENTION_ARGS)                \
-  K(store_kv, FLOWLLM_STORE_KV_ARGS)                                \
-  FLOWLLM_TYPED_KERNELS(K, rms_norm, FLOWLLM_RMS_NORM_ARGS)         \
-  FLOWLLM_TYPED_KERNELS(K, layer_norm, FLOWLLM_LAYER_NORM_ARGS)     \
-  FLOWLLM_TYPED_KERNELS(K, rope, FLOWLLM_ROPE_ARGS)                 \
-  FLOWLLM_TYPED_KERNELS(K, silu_mul, FLOWLLM_SILU_MUL_ARGS)         \
-  FLOWLLM_TYPED_KERNELS(K, gelu_tanh, FLOWLLM_GELU_TANH_ARGS)       \
-  K(argmax_rows_f32, FLOWLLM_ARGMAX_ARGS)                           \
-  FLOWLLM_QUANT_KERNELS(K, qlinear, FLOWLLM_QLINEAR_ARGS)           \
-  FLOWLLM_QUANT_KERNELS(K, dequant, FLOWLLM_DEQUANT_ARGS)           \
-  FLOWLLM_QUANT_KERNELS(K, dequant_bf16, FLOWLLM_DEQUANT_BF16_ARGS) \
-  K(omp_set_threads, FLOWLLM_OMP_SET_THREADS_ARGS)                  \
+#define FLOWLLM_KERNELS(K)                                      \
+  K(linear_f32, FLOWLLM_LINEAR_F32_ARGS)                        \
+  K(linear_bf16, FLOWLLM_LINEAR_BF16_ARGS)                      \
+  K(decode_attention, FLOWLLM_DECODE_ATTENTION_ARGS)            \
+  K(store_kv, FLOWLLM_STORE_KV_ARGS)                            \
+  FLOWLLM_TYPED_KERNELS(K, rms_norm, FLOWLLM_RMS_NORM_ARGS)     \
+  FLOWLLM_TYPED_KERNELS(K, layer_norm, FLOWLLM_LAYER_NORM_ARGS) \
+  FLOWLLM_TYPED_KERNELS(K, rope, FLOWLLM_ROPE_ARGS)             \
+  FLOWLLM_TYPED_KERNELS(K, silu_mul, FLOWLLM_SILU_MUL_ARGS)     \
+  FLOWLLM_TYPED_KERNELS(K, gelu_tanh, FLOWLLM_GELU_TANH_ARGS)   \
+  K(argmax_rows_f32, FLOWLLM_ARGMAX_ARGS)                       \
+  FLOWLLM_QUANT_KERNELS(K, qlinear, FLOWLLM_QLINEAR_ARGS)       \
+  FLOWLLM_QUANT_KERNELS(K, dequant, FLOWLLM_DEQUANT_ARGS)       \
+  K(omp_set_threads, FLOWLLM_OMP_SET_THREADS_ARGS)              \
   K(run_calls, FLOWLLM_RUN_CALLS_ARGS)
 
 #define FLOWLLM_ARG_FIELD(S, type, name) type name;
