@@ -182,7 +182,7 @@ class Supervisor:
 def run_front(spec: FrontSpec) -> None:
     """A front process's entry point: the HTTP server over the front's part of the graph."""
     from flowllm.cli.serve import serve_front
-    from flowllm.engine.core import die_with_parent
+    from flowllm.engine.core import become_child
 
-    die_with_parent()
+    become_child(f"flowllm-front{spec.index}")
     raise SystemExit(serve_front(spec.args, spec.listener, spec.index, spec.socket_path))

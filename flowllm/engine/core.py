@@ -82,7 +82,7 @@ def placement_of(graph: ValidGraph) -> tuple[str, str]:
 
 def run_core(spec: CoreSpec) -> None:
     """The core process's entry point: load, serve the fronts, exit when told to."""
-    die_with_parent()
+    become_child("flowllm-core")
     configure_logging(fmt=spec.log_format, level=spec.log_level, force=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor handles Ctrl-C
     if spec.threads is not None:
@@ -97,13 +97,18 @@ def run_core(spec: CoreSpec) -> None:
     os._exit(code)  # no interpreter teardown: the model's memory goes with the process
 
 
-def die_with_parent() -> None:
-    """Ask Linux to end this process when its parent dies (no orphan keeps the port or
-    the model)."""
+def become_child(name: str) -> None:
+    """A supervised child's first act: take `name` (what `ps` and /proc/PID/comm show), ask
+    Linux to end this process when its parent dies (no orphan keeps the port or the
+    model), and leave the terminal's process group, so that Ctrl-C reaches the supervisor
+    alone and it stops the children in order."""
+    os.setpgid(0, 0)
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(15, name.encode()[:15])  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
 

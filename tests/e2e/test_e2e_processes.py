@@ -1,0 +1,156 @@
+"""The default graph's processes against a real server: `--api-server-count 2` serves the
+API from two fronts sharing the port and one engine core; killing the core answers every
+request in flight with an error within 2 s, makes `/health` 503 and brings a new core;
+killing a front leaves the other serving; past the restart intensity the server exits 70.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e_helpers import start_server
+from server_process import DEFAULT_GRAPH, TINY_FLAGS, ServerProcess, process_tree, wait_until
+
+PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time", "In the beginning"]
+
+
+def named(server: ServerProcess, prefix: str) -> list[int]:
+    """The server's processes whose name starts with `prefix` (flowllm-core, flowllm-front)."""
+    found = []
+    for pid in process_tree(server.process.pid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith(prefix):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def complete(url: str, prompt: str, max_tokens: int = 8) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=60,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_fronts(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
+    proc = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--api-server-count", "2"])
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_two_fronts_share_the_port_and_one_core(
+    two_fronts: ServerProcess, server: ServerProcess
+) -> None:
+    assert len(named(two_fronts, "flowllm-front")) == 2
+    assert len(named(two_fronts, "flowllm-core")) == 1
+    expected = {p: complete(server.url, p).json()["choices"][0]["text"] for p in PROMPTS}
+    client = two_fronts.client()
+    results: dict[str, str] = {}
+
+    def ask(prompt: str) -> None:
+        for _ in range(4):  # new connections: the kernel spreads them over both fronts
+            out = client.completions.create(
+                model=two_fronts.model, prompt=prompt, max_tokens=8, temperature=0
+            )
+            assert results.setdefault(prompt, out.choices[0].text) == out.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == expected  # the same greedy text as one process serves
+    served = {
+        line.split('"front": ')[1].split(",")[0]
+        for line in two_fronts.output().splitlines()
+        if "POST /v1/completions" in line and '"front": ' in line
+    }
+    assert served == {"0", "1"}, served
+
+
+def test_killing_a_front_leaves_the_other_serving(two_fronts: ServerProcess) -> None:
+    victim = named(two_fronts, "flowllm-front")[0]
+    os.kill(victim, signal.SIGKILL)
+    answered = [complete(two_fronts.url, "Hello there").status_code for _ in range(10)]
+    assert answered == [200] * 10  # the survivor took every connection
+    assert wait_until(lambda: len(named(two_fronts, "flowllm-front")) == 2, timeout=60)
+    assert victim not in named(two_fronts, "flowllm-front")
+    assert "a front exited; starting it again" in two_fronts.output()
+    assert complete(two_fronts.url, "Hello there").status_code == 200
+
+
+def test_killing_the_core_answers_in_flight_requests_and_a_new_core_serves(
+    gpt2_tiny_dir: Path,
+) -> None:
+    server = start_server(str(gpt2_tiny_dir), TINY_FLAGS)
+    try:
+        (core,) = named(server, "flowllm-core")
+        answers: list[tuple[float, httpx.Response | BaseException]] = []
+
+        def long_request() -> None:
+            try:
+                response = complete(server.url, "Once upon a time", max_tokens=400)
+            except httpx.HTTPError as exc:
+                answers.append((time.monotonic(), exc))
+            else:
+                answers.append((time.monotonic(), response))
+
+        flight = [threading.Thread(target=long_request) for _ in range(4)]
+        for thread in flight:
+            thread.start()
+        assert wait_until(lambda: server.metrics().get("flowllm:num_requests_running", 0) >= 1, 10)
+        killed = time.monotonic()
+        os.kill(core, signal.SIGKILL)
+        for thread in flight:
+            thread.join(30)
+        assert len(answers) == 4
+        for answered, response in answers:
+            assert answered - killed < 2.0, "an in-flight request waited past 2 s"
+            assert isinstance(response, httpx.Response), response
+            assert response.status_code == 503, response.text
+            assert "engine core" in response.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, 60)
+        (new_core,) = named(server, "flowllm-core")
+        assert new_core != core
+        assert complete(server.url, "Hello there").status_code == 200
+        assert "the engine core exited; starting it again" in server.output()
+    finally:
+        server.stop()
+
+
+def test_a_core_failing_past_its_restart_intensity_exits_70(
+    gpt2_tiny_dir: Path, tmp_path: Path
+) -> None:
+    graph = tmp_path / "one-restart.yaml"
+    graph.write_text(
+        DEFAULT_GRAPH.read_text().replace(
+            "supervision: {on_error: restart, group: step_loop,",
+            "supervision: {on_error: restart, group: step_loop, max_restarts: 1,",
+        )
+    )
+    server = start_server(str(gpt2_tiny_dir), TINY_FLAGS, graph=graph)
+    try:
+        (first,) = named(server, "flowllm-core")
+        os.kill(first, signal.SIGKILL)  # restarted: one restart is allowed
+        assert wait_until(lambda: named(server, "flowllm-core") not in ([], [first]), 60)
+        (second,) = named(server, "flowllm-core")
+        os.kill(second, signal.SIGKILL)  # past the intensity: the server escalates
+        assert wait_until(lambda: server.process.poll() is not None, 30), server.output()
+        assert server.process.returncode == 70, server.output()
+        assert "failed past its restart intensity" in server.output()
+        assert not [p for p in process_tree(server.process.pid) if p != server.process.pid]
+    finally:
+        server.stop()
