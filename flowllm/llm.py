@@ -3,13 +3,21 @@
 The model, tokenizer and KV cache load once, in the constructor; each `generate` call runs
 the graph on its own event loop for the duration of the call, submitting every prompt at
 once so continuous batching does the rest.
+
+With `multiprocess=True` the graph runs as it is placed (flowllm/engine/default.yaml): the
+model and the step loop in an engine core process that the constructor starts, the
+per-request stages here, as a server's front runs them.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -18,9 +26,11 @@ import anyio
 import msgspec
 
 from flowllm.config import EngineConfig, engine_config
-from flowllm.engine.async_engine import AsyncEngine
-from flowllm.engine.loading import build_services
-from flowllm.graph.validator import ValidGraph
+from flowllm.engine.async_engine import DEFAULT_GRAPH, AsyncEngine
+from flowllm.engine.core import CoreSpec, placement_of, start_core
+from flowllm.engine.front import FrontEngine
+from flowllm.engine.loading import build_services, tokenizer_source
+from flowllm.graph.validator import ValidGraph, load_graph
 from flowllm.mailbox import Mailbox
 from flowllm.messages import (
     ChatMessage,
@@ -30,6 +40,8 @@ from flowllm.messages import (
     ToolCall,
     merge_by_choice,
 )
+from flowllm.models.loader import resolve_model
+from flowllm.models.tokenizer import load_tokenizer
 from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
@@ -73,6 +85,8 @@ class LLM:
     `graph` runs another graph YAML; `services` reuses an already loaded model.
     `trace_dir` records each `generate` call's channel traffic there (the latest call's
     replaces the previous one), limited to `trace_channels` and `trace_max_bytes`.
+    `multiprocess=True` runs the model in an engine core process of its own (a graph
+    placed in processes, as the default one; `close()` stops it).
     """
 
     def __init__(
@@ -85,9 +99,20 @@ class LLM:
         trace_dir: str | Path | None = None,
         trace_channels: Sequence[str] | None = None,
         trace_max_bytes: int | None = None,
+        multiprocess: bool = False,
         **settings: Any,
     ) -> None:
-        if services is not None:
+        self._core: CoreRun | None = None
+        if multiprocess:
+            if services is not None:
+                raise TypeError("multiprocess loads the model in its own process, not services")
+            if config is None:
+                config = engine_config(model, **settings)
+            elif model is not None or settings:
+                raise TypeError("pass either config or model and settings, not both")
+            self._core = CoreRun.start(config, graph)
+            services = self._core.front_services()
+        elif services is not None:
             if model is not None or config is not None or settings:
                 raise TypeError("services already hold the model and its config")
         else:
@@ -201,15 +226,79 @@ class LLM:
             recorder = TraceRecorder(
                 self.trace_dir, channels=self.trace_channels, max_bytes=self.trace_max_bytes
             )
-        async with AsyncEngine.start(
-            graph=self.graph, services=services, recorder=recorder
-        ) as engine:
+        if self._core is not None:
+            running = self._core.engine(services.tokenizer, recorder)
+        else:
+            running = AsyncEngine.start(graph=self.graph, services=services, recorder=recorder)
+        async with running as engine:
             boxes = [await engine.submit_when_admitted(request) for request in requests]
             # One reader, mailbox after mailbox: the mailboxes not being read merge their
             # chunks without waking anyone, so a step costs one wakeup here, not one per
             # running request (the graph never waits for a reader).
             pairs = zip(boxes, requests, strict=True)
             return [await _collect(box, request) for box, request in pairs]
+
+    def close(self) -> None:
+        """Stop the engine core process (multiprocess); the LLM cannot generate after."""
+        if self._core is not None:
+            self._core.stop()
+
+
+class CoreRun:
+    """The engine core process behind a multiprocess `LLM`, and how its front connects."""
+
+    def __init__(self, config: EngineConfig, graph: ValidGraph, folder: str) -> None:
+        self.config = config
+        self.graph = graph
+        self.folder = folder
+        self.spec = CoreSpec(
+            config=config,
+            graph_file=graph.spec.source,
+            socket_path=os.path.join(folder, "core.sock"),
+            fronts=1,
+        )
+        self.process = start_core(self.spec)
+        weakref.finalize(self, _stop_core, self.process, folder)
+
+    @classmethod
+    def start(cls, config: EngineConfig, graph: ValidGraph | str | Path | None) -> CoreRun:
+        valid = graph if isinstance(graph, ValidGraph) else load_graph(graph or DEFAULT_GRAPH)
+        if not valid.placement:
+            raise ValueError(
+                f"graph {valid.name!r} names no processes: multiprocess needs a placed graph"
+            )
+        placement_of(valid)  # a front and one core, or say why not
+        resolve_model(config.model.model, config.model.quantization)  # convert once, here
+        return cls(config, valid, tempfile.mkdtemp(prefix="flowllm-"))
+
+    def front_services(self) -> EngineServices:
+        """The front's services: the tokenizer (loaded here while the core loads the model)
+        and the model's facts from the core."""
+        tokenizer = load_tokenizer(*tokenizer_source(self.config))
+
+        async def connect() -> EngineServices:
+            async with self.engine(tokenizer, None) as engine:
+                services: EngineServices = engine.services
+                return services
+
+        return anyio.run(connect)
+
+    def engine(self, tokenizer: PreTrainedTokenizerBase, recorder: Any) -> Any:
+        return FrontEngine.connect(
+            self.config, self.graph, self.spec.socket_path, tokenizer=tokenizer, recorder=recorder
+        )
+
+    def stop(self) -> None:
+        _stop_core(self.process, self.folder)
+
+
+def _stop_core(process: Any, folder: str) -> None:
+    if process.is_alive():
+        process.terminate()
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def chat_message(message: dict[str, Any]) -> ChatMessage:

@@ -100,4 +100,3 @@ def _access_fields(logger: WrappedLogger, method: str, event: EventDict) -> Even
             client=client, method=http_method, path=path, http_version=version, status=status
         )
     return event
-

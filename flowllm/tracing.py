@@ -224,9 +224,7 @@ class RequestTracing:
         if first.last_chunk_time:
             attributes["gen_ai.latency.e2e"] = first.last_chunk_time - first.arrival_time
         if first.scheduled_time:
-            attributes["gen_ai.latency.time_in_queue"] = (
-                first.scheduled_time - first.arrival_time
-            )
+            attributes["gen_ai.latency.time_in_queue"] = first.scheduled_time - first.arrival_time
             if first.first_chunk_time:
                 attributes["gen_ai.latency.time_in_model_prefill"] = (
                     first.first_chunk_time - first.scheduled_time

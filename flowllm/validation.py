@@ -167,9 +167,7 @@ def check_sampling_params(
             "repetition_penalty",
             "decimal_below_min_value",
         )
-    _at_most(
-        "repetition_penalty", params.repetition_penalty, MAX_REPETITION_PENALTY, integer=False
-    )
+    _at_most("repetition_penalty", params.repetition_penalty, MAX_REPETITION_PENALTY, integer=False)
     if params.max_tokens is not None:
         _at_least("max_tokens", params.max_tokens, 1, integer=True)
     _at_least("min_tokens", params.min_tokens, 0, integer=True)
@@ -322,8 +320,7 @@ def check_tools(tools: tuple[dict[str, Any], ...] | None, limits: RequestLimits)
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict):
             raise _Invalid(
-                f"Invalid 'tools[{i}]': expected {{\"type\": \"function\", \"function\": "
-                "{...}}.",
+                f'Invalid \'tools[{i}]\': expected {{"type": "function", "function": {{...}}}}.',
                 f"tools[{i}]",
             )
         name = function.get("name")

@@ -176,9 +176,7 @@ class ApiState:
     ) -> Generation:
         """Enter an API request's graph requests: traced and logged when asked."""
         if self.tracing is not None:
-            self.tracing.bind(
-                request.scope, requests, operation=operation, response_id=response_id
-            )
+            self.tracing.bind(request.scope, requests, operation=operation, response_id=response_id)
         if self.log_requests:
             for graph_request in requests:
                 _REQUEST_LOG.info(
@@ -275,8 +273,7 @@ class HttpBoundary(ASGIMiddleware):
         if method in _BODY_METHODS and not is_json(content_type):
             shown = content_type.decode("latin-1") or "none"
             raise ApiError(
-                f"Unsupported Media Type: request bodies must be application/json, "
-                f"got {shown!r}.",
+                f"Unsupported Media Type: request bodies must be application/json, got {shown!r}.",
                 status_code=415,
                 code="unsupported_media_type",
                 headers={"X-Request-Id": request_id},
@@ -400,9 +397,7 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
         model=body.model or api.served_model_name,
         texts=api.texts,
     )
-    generation = api.submit(
-        request, [prepared.request], operation="chat", response_id=response_id
-    )
+    generation = api.submit(request, [prepared.request], operation="chat", response_id=response_id)
 
     def stream() -> EventStream | None:
         return EventStream(ChatStream(generation, fmt, api.encoder)) if streaming else None

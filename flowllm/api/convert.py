@@ -145,8 +145,7 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> Struct
         )
     if len(found) > 1:
         raise ApiError(
-            "Only one output constraint may be given; got "
-            f"{', '.join(f.param for f in found)}.",
+            f"Only one output constraint may be given; got {', '.join(f.param for f in found)}.",
             param=found[1].param,
         )
     return found[0] if found else None
@@ -337,9 +336,7 @@ def prepare_chat(
     `max_logprobs`), so that a refusal names the field the client sent. `tool_parser`:
     the server's `--tool-call-parser` when auto tool choice is enabled.
     """
-    check_request_template(
-        req.chat_template, req.chat_template_kwargs, trust_request_chat_template
-    )
+    check_request_template(req.chat_template, req.chat_template_kwargs, trust_request_chat_template)
     tools = tool_use(req, tool_parser)
     constraint = structured_outputs(req)
     if tools.constraint is not None:

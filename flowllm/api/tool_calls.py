@@ -88,9 +88,7 @@ def tool_use(req: ChatCompletionRequest, tool_parser: str | None) -> ToolUse:
     choice = req.tool_choice
     if not tools:
         if choice not in (None, "none"):
-            raise ApiError(
-                "When using `tool_choice`, `tools` must be set.", param="tool_choice"
-            )
+            raise ApiError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
         if req.parallel_tool_calls is not None:
             raise ApiError(
                 "When using `parallel_tool_calls`, `tools` must be set.",

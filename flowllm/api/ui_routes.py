@@ -51,9 +51,7 @@ STATIC = _load_static()
 def _feed(request: Request[Any, Any, Any]) -> LiveFeed:
     feed: LiveFeed | None = getattr(request.app.state, "live_feed", None)
     if feed is None:
-        raise ApiError(
-            "This engine has no stage graph to show.", status_code=503, code="no_graph"
-        )
+        raise ApiError("This engine has no stage graph to show.", status_code=503, code="no_graph")
     return feed
 
 
@@ -116,8 +114,7 @@ async def live_feed(request: Request[Any, Any, Any]) -> EventStream:
     feed = _feed(request)
     if feed.full:
         raise ApiError(
-            f"Too many live views are open (at most {feed.max_subscribers}); close one and "
-            "retry.",
+            f"Too many live views are open (at most {feed.max_subscribers}); close one and retry.",
             status_code=429,
             code="too_many_live_views",
             headers={"Retry-After": "5"},
@@ -135,9 +132,7 @@ async def timeline_requests(request: Request[Any, Any, Any]) -> dict[str, Any]:
 async def timeline(request: Request[Any, Any, Any], request_id: str) -> Response[bytes]:
     """A recent request's spans as trace-event JSON, the form `flowllm trace view` writes."""
     if len(request_id) > MAX_REQUEST_ID:
-        raise ApiError(
-            f"A request id is at most {MAX_REQUEST_ID} characters.", param="request_id"
-        )
+        raise ApiError(f"A request id is at most {MAX_REQUEST_ID} characters.", param="request_id")
     events = _feed(request).timelines.events(request_id)
     if events is None:
         raise ApiError(

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from flowllm.config import EngineConfig
-from flowllm.engine.core import CoreSpec, run_core
+from flowllm.engine.core import CoreSpec, start_core
 from flowllm.graph.supervision import RestartIntensity
 from flowllm.graph.validator import ValidGraph
 
@@ -100,10 +100,7 @@ class Supervisor:
         self.signals = 0
 
     def _start_core(self) -> None:
-        self.core = self.context.Process(
-            target=run_core, args=(self.core_spec,), name="flowllm-core"
-        )
-        self.core.start()
+        self.core = start_core(self.core_spec)
         self.log.info("engine core started", pid=self.core.pid)
 
     def _start_front(self, index: int) -> Any:

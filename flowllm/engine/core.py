@@ -14,6 +14,8 @@ supervises it (flowllm/engine/supervisor.py) can start it, and start it again.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.process
 import os
 import signal
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from flowllm.engine.core_protocol import (
     Refused,
 )
 from flowllm.engine.ownership import Ownership
-from flowllm.engine.span_relay import SpanBatcher, WantSpans
+from flowllm.engine.span_relay import SpanRelay, Spans, WantSpans
 from flowllm.graph.channel import type_members
 from flowllm.graph.remote import Boundary, Peer, PeerGone
 from flowllm.graph.runtime import Graph
@@ -78,6 +80,15 @@ def placement_of(graph: ValidGraph) -> tuple[str, str]:
             "and one core process"
         )
     return front, others[0]
+
+
+def start_core(spec: CoreSpec) -> multiprocessing.process.BaseProcess:
+    """Start a core process (spawned: a fresh interpreter, whatever threads this one runs)."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_core, args=(spec,), name="flowllm-core"
+    )
+    process.start()
+    return process
 
 
 def run_core(spec: CoreSpec) -> None:
@@ -132,6 +143,7 @@ class Core:
                 on_control=self._on_control,
                 undeliverable=lambda _name, _message: None,  # its front is gone: drop
                 observe=self._arrived,
+                replaceable=True,
             )
             for index in range(spec.fronts)
         ]
@@ -151,8 +163,8 @@ class Core:
             process=core,
             boundary=Boundary({front: self.fronts}, self.ownership.route),
         )
-        self.spans = SpanBatcher()
         self._span_wanted: set[int] = set()  # fronts whose span sinks want the core's spans
+        self.spans = SpanRelay(self._send_spans)
         self.graph.add_span_sink(self.spans)
 
     def _arrived(self, peer: Peer, _channel: str, message: object) -> None:
@@ -168,6 +180,10 @@ class Core:
             self.spans.wanted = bool(self._span_wanted)
         else:
             self.log.warning("unexpected control message from a front", front=peer.index)
+
+    def _send_spans(self, spans: Spans) -> None:
+        for front in self._span_wanted:
+            self.fronts[front].send_control(spans)
 
     def _fail_request(self, error: RequestError) -> None:
         front = self.ownership.front_of_request(error.request_id)
@@ -223,11 +239,8 @@ class Core:
         while True:
             metrics = generate_latest(self.services.registry) if beat % METRICS_EVERY == 0 else None
             message = Heartbeat(healthy=self.graph.healthy, metrics=metrics)
-            spans = self.spans.take()
             for peer in self.fronts:
                 peer.send_control(message)
-                if spans is not None and peer.index in self._span_wanted:
-                    peer.send_control(spans)
             beat += 1
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 

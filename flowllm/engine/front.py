@@ -19,7 +19,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from time import monotonic
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -51,8 +51,10 @@ from flowllm.messages import ChoiceEvents, RequestError, request_ids_of
 from flowllm.metrics import MergedMetrics
 from flowllm.stages.services import EngineServices
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 RECONNECT_INTERVAL_S = 0.05
-SPAN_WISH_INTERVAL_S = 0.1
 CORE_LOST = "The engine core stopped while this request ran; retry it."
 
 
@@ -87,6 +89,7 @@ class CoreLink:
             on_control=self._on_control,
             undeliverable=self._undeliverable,
             observe=self._observe,
+            replaceable=True,
         )
         self._choice_channels = [
             name
@@ -97,17 +100,13 @@ class CoreLink:
         ]
         self.stopping = False
         self.graph: Graph | None = None  # the front's graph, once it runs
-        self._spans_asked: bool | None = None
+        self._spans_wanted = False
 
-    async def ask_for_spans(self) -> None:
-        """Keep the core told whether this front's graph has span sinks (they come and go:
-        a page's timelines), so that the core sends its spans only while they are read."""
-        while True:
-            want = self.graph is not None and self.graph.has_span_sinks
-            if self.peer.attached and want != self._spans_asked:
-                self.peer.send_control(WantSpans(want))
-                self._spans_asked = want
-            await anyio.sleep(SPAN_WISH_INTERVAL_S)
+    def want_spans(self, want: bool) -> None:
+        """The front's graph gained its first span sink or lost its last: tell the core,
+        which sends its spans only while they are read (and again after a reconnection)."""
+        self._spans_wanted = want
+        self.peer.send_control(WantSpans(want))
 
     @property
     def alive(self) -> bool:
@@ -128,7 +127,8 @@ class CoreLink:
         elif isinstance(message, CoreReady):
             self.ready = message
             self.last_beat = monotonic()
-            self._spans_asked = None  # a new core: tell it afresh
+            if self._spans_wanted:
+                self.peer.send_control(WantSpans(True))  # a new core: tell it afresh
             self.connected.set()
         elif isinstance(message, Spans):
             if self.graph is not None:
@@ -207,9 +207,7 @@ class FrontEngine(AsyncEngine):
     def metrics_registry(self) -> CollectorRegistry:
         """This front's metrics and the core's latest, one family per name."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(
-            MergedMetrics(self.services.registry, self.elsewhere)
-        )
+        registry.register(MergedMetrics(self.services.registry, self.elsewhere))
         return registry
 
     @classmethod
@@ -221,20 +219,23 @@ class FrontEngine(AsyncEngine):
         socket_path: str,
         *,
         index: int = 0,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         stop_timeout: float = 30.0,
         span_sinks: Sequence[SpanSink] = (),
         **graph_options: Any,
     ) -> AsyncIterator[FrontEngine]:
-        """Run the front's part of `graph` for the body, the core at `socket_path`."""
+        """Run the front's part of `graph` for the body, the core at `socket_path`
+        (`tokenizer`: one already loaded, else loaded here while the core starts)."""
         from flowllm.engine.loading import tokenizer_source
         from flowllm.models.tokenizer import load_tokenizer
 
         link = CoreLink(graph, socket_path, index)
         async with anyio.create_task_group() as tg:
             tg.start_soon(link.run)
-            tokenizer = await anyio.to_thread.run_sync(
-                lambda: load_tokenizer(*tokenizer_source(config))
-            )
+            if tokenizer is None:
+                tokenizer = await anyio.to_thread.run_sync(
+                    lambda: load_tokenizer(*tokenizer_source(config))
+                )
             await link.connected.wait()
             assert link.ready is not None
             services = EngineServices(
@@ -257,11 +258,11 @@ class FrontEngine(AsyncEngine):
                 process=link.front,
                 boundary=Boundary({link.core: [link.peer]}),
                 on_stop=lambda: _drain(link, services),
+                on_span_sinks=link.want_spans,
                 **graph_options,
             ) as engine:
                 link.watch_outbound(engine.graph.channels)
                 link.graph = engine.graph
-                tg.start_soon(link.ask_for_spans)
                 yield cls(engine.graph, services, link)
             link.stopping = True
             await link.peer.detach()

@@ -2,13 +2,15 @@
 
 The fronts hold every span sink (OpenTelemetry export, the web page's request timelines,
 a trace recorder), so the core's stages' spans travel to them: while any front asks for
-spans (`WantSpans`), the core batches each span with its message and sends the batch
-with its next heartbeat. Tensors stay behind: a span's message crosses without its
-logits or masks, which no sink reads.
+spans (`WantSpans`, sent as its graph gains its first sink or loses its last), the core
+sends each span with its message as it is recorded, behind the step's own outputs on the
+same connection. Tensors stay behind: a span's message crosses without its logits or
+masks, which no sink reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -42,7 +44,6 @@ _KIND = {kind: number for number, kind in enumerate(KINDS)}
 _DECODERS = [msgspec.msgpack.Decoder(kind) for kind in KINDS]
 _ENCODER = msgspec.msgpack.Encoder()
 CLOSED_KIND = -1
-MAX_PENDING = 4096  # spans waiting for the next heartbeat; more are dropped (counted)
 
 
 class RemoteSpan(msgspec.Struct, array_like=True, frozen=True):
@@ -56,7 +57,6 @@ class RemoteSpan(msgspec.Struct, array_like=True, frozen=True):
 
 class Spans(msgspec.Struct, frozen=True, tag=True):
     spans: list[RemoteSpan]
-    dropped: int = 0
 
 
 class WantSpans(msgspec.Struct, frozen=True, tag=True):
@@ -71,21 +71,17 @@ def _without_tensors(message: object) -> object:
     return message
 
 
-class SpanBatcher:
-    """The core's span sink: batches spans while a front wants them."""
+class SpanRelay:
+    """The core's span sink: hands each span to `send` while a front wants spans."""
 
-    def __init__(self) -> None:
+    def __init__(self, send: Callable[[Spans], None]) -> None:
         self.wanted = False
-        self._pending: list[RemoteSpan] = []
-        self._dropped = 0
+        self._send = send
 
     def __call__(
         self, stage: str, message: object, started: float, duration: float, queue_wait: float
     ) -> None:
         if not self.wanted:
-            return
-        if len(self._pending) >= MAX_PENDING:
-            self._dropped += 1
             return
         if isinstance(message, InputClosed):
             kind, payload = CLOSED_KIND, _ENCODER.encode(message.port)
@@ -94,16 +90,8 @@ class SpanBatcher:
             if kind < 0:
                 return  # a message no sink reads across processes
             payload = _ENCODER.encode(_without_tensors(message))
-        self._pending.append(
-            RemoteSpan(stage, kind, msgspec.Raw(payload), started, duration, queue_wait)
-        )
-
-    def take(self) -> Spans | None:
-        if not self._pending and not self._dropped:
-            return None
-        batch = Spans(self._pending, self._dropped)
-        self._pending, self._dropped = [], 0
-        return batch
+        span = RemoteSpan(stage, kind, msgspec.Raw(payload), started, duration, queue_wait)
+        self._send(Spans([span]))
 
 
 def decode_span(span: RemoteSpan) -> object:

@@ -25,7 +25,6 @@ DURATION_BUCKETS = (
 )  # fmt: skip
 
 
-
 class HistogramSeries:
     """One label value's histogram: a bisect and two additions per observation."""
 
@@ -143,4 +142,3 @@ class GraphMetrics:
     def watch_channel(self, channel: Channel[Any] | RemoteChannel) -> None:
         """Sample the channel's depth at scrape time (no cost per message)."""
         self.channel_depth.labels(channel.name).set_function(channel.depth)
-

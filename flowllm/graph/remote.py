@@ -22,7 +22,9 @@ A peer may go away (its process died) and come back (restarted): the `Peer` outl
 connections. While it is away, what a local producer sends it is handed to
 `undeliverable` (the owner fails the requests it belongs to) instead of blocking the
 graph; on reconnection credits start afresh, and the receive side's clones stay open, so
-the local stages never see an end that did not happen.
+the local stages never see an end that did not happen. A `replaceable` peer's `END` is
+not the end of its channels here either: the owner ends them (`close_inbound`) when
+this process stops.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import msgspec
 import structlog
 
 from flowllm.graph.channel import Channel, ChannelSender, ChannelTypeError, Tap, type_name
+from flowllm.graph.stage import RequestInputError
 from flowllm.graph.validator import ChannelSpec
 from flowllm.graph.wire import (
     CONTROL,
@@ -96,6 +100,7 @@ class Peer:
         on_control: ControlHandler,
         undeliverable: Undeliverable,
         observe: Observer | None = None,
+        replaceable: bool = False,
     ) -> None:
         self.process = process
         self.index = index  # among the peers of one replicated process (fronts)
@@ -103,6 +108,9 @@ class Peer:
         self._on_control = on_control
         self._undeliverable = undeliverable
         self._observe = observe
+        # A peer whose process is restarted (a core) or comes and goes (a front) ends its
+        # channels by ending: its END does not end them here, `close_inbound` does.
+        self._replaceable = replaceable
         self._capacity: dict[int, int] = {}  # outbound channel number -> its capacity
         self._credits: dict[int, int] = {}
         self._credit_freed: dict[int, anyio.Event] = {}  # made by `attach`, in the loop
@@ -158,8 +166,13 @@ class Peer:
             return
         if self._credits[number] <= 0:
             raise anyio.WouldBlock
+        try:
+            frame = encode_frame(DATA, number, codec.member(message), message)
+        except (OverflowError, msgspec.EncodeError) as exc:
+            # Only a request's own values are unbounded (an integer past 64 bits).
+            raise RequestInputError(f"A value in this request cannot be carried: {exc}") from None
         self._credits[number] -= 1
-        self._queue(encode_frame(DATA, number, codec.member(message), message))
+        self._queue(frame)
 
     def end(self, name: str) -> None:
         """Every local producer of `name` has finished."""
@@ -255,6 +268,8 @@ class Peer:
             self._credit_freed[frame.channel].set()
             self._credit_freed[frame.channel] = anyio.Event()
         elif kind == END:
+            if self._replaceable:
+                return
             inbound = self._inbound[frame.channel]
             inbound.ended = True
             if not inbound.overflow:
@@ -265,11 +280,15 @@ class Peer:
             raise WireError(f"unknown frame kind {kind}")
 
     def _deliver(self, inbound: _Inbound, message: object) -> None:
+        if inbound.sender.closed:
+            return  # late: this process has stopped taking the channel (`close_inbound`)
         if not inbound.overflow:
             try:
                 inbound.sender.send_nowait(message)
             except anyio.WouldBlock:
                 pass
+            except anyio.BrokenResourceError:
+                return  # late: the channel's consumer has finished
             else:
                 self._credit(inbound.index)
                 return
@@ -307,7 +326,7 @@ class Peer:
             while inbound.overflow:
                 try:
                     await inbound.sender.send(inbound.overflow[0])
-                except anyio.BrokenResourceError:
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     inbound.overflow.clear()
                     return
                 inbound.overflow.popleft()

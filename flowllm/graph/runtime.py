@@ -146,6 +146,7 @@ class Graph:
         process: str | None = None,
         boundary: Boundary | None = None,
         on_stop: Callable[[], Awaitable[None]] | None = None,
+        on_span_sinks: Callable[[bool], None] | None = None,
     ) -> None:
         if isinstance(graph, (str, Path)):
             graph = load_graph(graph)
@@ -178,6 +179,9 @@ class Graph:
         # Run once a graceful stop has stopped intake, before the graph drains: a front
         # waits there for its requests, then ends what its core feeds it.
         self._on_stop = on_stop
+        # Told whether the graph has span sinks, as the first comes or the last goes: a
+        # front asks its core for the core's spans only while they are read.
+        self._on_span_sinks = on_span_sinks
         self._boundary = boundary
         self.channels: dict[str, Channel[Any] | RemoteChannel] = {}
         self._fed_from_afar: list[tuple[ChannelSpec, Channel[Any]]] = []
@@ -298,10 +302,14 @@ class Graph:
         Added before `run()`, it sees every span; added later, the spans from then on.
         """
         self._span_sinks.append(sink)
+        if len(self._span_sinks) == 1 and self._on_span_sinks is not None:
+            self._on_span_sinks(True)
 
     def remove_span_sink(self, sink: SpanSink) -> None:
         """Stop handing spans to `sink` (an observer that left): no cost remains."""
         self._span_sinks.remove(sink)
+        if not self._span_sinks and self._on_span_sinks is not None:
+            self._on_span_sinks(False)
 
     @property
     def has_span_sinks(self) -> bool:

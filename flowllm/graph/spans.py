@@ -54,7 +54,6 @@ def message_fields(message: object) -> MessageFields:
     return fields
 
 
-
 SpanSink = Callable[[str, object, float, float, float], None]
 """Called as `sink(stage, message, started, duration, queue_wait)` for every span (a trace
 recorder); must be cheap and never block."""

@@ -412,9 +412,7 @@ class _Validator:
         for dst, into in by_dst.items():
             # Only edges between resolved stages reach here (check_edges dropped the rest).
             message_type = stages[dst.stage].cls.inputs[dst.port]
-            crossing = [
-                e for e in into if placement.get(e.src.stage) != placement.get(dst.stage)
-            ]
+            crossing = [e for e in into if placement.get(e.src.stage) != placement.get(dst.stage)]
             problem = wire_problem(message_type) if crossing else None
             if problem is not None:
                 edge = crossing[0]

@@ -49,9 +49,7 @@ class GrammarError(ValueError):
 def constraint_kind(spec: StructuredOutputs) -> list[str]:
     """The kinds of constraint `spec` sets (exactly one is valid)."""
     kinds = [
-        name
-        for name in ("json", "regex", "choice", "grammar")
-        if getattr(spec, name) is not None
+        name for name in ("json", "regex", "choice", "grammar") if getattr(spec, name) is not None
     ]
     if spec.json_object:
         kinds.append("json_object")

@@ -76,9 +76,7 @@ class Ingest(SourceStage):
         try:
             for request in requests:
                 boxes.append(
-                    self._mailboxes.open(
-                        request.request_id, request.params.n, request.arrival_time
-                    )
+                    self._mailboxes.open(request.request_id, request.params.n, request.arrival_time)
                 )
         except BaseException:
             for box in boxes:

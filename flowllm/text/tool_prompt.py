@@ -36,6 +36,7 @@ FALLBACK_TOOL_PROMPT = (
     "</tool_call>"
 )
 
+
 def _arguments(text: str) -> Any:
     """A call's arguments as an object when they are JSON (templates expect that)."""
     try:
