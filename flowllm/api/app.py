@@ -439,7 +439,11 @@ async def version() -> VersionResponse:
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     """Prometheus metrics (`flowllm:` and `vllm:` names, by --metrics-prefix). Needs no
     API key."""
-    registry = _state(request).metrics
+    api = _state(request)
+    refresh = getattr(api.engine, "refresh_metrics", None)  # an engine in processes
+    if refresh is not None:
+        await refresh()
+    registry = api.metrics
     body = generate_latest(registry) if registry is not None else b""
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -99,7 +99,7 @@ class _FeedEvents(EventSource):
         try:
             with feed.subscribe():  # held only while this body is written: never leaked
                 while not feed.graph.finished:
-                    await emit(b"data: " + msgspec.json.encode(feed.snapshot()) + b"\n\n")
+                    await emit(b"data: " + msgspec.json.encode(await feed.snapshot()) + b"\n\n")
                     await anyio.sleep(feed.interval_s)
         except FeedFull as exc:  # lost a race for the last slot after the check below
             await emit(b"event: error\ndata: " + msgspec.json.encode(str(exc)) + b"\n\n")

@@ -318,6 +318,9 @@ def run_http(
             )
         sinks = (tracing.span_sink,) if tracing is not None else ()
         async with start_engine(recorder, sinks) as running:
+            # What the engine loaded (a front's tokenizer loads here) out of the collector's
+            # sight, as the model is below.
+            gc.freeze()
             log.info("flowllm serving", model=config.model.name, url=f"{url}/v1")
             server.engine = running
             async with anyio.create_task_group() as watch:

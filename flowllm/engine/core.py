@@ -30,11 +30,12 @@ from flowllm.config import EngineConfig
 from flowllm.engine.core_protocol import (
     CONTROL_DECODER,
     HEARTBEAT_INTERVAL_S,
-    METRICS_EVERY,
     CoreReady,
     FailRequest,
     Heartbeat,
     Hello,
+    MetricsQuery,
+    MetricsReply,
     Refused,
 )
 from flowllm.engine.ownership import Ownership
@@ -172,7 +173,10 @@ class Core:
 
     def _on_control(self, peer: Peer, payload: Any) -> None:
         message = CONTROL_DECODER.decode(payload)
-        if isinstance(message, WantSpans):
+        if isinstance(message, MetricsQuery):
+            text = generate_latest(self.services.registry)
+            peer.send_control(MetricsReply(query=message.query, text=text))
+        elif isinstance(message, WantSpans):
             if message.want:
                 self._span_wanted.add(peer.index)
             else:
@@ -235,13 +239,10 @@ class Core:
                 stop.set()
 
     async def _heartbeat(self) -> None:
-        beat = 0
         while True:
-            metrics = generate_latest(self.services.registry) if beat % METRICS_EVERY == 0 else None
-            message = Heartbeat(healthy=self.graph.healthy, metrics=metrics)
+            message = Heartbeat(healthy=self.graph.healthy)
             for peer in self.fronts:
                 peer.send_control(message)
-            beat += 1
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _connection(self, stream: anyio.abc.SocketStream) -> None:

@@ -2,7 +2,8 @@
 
 A front connects to the core's Unix socket and greets it (`Hello`); the core answers
 with what the front's stages need to know of the model (`CoreReady`), then sends a
-`Heartbeat` every `HEARTBEAT_INTERVAL_S`, with its metrics every `METRICS_EVERY`th beat.
+`Heartbeat` every `HEARTBEAT_INTERVAL_S`, and its metrics when a front asks for them
+(`MetricsQuery`, for a scrape of /metrics or the web page's live view).
 A request the core fails outside a channel (a step-loop stage without an `errors` port)
 travels as `FailRequest`. All are control frames (flowllm/graph/wire.py).
 """
@@ -15,7 +16,7 @@ from flowllm.engine.span_relay import Spans, WantSpans
 from flowllm.messages import RequestError
 
 HEARTBEAT_INTERVAL_S = 0.1
-METRICS_EVERY = 10  # heartbeats: the core's metrics reach the fronts once a second
+METRICS_TIMEOUT_S = 1.0  # a core this slow to answer: the front renders without it
 # A front whose core has not beaten for this long answers /health with 503: a core
 # stuck (its event loop or a step) is as unavailable as a dead one.
 HEARTBEAT_STALE_S = 1.0
@@ -43,12 +44,30 @@ class Refused(msgspec.Struct, frozen=True, tag=True):
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     healthy: bool
-    metrics: bytes | None = None  # the core's registry as Prometheus text
+
+
+class MetricsQuery(msgspec.Struct, frozen=True, tag=True):
+    query: int
+
+
+class MetricsReply(msgspec.Struct, frozen=True, tag=True):
+    query: int
+    text: bytes  # the core's registry as Prometheus text
 
 
 class FailRequest(msgspec.Struct, frozen=True, tag=True):
     error: RequestError
 
 
-Control = Hello | CoreReady | Refused | Heartbeat | FailRequest | Spans | WantSpans
+Control = (
+    Hello
+    | CoreReady
+    | Refused
+    | Heartbeat
+    | MetricsQuery
+    | MetricsReply
+    | FailRequest
+    | Spans
+    | WantSpans
+)
 CONTROL_DECODER = msgspec.msgpack.Decoder(Control)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -33,10 +34,13 @@ from flowllm.engine.core import placement_of
 from flowllm.engine.core_protocol import (
     CONTROL_DECODER,
     HEARTBEAT_STALE_S,
+    METRICS_TIMEOUT_S,
     CoreReady,
     FailRequest,
     Heartbeat,
     Hello,
+    MetricsQuery,
+    MetricsReply,
     Refused,
 )
 from flowllm.engine.ownership import Ownership
@@ -79,7 +83,9 @@ class CoreLink:
         self.connected = anyio.Event()
         self.last_beat = 0.0
         self.core_healthy = False
-        self.core_metrics: bytes = b""
+        self.core_metrics: bytes = b""  # the latest the core sent
+        self._metrics_asked: dict[int, anyio.Event] = {}
+        self._queries = itertools.count()
         self.ownership = Ownership()  # the sequences the core runs for this front
         self.services: EngineServices | None = None
         self.peer = Peer(
@@ -102,6 +108,17 @@ class CoreLink:
         self.graph: Graph | None = None  # the front's graph, once it runs
         self._spans_wanted = False
 
+    async def fresh_core_metrics(self) -> str:
+        """The core's metrics now (the latest it sent, if it is away or slow to answer)."""
+        if self.peer.attached:
+            query = next(self._queries)
+            answered = self._metrics_asked[query] = anyio.Event()
+            self.peer.send_control(MetricsQuery(query=query))
+            with anyio.move_on_after(METRICS_TIMEOUT_S):
+                await answered.wait()
+            self._metrics_asked.pop(query, None)
+        return self.core_metrics.decode()
+
     def want_spans(self, want: bool) -> None:
         """The front's graph gained its first span sink or lost its last: tell the core,
         which sends its spans only while they are read (and again after a reconnection)."""
@@ -122,8 +139,11 @@ class CoreLink:
         if isinstance(message, Heartbeat):
             self.last_beat = monotonic()
             self.core_healthy = message.healthy
-            if message.metrics is not None:
-                self.core_metrics = message.metrics
+        elif isinstance(message, MetricsReply):
+            self.core_metrics = message.text
+            answered = self._metrics_asked.pop(message.query, None)
+            if answered is not None:
+                answered.set()
         elif isinstance(message, CoreReady):
             self.ready = message
             self.last_beat = monotonic()
@@ -199,15 +219,21 @@ class FrontEngine(AsyncEngine):
     def healthy(self) -> bool:
         return self.graph.healthy and self.link.alive
 
-    def elsewhere(self) -> str:
-        """The core's latest metrics, as Prometheus text (the web page's live view)."""
-        return self.link.core_metrics.decode()
+    async def elsewhere(self) -> str:
+        """The core's metrics now, as Prometheus text (the web page's live view)."""
+        return await self.link.fresh_core_metrics()
+
+    async def refresh_metrics(self) -> None:
+        """Fetch the core's metrics, for the next rendering of `metrics_registry`."""
+        await self.link.fresh_core_metrics()
 
     @functools.cached_property
     def metrics_registry(self) -> CollectorRegistry:
         """This front's metrics and the core's latest, one family per name."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(MergedMetrics(self.services.registry, self.elsewhere))
+        registry.register(
+            MergedMetrics(self.services.registry, lambda: self.link.core_metrics.decode())
+        )
         return registry
 
     @classmethod

@@ -10,7 +10,7 @@ last one removes it. At most `max_subscribers` connect at once; one more is refu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +107,7 @@ class LiveFeed:
         graph: Graph,
         engine_metrics: EngineMetrics | None,
         *,
-        elsewhere: Callable[[], str] | None = None,
+        elsewhere: Callable[[], Awaitable[str]] | None = None,
         interval_s: float = INTERVAL_S,
         max_subscribers: int = MAX_SUBSCRIBERS,
     ) -> None:
@@ -187,23 +187,23 @@ class LiveFeed:
 
     # -- snapshots ------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> dict[str, Any]:
         """The numbers now; rates and p50 cover the time since the previous snapshot."""
-        now = monotonic()
-        if self._snapshot is not None and now - self._snapshot_at < self.interval_s / 2:
+        if self._snapshot is not None and monotonic() - self._snapshot_at < self.interval_s / 2:
             return self._snapshot
-        self._snapshot = self._compute(now)
+        there = await self.elsewhere() if self.elsewhere is not None else ""
+        now = monotonic()
+        self._snapshot = self._compute(now, _Elsewhere(there))
         self._snapshot_at = now
         return self._snapshot
 
-    def _compute(self, now: float) -> dict[str, Any]:
+    def _compute(self, now: float, there: _Elsewhere) -> dict[str, Any]:
         graph = self.graph
         metrics = graph.metrics
         durations = metrics.stage_duration
         sample = _Sample(now, {}, {}, 0.0)
         last = self._last
         elapsed = now - last.at if last is not None else 0.0
-        there = _Elsewhere(self.elsewhere() if self.elsewhere is not None else "")
         stages: dict[str, Any] = {}
         for name, bound in graph.spec.stages.items():
             group = bound.supervision.group

@@ -1,8 +1,9 @@
 """Overload: thousands of requests at once against a server whose ingest admits only a
 few (`max_pending`). Only 200s and 503s with Retry-After come back; every admitted request
 completes with the text the same prompt gets when served alone (greedy); /health, polled
-from another process throughout, answers every time within HEALTH_MAX; RSS stays bounded;
-and afterwards no per-request state remains.
+from another process throughout, answers every time, 99% of the time within HEALTH_P99
+and always within HEALTH_MAX; RSS stays bounded; and afterwards no per-request state
+remains.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from reliability_helpers import (
 from server_process import ServerProcess
 
 REQUESTS = scaled(2000, 5000)
-# /health must keep answering through the burst, within this much more than the machine
-# itself delayed the poller (its late wake-ups: other work on a shared machine).
-HEALTH_MAX = 0.1  # seconds
+# /health must keep answering through the burst, within these bounds plus what the machine
+# itself delayed the poller (its late wake-ups: other work on a shared machine). The front
+# answers probes behind the burst's connections it accepted before them, so the slowest
+# probe waits for a share of the burst (benchmarks/README.md, "Health during an overload").
+HEALTH_P99 = 0.05  # seconds
+HEALTH_MAX = 0.5
 RSS_GROWTH_MB = 200.0  # peak over the idle server's RSS
 PROMPTS = [f"Overload {i}: the quick brown fox" for i in range(8)]
 MAX_TOKENS = 8
@@ -130,7 +134,9 @@ async def test_overload_sheds_with_503_and_serves_the_admitted(
     )
     assert statuses["200"] >= 1, statuses
     assert not health.failures, f"/health failed during the overload: {health.failures[:10]}"
-    allowed = HEALTH_MAX + max(health.lags, default=0.0)
-    assert max(health.latencies) < allowed, f"/health too slow: {health.summary()}"
+    lag = max(health.lags, default=0.0)
+    p99 = sorted(health.latencies)[int(0.99 * (len(health.latencies) - 1))]
+    assert p99 < HEALTH_P99 + lag, f"/health too slow: {health.summary()}"
+    assert max(health.latencies) < HEALTH_MAX + lag, f"/health too slow: {health.summary()}"
     assert peak[0] - rss_idle < RSS_GROWTH_MB, f"RSS from {rss_idle:.0f} to {peak[0]:.0f} MB"
     assert state.clean, f"state left 2 s after the overload: {state.nonzero}"
