@@ -106,6 +106,8 @@ class LLM:
         if multiprocess:
             if services is not None:
                 raise TypeError("multiprocess loads the model in its own process, not services")
+            if trace_dir is not None:
+                raise TypeError("a trace records a graph run in one process: not multiprocess")
             if config is None:
                 config = engine_config(model, **settings)
             elif model is not None or settings:

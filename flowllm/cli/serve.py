@@ -190,20 +190,21 @@ def serve_command(args: argparse.Namespace) -> int:
         graph = load_graph(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
         if args.api_server_count < 1:
             raise ServeError("--api-server-count must be >= 1")
-        if graph.placement:
+        # A recording runs the graph in one process: a trace's entries and spans are
+        # matched by the identity of the messages they saw (traces/README.md).
+        placed = bool(graph.placement) and not getattr(args, "trace_dir", None)
+        if placed:
             front, core = placement_of(graph)
         elif args.api_server_count != 1:
             raise ServeError(
                 "--api-server-count needs a graph placed in a front and a core process "
-                "(stages with process:, as the default graph)"
+                "(stages with process:, as the default graph), and no --trace-dir"
             )
     except (ServeError, ConfigError, GraphValidationError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    threads = serving_threads(
-        args.cpu_threads, os.cpu_count(), dict(os.environ), placed=bool(graph.placement)
-    )
-    if not graph.placement:
+    threads = serving_threads(args.cpu_threads, os.cpu_count(), dict(os.environ), placed=placed)
+    if not placed:
         return serve_in_one_process(args, config, graph, threads)
     from flowllm.cli.processes import Supervisor
 
