@@ -39,7 +39,14 @@ import anyio.abc
 import msgspec
 import structlog
 
-from flowllm.graph.channel import Channel, ChannelSender, ChannelTypeError, Tap, type_name
+from flowllm.graph.channel import (
+    Channel,
+    ChannelSender,
+    ChannelTypeError,
+    Tap,
+    type_members,
+    type_name,
+)
 from flowllm.graph.stage import RequestInputError
 from flowllm.graph.validator import ChannelSpec
 from flowllm.graph.wire import (
@@ -360,7 +367,7 @@ class RemoteChannel:
         self.peers = list(peers)
         self._route = route
         self._taps: list[Tap] = []
-        self._accepts = Channel(spec.name, spec.message_type, 1)._accepts
+        self._accepts = type_members(spec.message_type)
         self._open = 1  # the original, until `close()`
         for peer in self.peers:
             peer.add_outbound(spec.name, spec.capacity)
