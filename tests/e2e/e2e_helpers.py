@@ -4,6 +4,7 @@ starting a server, SSE reading, error-body checks, the e2e settings."""
 from __future__ import annotations
 
 import json
+import os
 import ssl
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,7 +57,13 @@ def start_server(
     env: dict[str, str] | None = None,
     tls: ssl.SSLContext | None = None,
 ) -> ServerProcess:
-    """A healthy server, or the server's output in the error (the process is stopped)."""
+    """A healthy server, or the server's output in the error (the process is stopped).
+
+    `FLOWLLM_E2E_API_SERVER_COUNT=N` runs every such server with N fronts, so that the
+    whole suite checks what `--api-server-count` serves."""
+    fronts = os.environ.get("FLOWLLM_E2E_API_SERVER_COUNT")
+    if fronts is not None and "--api-server-count" not in flags:
+        flags = [*flags, "--api-server-count", fronts]
     server = ServerProcess(model, flags, graph=graph, env=env, tls=tls)
     try:
         return server.wait_healthy()

@@ -43,7 +43,9 @@ def complete(url: str, prompt: str, max_tokens: int = 8) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def two_fronts(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
-    proc = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--api-server-count", "2"])
+    # At info level each front logs its access lines, which name the front.
+    flags = [*TINY_FLAGS, "--api-server-count", "2", "--log-level", "info"]
+    proc = start_server(str(gpt2_tiny_dir), flags)
     try:
         yield proc
     finally:
