@@ -315,6 +315,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="pass multiprocess=True to LLM (only where LLM takes it)",
     )
+    parser.add_argument(
+        "--offline-threads",
+        type=int,
+        default=None,
+        help="torch threads of the offline engine (default: torch's own, as LLM leaves it)",
+    )
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--request-timeout", type=float, default=1200.0, help="seconds")
@@ -373,15 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             startup = server.wait_healthy(args.startup_timeout)
             print(f"server healthy after {startup:.1f} s", flush=True)
+            import torch
+
+            if args.offline_threads is not None:
+                torch.set_num_threads(args.offline_threads)
+            print(f"offline torch threads: {torch.get_num_threads()}", flush=True)
             started = time.perf_counter()
             llm = build_llm(model, settings, args)
             print(f"offline engine loaded in {time.perf_counter() - started:.1f} s", flush=True)
-            try:
-                import torch
-
-                print(f"offline torch threads: {torch.get_num_threads()}", flush=True)
-            except ImportError:
-                pass
 
             if not args.no_warmup:
                 few = prompts[:WARMUP_PROMPTS]
