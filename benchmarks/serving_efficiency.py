@@ -97,8 +97,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class Server:
-    """`python -m flowllm serve` in a process group of its own, so that stopping it stops
-    every process it started (the health door, and any other process it may grow)."""
+    """`python -m flowllm serve`, in this process's group: a `timeout` or Ctrl-C that
+    stops the benchmark reaches it too; processes it starts are its own to stop."""
 
     def __init__(self, model: str | None, flags: list[str], env: dict[str, str], log: Path):
         self.port = free_port()
@@ -116,7 +116,6 @@ class Server:
                 env=child_env(env),
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
             )
 
     def tail(self, chars: int = 4000) -> str:
@@ -138,14 +137,14 @@ class Server:
             time.sleep(0.2)
         raise BenchmarkError(f"flowllm serve not healthy after {timeout:.0f} s:\n{self.tail()}")
 
-    def stop(self, grace: float = 30.0) -> int | None:
-        """SIGTERM to the group (a graceful drain), SIGKILL if anything lingers."""
+    def stop(self, grace: float = 15.0) -> int | None:
+        """SIGTERM (a graceful drain, the server stopping what it started), then SIGKILL."""
         if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(grace)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # stragglers of the group, if any
+        if self.process.poll() is None:
+            self.process.kill()
         return self.process.wait()
 
 
@@ -342,6 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a `timeout`) unwinds like Ctrl-C, so the server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from flowllm.logging_config import configure_logging
 
     # The offline engine logs in this process: at warning, as the server is started.
