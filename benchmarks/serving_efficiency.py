@@ -3,7 +3,9 @@
 The same model, engine settings and workload both ways: `--num-prompts` random prompts of
 `--input-len` tokens (exact lengths by the model's tokenizer, built by
 `flowllm.bench.prompts`, the code `flowllm bench serve` uses, with the same seed), greedy,
-`--output-len` tokens each with `ignore_eos`.
+`--output-len` tokens each with `ignore_eos`, prefix caching off in both (the server would
+otherwise find every run's prompts cached by its earlier runs; the offline engine starts
+each `generate` with an empty cache).
 
 - offline: `flowllm.llm.LLM(...).generate(all prompts)` in this process; output tokens
   over the call's wall time.
@@ -189,6 +191,11 @@ def engine_settings(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]
     flags: list[str] = []
     for key, value in settings.items():
         flags += ["--" + key.replace("_", "-"), str(value)]
+    # The server keeps its prefix cache across runs, the offline engine starts each
+    # generate with an empty one: with it on, every run after the server's first would
+    # skip the prefill of prompts it has seen.
+    settings["enable_prefix_caching"] = args.prefix_caching
+    flags.append("--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching")
     return settings, flags
 
 
@@ -294,6 +301,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quantization", default=None, help="both engines' --quantization")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="both engines'")
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="leave prefix caching on in both engines (off by default: the server would "
+        "find the prompts of its earlier runs cached)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
