@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -390,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         print("server:", " ".join(server.command[1:]), flush=True)
         rounds: list[Round] = []
         startup = float("nan")
+        error: str | None = None
         try:
             startup = server.wait_healthy(args.startup_timeout)
             print(f"server healthy after {startup:.1f} s", flush=True)
@@ -435,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
                               f"({tokens} tokens, {failed} failed)", flush=True)  # fmt: skip
                 r.load_avg = os.getloadavg()[0]
                 rounds.append(r)
+        except Exception as exc:  # the rounds done so far are still reported
+            error = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            print(f"--- the server's log, last lines:\n{server.tail()}", flush=True)
         finally:
             code = server.stop()
             print(f"server stopped (exit {code})", flush=True)
@@ -451,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nload average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
     if short:
         print("WARNING: output tokens short of the workload:", ", ".join(short))
+    if error is not None:
+        print(f"ERROR: {error}")
     if args.json is not None:
         figures = {
             "argv": sys.argv,
@@ -467,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_avg_start": load_start,
             "load_avg_end": load_end,
             "server_startup_s": startup,
+            "error": error,
             "rounds": [asdict(r) for r in rounds],
             "median": {
                 "offline_tok_s": median([r.offline_tok_s for r in rounds]),
@@ -480,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
         print(f"figures written to {args.json}")
     failed = sum(sum(r.serving_failed.values()) for r in rounds)
-    return 1 if failed or short else 0
+    return 1 if failed or short or error else 0
 
 
 if __name__ == "__main__":
