@@ -9,8 +9,12 @@ Baselines, on the same weights and prompts (`AutoModelForCausalLM.from_pretraine
 dtype=...)`, `generate(do_sample=False, min_new_tokens=out, max_new_tokens=out)`):
 - `one`: one request at a time. Timed on a sample of `--sample-requests` requests (the
   whole set would take hours); the rate is output tokens over the time of that sample.
-- `static16`: static batches of 16 (equal-length prompts, so no padding is needed), timed
-  on `--sample-batches` batches.
+- `static`: static batches of `--static-batch` (16; equal-length prompts, so no padding is
+  needed), timed on `--sample-batches` batches (`static16` is the same name, kept).
+
+`--device cuda` runs both engines on the GPU (`auto`: the GPU where there is one): the
+transformers model is moved there, flowllm's KV cache takes `--gpu-memory-utilization` of
+the device's memory, and the matmul rate is measured there.
 
 Roofline: the workload's FLOPs (matmuls of every layer for each computed token, attention
 over each token's context, the LM head for each sampled row) over the dtype's matmul
@@ -25,6 +29,8 @@ dtype); random weights give flat logits, so near-ties may flip late tokens in bf
     .venv/bin/python benchmarks/throughput.py                      # full run (many minutes)
     .venv/bin/python benchmarks/throughput.py --num-requests 32 --input-len 32 \\
         --output-len 16 --models gpt2-124m --dtypes bfloat16 --baselines static16
+    python benchmarks/throughput.py --device cuda --models gpt2-124m --dtypes bfloat16 \\
+        --baselines one,static --static-batch 256 --sample-batches 1 --sample-requests 4
 """
 
 from __future__ import annotations
@@ -54,8 +60,8 @@ from flowllm.models.loader import resolve_model
 
 MODELS = ("gpt2-124m", "smollm2-135m")
 DTYPES = ("float32", "bfloat16")
-BASELINES = ("one", "static16")
-STATIC_BATCH = 16
+BASELINES = ("one", "static")
+BASELINE_ALIASES = {"static16": "static"}  # the name of earlier commands
 STAGES = ("schedule", "execute", "sample", "detokenize", "deliver")
 
 
@@ -93,8 +99,10 @@ class Result:
     steps: int = 0
     one_tok_s: float | None = None
     one_sample: int = 0
-    static16_tok_s: float | None = None
-    static16_sample: int = 0
+    static_tok_s: float | None = None
+    static_sample: int = 0
+    static_batch: int = 16
+    device: str = "cpu"
     greedy_match: str = ""
 
     def ratio(self, baseline: float | None) -> float | None:
@@ -116,11 +124,18 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def matmul_rate(dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP/s of a 2048 x 2048 x 2048 product in `dtype` on this machine, now."""
-    n = 2048
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / best_time(lambda: torch.mm(a, b), repeats)
+def matmul_rate(dtype: torch.dtype, device: str = "cpu", repeats: int = 5) -> float:
+    """FLOP/s of an n x n x n product in `dtype` on `device`, now: n = 2048 on a CPU, 8192
+    on a GPU (a smaller product there times its launch, not its arithmetic)."""
+    n = 8192 if device == "cuda" else 2048
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+
+    def product() -> None:
+        torch.mm(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return 2 * n**3 / best_time(product, repeats)
 
 
 def linear_params(model: torch.nn.Module) -> tuple[int, int]:
@@ -193,7 +208,10 @@ def run_flowllm(
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory": kv_memory,
         "max_model_len": len(work.prompts[0]) + work.output_len,
+        "device": args.device,
     }
+    if args.device == "cuda":  # the KV cache's share of the GPU (kv_cache_memory is the CPU's)
+        settings["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.trace_dir is not None:  # record the runs (the timed one is the last written)
         settings["trace_dir"] = args.trace_dir / f"{path.name}-{dtype}"
         settings["trace_max_bytes"] = args.trace_max_bytes
@@ -221,12 +239,14 @@ def run_flowllm(
         steps = int(count or 0)
     del llm
     gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the KV cache's memory back for transformers' runs
     return elapsed, ids, busy, steps
 
 
 def hf_generate(model: Any, prompts: Sequence[Sequence[int]], output_len: int) -> list[list[int]]:
     """Greedy generate for equal-length prompts in one batch; the new token ids per row."""
-    input_ids = torch.tensor(prompts, dtype=torch.int64)  # [B, input_len]
+    input_ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)  # [B, input_len]
     eos = model.generation_config.eos_token_id
     pad = eos[0] if isinstance(eos, list) else eos
     with torch.inference_mode():
@@ -242,13 +262,14 @@ def hf_generate(model: Any, prompts: Sequence[Sequence[int]], output_len: int) -
 
 
 def run_transformers(
-    model: Any, work: Workload, baseline: str, sample: int
+    model: Any, work: Workload, baseline: str, sample: int, static_batch: int
 ) -> tuple[float, int, list[list[int]]]:
     """(output tokens/s, requests timed, their outputs) of one baseline on a sample."""
     if baseline == "one":
         batch, count = 1, min(sample, len(work.prompts))
     else:
-        batch, count = STATIC_BATCH, min(sample * STATIC_BATCH, len(work.prompts))
+        batch = min(static_batch, len(work.prompts))
+        count = min(sample * batch, len(work.prompts))
     hf_generate(model, work.prompts[:batch], 4)  # warm up
     outputs: list[list[int]] = []
     started = time.perf_counter()
@@ -276,6 +297,7 @@ def bench_one(
 
     path = model_dir(name, scratch)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).eval()
+    hf = hf.to(args.device)
     cfg = hf.config
     work = Workload(
         random_prompts(cfg.vocab_size, args.num_requests, args.input_len, args.seed),
@@ -290,10 +312,10 @@ def bench_one(
         * kv_bytes_per_token(cfg, torch_dtype(dtype))
     )  # room for every running sequence's whole length: no preemption
 
-    before = matmul_rate(torch_dtype(dtype))
+    before = matmul_rate(torch_dtype(dtype), args.device)
     elapsed, ours, busy, steps = run_flowllm(path, dtype, work, args, kv_memory)
     # The machine is shared: the best rate seen around the run is what it could do then.
-    rate = rates[dtype] = max(before, matmul_rate(torch_dtype(dtype)))
+    rate = rates[dtype] = max(before, matmul_rate(torch_dtype(dtype), args.device))
     result = Result(
         model=name,
         dtype=dtype,
@@ -307,6 +329,8 @@ def bench_one(
         roofline_pct=100 * flops / rate / elapsed,
         stage_busy_s=busy,
         steps=steps,
+        static_batch=args.static_batch,
+        device=args.device,
     )
     print(
         f"  flowllm: {result.flowllm_tok_s:.0f} tok/s ({elapsed:.1f} s, {steps} steps, "
@@ -315,12 +339,12 @@ def bench_one(
     )
     for baseline in args.baselines:
         sample = args.sample_requests if baseline == "one" else args.sample_batches
-        tok_s, timed, theirs = run_transformers(hf, work, baseline, sample)
+        tok_s, timed, theirs = run_transformers(hf, work, baseline, sample, args.static_batch)
         if baseline == "one":
             result.one_tok_s, result.one_sample = tok_s, timed
             result.greedy_match = agreement(ours[:timed], theirs)
         else:
-            result.static16_tok_s, result.static16_sample = tok_s, timed
+            result.static_tok_s, result.static_sample = tok_s, timed
             if not result.greedy_match:
                 result.greedy_match = agreement(ours[:timed], theirs)
         print(f"  transformers {baseline}: {tok_s:.1f} tok/s ({timed} requests)", flush=True)
@@ -336,16 +360,17 @@ def fmt(value: float | None, spec: str) -> str:
 def report(results: list[Result]) -> None:
     """The summary table (Markdown, so it pastes into benchmarks/README.md)."""
     print()
+    static = results[0].static_batch if results else 16
     print(
         "| model | dtype | flowllm tok/s | roofline % | transformers one-at-a-time tok/s | "
-        "× one | transformers static 16 tok/s | × static |"
+        f"× one | transformers static {static} tok/s | × static |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(
             f"| {r.model} | {r.dtype} | {r.flowllm_tok_s:.0f} | {r.roofline_pct:.0f} | "
             f"{fmt(r.one_tok_s, '.1f')} | {fmt(r.ratio(r.one_tok_s), '.1f')} | "
-            f"{fmt(r.static16_tok_s, '.1f')} | {fmt(r.ratio(r.static16_tok_s), '.1f')} |"
+            f"{fmt(r.static_tok_s, '.1f')} | {fmt(r.ratio(r.static_tok_s), '.1f')} |"
         )
     print()
     for r in results:
@@ -358,7 +383,7 @@ def report(results: list[Result]) -> None:
 
 
 def names(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    chosen = [t.strip() for t in text.split(",") if t.strip()]
+    chosen = [BASELINE_ALIASES.get(t.strip(), t.strip()) for t in text.split(",") if t.strip()]
     unknown = [c for c in chosen if c not in allowed]
     if unknown or not chosen:
         raise argparse.ArgumentTypeError(f"{what}: choose from {', '.join(allowed)}")
@@ -376,10 +401,23 @@ def main() -> None:
         "--baselines",
         type=lambda t: [] if t == "none" else names(t, BASELINES, "--baselines"),
         default=BASELINES,
-        help="one,static16 or none",
+        help="one,static or none",
     )
+    parser.add_argument("--static-batch", type=int, default=16, help="the 'static' batch size")
     parser.add_argument("--sample-requests", type=int, default=8, help="timed for 'one'")
-    parser.add_argument("--sample-batches", type=int, default=2, help="timed for 'static16'")
+    parser.add_argument("--sample-batches", type=int, default=2, help="timed for 'static'")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="both engines' device (default: cuda where available, else cpu)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.5,
+        help="on cuda, flowllm's KV cache share of the GPU (the rest is transformers')",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument(
@@ -393,13 +431,16 @@ def main() -> None:
     )
     parser.add_argument("--trace-max-bytes", type=int, help="stop recording at this size")
     args = parser.parse_args()
-    if min(args.num_requests, args.input_len, args.output_len) < 1:
-        parser.error("--num-requests, --input-len and --output-len must be >= 1")
+    if min(args.num_requests, args.input_len, args.output_len, args.static_batch) < 1:
+        parser.error("--num-requests, --input-len, --output-len, --static-batch must be >= 1")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
-    print(f"torch threads {torch.get_num_threads()}", flush=True)
-    rates = {dt: matmul_rate(torch_dtype(dt)) for dt in args.dtypes}
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"device {args.device} ({where}), torch threads {torch.get_num_threads()}", flush=True)
+    rates = {dt: matmul_rate(torch_dtype(dt), args.device) for dt in args.dtypes}
     print(
-        "matmul rate (2048^3) at start: "
+        "matmul rate at start: "
         + ", ".join(f"{dt} {r / 1e9:.0f} GFLOP/s" for dt, r in rates.items()),
         flush=True,
     )
