@@ -85,6 +85,17 @@ def type_name(tp: object) -> str:
     return " | ".join("None" if m is type(None) else m.__name__ for m in members)
 
 
+def check_type(
+    name: str, message_type: object, accepts: tuple[type, ...] | None, message: object
+) -> None:
+    """Raise ChannelTypeError unless channel `name` (declared `message_type`, admitting
+    the classes `accepts`) may carry `message`: what every send end checks."""
+    if accepts is not None and not isinstance(message, accepts):
+        raise ChannelTypeError(
+            f"channel {name!r} carries {type_name(message_type)}, got {type(message).__name__}"
+        )
+
+
 class Channel(Generic[T]):
     """A named, typed, bounded channel; clone an end per task, then `close()` the originals."""
 
@@ -158,11 +169,7 @@ class ChannelSender(Generic[T]):
         self._closed = False
 
     def _check(self, message: object) -> None:
-        if self._accepts is not None and not isinstance(message, self._accepts):
-            raise ChannelTypeError(
-                f"channel {self.channel.name!r} carries {type_name(self.channel.message_type)}, "
-                f"got {type(message).__name__}"
-            )
+        check_type(self.channel.name, self.channel.message_type, self._accepts, message)
 
     async def send(self, message: T) -> None:
         """Send, waiting while the channel is full (backpressure)."""

@@ -42,8 +42,8 @@ import structlog
 from flowllm.graph.channel import (
     Channel,
     ChannelSender,
-    ChannelTypeError,
     Tap,
+    check_type,
     type_members,
     type_name,
 )
@@ -413,12 +413,8 @@ class RemoteSender:
         self._closed = False
 
     def _check(self, message: object) -> None:
-        accepts = self.channel._accepts
-        if accepts is not None and not isinstance(message, accepts):
-            raise ChannelTypeError(
-                f"channel {self.channel.name!r} carries {type_name(self.channel.message_type)}, "
-                f"got {type(message).__name__}"
-            )
+        channel = self.channel
+        check_type(channel.name, channel.message_type, channel._accepts, message)
 
     async def send(self, message: object) -> None:
         self._check(message)
