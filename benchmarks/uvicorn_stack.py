@@ -2,13 +2,10 @@
 
 Two `python -m flowllm serve` processes on one model, one per stack (`--uvicorn-loop`,
 `--uvicorn-http`), both up for the whole run; rounds alternate which is measured first.
-Each round measures, per server:
-
-- `stream`: `flowllm bench serve`, streamed completions at `--concurrency`, output tok/s
-  and the median inter-token latency;
-- `refuse`: `--burst` requests at once on new connections against a full admission
-  (the server starts with `max_pending` 1 in a copy of its graph), the rate of answers
-  (nearly all 503): what the front's HTTP stack costs per request.
+Each round sends each server `--burst` requests at once on new connections against a
+full admission (the servers run a copy of the default graph whose ingest admits one
+request without output) and measures the rate of answers, nearly all 503: what the
+front's HTTP stack costs per request, the model aside.
 
     .venv/bin/python benchmarks/uvicorn_stack.py                       # the bundled model
     .venv/bin/python benchmarks/uvicorn_stack.py --model PATH --rounds 3
@@ -29,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from flowllm.bench.serve import read_result_file
 
 REPO = Path(__file__).resolve().parents[1]
 STACKS = {"uvloop+httptools": ("uvloop", "httptools"), "asyncio+h11": ("asyncio", "h11")}
@@ -60,21 +55,6 @@ def start(model: str | None, loop: str, http: str, graph: Path, log: Path) -> tu
     raise SystemExit(f"server did not come up:\n{log.read_text()[-3000:]}")
 
 
-def stream(port: int, concurrency: int, prompts: int, result: Path) -> tuple[float, float]:
-    subprocess.run(
-        [
-            sys.executable, "-m", "flowllm", "bench", "serve",
-            "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(prompts),
-            "--random-input-len", "128", "--random-output-len", "128",
-            "--max-concurrency", str(concurrency), "--result-file", str(result),
-            "--disable-tqdm",
-        ],
-        check=True, capture_output=True, cwd=REPO,
-    )  # fmt: skip
-    metrics = read_result_file(result).metrics
-    return metrics.output_throughput, float(metrics.tpot.median_ms or 0.0)
-
-
 async def _burst(port: int, count: int) -> float:
     body = b'{"prompt": "Hello", "max_tokens": 4}'
     request = (
@@ -98,8 +78,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="a model path or name (default: the bundled one)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--burst", type=int, default=1000)
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="uvicorn-stack-"))
@@ -110,34 +88,22 @@ def main() -> int:
         name: start(args.model, loop, http, graph, scratch / f"{name}.log")
         for name, (loop, http) in STACKS.items()
     }
-    figures: dict[str, dict[str, list[float]]] = {
-        name: {"tok_s": [], "tpot_ms": [], "refused_per_s": []} for name in STACKS
-    }
+    figures: dict[str, list[float]] = {name: [] for name in STACKS}
     try:
         for round_ in range(args.rounds):
             order = list(STACKS) if round_ % 2 == 0 else list(reversed(STACKS))
             for name in order:
                 _, port = servers[name]
-                tok_s, tpot = stream(
-                    port, args.concurrency, args.num_prompts, scratch / f"{name}.json"
-                )
                 rate = asyncio.run(_burst(port, args.burst))
-                figures[name]["tok_s"].append(tok_s)
-                figures[name]["tpot_ms"].append(tpot)
-                figures[name]["refused_per_s"].append(rate)
-                print(f"round {round_ + 1} {name:18} {tok_s:8.1f} tok/s  TPOT {tpot:6.2f} ms  "
-                      f"{rate:8.0f} refusals/s", flush=True)  # fmt: skip
+                figures[name].append(rate)
+                print(f"round {round_ + 1} {name:18} {rate:8.0f} answers/s", flush=True)
     finally:
         for process, _ in servers.values():
             process.terminate()
             process.wait(30)
     print(f"\nload average {os.getloadavg()[0]:.1f}; medians:")
-    for name, values in figures.items():
-        print(
-            f"  {name:18} {statistics.median(values['tok_s']):8.1f} tok/s  "
-            f"TPOT {statistics.median(values['tpot_ms']):6.2f} ms  "
-            f"{statistics.median(values['refused_per_s']):8.0f} refusals/s"
-        )
+    for name, rates in figures.items():
+        print(f"  {name:18} {statistics.median(rates):8.0f} answers/s")
     return 0
 
 
