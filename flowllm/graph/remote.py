@@ -456,7 +456,8 @@ class RemoteSender:
 class Boundary:
     """This process's peers by process name: where the runtime finds the far ends of its
     cross-process channels. `route` splits messages for a process that runs as several
-    peers (fronts); without it, each message goes to every peer of the process."""
+    peers (fronts), and sees every message it sends even to one; without it, each message
+    goes to every peer of the process."""
 
     def __init__(self, peers: dict[str, Sequence[Peer]], route: Route | None = None) -> None:
         self.peers = {process: list(ps) for process, ps in peers.items()}
@@ -470,8 +471,7 @@ class Boundary:
 
     def outbound(self, spec: ChannelSpec, process: str) -> RemoteChannel:
         """The send side of `spec`, whose consumer runs in `process`."""
-        peers = self._of(process, spec.name)
-        return RemoteChannel(spec, peers, self._route if len(peers) > 1 else None)
+        return RemoteChannel(spec, self._of(process, spec.name), self._route)
 
     def inbound(self, spec: ChannelSpec, channel: Channel[Any], processes: Sequence[str]) -> None:
         """Feed `channel` with what the peers of `processes` send on it (a sender clone

@@ -7,6 +7,7 @@ killing a front leaves the other serving; past the restart intensity the server 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -90,14 +91,26 @@ def test_killing_a_front_leaves_the_other_serving(two_fronts: ServerProcess) -> 
     assert wait_until(lambda: len(named(two_fronts, "flowllm-front")) == 2, timeout=60)
     assert victim not in named(two_fronts, "flowllm-front")
     assert "a front exited; starting it again" in two_fronts.output()
+    # Every request of the dead front had finished: the core held nothing to abort for it.
+    aborted = re.findall(r'"aborted": (\d+), "event": "front disconnected"', two_fronts.output())
+    assert aborted == ["0"], aborted
     assert complete(two_fronts.url, "Hello there").status_code == 200
 
 
 def test_killing_the_core_answers_in_flight_requests_and_a_new_core_serves(
     gpt2_tiny_dir: Path,
 ) -> None:
-    server = start_server(str(gpt2_tiny_dir), TINY_FLAGS)
+    server = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--log-level", "info"])
     try:
+        # A lone front's finished requests are forgotten by the core: killed, it leaves
+        # nothing to abort there, and its replacement serves.
+        assert complete(server.url, "Hello there").status_code == 200
+        (front,) = named(server, "flowllm-front")
+        os.kill(front, signal.SIGKILL)
+        assert wait_until(lambda: "front disconnected" in server.output(), 30)
+        aborted = re.findall(r'"aborted": (\d+), "event": "front disconnected"', server.output())
+        assert aborted == ["0"], aborted
+        assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, 60)
         (core,) = named(server, "flowllm-core")
         answers: list[tuple[float, httpx.Response | BaseException]] = []
 
