@@ -194,7 +194,7 @@ def serve_command(args: argparse.Namespace) -> int:
         # matched by the identity of the messages they saw (traces/README.md).
         placed = bool(graph.placement) and not getattr(args, "trace_dir", None)
         if placed:
-            front, core = placement_of(graph)
+            _, core = placement_of(graph)
         elif args.api_server_count != 1:
             raise ServeError(
                 "--api-server-count needs a graph placed in a front and a core process "
@@ -218,7 +218,6 @@ def serve_command(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 1
-    del front
     return supervisor.run()
 
 

@@ -44,7 +44,14 @@ from flowllm.graph.channel import type_members
 from flowllm.graph.remote import Boundary, Peer, PeerGone
 from flowllm.graph.runtime import Graph
 from flowllm.graph.validator import ValidGraph, load_graph
-from flowllm.graph.wire import CONTROL, WireError, channel_codecs, read_one_frame, wiring_digest
+from flowllm.graph.wire import (
+    CONTROL,
+    WireError,
+    channel_codecs,
+    encode_control,
+    read_one_frame,
+    wiring_digest,
+)
 from flowllm.logging_config import configure_logging
 from flowllm.messages import Abort, RequestError
 from flowllm.stages.services import EngineServices
@@ -257,8 +264,6 @@ class Core:
         reason = self._refusal(hello)
         if reason is not None or not isinstance(hello, Hello):
             self.log.error("front refused", reason=reason)
-            from flowllm.graph.wire import encode_control
-
             await stream.send(encode_control(Refused(reason or "no hello")))
             await stream.aclose()
             return

@@ -34,6 +34,7 @@ class Ownership:
     def __init__(self) -> None:
         self._request_front: dict[str, int] = {}
         self._open_choices: dict[str, int] = {}  # request -> its choices not yet ended
+        self._started: dict[str, int] = {}  # request -> its choices started so far
         self._seq: dict[int, tuple[int, str]] = {}  # seq id -> (front, request id)
 
     def __len__(self) -> int:
@@ -49,8 +50,8 @@ class Ownership:
             self._request_front[message.request_id] = front
             self._open_choices[message.request_id] = message.params.n
         elif isinstance(message, Abort):
-            if message.request_id in self._open_choices and not any(
-                r == message.request_id for _, r in self._seq.values()
+            if message.request_id in self._open_choices and not self._started.get(
+                message.request_id
             ):
                 self._forget_request(message.request_id)  # aborted before it started
         elif isinstance(message, Finish):
@@ -78,6 +79,7 @@ class Ownership:
             front = self._request_front.get(choice.request_id)
             if front is not None:
                 self._seq[choice.seq_id] = (front, choice.request_id)
+                self._started[choice.request_id] = self._started.get(choice.request_id, 0) + 1
                 started[front].append(choice)
         ended: dict[int, list[int]] = defaultdict(list)
         for seq_id in events.ended:
@@ -141,6 +143,7 @@ class Ownership:
     def _forget_request(self, request_id: str) -> None:
         self._request_front.pop(request_id, None)
         self._open_choices.pop(request_id, None)
+        self._started.pop(request_id, None)
 
     def live_seqs_of(self, front: int) -> list[int]:
         return [seq for seq, (f, _) in self._seq.items() if f == front]
