@@ -42,21 +42,21 @@ def test_readme_completion_returns_50_tokens(bundled_server: ServerProcess) -> N
         assert forced["choices"][0]["finish_reason"] == "length"
 
 
-def test_readme_chat_knows_paris(bundled_server: ServerProcess) -> None:
+def test_readme_chat_knows_berlin(bundled_server: ServerProcess) -> None:
     client = bundled_server.client()
     answer = client.chat.completions.create(
         model=BUNDLED,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[{"role": "user", "content": "What is the capital of Germany?"}],
         temperature=0,
         max_tokens=32,
     )
     content = answer.choices[0].message.content or ""
-    assert "Paris" in content, content
+    assert "Berlin" in content, content
     assert answer.choices[0].finish_reason == "stop"  # the model ends its turn by itself
     assert answer.usage is not None and answer.usage.completion_tokens < 32
 
 
-def test_the_bundled_gguf_file_served_quantized_knows_paris(smollm2_dir: Path) -> None:
+def test_the_bundled_gguf_file_served_quantized_knows_berlin(smollm2_dir: Path) -> None:
     """`flowllm serve <the bundled Q4_1 file>`: weights kept quantized, tokenizer and chat
     template from the file's metadata, and the startup log says which kernels run."""
     from flowllm.models.bundled import bundled_gguf_path
@@ -67,10 +67,10 @@ def test_the_bundled_gguf_file_served_quantized_knows_paris(smollm2_dir: Path) -
     try:
         answer = server.client().chat.completions.create(
             model=str(bundled_gguf_path()),
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            messages=[{"role": "user", "content": "What is the capital of Germany?"}],
             temperature=0,
         )
-        assert answer.choices[0].message.content == "The capital of France is Paris."
+        assert answer.choices[0].message.content == "The capital of Germany is Berlin."
         log = server.output()
         assert "native CPU kernels" in log
         assert "Q4_1,Q8_0" in log  # the model weights line names the formats kept

@@ -46,17 +46,23 @@ def reference(raw: np.ndarray, type_name: str, n: int = N, k: int = K) -> torch.
     return torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
 
 
+def rounded_x(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 in blocks of 32 (scale absmax / 127, to nearest), as values."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    return (torch.round(blocks * inv) * (top / 127.0)).view(m, k)
+
+
 def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact_x: bool) -> None:
-    """y against x W^T by torch: within float32 rounding when x is used as it is, else
-    within the bound of x rounded to int8 in blocks of 32 (scale absmax / 127, each value
-    off by half a step at most): sum over blocks of |w| x step / 2."""
+    """y against x W^T by torch, within float32 rounding: x as it is, or (an integer
+    product) x rounded to int8 in blocks of 32, offsets included: the product is exactly
+    the weights' values against the rounded x, as llama.cpp's Q8_1 products are."""
+    if not exact_x:
+        x = rounded_x(x)
     expect = x @ w.T
     slack = 1e-5 * (x.abs() @ w.abs().T) + 1e-6
-    if not exact_x:
-        m, k = x.shape
-        step = x.view(m, k // 32, 32).abs().amax(-1) / 127  # [m, blocks]
-        w_abs = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
-        slack = slack + (step / 2) @ w_abs.T
     assert y.shape == expect.shape
     assert ((y - expect).abs() <= slack).all(), float(((y - expect).abs() / slack).max())
 
@@ -192,14 +198,23 @@ def test_each_product_reads_its_own_layout(isa: str) -> None:
 
 
 def test_rounding_x_to_int8_is_what_the_bound_allows() -> None:
-    """The bound of assert_product is tight enough to catch a wrong block scale: a product
-    that rounds x to 4 bits instead of 8 breaks it."""
+    """assert_product is tight enough to catch a wrong block scale (x rounded to 4 bits
+    instead of 8), and a product that rounds x but adds the offsets against x's exact sum."""
     w = torch.randn(N, K)
     x = torch.randn(2, K)
     step = x.view(2, K // 32, 32).abs().amax(-1, keepdim=True) / 7
     coarse = (torch.round(x.view(2, K // 32, 32) / step) * step).view(2, K)
     with pytest.raises(AssertionError):
         assert_product(coarse @ w.T, x, w, exact_x=False)
+    scales, mins = torch.rand(N, K // 32, 1) / 8, torch.rand(N, K // 32, 1) - 0.5
+    codes = torch.randint(0, 16, (N, K // 32, 32)).float()
+    w = (codes * scales + mins).view(N, K)
+    offsets_on_exact_x = rounded_x(x) @ (codes * scales).view(N, K).T + torch.einsum(
+        "mb,nb->mn", x.view(2, K // 32, 32).sum(-1), mins[..., 0]
+    )
+    with pytest.raises(AssertionError):
+        assert_product(offsets_on_exact_x, x, w, exact_x=False)
+    assert_product(rounded_x(x) @ w.T, x, w, exact_x=False)
 
 
 def test_without_the_native_library_torch_runs_the_same_products() -> None:
