@@ -8,7 +8,7 @@ requests. A front that goes away has its requests aborted here, so their blocks 
 freed; the core beats (`Heartbeat`) to every front, which is what their `/health` reads.
 
 `CoreSpec` is everything the process needs, picklable, so that the process that
-supervises it (flowllm/engine/supervisor.py) can start it, and start it again.
+supervises it (flowllm/cli/processes.py) can start it, and start it again.
 """
 
 from __future__ import annotations
