@@ -8,7 +8,10 @@ otherwise find every run's prompts cached by its earlier runs; the offline engin
 each `generate` with an empty cache).
 
 - offline: `flowllm.llm.LLM(...).generate(all prompts)` in this process; output tokens
-  over the call's wall time.
+  over the call's wall time. With `--matched-offline`, also one more `LLM` per concurrency
+  c below the number of prompts, its `max_num_seqs` set to c: the engine holding c
+  sequences at once, as the server does at concurrency c, so that serving/matched is the
+  cost of the HTTP path alone and not of a smaller batch.
 - serving: one `python -m flowllm serve` subprocess, started once (healthy on `/health`)
   and kept up; each measurement is a `python -m flowllm bench serve` subprocess at one
   `--concurrency`, streamed completions; its output tok/s.
@@ -80,10 +83,19 @@ class Round:
     serving_tok_s: dict[int, float] = field(default_factory=dict)
     serving_failed: dict[int, int] = field(default_factory=dict)
     serving_tokens: dict[int, int] = field(default_factory=dict)
+    # offline with max_num_seqs = c (--matched-offline), by concurrency c
+    matched_tok_s: dict[int, float] = field(default_factory=dict)
+    matched_tokens: dict[int, int] = field(default_factory=dict)
     load_avg: float = 0.0  # 1-minute load average when the round ended
 
     def ratio(self, concurrency: int) -> float:
         return self.serving_tok_s[concurrency] / self.offline_tok_s
+
+    def matched_ratio(self, concurrency: int) -> float:
+        """Serving at c against offline holding c sequences at once (all at once when
+        c covers every prompt)."""
+        offline = self.matched_tok_s.get(concurrency, self.offline_tok_s)
+        return self.serving_tok_s[concurrency] / offline
 
 
 def free_port() -> int:
@@ -244,7 +256,7 @@ def offline_run(llm: Any, prompts: list[Prompt], output_len: int) -> tuple[float
 
 
 def build_llm(model: str | None, settings: dict[str, Any], args: argparse.Namespace) -> Any:
-    """The offline engine; `multiprocess` is passed only when asked for."""
+    """An offline engine; `multiprocess` is passed only when asked for."""
     from flowllm.llm import LLM
 
     kwargs = dict(settings)
@@ -261,23 +273,32 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def report(rounds: list[Round], concurrencies: list[int]) -> str:
-    """The table as Markdown (it pastes into benchmarks/README.md), with a median row."""
+def report(rounds: list[Round], concurrencies: list[int], matched: list[int]) -> str:
+    """The table as Markdown (it pastes into benchmarks/README.md), with a median row; with
+    matched offline runs, their rates and serving against them too."""
     head = "| round | order | offline tok/s |"
     rule = "|---|---|---:|"
     for c in concurrencies:
         head += f" serving c={c} tok/s | c={c} / offline |"
         rule += "---:|---:|"
+        if c in matched:
+            head += f" offline max_num_seqs={c} tok/s | c={c} / matched |"
+            rule += "---:|---:|"
     lines = [head + " load |", rule + "---:|"]
     for r in rounds:
         line = f"| {r.index} | {r.order} | {r.offline_tok_s:.1f} |"
         for c in concurrencies:
             line += f" {r.serving_tok_s[c]:.1f} | {r.ratio(c):.2f} |"
+            if c in matched:
+                line += f" {r.matched_tok_s[c]:.1f} | {r.matched_ratio(c):.2f} |"
         lines.append(line + f" {r.load_avg:.1f} |")
     line = f"| median | | {median([r.offline_tok_s for r in rounds]):.1f} |"
     for c in concurrencies:
         rates = [r.serving_tok_s[c] for r in rounds]
         line += f" {median(rates):.1f} | {median([r.ratio(c) for r in rounds]):.2f} |"
+        if c in matched:
+            line += f" {median([r.matched_tok_s[c] for r in rounds]):.1f} |"
+            line += f" {median([r.matched_ratio(c) for r in rounds]):.2f} |"
     lines.append(line + " |")
     return "\n".join(lines)
 
@@ -329,6 +350,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pass multiprocess=True to LLM (only where LLM takes it)",
     )
     parser.add_argument(
+        "--matched-offline",
+        action="store_true",
+        help="also run offline with max_num_seqs set to each concurrency below --num-prompts",
+    )
+    parser.add_argument(
         "--offline-threads",
         type=int,
         default=None,
@@ -350,6 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "auto"
+    if args.matched_offline and args.max_num_seqs is not None:
+        parser.error("--matched-offline sets max_num_seqs itself; leave out --max-num-seqs")
     return args
 
 
@@ -390,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(model, [*flags, *args.server_arg], server_env, log)
         print("server:", " ".join(server.command[1:]), flush=True)
         rounds: list[Round] = []
+        matched = [c for c in args.concurrency if args.matched_offline and c < args.num_prompts]
         startup = float("nan")
         error: str | None = None
         try:
@@ -403,10 +432,14 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             llm = build_llm(model, settings, args)
             print(f"offline engine loaded in {time.perf_counter() - started:.1f} s", flush=True)
+            matched_llms = {
+                c: build_llm(model, {**settings, "max_num_seqs": c}, args) for c in matched
+            }
 
             if not args.no_warmup:
                 few = prompts[:WARMUP_PROMPTS]
-                offline_run(llm, few, WARMUP_TOKENS)
+                for engine in (llm, *matched_llms.values()):
+                    offline_run(engine, few, WARMUP_TOKENS)
                 bench_serve(
                     server.url, args, num_prompts=len(few), output_len=WARMUP_TOKENS,
                     concurrency=len(few), tokenizer=tokenizer_dir, result=scratch / "warm.json",
@@ -424,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
                         r.offline_tok_s = tokens / seconds
                         print(f"round {index} offline: {r.offline_tok_s:.1f} tok/s "
                               f"({tokens} tokens, {seconds:.1f} s)", flush=True)  # fmt: skip
+                        for c, engine in matched_llms.items():
+                            seconds, tokens = offline_run(engine, prompts, args.output_len)
+                            r.matched_tok_s[c], r.matched_tokens[c] = tokens / seconds, tokens
+                            print(f"round {index} offline max_num_seqs={c}: "
+                                  f"{tokens / seconds:.1f} tok/s", flush=True)  # fmt: skip
                         continue
                     for c in args.concurrency:
                         rate, failed, tokens = bench_serve(
@@ -448,11 +486,15 @@ def main(argv: list[str] | None = None) -> int:
     short = [
         f"{kind} {got} of {expected}"
         for r in rounds
-        for kind, got in [("offline", r.offline_tokens), *r.serving_tokens.items()]
+        for kind, got in [
+            ("offline", r.offline_tokens),
+            *r.serving_tokens.items(),
+            *((f"offline max_num_seqs={c}", n) for c, n in r.matched_tokens.items()),
+        ]
         if got != expected
     ]
     print()
-    print(report(rounds, args.concurrency))
+    print(report(rounds, args.concurrency, matched))
     load_end = os.getloadavg()
     print(f"\nload average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
     if short:
@@ -484,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                     for c in args.concurrency
                 },
                 **{f"ratio_c{c}": median([r.ratio(c) for r in rounds]) for c in args.concurrency},
+                **{
+                    f"matched_ratio_c{c}": median([r.matched_ratio(c) for r in rounds])
+                    for c in matched
+                },
             },
         }
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
