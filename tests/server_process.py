@@ -160,13 +160,13 @@ class ServerProcess:
                 values[name] = values.get(name, 0.0) + float(match.group(3))
         return values
 
-    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int | None:
-        """`sig` (SIGTERM or SIGINT: a graceful drain), then SIGKILL if it lingers; returns
-        the exit code."""
+    def stop(self, sig: signal.Signals = signal.SIGTERM, wait: float = 15.0) -> int | None:
+        """`sig` (SIGTERM or SIGINT: a graceful drain), then SIGKILL if it lingers past
+        `wait` seconds; returns the exit code."""
         if self.process.poll() is None:
             self.process.send_signal(sig)
             try:
-                self.process.wait(timeout=15)
+                self.process.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=5)

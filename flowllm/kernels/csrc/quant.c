@@ -21,9 +21,9 @@ group's s times the block's x scale; the offsets add m times the block's sum of 
 values (its scale times its codes' sum, llama.cpp's Q8_1 form). So the product is exactly
 W's values against x rounded to 8 bits a block, the error sum w (x rounded - x), bounded by
 sum |w| x (x block scale) / 2. (Adding m times x's exact float sum instead weighs that
-error by the codes s q alone, 0..15 for Q4_1, and reads ~1% more perplexity.) Other groups dequantize to float32 in registers
-and multiply with x as it is. x, the bias and y are float32, or bfloat16 (`bf16`): x
-widened as it is read, y rounded once.
+error by the codes s q alone, 0..15 for Q4_1, and reads ~1% more perplexity.) Other groups
+dequantize to float32 in registers and multiply with x as it is. x, the bias and y are float32, or
+bfloat16 (`bf16`): x widened as it is read, y rounded once.
 
 Integer products run 16 output rows at a time (output_group): each vector of codes holds 4
 codes of each of VL of the 16 rows, unpacked once per block and dotted with up to XROWS
