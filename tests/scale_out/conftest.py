@@ -40,6 +40,15 @@ def start_ray_server(model: Path, flags: tuple[str, ...] = (), **kwargs: object)
     return start_server(str(model), [*TINY_FLAGS, *RAY_FLAGS, *flags], **kwargs)  # type: ignore[arg-type]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Serve awaits a replica's `async def __del__` as it stops it (the tests that build
+    # replicas in this process do too); the collector calls it again, unawaited, later.
+    config.addinivalue_line(
+        "filterwarnings",
+        "ignore:coroutine 'EngineReplica.__del__' was never awaited:RuntimeWarning",
+    )
+
+
 @pytest.fixture(scope="session")
 def ray_address() -> Iterator[str]:
     """The address of a Ray cluster on this machine, for the session; shut down after."""

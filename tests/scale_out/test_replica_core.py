@@ -49,12 +49,7 @@ from flowllm.graph.wire import (
 from flowllm.messages import GenerateRequest, SamplingParams
 from flowllm.scale_out.replica import EngineReplica
 
-pytestmark = [
-    pytest.mark.anyio,
-    # Serve awaits a replica's `async def __del__` as it stops it; the collector calls it
-    # again, unawaited, when the object goes.
-    pytest.mark.filterwarnings("ignore:coroutine 'EngineReplica.__del__' was never awaited"),
-]
+pytestmark = pytest.mark.anyio
 TOKEN = "the-replicas-token"
 PROMPTS = ["Hello there", "The quick brown fox jumps over", "Once upon a time"]
 PARAMS = [

@@ -29,10 +29,7 @@ from flowllm.models.tokenizer import load_tokenizer
 from flowllm.scale_out.replica import EngineReplica
 from flowllm.scale_out.routed_engine import RoutedEngine
 
-pytestmark = [
-    pytest.mark.anyio,
-    pytest.mark.filterwarnings("ignore:coroutine 'EngineReplica.__del__' was never awaited"),
-]
+pytestmark = pytest.mark.anyio
 _ids = itertools.count()
 LONG = SamplingParams(max_tokens=480, ignore_eos=True)
 
