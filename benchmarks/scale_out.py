@@ -14,9 +14,17 @@ Two measurements, each side by side in one run, servers one at a time on 127.0.0
    servers' `--routing-imbalance-bound`.
 2. **Throughput.** 2 replicas x 1 torch thread (Ray) against 1 plain server x 2 threads,
    on distinct prompts (`--throughput-requests` of them, `--output-len` tokens each, at
-   `--concurrency`): output tokens per second, median of `--rounds` alternating rounds.
+   `--concurrency`): output tokens per second, and the CPU seconds the server's processes
+   spent per 1000 of them, in all and by the ingress, the replicas and the rest (Ray's
+   own processes, the launcher; a plain server's all count there), medians of `--rounds`
+   alternating rounds. On a machine other work loads, the CPU time moves less than the
+   rate.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/scale_out.py
+`--baseline DIR` runs every Ray measurement with another checkout too (its servers from
+DIR, in the same rounds, the order alternating), so that a change to the Ray backend is
+measured against what it replaces on the same machine's noise.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/scale_out.py [--baseline ../main]
 
 The model defaults to the bundled SmolLM2-135M-Instruct (converted once into the flowllm
 cache). The load average is printed with the figures.
@@ -42,6 +50,10 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "scale_out")]
+
+from ray_helpers import descendants  # noqa: E402  (the tests' own, from /proc)
+
 WORDS = [
     "river",
     "mountain",
@@ -87,9 +99,11 @@ def _free_port() -> int:
 
 
 class Server:
-    """One `flowllm serve` subprocess, healthy on enter, stopped (SIGTERM) on exit."""
+    """One `flowllm serve` subprocess of `checkout`, healthy on enter, stopped (SIGTERM) on
+    exit."""
 
-    def __init__(self, model: str, flags: list[str]) -> None:
+    def __init__(self, model: str, flags: list[str], checkout: Path = REPO) -> None:
+        self.checkout = checkout
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
@@ -99,8 +113,10 @@ class Server:
         self.log = tempfile.TemporaryFile()  # noqa: SIM115  (closed in __exit__)
 
     def __enter__(self) -> Server:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-        self.process = subprocess.Popen(self.args, env=env, stdout=self.log, stderr=self.log)
+        env = {**os.environ, "PYTHONPATH": str(self.checkout), "HF_HUB_OFFLINE": "1"}
+        self.process = subprocess.Popen(
+            self.args, cwd=self.checkout, env=env, stdout=self.log, stderr=self.log
+        )
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -186,15 +202,15 @@ def routing_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def measure_routing(args: argparse.Namespace, policy: str) -> dict[str, float]:
+def measure_routing(args: argparse.Namespace, policy: str, checkout: Path) -> dict[str, float]:
     flags = [
         *args.server_flags, "--distributed-executor-backend", "ray",
         "--data-parallel-size", "2", "--cpu-threads", "1", "--routing", policy,
         "--routing-imbalance-bound", str(args.imbalance_bound),
     ]  # fmt: skip
-    with Server(args.model, flags) as server:
+    with Server(args.model, flags, checkout) as server:
         asyncio.run(_run(server.url, ["Warm up."], 4, 1))
-        time.sleep(1.5)  # the replicas' metrics reach the ingress with its next probe
+        time.sleep(1.5)  # a baseline's replicas' metrics reach its ingress with a probe
         before = server.replica_sums()
         results = asyncio.run(
             _run(server.url, routing_prompts(args), args.routing_output_len, args.concurrency)
@@ -211,7 +227,35 @@ def measure_routing(args: argparse.Namespace, policy: str) -> dict[str, float]:
     }
 
 
-def measure_throughput(args: argparse.Namespace, layout: str) -> float:
+CPU_GROUPS = ("ingress", "replicas", "rest")  # the rest: Ray's processes, the launcher
+
+
+def _cpu_group(pid: int) -> str:
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    if b"ServeReplica:flowllm:ingress" in cmdline:
+        return "ingress"
+    return "replicas" if b"ServeReplica:flowllm:engine" in cmdline else "rest"
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """User and system CPU time of `pid` and every live process under it (Ray's too), by
+    `CPU_GROUPS`."""
+    seconds = dict.fromkeys(CPU_GROUPS, 0.0)
+    for process in {pid, *descendants(pid)}:
+        try:
+            fields = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
+            group = _cpu_group(process)
+        except OSError:
+            continue
+        seconds[group] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def measure_throughput(
+    args: argparse.Namespace, layout: str, checkout: Path
+) -> tuple[float, dict[str, float]]:
+    """(output tokens per second, CPU seconds of the server's processes per 1000 output
+    tokens by `CPU_GROUPS`): CPU time counts what the work cost, whatever else ran."""
     if layout == "2x1":
         flags = [
             *args.server_flags, "--distributed-executor-backend", "ray",
@@ -224,12 +268,15 @@ def measure_throughput(args: argparse.Namespace, layout: str) -> float:
         f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(32))
         for i in range(args.throughput_requests)
     ]
-    with Server(args.model, flags) as server:
+    with Server(args.model, flags, checkout) as server:
         asyncio.run(_run(server.url, ["Warm up."], 4, 1))
+        before = cpu_seconds(server.process.pid)
         started = time.monotonic()
         results = asyncio.run(_run(server.url, prompts, args.output_len, args.concurrency))
         elapsed = time.monotonic() - started
-    return sum(tokens for _, tokens in results) / elapsed
+        after = cpu_seconds(server.process.pid)
+    tokens = sum(tokens for _, tokens in results)
+    return tokens / elapsed, {g: 1000 * (after[g] - before[g]) / tokens for g in CPU_GROUPS}
 
 
 def main() -> int:
@@ -248,37 +295,70 @@ def main() -> int:
     parser.add_argument("--imbalance-bound", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-routing", action="store_true")
+    parser.add_argument("--baseline", type=Path, help="another checkout, measured alongside")
     args = parser.parse_args()
     args.server_flags = [
         "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)
     ]  # fmt: skip
+    checkouts = {"this": REPO}
+    if args.baseline is not None:
+        checkouts["baseline"] = args.baseline.resolve()
 
-    routing: dict[str, list[dict[str, float]]] = {"prefix_aware": [], "round_robin": []}
-    for round_index in range(args.rounds):
-        order = ["prefix_aware", "round_robin"]
-        for policy in order if round_index % 2 == 0 else order[::-1]:
-            routing[policy].append(measure_routing(args, policy))
-            print(f"round {round_index} {policy}: {routing[policy][-1]}", flush=True)
-    throughput: dict[str, list[float]] = {"2x1": [], "1x2": []}
+    def alternated(settings: list[tuple[str, str]], round_index: int) -> list[tuple[str, str]]:
+        return settings if round_index % 2 == 0 else settings[::-1]
+
+    loads: list[float] = []
+    routing: dict[tuple[str, str], list[dict[str, float]]] = {
+        (c, p): [] for c in checkouts for p in ("prefix_aware", "round_robin")
+    }
+    for round_index in range(0 if args.skip_routing else args.rounds):
+        for checkout, policy in alternated(list(routing), round_index):
+            routing[checkout, policy].append(measure_routing(args, policy, checkouts[checkout]))
+            loads.append(os.getloadavg()[0])
+            result = routing[checkout, policy][-1]
+            print(f"round {round_index} {checkout} {policy}: {result}", end=" ")
+            print(f"load {loads[-1]:.2f}", flush=True)
+    layouts = [(c, "2x1") for c in checkouts] + [("this", "1x2")]
+    throughput: dict[tuple[str, str], list[tuple[float, dict[str, float]]]] = {
+        key: [] for key in layouts
+    }
     if not args.skip_throughput:
         for round_index in range(args.rounds):
-            order = ["2x1", "1x2"]
-            for layout in order if round_index % 2 == 0 else order[::-1]:
-                throughput[layout].append(measure_throughput(args, layout))
-                print(f"round {round_index} {layout}: {throughput[layout][-1]:.1f} tok/s")
+            for checkout, layout in alternated(layouts, round_index):
+                rate, cpu = measure_throughput(args, layout, checkouts[checkout])
+                throughput[checkout, layout].append((rate, cpu))
+                loads.append(os.getloadavg()[0])
+                print(f"round {round_index} {checkout} {layout}: {rate:.1f} tok/s", end=" ")
+                shares = ", ".join(f"{g} {cpu[g]:.2f}" for g in CPU_GROUPS)
+                print(f"CPU s/1k tokens {sum(cpu.values()):.2f} ({shares})", end=" ")
+                print(f"load {loads[-1]:.2f}", flush=True)
 
-    print(f"\nload average: {os.getloadavg()[0]:.2f}; rounds: {args.rounds}")
-    print("\n| routing | prefix-cache hit rate | median TTFT |")
-    print("|---|---|---|")
-    for policy, runs in routing.items():
-        rate = statistics.median(r["hit_rate"] for r in runs)
-        ttft = statistics.median(r["median_ttft_s"] for r in runs)
-        print(f"| {policy} | {rate:.1%} | {ttft * 1000:.0f} ms |")
+    print(
+        f"\nload average (1 min) after each run: {min(loads):.2f}-{max(loads):.2f}; "
+        f"rounds: {args.rounds}"
+    )
+    if not args.skip_routing:
+        print("\n| checkout | routing | prefix-cache hit rate | median TTFT |")
+        print("|---|---|---|---|")
+        for (checkout, policy), runs in routing.items():
+            rate = statistics.median(r["hit_rate"] for r in runs)
+            ttft = statistics.median(r["median_ttft_s"] for r in runs)
+            print(f"| {checkout} | {policy} | {rate:.1%} | {ttft * 1000:.0f} ms |")
     if not args.skip_throughput:
-        print("\n| layout | output tokens/s (median) |")
-        print("|---|---|")
-        print(f"| 2 replicas x 1 thread (Ray) | {statistics.median(throughput['2x1']):.1f} |")
-        print(f"| 1 server x 2 threads | {statistics.median(throughput['1x2']):.1f} |")
+        names = {"2x1": "2 replicas x 1 thread (Ray)", "1x2": "1 server x 2 threads"}
+        print(
+            "\n| checkout | layout | output tokens/s | CPU s / 1k tokens: all, "
+            + ", ".join(CPU_GROUPS)
+            + " |"
+        )
+        print("|---|---|---|---|")
+        for (checkout, layout), runs in throughput.items():
+            rate = statistics.median(r for r, _ in runs)
+            cpu = [statistics.median(sum(c.values()) for _, c in runs)]
+            cpu += [statistics.median(c[g] for _, c in runs) for g in CPU_GROUPS]
+            shown = ", ".join(f"{c:.2f}" for c in cpu)
+            print(f"| {checkout} | {names[layout]} | {rate:.1f} | {shown} |")
     return 0
 
 

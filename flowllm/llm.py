@@ -256,7 +256,7 @@ class CoreRun:
         self.spec = CoreSpec(
             config=config,
             graph_file=graph.spec.source,
-            socket_path=os.path.join(folder, "core.sock"),
+            address=os.path.join(folder, "core.sock"),
             fronts=1,
         )
         self.process = start_core(self.spec)
@@ -287,7 +287,7 @@ class CoreRun:
 
     def engine(self, tokenizer: PreTrainedTokenizerBase, recorder: Any) -> Any:
         return FrontEngine.connect(
-            self.config, self.graph, self.spec.socket_path, tokenizer=tokenizer, recorder=recorder
+            self.config, self.graph, self.spec.address, tokenizer=tokenizer, recorder=recorder
         )
 
     def stop(self) -> None:

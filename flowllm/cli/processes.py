@@ -43,7 +43,7 @@ class FrontSpec:
     args: argparse.Namespace
     listener: socket.socket
     index: int
-    socket_path: str
+    core_address: str
 
 
 def step_loop_intensity(graph: ValidGraph, core: str) -> RestartIntensity:
@@ -83,7 +83,7 @@ class Supervisor:
         self.core_spec = CoreSpec(
             config=config,
             graph_file=graph.spec.source,
-            socket_path=os.path.join(self.folder, "core.sock"),
+            address=os.path.join(self.folder, "core.sock"),
             fronts=args.api_server_count,
             threads=threads,
             log_format=args.log_format,
@@ -104,7 +104,7 @@ class Supervisor:
         self.log.info("engine core started", pid=self.core.pid)
 
     def _start_front(self, index: int) -> Any:
-        spec = FrontSpec(self.args, self.listener, index, self.core_spec.socket_path)
+        spec = FrontSpec(self.args, self.listener, index, self.core_spec.address)
         process = self.context.Process(
             target=run_front, args=(spec,), name=f"flowllm-front-{index}"
         )
@@ -182,4 +182,4 @@ def run_front(spec: FrontSpec) -> None:
     from flowllm.engine.core import become_child
 
     become_child(f"flowllm-front{spec.index}")
-    raise SystemExit(serve_front(spec.args, spec.listener, spec.index, spec.socket_path))
+    raise SystemExit(serve_front(spec.args, spec.listener, spec.index, spec.core_address))

@@ -262,8 +262,8 @@ def serve_in_one_process(
     return run_http(args, config, engine)
 
 
-def serve_front(args: argparse.Namespace, listener: Any, index: int, socket_path: str) -> int:
-    """A front process: the HTTP server and the front's stages, the core at `socket_path`."""
+def serve_front(args: argparse.Namespace, listener: Any, index: int, core_address: str) -> int:
+    """A front process: the HTTP server and the front's stages, the core at `core_address`."""
     from flowllm.engine.args import config_from_args
     from flowllm.engine.front import FrontEngine
 
@@ -276,7 +276,7 @@ def serve_front(args: argparse.Namespace, listener: Any, index: int, socket_path
         return FrontEngine.connect(
             config,
             graph,
-            socket_path,
+            core_address,
             index=index,
             stop_timeout=args.shutdown_timeout,
             span_sinks=span_sinks,

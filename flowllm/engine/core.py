@@ -2,10 +2,11 @@
 
 A graph placed across processes (flowllm/engine/default.yaml) runs its per-request
 stages with the HTTP server in the front processes and the rest here. The core loads the
-model, listens on a Unix socket, and runs its part of the graph with one `Peer` per
-front (flowllm/graph/remote.py); `Ownership` sends each front the outputs of its own
-requests. A front that goes away has its requests aborted here, so their blocks are
-freed; the core beats (`Heartbeat`) to every front, which is what their `/health` reads.
+model, listens on a Unix socket (on TCP when it is a Ray replica, flowllm/scale_out/), and
+runs its part of the graph with one `Peer` per front (flowllm/graph/remote.py);
+`Ownership` sends each front the outputs of its own requests. A front that goes away has
+its requests aborted here, so their blocks are freed; the core beats (`Heartbeat`) to
+every front, which is what their `/health` reads.
 
 `CoreSpec` is everything the process needs, picklable, so that the process that
 supervises it (flowllm/cli/processes.py) can start it, and start it again.
@@ -14,6 +15,7 @@ supervises it (flowllm/cli/processes.py) can start it, and start it again.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import multiprocessing
 import multiprocessing.process
 import os
@@ -43,6 +45,7 @@ from flowllm.engine.span_relay import SpanRelay, Spans, WantSpans
 from flowllm.graph.channel import type_members
 from flowllm.graph.remote import Boundary, Peer, PeerGone
 from flowllm.graph.runtime import Graph
+from flowllm.graph.transport import keep_alive, listen
 from flowllm.graph.validator import ValidGraph, load_graph
 from flowllm.graph.wire import (
     CONTROL,
@@ -66,8 +69,9 @@ class CoreSpec:
 
     config: EngineConfig
     graph_file: str
-    socket_path: str
+    address: str  # a Unix socket path, or HOST:PORT (flowllm/graph/transport.py)
     fronts: int  # how many front processes connect (--api-server-count)
+    token: str = ""  # what a front's Hello must carry
     threads: int | None = None  # torch's intra-op threads (None: torch's default)
     log_format: str | None = None
     log_level: str | None = None
@@ -112,7 +116,7 @@ def run_core(spec: CoreSpec) -> None:
 
     graph = load_graph(spec.graph_file)
     services = build_services(spec.config)
-    code = anyio.run(_serve, spec, graph, services)
+    code = anyio.run(_serve_until_sigterm, spec, graph, services)
     os._exit(code)  # no interpreter teardown: the model's memory goes with the process
 
 
@@ -133,7 +137,8 @@ def become_child(name: str) -> None:
 
 
 class Core:
-    """One run of the core's graph and its fronts' connections."""
+    """One run of the core's graph and its fronts' connections (constructed in the event
+    loop that serves it)."""
 
     def __init__(self, spec: CoreSpec, graph: ValidGraph, services: EngineServices) -> None:
         self.spec = spec
@@ -174,6 +179,22 @@ class Core:
         self._span_wanted: set[int] = set()  # fronts whose span sinks want the core's spans
         self.spans = SpanRelay(self._send_spans)
         self.graph.add_span_sink(self.spans)
+        self._stop = anyio.Event()
+
+    @property
+    def serving(self) -> bool:
+        """The core's graph runs and has not failed for good."""
+        return self.graph.running and not self.graph.failed
+
+    @property
+    def busy(self) -> bool:
+        """A connected front has requests running here."""
+        return len(self.ownership) > 0 and any(peer.attached for peer in self.fronts)
+
+    def stop(self) -> None:
+        """Stop serving: the graph drains (up to the spec's `stop_timeout`), `serve` returns.
+        The fronts should have drained first: nothing more is taken from them."""
+        self._stop.set()
 
     def _arrived(self, peer: Peer, _channel: str, message: object) -> None:
         self.ownership.arrived(peer.index, message)
@@ -209,24 +230,26 @@ class Core:
             eos_token_ids=services.eos_token_ids,
             num_blocks=services.num_blocks,
             pid=os.getpid(),
+            healthy=self.graph.healthy,
         )
 
-    async def serve(self) -> int:
-        listener = await anyio.create_unix_listener(self.spec.socket_path)
-        stop = anyio.Event()
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED
+    ) -> int:
+        """Listen and serve the fronts until `stop()` or the graph's end; the exit status.
+        Started with `TaskGroup.start`, it reports the address it listens on."""
+        listener, address = await listen(self.spec.address)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._signals, stop)
             await tg.start(self.graph.run)
             for peer in self.fronts:
                 tg.start_soon(peer.pump_overflow)
             tg.start_soon(self._heartbeat)
             tg.start_soon(listener.serve, self._connection)
-            self.log.info(
-                "engine core ready", socket=self.spec.socket_path, fronts=len(self.fronts)
-            )
+            self.log.info("engine core ready", address=address, fronts=len(self.fronts))
+            task_status.started(address)
             with anyio.CancelScope() as waiting:
                 tg.start_soon(self._end_with_graph, waiting)
-                await stop.wait()
+                await self._stop.wait()
             if not self.graph.finished:
                 # Stopping: the fronts have drained; nothing more comes from them.
                 for peer in self.fronts:
@@ -240,11 +263,6 @@ class Core:
         await self.graph.wait_finished()
         waiting.cancel()
 
-    async def _signals(self, stop: anyio.Event) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                stop.set()
-
     async def _heartbeat(self) -> None:
         while True:
             message = Heartbeat(healthy=self.graph.healthy)
@@ -253,6 +271,7 @@ class Core:
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+        keep_alive(stream)
         try:
             with anyio.fail_after(5):
                 frame = await read_one_frame(stream)
@@ -276,6 +295,8 @@ class Core:
     def _refusal(self, hello: object) -> str | None:
         if not isinstance(hello, Hello):
             return f"expected a Hello, got {type(hello).__name__}"
+        if not hmac.compare_digest(hello.token.encode(), self.spec.token.encode()):
+            return "the front does not hold this core's token"
         if hello.wiring != self.wiring:
             return "the front runs another graph than the core"
         if not 0 <= hello.front < len(self.fronts):
@@ -297,5 +318,16 @@ class Core:
             peer.inject(self._request_channels[0], Abort(request_id, reason="front gone"))
 
 
-async def _serve(spec: CoreSpec, graph: ValidGraph, services: EngineServices) -> int:
-    return await Core(spec, graph, services).serve()
+async def _serve_until_sigterm(spec: CoreSpec, graph: ValidGraph, services: EngineServices) -> int:
+    core = Core(spec, graph, services)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_stop_on_sigterm, core)
+        code = await core.serve()
+        tg.cancel_scope.cancel()
+    return code
+
+
+async def _stop_on_sigterm(core: Core) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            core.stop()

@@ -1,6 +1,6 @@
 """What the front processes and the engine core say to each other besides channel traffic.
 
-A front connects to the core's Unix socket and greets it (`Hello`); the core answers
+A front connects to the core's socket and greets it (`Hello`); the core answers
 with what the front's stages need to know of the model (`CoreReady`), then sends a
 `Heartbeat` every `HEARTBEAT_INTERVAL_S`, and its metrics when a front asks for them
 (`MetricsQuery`, for a scrape of /metrics or the web page's live view).
@@ -26,6 +26,9 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
     front: int  # which front this is, 0 .. api_server_count - 1
     wiring: str  # the graph's wiring digest: both ends run the same graph
     pid: int
+    # The core's secret, for a core on TCP (a Ray replica's): only its own front is
+    # served, not whoever reaches the port (nor a front that found another core there).
+    token: str = ""
 
 
 class CoreReady(msgspec.Struct, frozen=True, tag=True):
@@ -36,6 +39,7 @@ class CoreReady(msgspec.Struct, frozen=True, tag=True):
     eos_token_ids: tuple[int, ...]
     num_blocks: int
     pid: int
+    healthy: bool  # as a `Heartbeat` says: the front may serve at once
 
 
 class Refused(msgspec.Struct, frozen=True, tag=True):

@@ -1,6 +1,6 @@
 """A front process's engine: the per-request stages here, the step loop in the core.
 
-`FrontEngine.start` connects to the core's socket (waiting for it to come up), learns
+`FrontEngine.connect` connects to the core's socket (waiting for it to come up), learns
 the model's facts from its `CoreReady`, loads the tokenizer meanwhile, and runs the
 front's part of the graph with the core as its one `Peer`. Seen from the HTTP API and
 the offline `LLM` it is an `AsyncEngine`; `healthy` also needs a core that beat within
@@ -8,7 +8,8 @@ the offline `LLM` it is an `AsyncEngine`; `healthy` also needs a core that beat 
 
 When the core goes away (it died, or was restarted by its supervisor), every request in
 flight is answered at once with an `unavailable` error, the sequences the core was
-running are ended for the stages here, and the front reconnects to the next core.
+running are ended for the stages here, and the front reconnects to the next core: at the
+same address, or where `locate` says the core now is (a Ray replica restarted elsewhere).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import contextlib
 import functools
 import itertools
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 import structlog
 import torch
 from prometheus_client import CollectorRegistry
@@ -49,6 +51,7 @@ from flowllm.graph.channel import type_members
 from flowllm.graph.remote import Boundary, Peer, PeerGone, RemoteChannel
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSink
+from flowllm.graph.transport import connect
 from flowllm.graph.validator import ValidGraph
 from flowllm.graph.wire import channel_codecs, wiring_digest
 from flowllm.messages import ChoiceEvents, RequestError, request_ids_of
@@ -59,7 +62,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 RECONNECT_INTERVAL_S = 0.05
-CORE_LOST = "The engine core stopped while this request ran; retry it."
+CORE_LOST = RequestError(
+    request_id="",
+    message="The engine core stopped while this request ran; retry it.",
+    kind="unavailable",
+)
+
+Locate = Callable[[], Awaitable[str]]
+"""Where the core listens now, asked before each connection (the address may change); it
+waits while nobody knows, and an OSError makes the front ask again."""
 
 
 class ModelFacts:
@@ -73,13 +84,24 @@ class ModelFacts:
 class CoreLink:
     """The front's connection to the core: the `Peer`, its heartbeat, what it runs."""
 
-    def __init__(self, graph: ValidGraph, socket_path: str, index: int) -> None:
-        self.socket_path = socket_path
+    def __init__(
+        self,
+        graph: ValidGraph,
+        address: str | Locate,
+        index: int,
+        *,
+        token: str = "",
+        core_lost: RequestError = CORE_LOST,
+    ) -> None:
+        self.address = address
         self.index = index
+        self.token = token
+        self.core_lost = core_lost  # the answer to requests in flight when the core goes
         self.wiring = wiring_digest(graph.channels)
         self.front, self.core = placement_of(graph)
         self.log = structlog.get_logger("flowllm.front").bind(front=index)
         self.ready: CoreReady | None = None
+        self.core_address = ""  # where the latest connection went
         self.connected = anyio.Event()
         self.last_beat = 0.0
         self.core_healthy = False
@@ -147,6 +169,7 @@ class CoreLink:
         elif isinstance(message, CoreReady):
             self.ready = message
             self.last_beat = monotonic()
+            self.core_healthy = message.healthy
             if self._spans_wanted:
                 self.peer.send_control(WantSpans(True))  # a new core: tell it afresh
             self.connected.set()
@@ -175,37 +198,41 @@ class CoreLink:
         if self.services is None:
             return
         for request_id in request_ids_of(message):
-            self.services.mailboxes.fail(_core_lost(request_id))
+            self.services.mailboxes.fail(self._lost(request_id))
+
+    def _lost(self, request_id: str) -> RequestError:
+        return msgspec.structs.replace(self.core_lost, request_id=request_id)
 
     async def run(self) -> None:
         """Connect, carry the channels, reconnect after the core went away; forever."""
         while not self.stopping:
             try:
-                stream = await anyio.connect_unix(self.socket_path)
+                address = self.address if isinstance(self.address, str) else await self.address()
+                stream = await connect(address)
             except OSError:
                 await anyio.sleep(RECONNECT_INTERVAL_S)
                 continue
-            hello = Hello(front=self.index, wiring=self.wiring, pid=os.getpid())
+            self.core_address = address
+            hello = Hello(front=self.index, wiring=self.wiring, pid=os.getpid(), token=self.token)
+            ready = self.ready
             with contextlib.suppress(PeerGone):
                 await self.peer.attach(stream, greeting=hello)
             if not self.stopping:
                 self._core_lost()
+                if self.ready is ready:  # refused, or gone before it greeted: not at once
+                    await anyio.sleep(RECONNECT_INTERVAL_S)
 
     def _core_lost(self) -> None:
         self.core_healthy = False
         if self.connected.is_set():
             self.log.error("the engine core went away; failing requests in flight")
         if self.services is not None:
-            self.services.mailboxes.fail_all(_core_lost)
+            self.services.mailboxes.fail_all(self._lost)
         ended = tuple(self.ownership.live_seqs_of(0))
         self.ownership = Ownership()
         if ended:
             for name in self._choice_channels:
                 self.peer.inject(name, ChoiceEvents(step_id=-1, ended=ended))
-
-
-def _core_lost(request_id: str) -> RequestError:
-    return RequestError(request_id=request_id, message=CORE_LOST, kind="unavailable")
 
 
 class FrontEngine(AsyncEngine):
@@ -242,20 +269,25 @@ class FrontEngine(AsyncEngine):
         cls,
         config: EngineConfig,
         graph: ValidGraph,
-        socket_path: str,
+        address: str | Locate,
         *,
         index: int = 0,
+        token: str = "",
+        core_lost: RequestError = CORE_LOST,
         tokenizer: PreTrainedTokenizerBase | None = None,
         stop_timeout: float = 30.0,
         span_sinks: Sequence[SpanSink] = (),
         **graph_options: Any,
     ) -> AsyncIterator[FrontEngine]:
-        """Run the front's part of `graph` for the body, the core at `socket_path`
-        (`tokenizer`: one already loaded, else loaded here while the core starts)."""
+        """Run the front's part of `graph` for the body, the core at `address` (a Unix
+        socket path or HOST:PORT, or a `Locate` that finds it), greeted with `token`;
+        `core_lost`: what requests in flight get when the core goes away (their ids
+        replaced); `tokenizer`: one already loaded, else loaded here while the core
+        starts."""
         from flowllm.engine.loading import tokenizer_source
         from flowllm.models.tokenizer import load_tokenizer
 
-        link = CoreLink(graph, socket_path, index)
+        link = CoreLink(graph, address, index, token=token, core_lost=core_lost)
         async with anyio.create_task_group() as tg:
             tg.start_soon(link.run)
             if tokenizer is None:

@@ -286,6 +286,11 @@ class Graph:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def stages_here(self) -> tuple[str, ...]:
+        """The names of the stages this process runs (all of them in an unplaced run)."""
+        return tuple(self._replicas)
+
     def stage(self, name: str) -> Stage:
         """The stage object named `name` (its first replica), e.g. to call `submit()`."""
         return self.replicas(name)[0]

@@ -1,8 +1,11 @@
 """The ingress deployment: flowllm's own Litestar app, served by Ray Serve's HTTP proxy.
 
 It is the app `flowllm serve` runs (`create_app`), over a `RoutedEngine` instead of a
-local graph, so routes, validation errors, the API key and the 503s are the same. The app
-is built in the replica (Serve's late-bound ingress), where the tokenizer loads.
+local graph, so routes, validation errors, the API key and the 503s are the same. Beneath
+it run the fronts of the placed graph, one per engine replica: admission, validation,
+tokenization and detokenization happen here, as in a front process of a single server,
+and only the step loop's traffic crosses to the replicas' cores. The app is built in the
+replica (Serve's late-bound ingress), where the tokenizer loads.
 
 Serve's proxy gives every request an X-Request-Id (the client's, or one it makes) before
 the app sees it, and appends that id to the response itself: the app, which echoes the
@@ -47,10 +50,10 @@ class WithoutEchoedRequestId:
 
 @serve.ingress()
 class Ingress:
-    """`args`: `flowllm serve`'s; `replicas`: (deployment name, handle) of each engine
-    replica (Serve passes handles for the bound deployments)."""
+    """`args`: `flowllm serve`'s; `replicas`: (deployment name, handle, token) of each
+    engine replica (Serve passes handles for the bound deployments)."""
 
-    def __init__(self, args: argparse.Namespace, replicas: Sequence[tuple[str, Any]]) -> None:
+    def __init__(self, args: argparse.Namespace, replicas: Sequence[tuple[str, Any, str]]) -> None:
         self._args = args
         self._replicas = list(replicas)
 
@@ -58,26 +61,29 @@ class Ingress:
         from flowllm.api.app import create_app
         from flowllm.cli.serve import auto_tool_parser, cors_config, resolve_api_key
         from flowllm.engine.args import config_from_args
+        from flowllm.engine.async_engine import DEFAULT_GRAPH
+        from flowllm.engine.loading import tokenizer_source
+        from flowllm.graph.validator import load_graph
         from flowllm.logging_config import configure_logging
-        from flowllm.models.loader import resolve_model
         from flowllm.models.tokenizer import load_tokenizer
 
         args = self._args
         configure_logging(fmt=args.log_format, level=args.log_level, force=True)
         config = config_from_args(args)
-        tokenizer = load_tokenizer(
-            resolve_model(config.model.model).path, config.model.chat_template
-        )
+        graph = load_graph(args.graph or DEFAULT_GRAPH)
+        tokenizer = load_tokenizer(*tokenizer_source(config))
         replicas = self._replicas
 
         @asynccontextmanager
         async def engine() -> AsyncIterator[RoutedEngine]:
             async with RoutedEngine.start(
                 replicas,
+                config=config,
+                graph=graph,
                 routing=args.routing,
                 imbalance_bound=args.routing_imbalance_bound,
                 tokenizer=tokenizer,
-                limits=config.limits,
+                stop_timeout=args.shutdown_timeout,
             ) as routed:
                 yield routed
 

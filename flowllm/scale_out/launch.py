@@ -1,11 +1,14 @@
 """`flowllm serve --distributed-executor-backend ray`: the application on a Ray cluster.
 
 Starts a Ray cluster on this machine (or joins `--ray-address`), runs Serve's HTTP proxy
-on --host/--port, and deploys one application: the ingress and `--data-parallel-size`
-engine replicas, each replica a Serve deployment of its own so that the ingress routes to
-a known replica (and labels its metrics with it). SIGINT or SIGTERM stops the application
-(replicas finish their requests for up to --shutdown-timeout, through the proxy), then
-Serve and Ray: a cluster this command started leaves no process behind.
+on --host/--port, and deploys one application: the ingress (the API and one front of the
+placed graph per replica) and `--data-parallel-size` engine replicas, each an engine core
+and a Serve deployment of its own, so that the ingress's front for it finds it (and
+labels its metrics with it). Each replica gets a token of its own, which its front's
+greeting must carry: the core's TCP port serves that front and nobody else. SIGINT or
+SIGTERM stops the application (the requests in flight finish for up to
+--shutdown-timeout, through the proxy), then Serve and Ray: a cluster this command
+started leaves no process behind.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import logging
 import math
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -81,6 +85,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             ("--otlp-traces-endpoint", args.otlp_traces_endpoint),
             ("--ssl-keyfile", args.ssl_keyfile),
             ("--ssl-certfile", args.ssl_certfile),
+            ("--api-server-count", args.api_server_count != 1),
         )
         if value
     ]
@@ -114,6 +119,7 @@ def build_application(args: argparse.Namespace) -> Any:
         "logging_config": {"enable_access_log": False},
     }
     threads = replica_threads(args)
+    tokens = [secrets.token_hex(16) for _ in range(args.data_parallel_size)]
     replicas = [
         (
             replica_name(i),
@@ -126,7 +132,8 @@ def build_application(args: argparse.Namespace) -> Any:
                 health_check_period_s=HEALTH_CHECK_PERIOD_S,
                 **common,
             )
-            .bind(args, threads),
+            .bind(args, threads, tokens[i]),
+            tokens[i],
         )
         for i in range(args.data_parallel_size)
     ]
@@ -163,6 +170,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     )
     from flowllm.engine.args import config_from_args
     from flowllm.engine.async_engine import DEFAULT_GRAPH
+    from flowllm.engine.core import placement_of
     from flowllm.graph.validator import load_graph
 
     try:
@@ -171,7 +179,13 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         cors_config(args)
         auto_tool_parser(args)
         config_from_args(args)
-        load_graph(args.graph or DEFAULT_GRAPH)
+        graph = load_graph(args.graph or DEFAULT_GRAPH)
+        if not graph.placement:
+            raise ScaleOutError(
+                "--distributed-executor-backend ray needs a graph placed in a front and a "
+                "core process (stages with process:, as the default graph)"
+            )
+        placement_of(graph)
         import ray
         from ray import serve
     except ImportError as e:

@@ -1,11 +1,13 @@
-"""An engine replica: a whole flowllm graph in a Ray Serve replica, called by the ingress.
+"""An engine replica: a Ray Serve replica that is an engine core (flowllm/engine/core.py).
 
-The graph runs in a task of the replica's event loop for the replica's whole life (its
-async context must be entered and left in one task). `generate` streams one API request's
-events; when the caller cancels the call (the client left, or the ingress aborted it), the
-generator is cancelled here and aborts every sub-request still running, so the blocks are
-freed in this replica. Serve calls `check_health`: a graph that failed for good raises,
-and Serve replaces the replica.
+It runs the core's part of the placed graph (the step loop and the model) and listens on
+TCP, on its node's address and a free port, for one front: the ingress's front for this
+replica (flowllm/scale_out/ingress.py), which speaks the wire format of every
+cross-process channel (flowllm/graph/wire.py) and must hold the replica's token. Serve
+calls `describe` for the address (the ingress asks again after a restart) and
+`check_health`: a core whose graph failed for good raises, and Serve replaces the
+replica. The core runs in a task of the replica's event loop for the replica's whole
+life (its task group must be entered and left in one task).
 """
 
 from __future__ import annotations
@@ -13,33 +15,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.to_thread
-from prometheus_client import generate_latest
 
-from flowllm.engine.async_engine import AsyncEngine
-from flowllm.mailbox import Mailbox, Overloaded, RequestFailed
-from flowllm.scale_out.wire import (
-    ChunkEvent,
-    ErrorEvent,
-    Event,
-    Refused,
-    decode_submission,
-    encode_event,
-)
-from flowllm.stages.services import EngineServices
+from flowllm.engine.core import Core, CoreSpec
+from flowllm.graph.transport import tcp_address
 
-if TYPE_CHECKING:
-    from flowllm.graph.validator import ValidGraph
+DRAIN_POLL_S = 0.05
 
 
 class EngineReplica:
-    """One data-parallel engine: `args` are `flowllm serve`'s, `threads` torch's threads."""
+    """One data-parallel engine core: `args` are `flowllm serve`'s, `threads` torch's
+    threads, `token` what its front's greeting must carry."""
 
-    async def __init__(self, args: argparse.Namespace, threads: int) -> None:  # type: ignore[misc]
+    async def __init__(self, args: argparse.Namespace, threads: int, token: str) -> None:  # type: ignore[misc]
+        import ray
         import torch
 
         from flowllm.engine.args import config_from_args
@@ -51,107 +43,50 @@ class EngineReplica:
         configure_logging(fmt=args.log_format, level=args.log_level, force=True)
         torch.set_num_threads(threads)
         graph = load_graph(args.graph or DEFAULT_GRAPH)
-        services = await anyio.to_thread.run_sync(build_services, config_from_args(args))
-        self._services = services
-        self._stop = anyio.Event()
-        # request id -> the task forwarding its mailbox, while its generate call runs
-        self._forwarders: dict[str, asyncio.Task[None]] = {}
-        started: asyncio.Future[AsyncEngine] = asyncio.get_running_loop().create_future()
-        self._runner = asyncio.create_task(
-            self._run(graph, services, args.shutdown_timeout, started)
+        config = config_from_args(args)
+        services = await anyio.to_thread.run_sync(build_services, config)
+        spec = CoreSpec(
+            config=config,
+            graph_file=graph.spec.source,
+            address=tcp_address(ray.util.get_node_ip_address(), 0),
+            fronts=1,
+            token=token,
+            stop_timeout=args.shutdown_timeout,
         )
-        self._engine = await started
+        self._core = Core(spec, graph, services)
+        self._stop_timeout = args.shutdown_timeout
+        started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._runner = asyncio.create_task(self._run(started))
+        self._address = await started
 
-    async def _run(
-        self,
-        graph: ValidGraph,
-        services: EngineServices,
-        stop_timeout: float,
-        started: asyncio.Future[AsyncEngine],
-    ) -> None:
+    async def _run(self, started: asyncio.Future[str]) -> None:
         try:
-            async with AsyncEngine.start(
-                graph=graph, services=services, stop_timeout=stop_timeout
-            ) as engine:
-                started.set_result(engine)
-                await self._stop.wait()
+            async with anyio.create_task_group() as tg:
+                started.set_result(await tg.start(self._core.serve))
         except BaseException as exc:
             if not started.done():
                 started.set_exception(exc)
             raise
 
     def describe(self) -> dict[str, Any]:
-        """What the ingress needs to know once: names, context length, cache geometry."""
+        """Where the core listens, its process, and the stages it runs."""
         return {
-            "model_name": self._engine.model_name,
-            "max_model_len": self._engine.max_model_len,
-            "num_blocks": self._services.num_blocks,
-            "block_size": self._services.config.cache.block_size,
-        }
-
-    def probe(self) -> dict[str, Any]:
-        """Health, process id and the metrics registry as Prometheus text, for the ingress."""
-        engine = self._engine
-        return {
-            "healthy": engine.healthy and engine.accepting,
+            "address": self._address,
             "pid": os.getpid(),
-            "metrics": generate_latest(engine.metrics_registry),
+            "stages": list(self._core.graph.stages_here),
         }
 
     def check_health(self) -> None:
-        """Serve's health check: a graph that failed past its supervision is replaced."""
-        if self._runner.done() or not self._engine.accepting:
-            raise RuntimeError("the engine replica's graph has stopped")
-
-    async def generate(self, payload: bytes) -> AsyncIterator[bytes]:
-        """Run one API request's sub-requests; stream their chunks and errors as events."""
-        requests = decode_submission(payload)
-        engine = self._engine
-        try:
-            boxes = engine.submit_all(requests)
-        except Overloaded as exc:
-            yield encode_event(Refused(retry_after=exc.retry_after))
-            return
-        except RequestFailed as failed:
-            yield encode_event(Refused(error=failed.error))
-            return
-        events: asyncio.Queue[Event | None] = asyncio.Queue()
-        for box in boxes:
-            self._forwarders[box.request_id] = asyncio.create_task(self._forward(box, events))
-        remaining = len(boxes)
-        try:
-            while remaining:
-                event = await events.get()
-                if event is None:
-                    remaining -= 1
-                else:
-                    yield encode_event(event)
-        finally:
-            for box in boxes:
-                task = self._forwarders.pop(box.request_id, None)
-                if task is not None:
-                    task.cancel()
-                if not box.done:
-                    engine.abort(box.request_id)
-
-    @staticmethod
-    async def _forward(box: Mailbox, events: asyncio.Queue[Event | None]) -> None:
-        try:
-            async for chunk in box:
-                events.put_nowait(ChunkEvent(chunk))
-        except RequestFailed as failed:
-            events.put_nowait(ErrorEvent(failed.error))
-        finally:
-            events.put_nowait(None)  # this sub-request is over, however it ended
-
-    def abort(self, request_id: str) -> None:
-        """Stop one sub-request of a running `generate` call (its blocks are freed)."""
-        task = self._forwarders.pop(request_id, None)
-        if task is not None:
-            self._engine.abort(request_id)
-            task.cancel()
+        """Serve's health check: a core whose graph failed for good is replaced."""
+        if self._runner.done() or not self._core.serving:
+            raise RuntimeError("the engine replica's core has stopped")
 
     async def __del__(self) -> None:
-        """Serve stops the replica: drain the graph (up to --shutdown-timeout)."""
-        self._stop.set()
+        """Serve stops the replica: the requests running here finish first (up to
+        --shutdown-timeout; the ingress, stopping meanwhile, waits for them too), then the
+        core's graph drains."""
+        with anyio.move_on_after(self._stop_timeout):
+            while self._core.busy and self._core.serving:
+                await anyio.sleep(DRAIN_POLL_S)
+        self._core.stop()
         await asyncio.shield(self._runner)

@@ -1,40 +1,85 @@
-"""One engine replica as the ingress sees it: its handle, whether it serves, its load.
+"""One engine replica as the ingress sees it: the front connected to its core.
 
-Health comes from two sides: a call that fails because the replica died marks it down at
-once, and a probe every `PROBE_INTERVAL_S` marks it up again once Ray has restarted it
-(the probe also brings the replica's metrics for /metrics). A replica whose process id
-changed is a new process with an empty KV cache.
+The ingress runs one front (flowllm/engine/front.py: the per-request stages) per
+replica, connected over TCP to that replica's engine core, whose address it asks the
+replica for (`locate`), again after each lost connection: a replica Ray restarted
+listens on another port, perhaps on another machine. Health is the front's own: its
+graph runs, and the core is connected and beat within a second. A core at another
+address or with another process id is a new process with an empty KV cache
+(`restarted`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-PROBE_INTERVAL_S = 1.0
-PROBE_TIMEOUT_S = 5.0  # a replica this slow to answer a probe is treated as down
+import anyio
+import structlog
+
+from flowllm.messages import RequestError
+
+if TYPE_CHECKING:
+    from flowllm.engine.front import FrontEngine, Locate
+
+LOCATE_TIMEOUT_S = 5.0  # a replica this slow to say where it listens is asked again
+LOCATE_RETRY_S = 0.5
+
+
+def replica_failed(name: str) -> RequestError:
+    """The answer to a request in flight on replica `name` when its core goes away."""
+    return RequestError(
+        request_id="",
+        message=f"The engine replica serving this request ({name}) failed; retry.",
+        kind="unavailable",
+        code="replica_failed",
+    )
+
+
+def locate(name: str, handle: Any) -> Locate:
+    """Where replica `name`'s core listens, asked of its Serve deployment `handle` (a
+    `DeploymentHandle`) until it answers: while Ray restarts the replica, calls fail or
+    wait."""
+    log = structlog.get_logger("flowllm.scale_out").bind(replica=name)
+
+    async def address() -> str:
+        while True:
+            try:
+                with anyio.fail_after(LOCATE_TIMEOUT_S):
+                    described: dict[str, Any] = await handle.describe.remote()
+                return str(described["address"])
+            except Exception as exc:  # Ray's errors of a dead or restarting actor
+                log.info("replica not reachable yet", error=repr(exc))
+                await anyio.sleep(LOCATE_RETRY_S)
+
+    return address
 
 
 class ReplicaLink:
-    """Replica `index` (Serve deployment `name`) and what the ingress knows of it."""
+    """Replica `index` (Serve deployment `name`), reached through `front`."""
 
-    def __init__(self, index: int, name: str, handle: Any) -> None:
+    def __init__(self, index: int, name: str, front: FrontEngine) -> None:
         self.index = index
         self.name = name
-        self.handle = handle  # ray.serve.handle.DeploymentHandle
-        # `handle` with stream=True (None without a handle): Ray's handles are untyped.
-        self.streaming: Any = handle.options(stream=True) if handle is not None else None
-        self.healthy = True
-        self.in_flight = 0  # API requests sent and not yet finished
-        self.pid: int | None = None
-        self.metrics_text = ""  # the replica's registry at the latest probe
+        self.front = front
+        self._core = self._identity()
 
-    def mark_down(self) -> None:
-        self.healthy = False
+    @property
+    def healthy(self) -> bool:
+        return self.front.healthy
 
-    def update(self, probe: dict[str, Any]) -> bool:
-        """Take a probe's answer; returns whether the replica is a new process."""
-        restarted = self.pid is not None and probe["pid"] != self.pid
-        self.pid = probe["pid"]
-        self.healthy = bool(probe["healthy"])
-        self.metrics_text = probe["metrics"].decode()
-        return restarted
+    @property
+    def in_flight(self) -> int:
+        """Requests (one per prompt) sent to the replica and not yet finished."""
+        return len(self.front.services.mailboxes)
+
+    def restarted(self) -> bool:
+        """Whether the core is another process than at the last call."""
+        identity = self._identity()
+        if identity == self._core:
+            return False
+        self._core = identity
+        return True
+
+    def _identity(self) -> tuple[str, int | None]:
+        link = self.front.link
+        return link.core_address, link.ready.pid if link.ready is not None else None

@@ -1,9 +1,11 @@
 """The ingress's /metrics: every replica's series with a `replica` label, and routing's own.
 
-Each replica's registry arrives as Prometheus text with its latest probe; `ReplicaSeries`
-merges the families of all replicas (one family per name, as the exposition format wants)
-and labels every sample with its replica index. `RoutingMetrics` counts the ingress's
-routing decisions and the prompt blocks each decision found on the chosen replica.
+Each replica's series are its front's here and its core's, fetched as a scrape comes
+(`MetricsQuery`, flowllm/engine/core_protocol.py), merged by the front as a front
+process merges them; `ReplicaSeries` merges the families of all replicas (one family per
+name, as the exposition format wants) and labels every sample with its replica index.
+`RoutingMetrics` counts the ingress's routing decisions and the prompt blocks each
+decision found on the chosen replica.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from flowllm.metrics import PREFIX
@@ -32,9 +33,7 @@ class ReplicaSeries(Collector):
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
         for link in self._links:
-            if not link.metrics_text:
-                continue
-            for family in text_string_to_metric_families(link.metrics_text):
+            for family in link.front.metrics_registry.collect():
                 target = merged.get(family.name)
                 if target is None:
                     target = merged[family.name] = Metric(
@@ -80,7 +79,7 @@ class RoutingMetrics:
         )
         self.replica_in_flight = Gauge(
             f"{PREFIX}replica_in_flight_requests",
-            "API requests the ingress has sent to the replica and not seen finish.",
+            "Requests (one per prompt) the ingress has sent to the replica and not seen finish.",
             [REPLICA_LABEL],
             registry=registry,
         )

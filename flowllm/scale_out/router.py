@@ -7,7 +7,7 @@ with the longest match. Two guards keep it from piling work on one replica: when
 replicas' in-flight requests differ by more than `imbalance_bound`, or nothing matches,
 it takes the less loaded of two replicas drawn at random ("power of two choices").
 
-Blocks are cut from what the ingress has without tokenizing again: token ids when the
+Blocks are cut from the request before a front tokenizes it: token ids when the
 client sent them (`block_size` tokens a block), otherwise the prompt's UTF-8 bytes
 (`BYTES_PER_TOKEN` x `block_size` a block), chat messages as role and content. Equal
 leading text gives equal leading tokens, so equal blocks here mean equal KV blocks there;

@@ -21,10 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_help
 
 import ray  # flowllm[ray]: `make test` installs it, and these tests are never skipped
 from e2e_helpers import API_KEY, CHAT_TEMPLATE, FLOOD_MAX_PENDING, start_server
-from ray_helpers import STOP_BOUND_S, stop_within
+from ray_helpers import REPLICAS, STOP_BOUND_S, stop_within
 from server_process import TINY_FLAGS, ServerProcess, small_pending_graph
 
-REPLICAS = 2
 RAY_FLAGS = (
     "--distributed-executor-backend", "ray", "--data-parallel-size", str(REPLICAS),
     "--cpus-per-replica", "1", "--cpu-threads", "1",
@@ -39,6 +38,15 @@ NO_RAY_OOM_KILLER = {"RAY_memory_monitor_refresh_ms": "0"}
 
 def start_ray_server(model: Path, flags: tuple[str, ...] = (), **kwargs: object) -> ServerProcess:
     return start_server(str(model), [*TINY_FLAGS, *RAY_FLAGS, *flags], **kwargs)  # type: ignore[arg-type]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Serve awaits a replica's `async def __del__` as it stops it (the tests that build
+    # replicas in this process do too); the collector calls it again, unawaited, later.
+    config.addinivalue_line(
+        "filterwarnings",
+        "ignore:coroutine 'EngineReplica.__del__' was never awaited:RuntimeWarning",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 from server_process import ServerProcess, wait_until
 
+REPLICAS = 2  # the test servers' --data-parallel-size
 # From SIGTERM to exit, for an idle server on a loaded 2-core machine: room for Ray's own
 # stop, and below the drain period of Serve's direct ingress (30 s), which the launcher
 # turns off (benchmarks/README.md, "Stopping a Ray server").

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from flowllm.cli import main
+from flowllm.engine.async_engine import DEFAULT_GRAPH
 
 RAY = ["--distributed-executor-backend", "ray"]
 
@@ -24,6 +28,7 @@ RAY = ["--distributed-executor-backend", "ray"]
         ([*RAY, "--api-key", ""], "--api-key is empty"),
         ([*RAY, "--enable-auto-tool-choice"], "needs --tool-call-parser"),
         ([*RAY, "--max-model-len", "0"], "max_model_len"),
+        ([*RAY, "--api-server-count", "2"], "--api-server-count not supported"),
     ],
 )
 def test_bad_flags_are_one_line_errors(
@@ -32,6 +37,17 @@ def test_bad_flags_are_one_line_errors(
     assert main(["serve", *flags]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_the_graph_must_be_placed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A replica is the graph's core process: a graph in one process has none."""
+    unplaced = re.sub(r"process: (front|core), *", "", DEFAULT_GRAPH.read_text())
+    assert "process:" not in unplaced
+    graph = tmp_path / "unplaced.yaml"
+    graph.write_text(unplaced)
+    assert main(["serve", *RAY, "--graph", str(graph)]) == 1
+    err = capsys.readouterr().err
+    assert "needs a graph placed in a front and a core process" in err and err.count("\n") == 1
 
 
 def test_routing_must_be_known(capsys: pytest.CaptureFixture[str]) -> None:

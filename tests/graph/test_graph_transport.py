@@ -1,0 +1,75 @@
+"""Addresses a process listens on: a Unix socket path or HOST:PORT, told apart by a `/`;
+a TCP listener on port 0 reports the port it took, and its streams (both ends) carry
+keepalives, so that a peer whose machine went away ends the connection."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import pytest
+from anyio.abc import SocketAttribute
+
+from flowllm.graph.transport import connect, keep_alive, listen, tcp_address, tcp_endpoint
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def test_addresses_are_paths_or_host_and_port() -> None:
+    assert tcp_endpoint("/tmp/flowllm-x/core.sock") is None
+    assert tcp_endpoint("./core.sock") is None
+    assert tcp_endpoint("10.0.0.7:4000") == ("10.0.0.7", 4000)
+    assert tcp_endpoint("node-3.cluster:65535") == ("node-3.cluster", 65535)
+    assert tcp_endpoint("[::1]:80") == ("::1", 80)
+    assert tcp_address("::1", 80) == "[::1]:80" and tcp_address("10.0.0.7", 1) == "10.0.0.7:1"
+    for bad in ("core.sock", "host:", ":80", "host:http", "host:65536"):
+        with pytest.raises(ValueError, match="neither a Unix socket path nor HOST:PORT"):
+            tcp_endpoint(bad)
+
+
+def _keepalive_on(stream: anyio.abc.SocketStream) -> bool:
+    sock = stream.extra(SocketAttribute.raw_socket)
+    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE))
+
+
+@pytest.mark.parametrize("tcp", [True, False], ids=["tcp", "unix"])
+async def test_a_listener_reports_its_address_and_carries_bytes(tcp: bool, tmp_path: Path) -> None:
+    listener, address = await listen("127.0.0.1:0" if tcp else str(tmp_path / "s.sock"))
+    if tcp:
+        endpoint = tcp_endpoint(address)
+        assert endpoint is not None and endpoint[0] == "127.0.0.1" and endpoint[1] > 0
+    else:
+        assert address == str(tmp_path / "s.sock")
+    accepted: list[bool] = []
+
+    async def echo(stream: anyio.abc.SocketStream) -> None:
+        keep_alive(stream)
+        accepted.append(_keepalive_on(stream))
+        await stream.send(await stream.receive())
+        await stream.aclose()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, echo)
+        stream = await connect(address)
+        await stream.send(b"frame")
+        assert await stream.receive() == b"frame"
+        assert _keepalive_on(stream) == tcp
+        await stream.aclose()
+        tg.cancel_scope.cancel()
+    assert accepted == [tcp]
+
+
+async def test_nobody_listening_is_an_os_error(tmp_path: Path) -> None:
+    listener, address = await listen("127.0.0.1:0")
+    await listener.aclose()  # the port is free again: a dead core's
+    with pytest.raises(OSError):
+        await connect(address)
+    with pytest.raises(OSError):
+        await connect(str(tmp_path / "absent.sock"))
