@@ -42,6 +42,15 @@ def complete(url: str, prompt: str, max_tokens: int = 8) -> httpx.Response:
     )
 
 
+def healthy(server: ServerProcess) -> bool:
+    """/health answers 200; a probe that times out (queued for a front still starting, on
+    a busy machine) is a no."""
+    try:
+        return httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def two_fronts(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
     # At info level each front logs its access lines, which name the front.
@@ -75,12 +84,24 @@ def test_two_fronts_share_the_port_and_one_core(
     for thread in threads:
         thread.join()
     assert results == expected  # the same greedy text as one process serves
-    served = {
-        line.split('"front": ')[1].split(",")[0]
-        for line in two_fronts.output().splitlines()
-        if "POST /v1/completions" in line and '"front": ' in line
-    }
-    assert served == {"0", "1"}, served
+
+    def both_served() -> bool:
+        """Whether each front has answered a completion (each call asks one more: on a
+        busy machine one front may win every accept of a burst)."""
+        served = {
+            line.split('"front": ')[1].split(",")[0]
+            for line in two_fronts.output().splitlines()
+            if "POST /v1/completions" in line and '"front": ' in line
+        }
+        if served == {"0", "1"}:
+            return True
+        assert (
+            complete(two_fronts.url, PROMPTS[0]).json()["choices"][0]["text"]
+            == expected[PROMPTS[0]]
+        )
+        return False
+
+    assert wait_until(both_served, timeout=60)
 
 
 def test_killing_a_front_leaves_the_other_serving(two_fronts: ServerProcess) -> None:
@@ -110,7 +131,7 @@ def test_killing_the_core_answers_in_flight_requests_and_a_new_core_serves(
         assert wait_until(lambda: "front disconnected" in server.output(), 30)
         aborted = re.findall(r'"aborted": (\d+), "event": "front disconnected"', server.output())
         assert aborted == ["0"], aborted
-        assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, 60)
+        assert wait_until(lambda: healthy(server), 60)
         (core,) = named(server, "flowllm-core")
         answers: list[tuple[float, httpx.Response | BaseException]] = []
 
@@ -137,7 +158,7 @@ def test_killing_the_core_answers_in_flight_requests_and_a_new_core_serves(
             assert response.status_code == 503, response.text
             assert "engine core" in response.json()["error"]["message"]
         assert httpx.get(f"{server.url}/health").status_code == 503
-        assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, 60)
+        assert wait_until(lambda: healthy(server), 60)
         (new_core,) = named(server, "flowllm-core")
         assert new_core != core
         assert complete(server.url, "Hello there").status_code == 200

@@ -47,12 +47,15 @@ def reference(raw: np.ndarray, type_name: str, n: int = N, k: int = K) -> torch.
 
 
 def rounded_x(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 in blocks of 32 (scale absmax / 127, to nearest), as values."""
+    """x rounded to int8 in blocks of 32 (scale absmax / 127, to nearest even), as values,
+    in float32 arithmetic as the kernel does it (numpy: torch's scalar / tensor multiplies
+    by a reciprocal, which rounds some ties the other way)."""
     m, k = x.shape
-    blocks = x.view(m, k // 32, 32)
-    top = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
-    return (torch.round(blocks * inv) * (top / 127.0)).view(m, k)
+    blocks = x.numpy().reshape(m, k // 32, 32)
+    top = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(top > 0, np.float32(127.0) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    values = np.rint(blocks * inv) * (top / np.float32(127.0))
+    return torch.from_numpy(values.astype(np.float32).reshape(m, k))
 
 
 def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact_x: bool) -> None:
