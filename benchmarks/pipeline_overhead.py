@@ -92,8 +92,8 @@ STAGES = ("schedule", "execute", "sample", "detokenize", "deliver")
 # --sampling: each request's parameters (i: its index) besides max_tokens and ignore_eos
 SAMPLING: dict[str, Callable[[int], dict[str, Any]]] = {
     "greedy": lambda i: {"temperature": 0.0},
-    "random": lambda i: {"temperature": 0.8, "top_p": 0.95},
-    "seeded": lambda i: {"temperature": 0.8, "top_p": 0.95, "seed": i},
+    "random": lambda i: {"temperature": 0.8},
+    "seeded": lambda i: {"temperature": 0.8, "seed": i},
     "everything": lambda i: {  # seeded, truncated, penalized, biased, with logprobs
         "temperature": 0.8,
         "top_k": 50,
