@@ -6,12 +6,12 @@ decode)."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizer_fixtures import build_byte_fallback_tokenizer
 
 from flowllm.messages import SamplingParams
 from flowllm.text.decode_stream import StreamDecode
@@ -446,43 +446,6 @@ def test_smollm2_streams_the_full_decode(smollm2_tokenizer: Any, path: str) -> N
         assert got.count("\ufffd") == full.count("\ufffd")
 
 
-def byte_fallback_tokenizer(dest: Path) -> Any:
-    """A SentencePiece-style BPE with byte fallback, as Llama 2's and Mistral's: "▁" for a
-    space, the 256 byte tokens <0x00>..<0xFF> for characters outside its small vocabulary,
-    and a decoder that turns a run of byte tokens into text (U+FFFD per byte where the run
-    is not UTF-8), then strips the text's leading space. Trained here on ASCII text, so
-    every non-ASCII character below decodes from byte tokens."""
-    from tokenizers import Tokenizer, decoders, normalizers
-    from tokenizers.models import BPE
-    from tokenizers.trainers import BpeTrainer
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    backend.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-         decoders.Strip(" ", 1, 0)]
-    )  # fmt: skip
-    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    trainer = BpeTrainer(
-        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens], limit_alphabet=80
-    )
-    ascii_text = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
-    backend.train_from_iterator([ascii_text.encode("ascii", "ignore").decode()], trainer)
-    # the byte tokens are ordinary vocabulary, not added tokens
-    spec = json.loads(backend.to_str())
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in byte_tokens]
-    (dest / "tokenizer.json").write_text(json.dumps(spec))
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(dest / "tokenizer.json"),
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-
-
 def clean_sequence(rng: random.Random, tok: Any, skip_special_tokens: bool) -> list[int]:
     """Pieces of the texts cut at characters, encoded: valid UTF-8 across the byte tokens
     (byte fallback decodes a run of bytes as a whole, so a byte that is not UTF-8 turns its
@@ -511,7 +474,7 @@ def test_a_byte_fallback_tokenizer_streams_the_full_decode(
 ) -> None:
     """Split characters come out whole and once, the continuation of the prompt keeps its
     leading space, and stop strings cut where the full text has them."""
-    tok = byte_fallback_tokenizer(tmp_path)
+    tok = build_byte_fallback_tokenizer(tmp_path)
     assert ByteVocab.of(tok) is None
     assert isinstance(make_decode(tok, skip_special_tokens, True), StreamDecode)
     rng = random.Random(31 + skip_special_tokens)
@@ -539,7 +502,7 @@ def test_a_byte_that_breaks_sent_text_restarts_the_stream(tmp_path: Path) -> Non
     """An invalid byte joining a run of byte tokens turns the run to U+FFFD in the full
     decode, text already sent included: the stream goes on, the sent text stays, and the
     text after the run is exact."""
-    tok = byte_fallback_tokenizer(tmp_path)
+    tok = build_byte_fallback_tokenizer(tmp_path)
     stray = tok.convert_tokens_to_ids("<0xBA>")  # a continuation byte after a whole "é"
     after = tok.encode(" Tokyo is 東京", add_special_tokens=False)
     ids = [*tok.encode("café", add_special_tokens=False), stray, *after]
