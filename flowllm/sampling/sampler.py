@@ -345,18 +345,17 @@ class Sampler:
         # [R] uniforms in [0, 1): seeded rows from their own streams, the others from the
         # sampler's generator
         slots = [s.uniform_slot for s in states]
-        seeded = [i for i, slot in enumerate(slots) if slot is not None]
-        if not seeded:
+        seeded_slots = [slot for slot in slots if slot is not None]
+        if not seeded_slots:
             u = torch.rand(n, generator=self._generator, device=dev)
-        elif len(seeded) == n:
-            u = self._uniforms.draw(slots)  # type: ignore[arg-type]  # no None among them
+        elif len(seeded_slots) == n:
+            u = self._uniforms.draw(seeded_slots)
         else:
             u = torch.empty(n, dtype=torch.float32, device=dev)
             unseeded = [i for i, slot in enumerate(slots) if slot is None]
+            seeded = [i for i, slot in enumerate(slots) if slot is not None]
             u[to_device(unseeded, torch.int64, dev)] = torch.rand(
                 len(unseeded), generator=self._generator, device=dev
             )
-            u[to_device(seeded, torch.int64, dev)] = self._uniforms.draw(
-                [slots[i] for i in seeded]  # type: ignore[misc]
-            )
+            u[to_device(seeded, torch.int64, dev)] = self._uniforms.draw(seeded_slots)
         return inverse_cdf(probs, u)

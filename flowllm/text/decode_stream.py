@@ -4,10 +4,10 @@
 token completes, or None while the text ends inside a character (U+FFFD), which is the rule
 the window decode in `flowllm.text.detokenizer` applies from Python. For a fast tokenizer
 that is not byte-level BPE (SentencePiece-style BPE with byte fallback, WordPiece, ...) it
-costs a third of re-decoding the window in Python per token, and it holds back every byte
-of an incomplete character, where byte fallback decodes each to its own U+FFFD
-(benchmarks/README.md, "Pipeline overhead"). Byte-level tokenizers keep their byte table
-(`ByteDecode`), cheaper still.
+costs half of re-decoding the window in Python per token, and it holds back every byte of
+an incomplete character, where byte fallback decodes each to its own U+FFFD and the
+window held back only the last (benchmarks/README.md, "Pipeline overhead"). Byte-level
+tokenizers keep their byte table (`ByteDecode`), cheaper still.
 """
 
 from __future__ import annotations
