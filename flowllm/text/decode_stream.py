@@ -12,6 +12,7 @@ tokenizers keep their byte table (`ByteDecode`), cheaper still.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -20,6 +21,19 @@ if TYPE_CHECKING:
 
 _CONTEXT_TOKENS = 4  # ids kept before the unread ones when a stream's tail is decoded
 _KEEP_TOKENS = 64  # read ids beyond this many are dropped, down to the context
+
+
+@functools.cache
+def can_stream() -> bool:
+    """Does the installed `tokenizers` have a DecodeStream that starts from given ids
+    (0.22 on)? Without one, every tokenizer takes the other read paths."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        DecodeStream(ids=[], skip_special_tokens=False)
+    except (ImportError, TypeError):
+        return False
+    return True
 
 
 class StreamDecode:

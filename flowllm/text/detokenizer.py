@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 from flowllm.messages import SamplingParams
 from flowllm.stopping import StopStrings
-from flowllm.text.decode_stream import StreamDecode, TextStream
+from flowllm.text.decode_stream import StreamDecode, TextStream, can_stream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -155,7 +155,7 @@ def make_decode(
         return ByteDecode(byte_vocab, decode)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     apart = not spaces_between and bool(getattr(tokenizer, "added_tokens_decoder", None))
-    if backend is None or apart:
+    if backend is None or apart or not can_stream():
         return decode
     return StreamDecode(backend, skip_special_tokens, decode)
 

@@ -510,3 +510,17 @@ def test_a_byte_that_breaks_sent_text_restarts_the_stream(tmp_path: Path) -> Non
     detok = IncrementalDetokenizer(tok, [], SamplingParams())
     got = joined(*stream(detok, ids, random.Random(3)))
     assert got == "café" + tok.decode([stray, *after])  # == "café\ufffd  Tokyo is 東京"
+
+
+def test_without_a_decode_stream_the_window_decodes(
+    gpt2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `tokenizers` without DecodeStream(ids=...) (before 0.22): the window decode."""
+    import flowllm.text.detokenizer as detokenizer
+
+    monkeypatch.setattr(detokenizer, "can_stream", lambda: False)
+    decode = make_decode(gpt2_tokenizer, True, True)
+    assert not isinstance(decode, StreamDecode)
+    ids = gpt2_tokenizer.encode("a😀b 日本")
+    detok = IncrementalDetokenizer(gpt2_tokenizer, [], SamplingParams())
+    assert joined([detok.step([t]) for t in ids], detok.finish()) == "a😀b 日本"
