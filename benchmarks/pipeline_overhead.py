@@ -1,11 +1,12 @@
 """Graph overhead per step: the default graph with a model that answers instantly.
 
 Everything but the model forward runs for real — ingest, validate, tokenize (GPT-2
-tokenizer), the scheduler with its block pool, input building, the sampler (greedy), the
-incremental detokenizer, deliver and the mailboxes — so the time per step is what the graph
-adds around a model step. Run:
+tokenizer), the scheduler with its block pool, input building, the sampler (greedy, or the
+parameters `--sampling` names), the incremental detokenizer, deliver and the mailboxes — so
+the time per step is what the graph adds around a model step. Run:
 
     .venv/bin/python benchmarks/pipeline_overhead.py [--vocab 1024] [--steps 64] [--repeats 3]
+        [--sampling greedy|random|seeded|everything]
 
 `--stage-bench` instead drives the step path's objects (scheduler, execute's runner, the
 sampler, the scheduler's apply, detokenize and deliver) one after another on one thread,
@@ -21,6 +22,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -87,6 +89,29 @@ def services(vocab_size: int, tokenizer: Any, fresh_logits: bool = False) -> Eng
 
 STAGES = ("schedule", "execute", "sample", "detokenize", "deliver")
 
+# --sampling: each request's parameters (i: its index) besides max_tokens and ignore_eos
+SAMPLING: dict[str, Callable[[int], dict[str, Any]]] = {
+    "greedy": lambda i: {"temperature": 0.0},
+    "random": lambda i: {"temperature": 0.8},
+    "seeded": lambda i: {"temperature": 0.8, "seed": i},
+    "everything": lambda i: {  # seeded, truncated, penalized, biased, with logprobs
+        "temperature": 0.8,
+        "top_k": 50,
+        "top_p": 0.95,
+        "seed": i,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.3,
+        "repetition_penalty": 1.1,
+        "logit_bias": {5: 1.0},
+        "logprobs": 2,
+    },
+}
+
+
+def sampling_params(kind: str, i: int, max_tokens: int) -> SamplingParams:
+    """Request i's parameters under `--sampling kind`."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **SAMPLING[kind](i))
+
 
 def cpu_and_faults() -> tuple[float, int]:
     """User + system CPU seconds and minor page faults of this process (every thread)."""
@@ -105,11 +130,11 @@ class Run(NamedTuple):
     step_seconds: float  # mean time per output token: a step with every sequence running
 
 
-def run(llm: LLM, num_seqs: int, steps: int) -> Run:
-    """Time one generate of `steps` greedy tokens for each of `num_seqs` prompts."""
+def run(llm: LLM, num_seqs: int, steps: int, sampling: str = "greedy") -> Run:
+    """Time one generate of `steps` tokens for each of `num_seqs` prompts."""
     vocab = llm.services.model.vocab_size  # prompt ids must be in the vocabulary
     prompts = [[(i * 7 + k) % vocab for k in range(16)] for i in range(num_seqs)]
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    params = [sampling_params(sampling, i, steps) for i in range(num_seqs)]
     cpu_started, faults_started = cpu_and_faults()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -150,12 +175,13 @@ class _Outbox:
 PARTS = ("schedule", "execute", "sample", "apply", "detokenize", "deliver")
 
 
-async def stage_bench(svc: EngineServices, num_seqs: int, steps: int) -> dict[str, float]:
+async def stage_bench(
+    svc: EngineServices, num_seqs: int, steps: int, sampling: str = "greedy"
+) -> dict[str, float]:
     """Median CPU seconds per decode step of each step-path part, after 8 warm-up steps."""
     scheduler = Schedule(ScheduleParams(), svc).scheduler
     execute, sample = Execute(NoParams(), svc), Sample(NoParams(), svc)
     detokenize, deliver = Detokenize(NoParams(), svc), Deliver(NoParams(), svc)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 9, ignore_eos=True)
     boxes = []
     for i in range(num_seqs):
         boxes.append(svc.mailboxes.open(f"r{i}", 1, time.monotonic()))
@@ -164,7 +190,7 @@ async def stage_bench(svc: EngineServices, num_seqs: int, steps: int) -> dict[st
             TokenizedRequest(
                 request_id=f"r{i}",
                 prompt_token_ids=prompt,
-                params=params,
+                params=sampling_params(sampling, i, steps + 9),
                 eos_token_ids=svc.eos_token_ids,
                 arrival_time=0.0,
             )
@@ -214,6 +240,12 @@ def main() -> None:
         help="the model returns a newly allocated logits tensor each step, as a real one does",
     )
     parser.add_argument(
+        "--sampling",
+        choices=sorted(SAMPLING),
+        default="greedy",
+        help="the requests' sampling parameters (default: greedy)",
+    )
+    parser.add_argument(
         "--stage-bench",
         action="store_true",
         help="median CPU µs per step of each step-path part, driven on one thread",
@@ -224,21 +256,21 @@ def main() -> None:
         tokenizer = load_tokenizer(tmp)
     if args.stage_bench:
         torch.set_num_threads(1)
-        print(f"vocab {args.vocab}, median CPU µs per decode step, one thread")
+        print(f"vocab {args.vocab}, {args.sampling}, median CPU µs per decode step, one thread")
         print(f"{'running seqs':>12}" + "".join(f"{p:>11}" for p in PARTS) + f"{'total':>11}")
         for num_seqs in (1, 64, 256):
             svc = services(args.vocab, tokenizer, args.fresh_logits)
-            med = asyncio.run(stage_bench(svc, num_seqs, args.steps))
+            med = asyncio.run(stage_bench(svc, num_seqs, args.steps, args.sampling))
             cols = "".join(f"{med[p] * 1e6:>11.0f}" for p in PARTS)
             print(f"{num_seqs:>12}{cols}{sum(med.values()) * 1e6:>11.0f}")
         return
     llm = LLM(services=services(args.vocab, tokenizer, args.fresh_logits))
-    run(llm, 4, 4)  # warm up
+    run(llm, 4, 4, args.sampling)  # warm up
     k = args.steps
     fresh = ", fresh logits each step" if args.fresh_logits else ""
-    print(f"vocab {args.vocab}, {k} tokens per sequence, greedy, instant model{fresh}; best of")
-    print(f"{args.repeats} runs. µs/step: the mean time per output token (the engine's own")
-    print("flowllm:time_per_output_token_seconds), i.e. the time of a step with every sequence")
+    print(f"vocab {args.vocab}, {k} tokens per sequence, {args.sampling}, instant model{fresh};")
+    print(f"best of {args.repeats} runs. µs/step: the mean time per output token (the engine's")
+    print("own flowllm:time_per_output_token_seconds), i.e. the time of a step with every sequence")
     print("running, intake and prefill excluded. Round columns: the whole run per round (every")
     print("sequence gains one token), intake and prefill included; cpu: the process's CPU time")
     print("(all threads), steadier than wall time on a shared machine; faults: minor page")
@@ -250,7 +282,7 @@ def main() -> None:
         f"{'cpu µs/round':>13} {'faults/round':>13}{head}"
     )
     for num_seqs in (1, 64, 256):
-        runs = [run(llm, num_seqs, k) for _ in range(args.repeats)]
+        runs = [run(llm, num_seqs, k, args.sampling) for _ in range(args.repeats)]
         best = min(runs, key=lambda r: r.step_seconds)
         step = best.step_seconds
         cpu = min(r.cpu_seconds for r in runs)

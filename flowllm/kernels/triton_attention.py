@@ -43,7 +43,11 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 # tl.dot needs every block dimension >= 16 on NVIDIA and AMD tensor cores.
 _MIN_DOT = 16
-_MAX_DECODE_SPLITS = 32
+_MAX_DECODE_SPLITS = 32  # a power of two: the reduce kernel's block of splits
+# Arguments whose values follow the batch (the block table's width, the decode splits):
+# never specialized, so a new batch never compiles a new variant of a kernel while serving.
+# Every other integer argument is fixed by the model and the cache.
+_BATCH_VARYING = ["max_blocks", "stride_bt", "num_splits"]
 _MAX_GRID_YZ = 65535  # CUDA's limit on the second and third grid dimensions
 
 
@@ -218,7 +222,7 @@ def _attend_kv_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_VARYING)
 def _decode_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -241,16 +245,16 @@ def _decode_kernel(
     stride_bt,
     max_blocks,
     block_size,
-    part_acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] fp32, when NUM_SPLITS > 1
-    part_m_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
-    part_l_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
+    part_acc_ptr,  # [num_seqs, num_heads, num_splits, HEAD_DIM] fp32, when num_splits > 1
+    part_m_ptr,  # [num_seqs, num_heads, num_splits] fp32
+    part_l_ptr,  # [num_seqs, num_heads, num_splits] fp32
+    num_splits,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,  # >= max(16, GROUP): the group's heads, padded for tl.dot
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     WIDEN_DOT: tl.constexpr,
 ):
     """One program per (sequence, KV head, split): the sequence's single query, for every
@@ -285,7 +289,7 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + seq * stride_bt
     # This split's share: a contiguous run of whole BLOCK_N tiles (possibly none).
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits)
     kv_lo = split * tiles_per_split * BLOCK_N
     kv_hi = tl.minimum(kv_lo + tiles_per_split * BLOCK_N, kv_end)
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -296,7 +300,7 @@ def _decode_kernel(
             HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_DOT,
         )  # fmt: skip
 
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_i[:, None]
         tl.store(
@@ -305,25 +309,25 @@ def _decode_kernel(
             mask=io_mask,
         )
     else:
-        part = (seq * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M] int64
+        part = (seq * NUM_HEADS + head) * num_splits + split  # [BLOCK_M] int64
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=io_mask)
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_VARYING)
 def _decode_reduce_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_start_loc_ptr,  # [num_seqs + 1]
-    part_acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] fp32
-    part_m_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
-    part_l_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
+    part_acc_ptr,  # [num_seqs, num_heads, num_splits, HEAD_DIM] fp32
+    part_m_ptr,  # [num_seqs, num_heads, num_splits] fp32
+    part_l_ptr,  # [num_seqs, num_heads, num_splits] fp32
     stride_ot,
     stride_oh,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two: the most splits there can be
     BLOCK_D: tl.constexpr,
 ):
     """One program per (sequence, query head): merge the splits' partial softmaxes."""
@@ -335,8 +339,8 @@ def _decode_reduce_kernel(
 
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    split_ok = sp < NUM_SPLITS * q_count  # [BLOCK_S]
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + sp  # [BLOCK_S]
+    split_ok = sp < num_splits * q_count  # [BLOCK_S]
+    part = (seq * NUM_HEADS + head) * num_splits + sp  # [BLOCK_S]
     # A split that saw no key has m = -1e30 and l = 0, so its weight below is 0.
     m_s = tl.load(part_m_ptr + part, mask=split_ok, other=-1.0e30)
     l_s = tl.load(part_l_ptr + part, mask=split_ok, other=0.0)
@@ -353,7 +357,7 @@ def _decode_reduce_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_VARYING)
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -460,8 +464,8 @@ def auto_decode_splits(num_sms: int, programs: int, max_seq_len: int, block_n: i
 
     One program per pair leaves most of a GPU idle for small batches of long sequences;
     splitting the context fills it, at the price of a merge pass. Aim at two programs per
-    SM, keep at least four KV tiles per split, and use powers of two so few kernel variants
-    get compiled.
+    SM, keep at least four KV tiles per split, and use powers of two. The count is a kernel
+    argument, not a compile-time constant: every count runs the same compiled kernels.
     """
     if programs >= num_sms:
         return 1
@@ -730,20 +734,20 @@ def paged_attention(
                     (num_seqs, num_heads, splits), dtype=torch.float32, device=out.device
                 )
                 part_l = torch.empty_like(part_m)
-            else:
-                part_acc = part_m = part_l = out  # never touched with one split
+            else:  # never touched with one split; float32 as above, for one compiled kernel
+                part_acc = part_m = part_l = torch.empty(1, dtype=torch.float32, device=out.device)
             _decode_kernel[(num_seqs, num_kv_heads, splits)](
                 *common,
                 part_acc,
                 part_m,
                 part_l,
+                splits,
                 NUM_HEADS=num_heads,
                 GROUP=group,
                 HEAD_DIM=head_dim,
                 BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
                 BLOCK_N=tiles.decode_block_n,
                 BLOCK_D=block_d,
-                NUM_SPLITS=splits,
                 WIDEN_DOT=widen,
                 num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages,
@@ -751,11 +755,10 @@ def paged_attention(
             if splits > 1:
                 _decode_reduce_kernel[(num_seqs, num_heads)](
                     out, query_start_loc, part_acc, part_m, part_l,
-                    out.stride(0), out.stride(1),
+                    out.stride(0), out.stride(1), splits,
                     NUM_HEADS=num_heads,
                     HEAD_DIM=head_dim,
-                    NUM_SPLITS=splits,
-                    BLOCK_S=triton.next_power_of_2(splits),
+                    BLOCK_S=_MAX_DECODE_SPLITS,
                     BLOCK_D=triton.next_power_of_2(head_dim),
                     num_warps=tiles.num_warps,
                 )  # fmt: skip

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from flowllm.messages import StructuredOutputs
+from flowllm.sampling.transfer import moved, to_device
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -192,6 +193,5 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     words = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
     bits = np.unpackbits(words, axis=1, bitorder="little")[:, :vocab]  # [R, V] 0/1
     blocked = (1 - bits).astype(np.uint32) * _NEG_INF_BITS  # 0 or -inf's bit pattern
-    bias = torch.from_numpy(blocked.view(np.float32)).to(logits.device)
-    for i, row in enumerate(rows):
-        logits[row] += bias[i]
+    bias = moved(torch.from_numpy(blocked.view(np.float32)), logits.device)
+    logits.index_add_(0, to_device(rows, torch.int64, logits.device), bias)

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from flowllm.sampling.sequence_state import SeqSamplingState
+from flowllm.sampling.sequence_state import SeqSamplingState, TokenHistory
+from flowllm.sampling.transfer import moved
 
 
 def needs_processing(states: list[SeqSamplingState], num_output_tokens: Sequence[int]) -> bool:
@@ -51,8 +52,9 @@ def mask_min_tokens(
             cols.append(s.min_tokens_ids)
     if not rows:
         return
-    r, c = _flatten_rows(rows, cols, logits.shape[1], logits.device)
-    logits[r, c] = float("-inf")
+    r, c, _ = _flatten_rows(rows, cols, logits.shape[1])
+    dev = logits.device
+    logits[moved(r, dev), moved(c, dev)] = float("-inf")
 
 
 def apply_logit_bias(logits: torch.Tensor, states: list[SeqSamplingState]) -> None:
@@ -67,40 +69,44 @@ def apply_logit_bias(logits: torch.Tensor, states: list[SeqSamplingState]) -> No
             vals.append(s.bias_values)
     if not rows:
         return
-    vocab = logits.shape[1]
-    c_all = torch.cat(cols)
-    v_all = torch.cat(vals).to(logits.device)
-    counts = torch.tensor([len(c) for c in cols])
-    r_all = torch.repeat_interleave(torch.tensor(rows), counts)
-    keep = (c_all >= 0) & (c_all < vocab)  # out-of-vocab ids are the validator's to reject
-    r_all, c_all, v_all = r_all[keep], c_all[keep], v_all[keep.to(v_all.device)]
-    r_all, c_all = r_all.to(logits.device), c_all.to(logits.device)
-    logits.index_put_((r_all, c_all), v_all, accumulate=True)
+    v = torch.cat(vals)
+    r, c, keep = _flatten_rows(rows, cols, logits.shape[1])
+    if keep is not None:
+        v = v[keep]
+    dev = logits.device
+    logits.index_put_((moved(r, dev), moved(c, dev)), moved(v, dev), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, states: list[SeqSamplingState]) -> None:
     """Repetition, frequency and presence penalties on each row's distinct tokens."""
-    rows = [i for i, s in enumerate(states) if s.history is not None and s.history.n]
+    hists: list[TokenHistory] = []
+    rows: list[int] = []
+    for i, s in enumerate(states):
+        if s.history is not None and s.history.n:
+            rows.append(i)
+            hists.append(s.history)
     if not rows:
         return
-    hists = [states[i].history for i in rows]
-    lens = torch.tensor([h.n for h in hists if h is not None])
-    ids = np.concatenate([h.ids[: h.n] for h in hists if h is not None])
-    counts = np.concatenate([h.counts[: h.n] for h in hists if h is not None])
+    lens = np.array([h.n for h in hists])
+    params = [states[i].params for i in rows]
+
+    def per_token(values: list[float]) -> np.ndarray:
+        return np.repeat(np.array(values, dtype=np.float32), lens)
+
+    columns = [
+        np.repeat(np.array(rows), lens),  # row of each (row, token) pair
+        np.concatenate([h.ids[: h.n] for h in hists]),  # distinct token ids per row
+        np.concatenate([h.counts[: h.n] for h in hists]),  # output counts (0: prompt only)
+        per_token([p.repetition_penalty for p in params]),
+        per_token([p.frequency_penalty for p in params]),
+        per_token([p.presence_penalty for p in params]),
+    ]
+    ids = columns[1]
+    if ids.max() >= logits.shape[1] or ids.min() < 0:
+        keep = (ids >= 0) & (ids < logits.shape[1])  # ids the model cannot emit: no logit
+        columns = [a[keep] for a in columns]
     dev = logits.device
-    r = torch.repeat_interleave(torch.tensor(rows), lens).to(dev)  # [N]
-    c = torch.from_numpy(ids).to(dev)  # [N] distinct token ids per row
-    cnt = torch.from_numpy(counts).to(dev)  # [N] output counts (0: prompt only)
-
-    def per_token(values: list[float]) -> torch.Tensor:
-        return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), lens).to(dev)
-
-    rep = per_token([states[i].params.repetition_penalty for i in rows])
-    freq = per_token([states[i].params.frequency_penalty for i in rows])
-    pres = per_token([states[i].params.presence_penalty for i in rows])
-    if int(c.max()) >= logits.shape[1] or int(c.min()) < 0:
-        keep = (c >= 0) & (c < logits.shape[1])  # ids the model cannot emit: no logit
-        r, c, cnt, rep, freq, pres = (t[keep] for t in (r, c, cnt, rep, freq, pres))
+    r, c, cnt, rep, freq, pres = (moved(torch.from_numpy(a), dev) for a in columns)
     vals = logits[r, c]  # [N]
     vals = torch.where(vals > 0, vals / rep, vals * rep)
     vals = vals - freq * cnt
@@ -109,10 +115,13 @@ def apply_penalties(logits: torch.Tensor, states: list[SeqSamplingState]) -> Non
 
 
 def _flatten_rows(
-    rows: list[int], cols: list[torch.Tensor], vocab: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, column) pairs for per-row column lists, dropping out-of-vocab columns."""
+    rows: list[int], cols: list[torch.Tensor], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(row index, column) pairs, on the host, for per-row column lists, without the
+    out-of-vocab columns; and the mask that dropped them (None when none was)."""
     c = torch.cat(cols)
     r = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(x) for x in cols]))
     keep = (c >= 0) & (c < vocab)
-    return r[keep].to(device), c[keep].to(device)
+    if bool(keep.all()):
+        return r, c, None
+    return r[keep], c[keep], keep

@@ -26,10 +26,16 @@ given are only read: steps 2-4 and the temperature work on copies in scratch buf
 across steps, so the model's output reaches the sampler without a copy of its own.
 
 Randomness: unseeded rows draw their uniforms from one generator seeded at construction.
-A seeded sequence owns a generator seeded from `sibling_seed(seed, index)` and draws exactly
-one uniform per random step from it; every batched operation on its row is row-wise (with
-reductions summed in fixed 256-token blocks) or exactly rounded, so the same seed and
-logits give the same tokens whatever else is in the batch and wherever the row sits in it.
+A seeded sequence owns a generator seeded from `sibling_seed(seed, index)` and uses the next
+uniform of its stream at each random step (`SeededUniforms`: drawn ahead in blocks, read in
+one gather); every batched operation on its row is row-wise (with reductions summed in fixed
+256-token blocks) or exactly rounded, so the same seed and logits give the same tokens
+whatever else is in the batch and wherever the row sits in it.
+
+Per step the sampler runs a fixed number of batched tensor operations, whatever the number
+of rows, and waits for the device once: the one copy of the chosen tokens to the host, with
+the requested logprobs in the same copy. Per-row work is host-side Python only (the lists
+of rows per feature, the stop rule, the result structs).
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ from flowllm.messages import SampledToken, SeqStart, TokenLogprobs
 from flowllm.sampling.grammar import apply_bitmask
 from flowllm.sampling.inverse_cdf import inverse_cdf
 from flowllm.sampling.logits_processors import apply_processors, needs_processing
-from flowllm.sampling.logprobs import prompt_logprobs, token_logprobs
+from flowllm.sampling.logprobs import logprob_columns, logprob_entries, prompt_logprobs
+from flowllm.sampling.seeded_uniforms import SeededUniforms
 from flowllm.sampling.sequence_state import SeqSamplingState
+from flowllm.sampling.transfer import to_device
 from flowllm.sampling.truncation import keep_top_k, keep_top_p, zero_below
 
 
@@ -57,7 +65,7 @@ class Sampler:
 
     `seed` seeds the generator shared by unseeded rows (ModelConfig.seed);
     `max_model_len` feeds the "length" stop rule (None: no context limit);
-    `device` is where logits arrive and where per-sequence generators live.
+    `device` is where logits arrive and where the generators live.
     """
 
     def __init__(
@@ -71,6 +79,7 @@ class Sampler:
         self._max_model_len = max_model_len
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(seed % 2**64)
+        self._uniforms = SeededUniforms(self._device)  # the seeded sequences' generators
         self._seqs: dict[int, SeqSamplingState] = {}
         self._buffers: dict[str, torch.Tensor] = {}  # reused batch-sized scratch, by role
         # How many known sequences ask for logprobs / may need a logits processor / sample
@@ -83,7 +92,9 @@ class Sampler:
         """Learn a sequence the first step it runs."""
         if seq.seq_id in self._seqs:
             raise SamplerError(f"seq_id {seq.seq_id} started twice")
-        state = self._seqs[seq.seq_id] = SeqSamplingState.of(seq, self._max_model_len, self._device)
+        state = self._seqs[seq.seq_id] = SeqSamplingState.of(
+            seq, self._max_model_len, self._uniforms
+        )
         self._count(state, 1)
 
     def release(self, seq_id: int) -> None:
@@ -91,6 +102,8 @@ class Sampler:
         state = self._seqs.pop(seq_id, None)
         if state is not None:
             self._count(state, -1)
+            if state.uniform_slot is not None:
+                self._uniforms.remove(state.uniform_slot)
 
     def _count(self, state: SeqSamplingState, sign: int) -> None:
         self._num_logprobs += sign * (state.params.logprobs is not None)
@@ -162,7 +175,7 @@ class Sampler:
             apply_processors(logits, states, num_output_tokens)
 
         # 5. choose
-        tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        dev = logits.device
         if self._num_random:
             greedy_rows = [i for i, s in enumerate(states) if s.greedy]
             random_rows = [i for i, s in enumerate(states) if not s.greedy]
@@ -170,9 +183,11 @@ class Sampler:
             greedy_rows, random_rows = list(range(batch)), []
         if len(greedy_rows) == batch:
             tokens = argmax_rows(logits)
-        elif greedy_rows:
-            g = torch.tensor(greedy_rows, device=logits.device)
-            tokens[g] = argmax_rows(logits.index_select(0, g))
+        else:
+            tokens = torch.empty(batch, dtype=torch.int64, device=dev)
+            if greedy_rows:
+                g = to_device(greedy_rows, torch.int64, dev)
+                tokens[g] = argmax_rows(logits.index_select(0, g))
         if random_rows:
             chosen = self._sample_random(
                 logits, random_rows, [states[i] for i in random_rows], editable
@@ -180,18 +195,27 @@ class Sampler:
             if len(random_rows) == batch:
                 tokens = chosen
             else:
-                tokens[torch.tensor(random_rows, device=logits.device)] = chosen
-        token_list: list[int] = tokens.tolist()
+                tokens[to_device(random_rows, torch.int64, dev)] = chosen
 
+        # the step's one copy to the host: the tokens, and the logprobs asked for
         logprobs: list[TokenLogprobs | None] = [None] * batch
-        if raw_logprobs is not None:
-            chosen_lp = token_logprobs(
-                raw_logprobs,
-                [token_list[i] for i in lp_rows],
-                [states[i].params.logprobs or 0 for i in lp_rows],
-                self._buffer("probs", len(lp_rows), vocab),
-            )
-            for row, entry in zip(lp_rows, chosen_lp, strict=True):
+        if raw_logprobs is None:
+            token_list: list[int] = tokens.tolist()
+        else:
+            top_ns = [states[i].params.logprobs or 0 for i in lp_rows]
+            k = min(max(top_ns), vocab)
+            lp_tokens = tokens
+            if len(lp_rows) != batch:
+                lp_tokens = tokens.index_select(0, to_device(lp_rows, torch.int64, dev))
+            columns = logprob_columns(
+                raw_logprobs, lp_tokens, k, self._buffer("probs", len(lp_rows), vocab)
+            )  # [len(lp_rows), 2 + 2k]
+            host = torch.cat([tokens.double(), columns.view(-1)]).tolist()
+            token_list = [int(t) for t in host[:batch]]
+            width = columns.shape[1]
+            table = [host[batch + j * width : batch + (j + 1) * width] for j in range(len(lp_rows))]
+            entries = logprob_entries([token_list[i] for i in lp_rows], table, top_ns, k)
+            for row, entry in zip(lp_rows, entries, strict=True):
                 logprobs[row] = entry
 
         out: list[SampledToken] = []
@@ -277,7 +301,7 @@ class Sampler:
         if len(rows) == logits.shape[0]:
             return logits
         out = self._buffer(key, len(rows), logits.shape[1])
-        torch.index_select(logits, 0, torch.tensor(rows, device=logits.device), out=out)
+        torch.index_select(logits, 0, to_device(rows, torch.int64, logits.device), out=out)
         return out
 
     def _sample_random(
@@ -294,7 +318,7 @@ class Sampler:
 
         temps = [p.temperature for p in params]
         if any(t != 1.0 for t in temps):
-            t = torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
+            t = to_device(temps, torch.float32, dev).unsqueeze(1)  # [R, 1]
             if lg is logits and not editable:
                 lg = torch.div(lg, t, out=self._buffer("gather", n, vocab))
             else:
@@ -305,7 +329,7 @@ class Sampler:
         min_ps = [p.min_p for p in params]
         if any(m > 0.0 for m in min_ps):
             top = probs.amax(dim=-1, keepdim=True)  # [R, 1]
-            floor = torch.tensor(min_ps, dtype=torch.float32, device=dev).unsqueeze(1) * top
+            floor = to_device(min_ps, torch.float32, dev).unsqueeze(1) * top
             zero_below(probs, floor, self._buffer("mask", n, vocab))
 
         k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
@@ -318,15 +342,20 @@ class Sampler:
             ps = [params[i].top_p for i in p_rows]
             keep_top_p(probs, p_rows, ps, self._buffer("mask", len(p_rows), vocab))
 
-        u = torch.empty(n, dtype=torch.float32, device=dev)  # [R] uniforms in [0, 1)
-        unseeded = [i for i, s in enumerate(states) if s.generator is None]
-        if unseeded:
-            draws = torch.rand(len(unseeded), generator=self._generator, device=dev)
-            if len(unseeded) == n:
-                u = draws
-            else:
-                u[torch.tensor(unseeded, device=dev)] = draws
-        for i, s in enumerate(states):
-            if s.generator is not None:
-                u[i] = torch.rand(1, generator=s.generator, device=dev)[0]
+        # [R] uniforms in [0, 1): seeded rows from their own streams, the others from the
+        # sampler's generator
+        slots = [s.uniform_slot for s in states]
+        seeded_slots = [slot for slot in slots if slot is not None]
+        if not seeded_slots:
+            u = torch.rand(n, generator=self._generator, device=dev)
+        elif len(seeded_slots) == n:
+            u = self._uniforms.draw(seeded_slots)
+        else:
+            u = torch.empty(n, dtype=torch.float32, device=dev)
+            unseeded = [i for i, slot in enumerate(slots) if slot is None]
+            seeded = [i for i, slot in enumerate(slots) if slot is not None]
+            u[to_device(unseeded, torch.int64, dev)] = torch.rand(
+                len(unseeded), generator=self._generator, device=dev
+            )
+            u[to_device(seeded, torch.int64, dev)] = self._uniforms.draw(seeded_slots)
         return inverse_cdf(probs, u)

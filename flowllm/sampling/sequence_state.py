@@ -2,7 +2,8 @@
 
 A read-only copy of what schedule owns (parameters, prompt, EOS ids), folded into the
 forms the batched step reads: the stop rule, the min_tokens ids, the logit bias as
-tensors, the per-sequence generator and, when a penalty is active, the token history.
+tensors, the slot of its generator among the sampler's `SeededUniforms` and, when a penalty
+is active, the token history.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from flowllm.messages import SamplingParams, SeqStart
+from flowllm.sampling.seeded_uniforms import SeededUniforms
 from flowllm.stopping import StopRule
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -70,20 +72,21 @@ class SeqSamplingState:
     stop: StopRule  # the finish reason of each sampled token
     min_tokens_ids: torch.Tensor  # [k] int64: EOS ∪ stop_token_ids, masked before min_tokens
     greedy: bool
-    generator: torch.Generator | None  # only for seeded, non-greedy sequences
+    uniform_slot: int | None  # its generator's slot in SeededUniforms: seeded, non-greedy only
     bias_ids: torch.Tensor | None  # [k] int64
     bias_values: torch.Tensor | None  # [k] float32, clamped
     history: TokenHistory | None  # only when a penalty is active
 
     @classmethod
-    def of(cls, seq: SeqStart, max_model_len: int | None, device: torch.device) -> SeqSamplingState:
-        """The state of a starting sequence; generators live on `device`."""
+    def of(
+        cls, seq: SeqStart, max_model_len: int | None, uniforms: SeededUniforms
+    ) -> SeqSamplingState:
+        """The state of a starting sequence; a seeded one takes a slot in `uniforms`."""
         p = seq.params
         greedy = p.temperature < GREEDY_TEMPERATURE
-        generator = None
+        slot = None
         if p.seed is not None and not greedy:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(sibling_seed(p.seed, seq.index))
+            slot = uniforms.add(sibling_seed(p.seed, seq.index))
         bias_ids = bias_values = None
         if p.logit_bias:
             bias_ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.int64)
@@ -100,7 +103,7 @@ class SeqSamplingState:
             stop=StopRule(p, seq.eos_token_ids, len(seq.prompt_token_ids), max_model_len),
             min_tokens_ids=torch.tensor(stop_ids, dtype=torch.int64),
             greedy=greedy,
-            generator=generator,
+            uniform_slot=slot,
             bias_ids=bias_ids,
             bias_values=bias_values,
             history=TokenHistory(seq.prompt_token_ids) if penalized else None,

@@ -1,8 +1,9 @@
 """Truncating a batch of distributions: min_p's floor, top_k and top_p, in place.
 
 Each keeps its rows summing to what survives (no renormalizing: the inverse-CDF draw
-scales by each row's mass). top_p finds each row's threshold without sorting the row
-(`top_p_threshold`), except for small vocabularies, where a full sort is cheaper.
+scales by each row's mass). On the CPU top_p finds each row's threshold without sorting the
+row (`top_p_threshold`), except for small vocabularies, where a full sort is cheaper; on
+other devices by a sort (`sorted_threshold`), which needs no value on the host.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from flowllm.sampling.inverse_cdf import block_sums
+from flowllm.sampling.transfer import to_device
 
 _RADIX_CHUNK = 1 << 21  # top_p: values per thresholding chunk (keeps temporaries small)
 _SORT_VOCAB = 4096  # top_p: up to this vocabulary size a full sort is the cheaper way
@@ -19,7 +21,7 @@ def select_rows(probs: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, tor
     """(the rows to filter, their index): probs itself (index None) when rows are all rows."""
     if len(rows) == probs.shape[0]:
         return probs, None
-    idx = torch.tensor(rows, device=probs.device)
+    idx = to_device(rows, torch.int64, probs.device)
     return probs.index_select(0, idx), idx
 
 
@@ -41,7 +43,7 @@ def keep_top_k(
     """
     sub, idx = select_rows(probs, rows)  # [Rk, V]
     top = sub.topk(max(ks), dim=-1).values  # [Rk, kmax], descending
-    kth = top.gather(1, torch.tensor(ks, device=probs.device).unsqueeze(1) - 1)  # [Rk, 1]
+    kth = top.gather(1, to_device(ks, torch.int64, probs.device).unsqueeze(1) - 1)  # [Rk, 1]
     zero_below(sub, kth, torch.empty_like(sub) if scratch is None else scratch)
     if idx is not None:
         probs.index_copy_(0, idx, sub)
@@ -53,12 +55,13 @@ def keep_top_p(
     """Keep each row's smallest top set with mass >= p × row mass (ties with its last kept).
 
     scratch: [len(rows), V] float32 to overwrite (allocated when None). The threshold (the
-    value of the last token kept) comes from `top_p_threshold`, without sorting the row.
+    value of the last token kept) comes from `top_p_threshold` on the CPU, without sorting
+    the row, and from `sorted_threshold` elsewhere.
     """
     dev = probs.device
     sub, idx = select_rows(probs, rows)  # [Rp, V]
-    target = block_sums(sub).sum(dim=-1) * torch.tensor(ps, dtype=torch.float32, device=dev)
-    if sub.shape[1] <= _SORT_VOCAB:
+    target = block_sums(sub).sum(dim=-1) * to_device(ps, torch.float32, dev)
+    if sub.shape[1] <= _SORT_VOCAB or not sub.is_cpu:
         threshold = sorted_threshold(sub, target)  # [Rp]
     else:
         # chunks of ~2M values keep the int64 bucket ids under glibc's mmap threshold
@@ -89,7 +92,7 @@ def top_p_threshold(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     non-negative floats order like their int32 bit patterns, so the top 11 bits (exponent
     and 3 mantissa bits: buckets of 1/8 octave) bucket the values in one pass; the bucket
     where the running mass from the top reaches the target is the only one that needs
-    sorting, and it is small.
+    sorting, and it is small. Its size is read on the host, so it serves CPU tensors.
     """
     rows = probs.shape[0]
     dev = probs.device

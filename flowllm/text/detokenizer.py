@@ -18,6 +18,14 @@ string. Three promises:
   `DetokenizerStep.stop_string` names it. Only the text that could still begin a stop
   string is held back.
 
+How text is read, by tokenizer:
+
+- byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen): a table of each id's bytes, below;
+- other fast tokenizers: the `tokenizers` library's `DecodeStream`
+  (flowllm.text.decode_stream), which keeps the window in Rust;
+- slow tokenizers, and `spaces_between_special_tokens=False` where added tokens exist: a
+  window of recent tokens decoded from Python.
+
 Decoding uses the fast tokenizer's backend directly (what `PreTrainedTokenizerFast.decode`
 calls), skipping transformers' per-call overhead. For byte-level BPE tokenizers a window of
 ordinary vocabulary ids is decoded in Python from a table of each id's bytes (`ByteVocab`),
@@ -40,6 +48,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 from flowllm.messages import SamplingParams
 from flowllm.stopping import StopStrings
+from flowllm.text.decode_stream import StreamDecode, TextStream, can_stream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,6 +56,7 @@ if TYPE_CHECKING:
 REPLACEMENT_CHAR = "\ufffd"
 _CONTEXT_TOKENS = 4  # tokens kept before the unread ones; a UTF-8 character spans <= 4 bytes
 _MAX_WINDOW = 10  # window length that triggers a slide (decode cost grows with it)
+_CONTEXT_LENGTHS = (4, 16, 64)  # prompt tokens tried as the first window's context
 
 Decode = Callable[[list[int]], str]
 
@@ -135,11 +145,19 @@ def make_decode(
 
     For a fast tokenizer, its backend's decode; for any other tokenizer, its own decode with
     both flags. With `byte_vocab` (`ByteVocab.of(tokenizer)`), windows of ordinary ids are
-    decoded from its table instead. Build it once per flag pair and pass it to every
-    `IncrementalDetokenizer` (`decode=`) to skip the per-sequence lookups.
+    decoded from its table instead; without it, a fast tokenizer's decode also streams
+    (`StreamDecode`) unless added tokens must be decoded apart (`spaces_between` False).
+    Build it once per flag pair and pass it to every `IncrementalDetokenizer` (`decode=`) to
+    skip the per-sequence lookups.
     """
     decode = _backend_decode(tokenizer, skip_special_tokens, spaces_between)
-    return decode if byte_vocab is None else ByteDecode(byte_vocab, decode)
+    if byte_vocab is not None:
+        return ByteDecode(byte_vocab, decode)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    apart = not spaces_between and bool(getattr(tokenizer, "added_tokens_decoder", None))
+    if backend is None or apart or not can_stream():
+        return decode
+    return StreamDecode(backend, skip_special_tokens, decode)
 
 
 class ByteDecode:
@@ -261,17 +279,17 @@ class IncrementalDetokenizer:
         )
         self._stops = StopStrings(params.stop)
         self._include_stop = params.include_stop_str_in_output
-        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        context_text = self._decode(context) if context else ""
-        if context_text.endswith(REPLACEMENT_CHAR):
-            # The prompt ends inside a character: decode the output on its own instead.
-            context, context_text = [], ""
+        context, context_text = self._context(prompt_token_ids)
         self._ids: list[int] = context  # context tokens, then output tokens (the window's)
         self._start = 0  # the decode window is _ids[_start:]
         # With a byte-level decode: the window's bytes, kept as it grows (None while the
         # window holds an id only the backend decodes), so a step decodes them directly.
         self._bytes = self._decode if isinstance(self._decode, ByteDecode) else None
         self._wbytes = None if self._bytes is None else self._bytes.window_bytes(context)
+        # A fast tokenizer's stream, when the decode streams (None: the window decode).
+        self._stream: TextStream | None = (
+            self._decode.open(context) if isinstance(self._decode, StreamDecode) else None
+        )
         # Byte-level without stop strings: while the window is settled (every byte of it
         # read, ending on a character boundary), a token whose bytes are whole characters
         # adds exactly its own text (`append`).
@@ -319,6 +337,9 @@ class IncrementalDetokenizer:
             ids.pop()
         if not ids:
             return DetokenizerStep("")
+        if self._stream is not None:
+            push = self._stream.push
+            return self._emit("".join([push(token_id) for token_id in ids]), final=False)
         self._ids.extend(ids)
         for token_id in ids:
             self._push_bytes(token_id)
@@ -331,6 +352,8 @@ class IncrementalDetokenizer:
         self._num_output_tokens += 1
         if stop_terminated and not self._include_stop:
             return _NO_TEXT
+        if self._stream is not None:
+            return self._emit(self._stream.push(token_id), final=False)
         self._ids.append(token_id)
         self._push_bytes(token_id)
         return self._emit(self._read(final=False), final=False)
@@ -352,11 +375,26 @@ class IncrementalDetokenizer:
         """The sequence ended (length, EOS, stop token, abort): emit everything held back."""
         if self._done:
             return DetokenizerStep("")
-        result = self._emit(self._read(final=True), final=True)
+        text = self._read(final=True) if self._stream is None else self._stream.tail()
+        result = self._emit(text, final=True)
         self._done = True
         return result
 
     # ------------------------------------------------------------------ internals
+
+    def _context(self, prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:
+        """The prompt's last tokens that the window starts with, and their text: the fewest
+        of 4, 16 or 64 whose text does not end inside a character (byte fallback decodes a
+        run of byte tokens cut at its start to U+FFFD alone); none when the prompt itself
+        ends inside one: the output is decoded on its own then."""
+        for n in _CONTEXT_LENGTHS:
+            context = list(prompt_token_ids[-n:])
+            text = self._decode(context) if context else ""
+            if not text.endswith(REPLACEMENT_CHAR):
+                return context, text
+            if len(context) < n:
+                break
+        return [], ""
 
     def _push_bytes(self, token_id: int) -> None:
         """Keep `_wbytes` the bytes of the window once `token_id` joined it."""

@@ -1,17 +1,23 @@
 """Incremental detokenizer against `tokenizer.decode` of the whole output, with the real
-GPT-2 tokenizer: random sequences with split multi-byte characters, stop strings that span
-tokens, special tokens, and the stop-token rule."""
+GPT-2 tokenizer, the bundled SmolLM2's and a SentencePiece-style one with byte fallback:
+random sequences with split multi-byte characters, stop strings that span tokens, special
+tokens, and the stop-token rule; each read path (the byte table, `DecodeStream`, the window
+decode)."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizer_fixtures import build_byte_fallback_tokenizer
 
 from flowllm.messages import SamplingParams
+from flowllm.text.decode_stream import StreamDecode
 from flowllm.text.detokenizer import (
     ByteVocab,
+    Decode,
     DetokenizerStep,
     IncrementalDetokenizer,
     make_decode,
@@ -46,13 +52,27 @@ def joined(steps: list[DetokenizerStep], last: DetokenizerStep) -> str:
     return "".join(s.text_delta for s in steps) + last.text_delta
 
 
+def pools_of(tokenizer: Any) -> dict[str, list[int]]:
+    """Token ids of multi-byte text (many are partial UTF-8 on their own), the special
+    tokens, and the vocabulary's size."""
+    multi = sorted({t for text in TEXTS for t in tokenizer.encode(text)})
+    partial = [t for t in multi if "\ufffd" in tokenizer.decode([t])]
+    assert len(partial) > 20  # the pool really contains split characters
+    return {"multi": multi, "partial": partial, "special": tokenizer.all_special_ids,
+            "size": [len(tokenizer)]}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def pools(gpt2_tokenizer: Any) -> dict[str, list[int]]:
-    """Token ids of multi-byte text (many are partial UTF-8 on their own) and of ASCII."""
-    multi = sorted({t for text in TEXTS for t in gpt2_tokenizer.encode(text)})
-    partial = [t for t in multi if "\ufffd" in gpt2_tokenizer.decode([t])]
-    assert len(partial) > 20  # the pool really contains split characters
-    return {"multi": multi, "partial": partial}
+    return pools_of(gpt2_tokenizer)
+
+
+def window_decode(tokenizer: Any, params: SamplingParams) -> Decode:
+    """The decode of the window path: no byte table, no stream."""
+    decode = make_decode(
+        tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
+    )
+    return decode.decode if isinstance(decode, StreamDecode) else decode
 
 
 def random_sequence(rng: random.Random, tokenizer: Any, pools: dict[str, list[int]]) -> list[int]:
@@ -66,13 +86,13 @@ def random_sequence(rng: random.Random, tokenizer: Any, pools: dict[str, list[in
         # a soup of partial-character tokens, text tokens and the odd <|endoftext|>
         n = rng.randint(1, 80)
         return [
-            EOT
+            rng.choice(pools["special"])
             if rng.random() < 0.05
             else rng.choice(pools["partial"] if rng.random() < 0.5 else pools["multi"])
             for _ in range(n)
         ]
     # anything at all from the vocabulary
-    return [rng.randrange(50257) for _ in range(rng.randint(1, 60))]
+    return [rng.randrange(pools["size"][0]) for _ in range(rng.randint(1, 60))]
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
@@ -314,7 +334,9 @@ def test_the_byte_table_changes_no_delta(
             ids.insert(rng.randrange(len(ids) + 1), len(gpt2_tokenizer) + 3)
         prompt = gpt2_tokenizer.encode(rng.choice(TEXTS)) if case % 2 else []
         chunks_seed = rng.random()
-        plain = IncrementalDetokenizer(gpt2_tokenizer, prompt, params)
+        plain = IncrementalDetokenizer(
+            gpt2_tokenizer, prompt, params, decode=window_decode(gpt2_tokenizer, params)
+        )
         table = IncrementalDetokenizer(gpt2_tokenizer, prompt, params, decode=fast)
         assert stream(plain, ids, random.Random(chunks_seed)) == stream(
             table, ids, random.Random(chunks_seed)
@@ -388,3 +410,117 @@ def test_skipped_special_token_inside_a_character(gpt2_tokenizer: Any) -> None:
         params = SamplingParams(skip_special_tokens=True, spaces_between_special_tokens=spaces)
         detok = IncrementalDetokenizer(gpt2_tokenizer, [], params)
         assert joined([detok.step([t]) for t in ids], detok.finish()) == "a😀b"
+
+
+# ------------------------------------------------------------------------- other tokenizers
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.mark.parametrize("path", ["stream", "table"])
+def test_smollm2_streams_the_full_decode(smollm2_tokenizer: Any, path: str) -> None:
+    """The bundled model's byte-level tokenizer, through `DecodeStream` (any fast tokenizer
+    can) and through the byte table (what the detokenize stage takes for it)."""
+    tok = smollm2_tokenizer
+    pools = pools_of(tok)
+    table = ByteVocab.of(tok)
+    assert table is not None
+    rng = random.Random(21)
+    for case in range(150):
+        params = SamplingParams(skip_special_tokens=case % 2 == 0)
+        decode = make_decode(
+            tok, params.skip_special_tokens, True, table if path == "table" else None
+        )
+        assert isinstance(decode, StreamDecode) == (path == "stream")
+        ids = random_sequence(rng, tok, pools)
+        prompt = tok.encode(rng.choice(TEXTS)) if case % 3 else []
+        detok = IncrementalDetokenizer(tok, prompt, params, decode=decode)
+        got = joined(*stream(detok, ids, rng))
+        full = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        assert got == full, (case, ids)
+        assert got.count("\ufffd") == full.count("\ufffd")
+
+
+def clean_sequence(rng: random.Random, tok: Any, skip_special_tokens: bool) -> list[int]:
+    """Pieces of the texts cut at characters, encoded: valid UTF-8 across the byte tokens
+    (byte fallback decodes a run of bytes as a whole, so a byte that is not UTF-8 turns its
+    neighbours to U+FFFD too, a change no incremental decode can foresee); special tokens
+    between the pieces, and inside a character when they are skipped (a special token
+    kept ends a run of bytes); an id the tokenizer lacks."""
+    pieces: list[list[int]] = []
+    for _ in range(rng.randint(1, 4)):
+        text = rng.choice(TEXTS)
+        begin = rng.randrange(len(text))
+        piece = text[begin : begin + rng.randint(1, 30)]
+        pieces.append(tok.encode(piece, add_special_tokens=False))
+    for _ in range(rng.randint(0, 3)):
+        piece = rng.choice(pieces)
+        at = rng.randint(0, len(piece)) if skip_special_tokens else rng.choice([0, len(piece)])
+        piece.insert(at, rng.choice([tok.bos_token_id, tok.eos_token_id]))
+    ids = [t for piece in pieces for t in piece]
+    if rng.random() < 0.2:
+        ids.insert(rng.randint(0, len(ids)), len(tok) + 7)
+    return ids
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_byte_fallback_tokenizer_streams_the_full_decode(
+    tmp_path: Path, skip_special_tokens: bool
+) -> None:
+    """Split characters come out whole and once, the continuation of the prompt keeps its
+    leading space, and stop strings cut where the full text has them."""
+    tok = build_byte_fallback_tokenizer(tmp_path)
+    assert ByteVocab.of(tok) is None
+    assert isinstance(make_decode(tok, skip_special_tokens, True), StreamDecode)
+    rng = random.Random(31 + skip_special_tokens)
+    split = 0
+    for case in range(300):
+        stop = ("本", "é i") if case % 4 == 0 else ()
+        params = SamplingParams(skip_special_tokens=skip_special_tokens, stop=stop)
+        ids = clean_sequence(rng, tok, skip_special_tokens)
+        prompt = tok.encode(rng.choice(TEXTS), add_special_tokens=False) if case % 2 else []
+        detok = IncrementalDetokenizer(tok, prompt, params)
+        got = joined(*stream(detok, ids, rng))
+        before = tok.decode(prompt, skip_special_tokens=skip_special_tokens)
+        whole = tok.decode(prompt + ids, skip_special_tokens=skip_special_tokens)
+        assert whole.startswith(before)
+        full = whole[len(before) :]
+        found = [(full.find(s) + len(s), full.find(s)) for s in stop if s in full]
+        if found:  # cut before the stop string that completes first
+            full = full[: min(found)[1]]
+        assert got == full, (case, tok.convert_ids_to_tokens(ids))
+        split += any((t or "").startswith("<0x") for t in tok.convert_ids_to_tokens(ids))
+    assert split > 100  # characters from byte tokens were exercised
+
+
+def test_a_byte_that_breaks_sent_text_restarts_the_stream(tmp_path: Path) -> None:
+    """An invalid byte joining a run of byte tokens turns the run to U+FFFD in the full
+    decode, text already sent included: the stream goes on, the sent text stays, and the
+    text after the run is exact."""
+    tok = build_byte_fallback_tokenizer(tmp_path)
+    stray = tok.convert_tokens_to_ids("<0xBA>")  # a continuation byte after a whole "é"
+    after = tok.encode(" Tokyo is 東京", add_special_tokens=False)
+    ids = [*tok.encode("café", add_special_tokens=False), stray, *after]
+    assert tok.decode(ids).startswith("caf\ufffd\ufffd\ufffd")  # é's bytes are U+FFFD now
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    got = joined(*stream(detok, ids, random.Random(3)))
+    assert got == "café" + tok.decode([stray, *after])  # == "café\ufffd  Tokyo is 東京"
+
+
+def test_without_a_decode_stream_the_window_decodes(
+    gpt2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `tokenizers` without DecodeStream(ids=...) (before 0.22): the window decode."""
+    import flowllm.text.detokenizer as detokenizer
+
+    monkeypatch.setattr(detokenizer, "can_stream", lambda: False)
+    decode = make_decode(gpt2_tokenizer, True, True)
+    assert not isinstance(decode, StreamDecode)
+    ids = gpt2_tokenizer.encode("a😀b 日本")
+    detok = IncrementalDetokenizer(gpt2_tokenizer, [], SamplingParams())
+    assert joined([detok.step([t]) for t in ids], detok.finish()) == "a😀b 日本"

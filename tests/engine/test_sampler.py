@@ -14,10 +14,12 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowllm.messages import SamplingParams, SeqStart
 from flowllm.sampling.inverse_cdf import inverse_cdf
 from flowllm.sampling.sampler import Sampler, SamplerError
+from flowllm.sampling.seeded_uniforms import BLOCK
 from flowllm.sampling.sequence_state import sibling_seed
 from flowllm.sampling.truncation import (
     keep_top_k,
@@ -407,6 +409,89 @@ def test_siblings_differ_and_each_is_reproducible() -> None:
     assert run(1) == second
     assert sibling_seed(42, 1) == 43
     assert run(0, seed=43) == second  # index i seeds like seed + i, as documented
+
+
+def test_a_seeded_sequence_uses_one_uniform_of_its_stream_per_step() -> None:
+    """Across more steps than a block of uniforms drawn ahead, and while companions come and
+    go (freed slots taken again, the table grown), each seeded sequence's k-th random step
+    draws with the k-th `torch.rand(1)` of its own generator: the per-row definition."""
+    vocab, steps = 300, BLOCK + 40
+    gen = torch.Generator().manual_seed(14)
+    rows = [torch.randn(vocab, generator=gen) * 3 for _ in range(steps)]
+    temperature = 0.8
+    sampler = Sampler(seed=1)
+    live: dict[int, tuple[torch.Generator, int]] = {}  # seq_id -> (reference generator, start)
+    next_id = 0
+    for step, row in enumerate(rows):
+        if step % 7 == 0 or len(live) < 3:  # a new seeded sequence
+            seed = 1000 + next_id
+            start(sampler, next_id, SamplingParams(temperature=temperature, seed=seed))
+            live[next_id] = (torch.Generator().manual_seed(sibling_seed(seed, 0)), step)
+            next_id += 1
+        if step % 5 == 4 and len(live) > 20:  # release the oldest
+            oldest = min(live)
+            sampler.release(oldest)
+            del live[oldest]
+        seq_ids = sorted(live)
+        unseeded = next_id + 10_000  # an unseeded companion: the shared generator
+        start(sampler, unseeded, SamplingParams(temperature=temperature))
+        seq_ids.insert(step % (len(seq_ids) + 1), unseeded)
+        logits = row.expand(len(seq_ids), vocab).contiguous()
+        got = sampler.sample(seq_ids, logits, [0] * len(seq_ids))
+        sampler.release(unseeded)
+        probs = torch.softmax(row / temperature, dim=-1)[None]
+        for token in got:
+            if token.seq_id in live:
+                want = inverse_cdf(probs, torch.rand(1, generator=live[token.seq_id][0]))
+                assert token.token_id == int(want[0]), (step, token.seq_id)
+
+
+_VIEWS = {"view", "expand", "slice", "select", "unsqueeze", "squeeze", "t", "alias"}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the torch operators run under it, less views (their number follows shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket.__name__ not in _VIEWS:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_runs_the_same_tensor_operations_at_any_number_of_rows() -> None:
+    """Every feature batched: a step with 64 rows runs the torch operators a step with 8
+    rows runs, no more (nothing per row: no generator call, no row-by-row edit, no read of
+    a device value)."""
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=0.7, seed=5, top_k=20),
+        SamplingParams(temperature=1.2, seed=6, top_p=0.8, min_p=0.02),
+        SamplingParams(seed=7, presence_penalty=0.4, frequency_penalty=0.2, logprobs=2),
+        SamplingParams(repetition_penalty=1.3, logit_bias={5: 3.0, 9: -1.0}, min_tokens=3),
+        SamplingParams(temperature=0.5, top_k=8, top_p=0.9, seed=8),
+    ]
+    gen = torch.Generator().manual_seed(15)
+
+    def op_counts(rows: int) -> list[Counter[str]]:
+        sampler = Sampler(seed=2)
+        for i in range(rows):
+            start(sampler, i, kinds[i % len(kinds)], prompt=(1, 3, 5 + i, EOS))
+        counts = []
+        for step in range(4):
+            logits = torch.randn(rows, 700, generator=gen)
+            with _OpCounter() as counter:
+                sampler.sample(list(range(rows)), logits, [step] * rows)
+            counts.append(counter.ops)
+        return counts
+
+    small, large = op_counts(len(kinds)), op_counts(8 * len(kinds))
+    assert small == large
 
 
 def test_unseeded_sampling_follows_the_construction_seed() -> None:

@@ -640,6 +640,64 @@ def test_interpreted_follows_triton() -> None:
     assert ta.interpreted() == bool(triton.knobs.runtime.interpret)
 
 
+# ----------------------------------------------------------------------------- specialization
+
+
+def _compile_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The key under which Triton's JIT compiles a launch of `kernel` (the specialization
+    its binder derives from the arguments, and the launch options), computed from the
+    Python function the interpreter runs and the kernel's own do_not_specialize."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    jit = JITFunction(kernel.fn, do_not_specialize=kernel.kwargs["do_not_specialize"])
+    bind = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    _, specialization, options = bind(*args, **kwargs)
+    return str(specialization) + str(sorted(options.items()))
+
+
+@pytest.mark.skipif(not ta.interpreted(), reason="reads the interpreter's kernels")
+def test_new_batches_compile_no_new_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode and prefill batches of 1 to 17 sequences, contexts giving block tables 1 to 32
+    wide (widths of 1, multiples of 16 and neither: what Triton specializes an integer
+    on), 1 to 4 decode splits, 3 to 51 stored tokens: each kernel's launches share one
+    compile key per dtype, so no batch compiles a kernel while serving. The launches are
+    recorded, not run."""
+    kernels = {
+        "store_kv": ta._store_kv_kernel,
+        "decode": ta._decode_kernel,
+        "reduce": ta._decode_reduce_kernel,
+        "prefill": ta._prefill_kernel,
+    }
+    keys: dict[str, set[str]] = {name: set() for name in kernels}
+    for name, kernel in kernels.items():
+
+        def record(*args: Any, grid: Any, warmup: bool, _name: str = name, **kwargs: Any) -> None:
+            keys[_name].add(_compile_key(kernels[_name], args, kwargs))
+
+        monkeypatch.setattr(kernel, "run", record)
+
+    dtypes = (torch.float32, torch.bfloat16)
+    for dtype in dtypes:
+        for num_seqs in (1, 2, 3, 16, 17):
+            for context, width in {1: 1, 2: 2, 112: 16, 120: 17, 240: 32}.items():
+                for q_len in (1, 5):
+                    seqs = [(context, q_len)] * num_seqs
+                    case = make_case(seqs, block_size=8, dtype=dtype, seed=num_seqs)
+                    table = case.block_tables[:, :width].contiguous()  # the widest needed
+                    assert table.shape[1] == width
+                    case = replace(case, block_tables=table)
+                    for splits in (1, 2, 4):
+                        tiles = replace(SMALL_TILES, decode_splits=splits)
+                        ta.paged_attention(*case.args(), tiles=tiles)
+            rows = torch.zeros(num_seqs * 3, 2, 16, dtype=dtype, device=DEVICE)
+            cache = torch.zeros(8, 8, 2, 16, dtype=dtype, device=DEVICE)
+            slots = torch.arange(num_seqs * 3, device=DEVICE) % 64
+            ta.store_kv(rows, rows, cache, cache, slots)
+    found = {name: len(k) for name, k in keys.items()}
+    assert found == dict.fromkeys(kernels, len(dtypes))
+
+
 # ----------------------------------------------------------------------------- GPU compile
 
 # Compiles the kernels for an sm_80 GPU down to cubins, with no GPU present, the way a launch
@@ -692,7 +750,7 @@ COMPILE_SCRIPT = textwrap.dedent(
 
     report = {}
     for dtype, head_dim, kernels in (
-        (torch.bfloat16, 128, ("store_kv", "decode", "decode_split", "reduce", "prefill")),
+        (torch.bfloat16, 128, ("store_kv", "decode", "reduce", "prefill")),
         (torch.float32, 64, ("prefill",)),
     ):
         tiles = ta.choose_tiles(head_dim, dtype)
@@ -702,10 +760,9 @@ COMPILE_SCRIPT = textwrap.dedent(
             "store_kv": (ta._store_kv_kernel, dict(
                 NUM_KV_HEADS=NUM_HEADS // GROUP, HEAD_DIM=head_dim, BLOCK_H=8,
                 BLOCK_D=head_dim)),
-            "decode": (ta._decode_kernel, dict(decode, NUM_SPLITS=1)),
-            "decode_split": (ta._decode_kernel, dict(decode, NUM_SPLITS=4)),
+            "decode": (ta._decode_kernel, decode),
             "reduce": (ta._decode_reduce_kernel, dict(
-                NUM_HEADS=NUM_HEADS, HEAD_DIM=head_dim, NUM_SPLITS=4, BLOCK_S=4,
+                NUM_HEADS=NUM_HEADS, HEAD_DIM=head_dim, BLOCK_S=ta._MAX_DECODE_SPLITS,
                 BLOCK_D=head_dim)),
             "prefill": (ta._prefill_kernel, dict(
                 common, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // GROUP,
@@ -727,7 +784,7 @@ def test_kernels_compile_for_cuda() -> None:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 6, report
+    assert len(report) == 5, report
     for name, usage in report.items():
         # 64 KiB: the most shared memory a block may use on the smallest CUDA GPUs (sm_75).
         assert usage["shared"] <= 64 * 1024, (name, usage)
