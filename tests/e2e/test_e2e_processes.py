@@ -121,7 +121,8 @@ def test_killing_a_front_leaves_the_other_serving(two_fronts: ServerProcess) -> 
 def test_killing_the_core_answers_in_flight_requests_and_a_new_core_serves(
     gpt2_tiny_dir: Path,
 ) -> None:
-    server = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, "--log-level", "info"])
+    lone_front = ["--api-server-count", "1"]
+    server = start_server(str(gpt2_tiny_dir), [*TINY_FLAGS, *lone_front, "--log-level", "info"])
     try:
         # A lone front's finished requests are forgotten by the core: killed, it leaves
         # nothing to abort there, and its replacement serves.
