@@ -12,7 +12,7 @@ vLLM's `model_name` label) at scrape time, so the `vllm:` series cost nothing pe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -241,42 +241,44 @@ HEALTHY = f"{PREFIX}graph_healthy"
 
 
 class MergedMetrics(Collector):
-    """This process's registry and another process's latest metrics (Prometheus text) as
-    one registry, one family per name.
+    """This process's registry and other processes' latest metrics (Prometheus text) as
+    one registry, one family per name: a front's own, its sibling fronts' and the core's.
 
     Each process counts its own events (a front its requests' latencies, the core its
-    steps), so a series both have is their sum; a series with the same value on both
-    sides (an info gauge, a count neither has moved) appears once, and a graph is healthy
-    only while both parts are.
+    steps), so a series several have is their sum; a graph is healthy only while every
+    part is, and a counter was created when the first part created it.
     """
 
-    def __init__(self, local: CollectorRegistry, remote_text: Callable[[], str]) -> None:
+    def __init__(self, local: CollectorRegistry, remote_texts: Callable[[], Iterable[str]]) -> None:
         self.local = local
-        self.remote_text = remote_text
+        self.remote_texts = remote_texts
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
         index: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Metric, int]] = {}
-        for family in self.local.collect():
-            merged[family.name] = family
-            for i, s in enumerate(family.samples):
-                index[(s.name, tuple(sorted(s.labels.items())))] = (family, i)
-        for family in text_string_to_metric_families(self.remote_text()):
+
+        def add(family: Metric) -> None:
             target = merged.setdefault(family.name, family)
-            if target is family:
-                continue
-            for sample in family.samples:
-                found = index.get((sample.name, tuple(sorted(sample.labels.items()))))
+            for i, sample in enumerate(list(family.samples)):
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                found = index.get(key)
                 if found is None:
-                    target.samples.append(sample)
+                    if target is not family:
+                        target.samples.append(sample)
+                        i = len(target.samples) - 1
+                    index[key] = (target, i)
                     continue
                 owner, i = found
                 mine = owner.samples[i]
-                if sample.value == mine.value:
-                    continue
-                if sample.name == HEALTHY:
+                if sample.name == HEALTHY or sample.name.endswith("_created"):
                     value = min(sample.value, mine.value)
                 else:
                     value = mine.value + sample.value
                 owner.samples[i] = mine._replace(value=value)
+
+        for family in self.local.collect():
+            add(family)
+        for text in self.remote_texts():
+            for family in text_string_to_metric_families(text):
+                add(family)
         yield from merged.values()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import itertools
 import multiprocessing
 import multiprocessing.process
 import os
@@ -32,6 +33,7 @@ from flowllm.config import EngineConfig
 from flowllm.engine.core_protocol import (
     CONTROL_DECODER,
     HEARTBEAT_INTERVAL_S,
+    SIBLING_METRICS_TIMEOUT_S,
     CoreReady,
     FailRequest,
     Heartbeat,
@@ -180,6 +182,10 @@ class Core:
         self.spans = SpanRelay(self._send_spans)
         self.graph.add_span_sink(self.spans)
         self._stop = anyio.Event()
+        self._tasks: anyio.abc.TaskGroup | None = None  # serve's, while it runs
+        # the core's metrics queries to fronts: id -> (the replies, how many, all in)
+        self._fronts_asked: dict[int, tuple[list[bytes], int, anyio.Event]] = {}
+        self._metrics_queries = itertools.count()
 
     @property
     def serving(self) -> bool:
@@ -202,8 +208,19 @@ class Core:
     def _on_control(self, peer: Peer, payload: Any) -> None:
         message = CONTROL_DECODER.decode(payload)
         if isinstance(message, MetricsQuery):
-            text = generate_latest(self.services.registry)
-            peer.send_control(MetricsReply(query=message.query, text=text))
+            others = [front for front in self.fronts if front is not peer and front.attached]
+            if others and self._tasks is not None:
+                self._tasks.start_soon(self._answer_metrics, peer, message.query, others)
+            else:
+                text = generate_latest(self.services.registry)
+                peer.send_control(MetricsReply(query=message.query, text=text))
+        elif isinstance(message, MetricsReply):  # a front answers the core's query
+            asked = self._fronts_asked.pop(message.query, None)
+            if asked is not None:
+                replies, expected, all_in = asked
+                replies.append(message.text)
+                if len(replies) == expected:
+                    all_in.set()
         elif isinstance(message, WantSpans):
             if message.want:
                 self._span_wanted.add(peer.index)
@@ -212,6 +229,24 @@ class Core:
             self.spans.wanted = bool(self._span_wanted)
         else:
             self.log.warning("unexpected control message from a front", front=peer.index)
+
+    async def _answer_metrics(self, asker: Peer, query: int, others: list[Peer]) -> None:
+        """Answer a front's metrics query with the core's registry and the other fronts'
+        (those that answer within SIBLING_METRICS_TIMEOUT_S)."""
+        replies: list[bytes] = []
+        all_in = anyio.Event()
+        asked = []
+        for front in others:
+            sibling_query = next(self._metrics_queries)
+            asked.append(sibling_query)
+            self._fronts_asked[sibling_query] = (replies, len(others), all_in)
+            front.send_control(MetricsQuery(query=sibling_query))
+        with anyio.move_on_after(SIBLING_METRICS_TIMEOUT_S):
+            await all_in.wait()
+        for sibling_query in asked:
+            self._fronts_asked.pop(sibling_query, None)
+        text = generate_latest(self.services.registry)
+        asker.send_control(MetricsReply(query=query, text=text, fronts=tuple(replies)))
 
     def _send_spans(self, spans: Spans) -> None:
         for front in self._span_wanted:
@@ -240,6 +275,7 @@ class Core:
         Started with `TaskGroup.start`, it reports the address it listens on."""
         listener, address = await listen(self.spec.address)
         async with anyio.create_task_group() as tg:
+            self._tasks = tg
             await tg.start(self.graph.run)
             for peer in self.fronts:
                 tg.start_soon(peer.pump_overflow)

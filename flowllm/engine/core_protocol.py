@@ -3,7 +3,9 @@
 A front connects to the core's socket and greets it (`Hello`); the core answers
 with what the front's stages need to know of the model (`CoreReady`), then sends a
 `Heartbeat` every `HEARTBEAT_INTERVAL_S`, and its metrics when a front asks for them
-(`MetricsQuery`, for a scrape of /metrics or the web page's live view).
+(`MetricsQuery`, for a scrape of /metrics or the web page's live view). With several
+fronts the core first asks the others for theirs (the same query, the other way) and
+sends them along, so that whichever front a scrape reaches counts every front's requests.
 A request the core fails outside a channel (a step-loop stage without an `errors` port)
 travels as `FailRequest`. All are control frames (flowllm/graph/wire.py).
 """
@@ -17,6 +19,7 @@ from flowllm.messages import RequestError
 
 HEARTBEAT_INTERVAL_S = 0.1
 METRICS_TIMEOUT_S = 1.0  # a core this slow to answer: the front renders without it
+SIBLING_METRICS_TIMEOUT_S = 0.5  # a front this slow to answer the core: left out
 # A front whose core has not beaten for this long answers /health with 503: a core
 # stuck (its event loop or a step) is as unavailable as a dead one.
 HEARTBEAT_STALE_S = 1.0
@@ -56,7 +59,8 @@ class MetricsQuery(msgspec.Struct, frozen=True, tag=True):
 
 class MetricsReply(msgspec.Struct, frozen=True, tag=True):
     query: int
-    text: bytes  # the core's registry as Prometheus text
+    text: bytes  # the sender's registry as Prometheus text
+    fronts: tuple[bytes, ...] = ()  # in the core's reply: the other fronts' registries
 
 
 class FailRequest(msgspec.Struct, frozen=True, tag=True):

@@ -28,7 +28,7 @@ import anyio.to_thread
 import msgspec
 import structlog
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from flowllm.config import EngineConfig
 from flowllm.engine.async_engine import AsyncEngine
@@ -106,6 +106,7 @@ class CoreLink:
         self.last_beat = 0.0
         self.core_healthy = False
         self.core_metrics: bytes = b""  # the latest the core sent
+        self.sibling_metrics: tuple[bytes, ...] = ()  # the other fronts', sent with it
         self._metrics_asked: dict[int, anyio.Event] = {}
         self._queries = itertools.count()
         self.ownership = Ownership()  # the sequences the core runs for this front
@@ -141,6 +142,10 @@ class CoreLink:
             self._metrics_asked.pop(query, None)
         return self.core_metrics.decode()
 
+    def elsewhere_metrics(self) -> list[str]:
+        """The latest metrics of the core and of the other fronts, as Prometheus text."""
+        return [text.decode() for text in (self.core_metrics, *self.sibling_metrics)]
+
     def want_spans(self, want: bool) -> None:
         """The front's graph gained its first span sink or lost its last: tell the core,
         which sends its spans only while they are read (and again after a reconnection)."""
@@ -161,8 +166,12 @@ class CoreLink:
         if isinstance(message, Heartbeat):
             self.last_beat = monotonic()
             self.core_healthy = message.healthy
+        elif isinstance(message, MetricsQuery):  # the core gathers every front's
+            text = generate_latest(self.services.registry) if self.services else b""
+            self.peer.send_control(MetricsReply(query=message.query, text=text))
         elif isinstance(message, MetricsReply):
             self.core_metrics = message.text
+            self.sibling_metrics = message.fronts
             answered = self._metrics_asked.pop(message.query, None)
             if answered is not None:
                 answered.set()
@@ -256,11 +265,10 @@ class FrontEngine(AsyncEngine):
 
     @functools.cached_property
     def metrics_registry(self) -> CollectorRegistry:
-        """This front's metrics and the core's latest, one family per name."""
+        """This front's metrics, the other fronts' and the core's latest, one family per
+        name."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(
-            MergedMetrics(self.services.registry, lambda: self.link.core_metrics.decode())
-        )
+        registry.register(MergedMetrics(self.services.registry, self.link.elsewhere_metrics))
         return registry
 
     @classmethod

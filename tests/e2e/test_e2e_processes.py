@@ -42,6 +42,23 @@ def complete(url: str, prompt: str, max_tokens: int = 8) -> httpx.Response:
     )
 
 
+def access_lines(server: ServerProcess) -> list[str]:
+    """The access log's completion lines, each naming the front that answered."""
+    return [
+        line
+        for line in server.output().splitlines()
+        if "POST /v1/completions" in line and '"front": ' in line
+    ]
+
+
+def line_front(line: str) -> str:
+    return line.split('"front": ')[1].split(",")[0]
+
+
+def fronts_served(server: ServerProcess) -> set[str]:
+    return {line_front(line) for line in access_lines(server)}
+
+
 def healthy(server: ServerProcess) -> bool:
     """/health answers 200; a probe that times out (queued for a front still starting, on
     a busy machine) is a no."""
@@ -88,12 +105,7 @@ def test_two_fronts_share_the_port_and_one_core(
     def both_served() -> bool:
         """Whether each front has answered a completion (each call asks one more: on a
         busy machine one front may win every accept of a burst)."""
-        served = {
-            line.split('"front": ')[1].split(",")[0]
-            for line in two_fronts.output().splitlines()
-            if "POST /v1/completions" in line and '"front": ' in line
-        }
-        if served == {"0", "1"}:
+        if fronts_served(two_fronts) == {"0", "1"}:
             return True
         assert (
             complete(two_fronts.url, PROMPTS[0]).json()["choices"][0]["text"]
@@ -102,6 +114,21 @@ def test_two_fronts_share_the_port_and_one_core(
         return False
 
     assert wait_until(both_served, timeout=60)
+
+
+def test_every_front_reports_every_fronts_requests(two_fronts: ServerProcess) -> None:
+    """A scrape reaches one front; its /metrics sums every front's series (and the
+    core's), so a counter does not depend on which front answered."""
+    count = "flowllm:e2e_request_latency_seconds_count"
+    before = two_fronts.metrics()[count]
+    seen = len(access_lines(two_fronts))
+    sent = 0
+    while sent < 4 or {line_front(line) for line in access_lines(two_fronts)[seen:]} != {"0", "1"}:
+        assert sent < 200, "one front took every connection"
+        assert complete(two_fronts.url, "Hello there").status_code == 200
+        sent += 1
+    scrapes = [two_fronts.metrics()[count] for _ in range(8)]  # new connections each
+    assert scrapes == [before + sent] * 8
 
 
 def test_killing_a_front_leaves_the_other_serving(two_fronts: ServerProcess) -> None:

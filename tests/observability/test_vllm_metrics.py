@@ -22,7 +22,7 @@ from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.loading import build_services
 from flowllm.graph.metrics import GraphMetrics
 from flowllm.messages import GenerateRequest, SamplingParams
-from flowllm.metrics import VLLM_NAMES, EngineMetrics, MetricsView, buckets_1_2_5
+from flowllm.metrics import VLLM_NAMES, EngineMetrics, MergedMetrics, MetricsView, buckets_1_2_5
 from flowllm.stages.services import EngineServices
 
 
@@ -182,3 +182,29 @@ def test_setup_installs_the_plot_and_tracing_extras() -> None:
     chosen = [dep for extra in installed.split(",") for dep in extras[extra]]
     assert any(dep.startswith("matplotlib") for dep in chosen)
     assert any(dep.startswith("opentelemetry-exporter-otlp-proto-http") for dep in chosen)
+
+
+def test_merged_metrics_sum_every_process_and_keep_the_worst_health() -> None:
+    """A front's /metrics over its own registry, a sibling front's and the core's: equal
+    counts are two processes' counts (summed, never taken once), health is the worst
+    part's, and a counter was created when its first part was."""
+    here, sibling, core = (CollectorRegistry() for _ in range(3))
+    for registry in (here, sibling):
+        EngineMetrics(registry).request_success.labels("stop").inc(3)
+        GraphMetrics(registry).graph_healthy.set(1)
+    EngineMetrics(core).generation_tokens.inc(7)
+    GraphMetrics(core).graph_healthy.set(0)
+    merged = CollectorRegistry(auto_describe=False)
+    merged.register(
+        MergedMetrics(here, lambda: [generate_latest(r).decode() for r in (sibling, core)])
+    )
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(merged).decode())
+        for s in family.samples
+    }
+    assert samples[("flowllm:request_success_total", (("finished_reason", "stop"),))] == 6.0
+    assert samples[("flowllm:generation_tokens_total", ())] == 7.0
+    assert samples[("flowllm:graph_healthy", ())] == 0.0
+    created = samples[("flowllm:request_success_created", (("finished_reason", "stop"),))]
+    assert 1e9 < created < 1e10  # a time, not a sum of times

@@ -125,7 +125,7 @@ def _front(generated: int) -> Any:
     EngineMetrics(here).request_success.labels("length").inc()
     EngineMetrics(core).generation_tokens.inc(generated)
     merged = CollectorRegistry(auto_describe=False)
-    merged.register(MergedMetrics(here, lambda: generate_latest(core).decode()))
+    merged.register(MergedMetrics(here, lambda: [generate_latest(core).decode()]))
     return SimpleNamespace(
         metrics_registry=merged,
         healthy=True,
