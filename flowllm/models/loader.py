@@ -19,6 +19,7 @@ do; the CLI prints it without a traceback.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -64,6 +65,7 @@ HUB_ALLOW_PATTERNS = [
 HUB_IGNORE_PATTERNS = ["*/*"]
 
 SAFETENSORS_FILE = "model.safetensors"
+REPACKED_DIR = "repacked"  # in a converted directory: its GGUF file's weights, repacked
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BUNDLED_HINT = f"try the bundled model: flowllm serve {BUNDLED_MODEL}"
 
@@ -123,6 +125,8 @@ class ResolvedModel:
     name: str
     gguf: Path | None = None
     config_from_gguf: bool = False  # config and tokenizer from the file's metadata
+    # where the file's weights, repacked, are cached (flowllm/models/weight_cache.py)
+    weight_cache: Path | None = None
 
 
 def _env_true(name: str) -> bool:
@@ -191,7 +195,8 @@ def _bundled(quantization: str) -> ResolvedModel:
         gguf = bundled_gguf_path() if quantization == "auto" else None
     except BundledModelError as e:
         raise BundledModelLoadError(str(e)) from e
-    return ResolvedModel(path=path, name=BUNDLED_MODEL, gguf=gguf)
+    cache = None if gguf is None else path / REPACKED_DIR
+    return ResolvedModel(path=path, name=BUNDLED_MODEL, gguf=gguf, weight_cache=cache)
 
 
 def _hub_snapshot(name: str) -> Path:
@@ -442,7 +447,7 @@ def load_model(
     bundled model then loads from its converted directory, as an HF model); `int8`
     quantizes a float checkpoint's linear layers (but the LM head) to int8 per output
     channel."""
-    from flowllm.models import gguf_file
+    from flowllm.models import gguf_file, weight_cache
     from flowllm.models.errors import ModelError, UnsupportedModelError, WeightLoadError
     from flowllm.models.registry import model_class_for
 
@@ -457,13 +462,19 @@ def load_model(
             f"model {name_or_path!r} is a GGUF file, quantized already: --quantization int8 "
             "applies to float (safetensors) checkpoints"
         )
-    reader = None
+
+    @functools.cache
+    def reader() -> Any:
+        """The GGUF file's reader, opened when first needed: it parses all the metadata
+        (seconds for a large vocabulary), which weights from the cache do not need."""
+        assert resolved.gguf is not None
+        opened = gguf_file.open_reader(resolved.gguf)
+        gguf_file.architecture(opened)
+        return opened
+
     try:
-        if resolved.gguf is not None:
-            reader = gguf_file.open_reader(resolved.gguf)
-            gguf_file.architecture(reader)
         hf_config = (
-            gguf_file.load_config(resolved.gguf, reader)
+            gguf_file.load_config(resolved.gguf, reader())
             if resolved.config_from_gguf and resolved.gguf is not None
             else load_hf_config(resolved.path)
         )
@@ -478,15 +489,22 @@ def load_model(
         cls = model_class_for(hf_config)
     except UnsupportedModelError as e:
         raise UnknownArchitectureError(f"model {name_or_path!r}: {one_line(e)}") from e
-    if reader is None:
+    if resolved.gguf is None:
         safetensors_files(resolved.path)  # fail on missing weights before building the model
     where = "" if Path(name_or_path) == resolved.path else f" ({resolved.gguf or resolved.path})"
     try:
         model = cls(hf_config, torch_dtype, dev)
         model.quantization = "int8" if quantization == "int8" else None
-        if reader is not None:
-            weights = gguf_file.iter_tensors(reader, hf_config, dequantize=not quantized)
-            model.load_weights(_cast(weights, torch_dtype))
+        if resolved.gguf is not None:
+
+            def from_file() -> None:
+                weights = gguf_file.iter_tensors(reader(), hf_config, dequantize=not quantized)
+                model.load_weights(_cast(weights, torch_dtype))
+
+            if quantized and resolved.weight_cache is not None:
+                weight_cache.load(model, resolved.gguf, resolved.weight_cache, from_file)
+            else:
+                from_file()
         else:
             model.load_weights(iter_weights(resolved.path, torch_dtype))
     except gguf_file.GGUFError as e:
