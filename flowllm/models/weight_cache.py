@@ -28,6 +28,10 @@ written whole under a temporary name, flushed, then renamed over the old one, so
 leaves the old entry or none, never part of one. A directory that cannot be written only
 costs the repacking.
 
+Room: a directory keeps its KEEP most recently used entries (a served entry is touched),
+enough for the builds and dtypes in use and the last versions of the code; writing one
+removes the oldest beyond them (a process that maps a removed entry keeps its pages).
+
 Format: 8 magic bytes, the header's length (uint64, little-endian), the header (JSON,
 padded with spaces), then the tensors, each at a multiple of 64 bytes from the start of
 the file as torch allocates them (safetensors, which lays tensors end to end, cannot
@@ -36,6 +40,7 @@ align them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -62,6 +67,7 @@ FORMAT = 1
 MAGIC = b"FLOWLLMW"
 ALIGN = 64
 SUFFIX = ".weights"
+KEEP = 4  # entries a directory keeps, the most recently used
 # Temporary files older than this are leftovers of a crashed write.
 _STALE_TMP_SECONDS = 3600.0
 _DTYPES = {
@@ -93,6 +99,8 @@ def load(model: PagedCausalLM, source: Path, directory: Path, repack: Callable[[
         repack()
         store(model, source, path)
         return False
+    with contextlib.suppress(OSError):  # used now: the last to be evicted
+        os.utime(path)
     seconds = round(time.perf_counter() - started, 3)
     _log.info("repacked weights mapped from the cache", entry=str(path), seconds=seconds)
     return True
@@ -291,6 +299,17 @@ def _write_atomically(path: Path, header: dict[str, Any], tensors: dict[str, tor
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _evict(path.parent)
+
+
+def _evict(directory: Path) -> None:
+    """Remove the entries beyond the KEEP most recently used."""
+    entries = []
+    for entry in directory.glob(f"*{SUFFIX}"):
+        with contextlib.suppress(OSError):
+            entries.append((entry.stat().st_mtime_ns, entry))
+    for _, entry in sorted(entries, reverse=True)[KEEP:]:
+        entry.unlink(missing_ok=True)
 
 
 def _write(f: IO[bytes], header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

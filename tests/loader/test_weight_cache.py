@@ -387,3 +387,29 @@ def test_the_bundled_model_caches_its_weights_beside_the_converted_directory(
     assert model.embed_tokens.quantized.weight is model.lm_head.quantized.weight
     tokens = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 314, 28, 7018]
     assert torch.equal(logits_of(model, tokens), logits_of(fresh.model, tokens))
+
+
+def test_a_directory_keeps_its_most_recently_used_entries(
+    qwen2_model: GGUFModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing an entry removes those beyond the KEEP most recently used: an old entry
+    that served lately stays, the least recently used goes."""
+    real = weight_cache._build_key
+    entry_of = {}
+
+    def load(version: int) -> None:
+        code = f"{version:016x}"
+        monkeypatch.setattr(weight_cache, "_build_key", lambda model: {**real(model), "code": code})
+        qwen2_model.load()
+        entry_of[version] = max(qwen2_model.entries(), key=lambda e: e.stat().st_mtime_ns)
+
+    load(0)
+    os.utime(entry_of[0], (1, 1))  # the oldest by far...
+    for version in range(1, weight_cache.KEEP):
+        load(version)
+    load(0)  # ...serves again
+    load(weight_cache.KEEP)  # one entry too many
+    assert qwen2_model.repacks == weight_cache.KEEP + 1
+    assert sorted(qwen2_model.entries()) == sorted(
+        entry_of[v] for v in (0, *range(2, weight_cache.KEEP + 1))
+    )
