@@ -17,12 +17,14 @@ share the socket and connect to the core over a Unix socket. It runs no stage it
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,9 @@ from typing import Any
 import structlog
 
 from flowllm.config import EngineConfig
-from flowllm.engine.core import CoreSpec, start_core
+from flowllm.engine.core import CoreSpec, placement_of, start_core
+from flowllm.graph.problems import GraphValidationError
+from flowllm.graph.spec import GraphSpec
 from flowllm.graph.supervision import RestartIntensity
 from flowllm.graph.validator import ValidGraph
 
@@ -72,17 +76,17 @@ class Supervisor:
         self,
         args: argparse.Namespace,
         config: EngineConfig,
-        graph: ValidGraph,
-        core: str,
+        graph: GraphSpec,
         threads: int | None,
     ) -> None:
         self.args = args
         self.log = structlog.get_logger("flowllm.serve")
         self.context = multiprocessing.get_context("spawn")
         self.folder = tempfile.mkdtemp(prefix="flowllm-")
+        self.graph = graph
         self.core_spec = CoreSpec(
             config=config,
-            graph_file=graph.spec.source,
+            graph_file=graph.source,
             socket_path=os.path.join(self.folder, "core.sock"),
             fronts=args.api_server_count,
             threads=threads,
@@ -90,14 +94,34 @@ class Supervisor:
             log_level=args.log_level,
             stop_timeout=args.shutdown_timeout,
         )
-        self.intensity = step_loop_intensity(graph, core)
-        self.front_intensity = RestartIntensity(
-            self.intensity.max_restarts, self.intensity.within_s
-        )
         self.listener = bind(args.host, args.port)
         self.core: Any = None
         self.fronts: list[Any] = []
         self.signals = 0
+
+    @functools.cached_property
+    def intensity(self) -> RestartIntensity:
+        """The core's restart intensity: the step loop's, in the validated graph.
+        Validating imports every stage (and torch), which the processes that run them do
+        anyway: it waits until one of them exits (`_graph_is_invalid`)."""
+        graph = self.graph.validate()
+        return step_loop_intensity(graph, placement_of(graph)[1])
+
+    @functools.cached_property
+    def front_intensity(self) -> RestartIntensity:
+        """The fronts' restart intensity: the core's settings, counted apart."""
+        return RestartIntensity(self.intensity.max_restarts, self.intensity.within_s)
+
+    def _graph_is_invalid(self) -> bool:
+        """Whether the graph fails validation (the processes that run it exit quietly
+        then: EXIT_INVALID_GRAPH); its problems are printed once, as `serve` prints a
+        flag's error."""
+        try:
+            self.intensity  # noqa: B018 - validated once, then cached
+        except GraphValidationError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return True
+        return False
 
     def _start_core(self) -> None:
         self.core = start_core(self.core_spec)
@@ -135,6 +159,9 @@ class Supervisor:
                 return self._drain()
             sentinels = [self.core.sentinel, *(f.sentinel for f in self.fronts)]
             multiprocessing.connection.wait(sentinels, timeout=0.2)
+            exited = not all(p.is_alive() for p in (self.core, *self.fronts))
+            if exited and not self.signals and self._graph_is_invalid():
+                return 1
             if not self.core.is_alive() and not self.signals:
                 code = self.core.exitcode
                 if not self.intensity.admit():

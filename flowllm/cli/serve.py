@@ -18,9 +18,8 @@ import anyio
 import structlog
 
 from flowllm.config import TOOL_CALL_PARSERS, ConfigError
-from flowllm.engine.async_engine import DEFAULT_GRAPH
+from flowllm.engine import DEFAULT_GRAPH
 from flowllm.graph.problems import GraphValidationError
-from flowllm.graph.validator import load_graph
 from flowllm.logging_config import configure_logging
 
 
@@ -93,8 +92,6 @@ def json_list(text: str) -> list[str]:
 def cors_config(args: argparse.Namespace) -> Any:
     """Litestar's CORS settings from vLLM's flags; None (no CORS headers) without
     --allowed-origins."""
-    from litestar.config.cors import CORSConfig
-
     origins = getattr(args, "allowed_origins", None)
     if origins is None:
         others = [
@@ -109,6 +106,8 @@ def cors_config(args: argparse.Namespace) -> Any:
         if others:
             raise ServeError(f"{', '.join(others)} needs --allowed-origins (CORS is off)")
         return None
+    from litestar.config.cors import CORSConfig  # litestar is the fronts' (0.3 s of imports)
+
     return CORSConfig(
         allow_origins=origins,
         allow_methods=args.allowed_methods or ["*"],
@@ -169,7 +168,9 @@ def serve_command(args: argparse.Namespace) -> int:
 
     A graph placed across processes (the default) is served by a supervisor process, an
     engine core and `--api-server-count` fronts (flowllm/cli/processes.py); an unplaced
-    one in this process alone."""
+    one in this process alone. The supervisor reads the graph's file, not its stages: the
+    processes that run them import (and validate) them, and the supervisor validates the
+    graph only once one of them exits, so that it starts them without importing torch."""
     if args.distributed_executor_backend == "ray":
         from flowllm.scale_out.launch import serve_on_ray
 
@@ -181,30 +182,34 @@ def serve_command(args: argparse.Namespace) -> int:
         return 1
     from flowllm.engine.args import config_from_args
     from flowllm.engine.core import placement_of
+    from flowllm.graph.spec import GraphSpec
     from flowllm.models.loader import ModelLoadError, resolve_model
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
     try:  # flag errors first: one line, before the model loads
         http_settings(args)
         config = config_from_args(args)
-        graph = load_graph(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
+        spec = GraphSpec.load(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
+        if spec.problems:
+            spec.validate()  # raises, naming every problem (its stages' too)
         if args.api_server_count < 1:
             raise ServeError("--api-server-count must be >= 1")
         # A recording runs the graph in one process: a trace's entries and spans are
         # matched by the identity of the messages they saw (traces/README.md).
-        placed = bool(graph.placement) and not getattr(args, "trace_dir", None)
+        placed = bool(spec.placement) and not getattr(args, "trace_dir", None)
         if placed:
-            _, core = placement_of(graph)
+            placement_of(spec)
         elif args.api_server_count != 1:
             raise ServeError(
                 "--api-server-count needs a graph placed in a front and a core process "
                 "(stages with process:, as the default graph), and no --trace-dir"
             )
+        graph = None if placed else spec.validate()  # one process imports the stages anyway
     except (ServeError, ConfigError, GraphValidationError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     threads = serving_threads(args.cpu_threads, os.cpu_count(), dict(os.environ), placed=placed)
-    if not placed:
+    if graph is not None:
         return serve_in_one_process(args, config, graph, threads)
     from flowllm.cli.processes import Supervisor
 
@@ -214,7 +219,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        supervisor = Supervisor(args, config, graph, core, threads)
+        supervisor = Supervisor(args, config, spec, threads)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 1
@@ -265,12 +270,13 @@ def serve_in_one_process(
 def serve_front(args: argparse.Namespace, listener: Any, index: int, socket_path: str) -> int:
     """A front process: the HTTP server and the front's stages, the core at `socket_path`."""
     from flowllm.engine.args import config_from_args
+    from flowllm.engine.core import load_graph_or_exit
     from flowllm.engine.front import FrontEngine
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
     structlog.contextvars.bind_contextvars(front=index)
     config = config_from_args(args)
-    graph = load_graph(args.graph or DEFAULT_GRAPH)
+    graph = load_graph_or_exit(str(args.graph or DEFAULT_GRAPH))
 
     def engine(recorder: Any, span_sinks: Any) -> Any:
         return FrontEngine.connect(
@@ -525,6 +531,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 def generate_command(args: argparse.Namespace) -> int:
     """Generate for the prompts offline and print each choice's text."""
     from flowllm.engine.args import config_from_args
+    from flowllm.graph.validator import load_graph
     from flowllm.llm import LLM
     from flowllm.mailbox import RequestFailed
     from flowllm.messages import SamplingParams

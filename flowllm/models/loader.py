@@ -15,6 +15,9 @@ huggingface_hub does), so `HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `HF_TOKEN
 
 Every failure is a `ModelLoadError` whose str() is one line naming the model and what to
 do; the CLI prints it without a traceback.
+
+torch is imported where tensors are made: resolving a name needs none, so the process
+that supervises `flowllm serve` resolves (and converts) the model without importing it.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from flowllm.config import BUNDLED_MODEL, QUANTIZATIONS
 
 if TYPE_CHECKING:
+    import torch
+
     from flowllm.models.causal_lm import PagedCausalLM
 
 # Old unprefixed Hub names that now live under an organisation.
@@ -64,6 +67,7 @@ HUB_ALLOW_PATTERNS = [
 # Sub-folders (onnx/, original/, ...) hold other formats of the same weights.
 HUB_IGNORE_PATTERNS = ["*/*"]
 
+GGUF_SUFFIX = ".gguf"
 SAFETENSORS_FILE = "model.safetensors"
 REPACKED_DIR = "repacked"  # in a converted directory: its GGUF file's weights, repacked
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -159,11 +163,14 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether `path` names a GGUF file."""
+    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
+
+
 def resolve_model(name: str, quantization: str = "auto") -> ResolvedModel:
     """Resolve a model name to an HF-format directory or a GGUF file (see the module
     docstring for the order)."""
-    from flowllm.models.gguf_file import is_gguf
-
     if not name or not name.strip():
         raise ModelNotFoundError("no model name given")
     if name == BUNDLED_MODEL:
@@ -390,6 +397,8 @@ def load_generation_config(path: Path | str) -> dict[str, Any]:
 
 def resolve_device(device: torch.device | str = "auto") -> torch.device:
     """`auto` is CUDA when available, else CPU."""
+    import torch
+
     if isinstance(device, torch.device):
         return device
     if device == "auto":
@@ -408,6 +417,8 @@ def resolve_dtype(
 ) -> torch.dtype:
     """A torch dtype as given, or a name (`auto`, `float32`, `bfloat16`, `float16`) resolved
     by flowllm.models.dtype's policy for this device and checkpoint."""
+    import torch
+
     from flowllm.config import ConfigError
     from flowllm.models import dtype as dtype_policy
 
@@ -426,10 +437,10 @@ class LoadedModel:
     model: PagedCausalLM
     hf_config: ModelConfig  # config.json
     path: Path
+    dtype: torch.dtype
+    device: torch.device
     generation_config: dict[str, Any] = field(default_factory=dict)
     name: str = ""
-    dtype: torch.dtype = torch.float32
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # the GGUF file whose metadata holds the tokenizer (None: the directory's files)
     tokenizer_gguf: Path | None = None
 
@@ -530,6 +541,8 @@ def load_model(
 
 def _cast(weights: Iterator[tuple[str, Any]], dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
     """Float tensors cast to `dtype` (quantized ones pass as they are)."""
+    import torch
+
     for name, w in weights:
         if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dtype != dtype:
             w = w.to(dtype)

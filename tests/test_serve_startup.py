@@ -1,0 +1,74 @@
+"""How `flowllm serve` starts its processes: the supervisor reads the graph's file and
+starts the engine core and the fronts without importing torch (they import it, at once);
+a graph whose stages do not validate is still one error line and exit 1, said by the
+supervisor once its processes have found it out, with nothing restarted."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowllm.engine import DEFAULT_GRAPH
+
+REPO = Path(__file__).resolve().parents[1]
+SUPERVISOR_IMPORTS = """
+import sys
+from flowllm.cli import main, processes
+
+def run(self):
+    heavy = [m for m in ("torch", "transformers", "numpy", "litestar") if m in sys.modules]
+    print("imported:", ",".join(heavy) or "-")
+    return 0
+
+processes.Supervisor.run = run
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def serve(*args: str, script: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = ["-c", script] if script is not None else ["-m", "flowllm"]
+    return subprocess.run(
+        [sys.executable, *command, "serve", *args, "--port", "0", "--log-level", "warning"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def test_the_supervisor_starts_the_processes_without_importing_torch(
+    gpt2_tiny_dir: Path,
+) -> None:
+    done = serve(str(gpt2_tiny_dir), script=SUPERVISOR_IMPORTS)
+    assert done.returncode == 0, done.stderr
+    assert "imported: -" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        # Read from the file: the supervisor validates the graph whole before starting.
+        (("use: flowllm.stages.ingest:Ingest", "usee: x"), "unknown key 'usee'"),
+        # Found importing the stages: by the processes, then said by the supervisor.
+        (("max_pending: 1024", "max_pending: lots"), "max_pending"),
+    ],
+)
+def test_a_graph_that_does_not_validate_is_one_error_line(
+    gpt2_tiny_dir: Path, tmp_path: Path, edit: tuple[str, str], problem: str
+) -> None:
+    graph = tmp_path / "bad.yaml"
+    text = DEFAULT_GRAPH.read_text()
+    assert edit[0] in text
+    graph.write_text(text.replace(edit[0], edit[1], 1))
+    done = serve(str(gpt2_tiny_dir), "--graph", str(graph))
+    assert done.returncode == 1, done.stderr
+    assert re.match(r"error: \d+ problems? in the graph:\n", done.stderr), done.stderr
+    assert done.stderr.count("error: ") == 1 and problem in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "starting it again" not in done.stderr
