@@ -58,14 +58,34 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def cpu_seconds(root: int) -> dict[int, float]:
+    """The CPU time (user and system) used so far by `root` and each process under it."""
+    parent_of, used = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        parent_of[pid] = int(fields[1])
+        used[pid] = (int(fields[11]) + int(fields[12])) / tick
+    tree = {root}
+    for _ in range(4):  # the supervisor's children, and theirs
+        tree |= {pid for pid, parent in parent_of.items() if parent in tree}
+    return {pid: used[pid] for pid in tree if pid in used}
+
+
 def time_to_healthy(
     checkout: Path,
     extra: list[str],
     timeout: float = 300.0,
     python_flags: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    cpu: dict[int, float] | None = None,
 ) -> float:
-    """Launch, poll /health every 10 ms, stop; seconds until the first 200."""
+    """Launch, poll /health every 10 ms, stop; seconds until the first 200 (and into `cpu`,
+    the CPU time each process had used by then)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(checkout), **(env or {})}
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, after the process
@@ -82,7 +102,10 @@ def time_to_healthy(
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                     if r.status == 200:
-                        return time.perf_counter() - started
+                        healthy = time.perf_counter() - started
+                        if cpu is not None:
+                            cpu.update(cpu_seconds(process.pid))
+                        return healthy
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if process.poll() is not None:
@@ -107,6 +130,7 @@ class ProcessTrace:
 
     pid: int
     started: float  # seconds from the launch
+    cpu: float = 0.0  # CPU seconds used by the first healthy /health
     imports: Counter[str] = field(default_factory=Counter)  # package -> seconds (self time)
     events: list[tuple[float, str]] = field(default_factory=list)  # (seconds, event)
 
@@ -150,13 +174,20 @@ def breakdown(checkout: Path, extra: list[str]) -> None:
         traces.mkdir()
         env = {"PYTHONPATH": f"{checkout}{os.pathsep}{folder}", TRACE_ENV: str(traces)}
         launched = time.time()
-        healthy = time_to_healthy(checkout, extra, python_flags=("-X", "importtime"), env=env)
+        cpu: dict[int, float] = {}
+        healthy = time_to_healthy(
+            checkout, extra, python_flags=("-X", "importtime"), env=env, cpu=cpu
+        )
         found = [read_trace(f, launched) for f in sorted(traces.glob("*.stderr"))]
-    print(f"\n{checkout}: healthy at {healthy:.2f} s under -X importtime")
+    load = os.getloadavg()[0]
+    print(f"\n{checkout}: healthy at {healthy:.2f} s under -X importtime (load {load:.2f})")
     for trace in sorted(found, key=lambda t: t.started):
         total = sum(trace.imports.values())
         top = ", ".join(f"{name} {s:.2f}" for name, s in trace.imports.most_common(8))
-        print(f"  {trace.role} (pid {trace.pid}): started at {trace.started:.2f} s")
+        print(
+            f"  {trace.role} (pid {trace.pid}): started at {trace.started:.2f} s, "
+            f"{cpu.get(trace.pid, 0.0):.2f} s of CPU by the first 200"
+        )
         print(f"    imports {total:.2f} s: {top}")
         for at, event in trace.events:
             if "GET /health" not in event:
