@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from structlog.testing import capture_logs
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -122,11 +123,20 @@ def quantized_layers(loaded: LoadedModel) -> list[Linear | Embedding]:
 
 
 def test_the_first_load_writes_the_entry_and_the_next_maps_it(gguf_model: GGUFModel) -> None:
-    fresh = gguf_model.load()
+    with capture_logs() as logs:
+        fresh = gguf_model.load()
     assert gguf_model.repacks == 1
     (entry,) = gguf_model.entries()
-    cached = gguf_model.load()
+    assert [(e["event"], e.get("reason")) for e in logs] == [
+        ("repacking the weights (cached for the next start)", "no entry")
+    ]
+    with capture_logs() as logs:
+        cached = gguf_model.load()
     assert gguf_model.repacks == 1  # not read from the file again
+    assert [(e["event"], e["entry"]) for e in logs] == [
+        ("repacked weights mapped from the cache", str(entry))
+    ]
+    assert logs[0]["seconds"] >= 0
     assert torch.equal(logits_of(cached.model), logits_of(fresh.model))
     for a, b in zip(quantized_layers(fresh), quantized_layers(cached), strict=True):
         assert a.quantized is not None and b.quantized is not None
