@@ -1,7 +1,8 @@
 """How `flowllm serve` starts its processes: the supervisor reads the graph's file and
 starts the engine core and the fronts without importing torch (they import it, at once);
-a graph whose stages do not validate is still one error line and exit 1, said by the
-supervisor once its processes have found it out, with nothing restarted."""
+a graph whose stages do not validate is still one error and exit 1, said by the
+supervisor once its processes have found it out, with nothing restarted; the step loop's
+restart intensity read from the file is the validated graph's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from flowllm.cli.processes import _validated_intensity, step_loop_intensity
 from flowllm.engine import DEFAULT_GRAPH
+from flowllm.engine.core import placement_of
+from flowllm.graph.spec import GraphSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SUPERVISOR_IMPORTS = """
@@ -72,3 +76,30 @@ def test_a_graph_that_does_not_validate_is_one_error_line(
     assert re.match(r"error: \d+ problems? in the graph:\n", done.stderr), done.stderr
     assert done.stderr.count("error: ") == 1 and problem in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "starting it again" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        [],  # the default graph: every core stage names its on_error
+        [("group: step_loop,", "group: step_loop, max_restarts: 1, within_s: 9,")],
+        # schedule's on_error left to its class: the stages are imported to learn it
+        [("{on_error: restart, group: step_loop, timeout_s: 10}", "{group: step_loop}")],
+    ],
+)
+def test_the_step_loops_intensity_is_the_validated_graphs(
+    tmp_path: Path, edits: list[tuple[str, str]]
+) -> None:
+    text = DEFAULT_GRAPH.read_text()
+    for old, new in edits:
+        assert old in text
+        text = text.replace(old, new)
+    graph = tmp_path / "graph.yaml"
+    graph.write_text(text)
+    spec = GraphSpec.load(graph)
+    core = placement_of(spec)[1]
+    read = step_loop_intensity(spec, core)
+    validated = _validated_intensity(spec.validate(), core)
+    assert (read.max_restarts, read.within_s) == (validated.max_restarts, validated.within_s)
+    if edits and "max_restarts: 1" in edits[0][1]:
+        assert (read.max_restarts, read.within_s) == (1, 9.0)

@@ -17,7 +17,6 @@ share the socket and connect to the core over a Unix socket. It runs no stage it
 from __future__ import annotations
 
 import argparse
-import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -32,10 +31,10 @@ from typing import Any
 import structlog
 
 from flowllm.config import EngineConfig
-from flowllm.engine.core import CoreSpec, placement_of, start_core
+from flowllm.engine.core import EXIT_INVALID_GRAPH, CoreSpec, placement_of, start_core
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.spec import GraphSpec
-from flowllm.graph.supervision import RestartIntensity
+from flowllm.graph.supervision import RestartIntensity, parse_supervision
 from flowllm.graph.validator import ValidGraph
 
 EXIT_ENGINE_FAILED = 70  # as a single-process server's escalation (flowllm/server.py)
@@ -50,8 +49,26 @@ class FrontSpec:
     socket_path: str
 
 
-def step_loop_intensity(graph: ValidGraph, core: str) -> RestartIntensity:
-    """The restart intensity of the core's restartable group (the step loop)."""
+def step_loop_intensity(graph: GraphSpec, core: str) -> RestartIntensity:
+    """The restart intensity of the core's restartable group (the step loop): read from
+    the graph's file while its core stages name their `on_error` (the default graph's
+    do), else from the validated graph, which imports the stages (and torch) to learn
+    their classes' defaults."""
+    for stage in graph.stages:
+        if graph.placement.get(stage.name) != core:
+            continue
+        try:
+            settings = parse_supervision(stage.supervision)
+        except ValueError:  # the validation says what is wrong
+            return _validated_intensity(graph.validate(), core)
+        if settings.on_error is None:
+            return _validated_intensity(graph.validate(), core)
+        if settings.on_error == "restart":
+            return RestartIntensity(settings.max_restarts, settings.within_s)
+    return RestartIntensity(5, 60.0)
+
+
+def _validated_intensity(graph: ValidGraph, core: str) -> RestartIntensity:
     for bound in graph.stages.values():
         if graph.placement[bound.name] == core and bound.supervision.on_error == "restart":
             settings = bound.supervision.settings
@@ -84,6 +101,10 @@ class Supervisor:
         self.context = multiprocessing.get_context("spawn")
         self.folder = tempfile.mkdtemp(prefix="flowllm-")
         self.graph = graph
+        self.intensity = step_loop_intensity(graph, placement_of(graph)[1])
+        self.front_intensity = RestartIntensity(
+            self.intensity.max_restarts, self.intensity.within_s
+        )
         self.core_spec = CoreSpec(
             config=config,
             graph_file=graph.source,
@@ -99,25 +120,15 @@ class Supervisor:
         self.fronts: list[Any] = []
         self.signals = 0
 
-    @functools.cached_property
-    def intensity(self) -> RestartIntensity:
-        """The core's restart intensity: the step loop's, in the validated graph.
-        Validating imports every stage (and torch), which the processes that run them do
-        anyway: it waits until one of them exits (`_graph_is_invalid`)."""
-        graph = self.graph.validate()
-        return step_loop_intensity(graph, placement_of(graph)[1])
-
-    @functools.cached_property
-    def front_intensity(self) -> RestartIntensity:
-        """The fronts' restart intensity: the core's settings, counted apart."""
-        return RestartIntensity(self.intensity.max_restarts, self.intensity.within_s)
-
     def _graph_is_invalid(self) -> bool:
-        """Whether the graph fails validation (the processes that run it exit quietly
-        then: EXIT_INVALID_GRAPH); its problems are printed once, as `serve` prints a
-        flag's error."""
+        """Whether a process exited because the graph's stages do not validate
+        (EXIT_INVALID_GRAPH: each process validates them as it loads): if so, the graph is
+        validated here, and its problems printed once, as `serve` prints a flag's error."""
+        processes = (self.core, *self.fronts)
+        if all(p.exitcode != EXIT_INVALID_GRAPH for p in processes):
+            return False
         try:
-            self.intensity  # noqa: B018 - validated once, then cached
+            self.graph.validate()
         except GraphValidationError as e:
             print(f"error: {e}", file=sys.stderr)
             return True
@@ -159,8 +170,7 @@ class Supervisor:
                 return self._drain()
             sentinels = [self.core.sentinel, *(f.sentinel for f in self.fronts)]
             multiprocessing.connection.wait(sentinels, timeout=0.2)
-            exited = not all(p.is_alive() for p in (self.core, *self.fronts))
-            if exited and not self.signals and self._graph_is_invalid():
+            if not self.signals and self._graph_is_invalid():
                 return 1
             if not self.core.is_alive() and not self.signals:
                 code = self.core.exitcode

@@ -168,9 +168,10 @@ def serve_command(args: argparse.Namespace) -> int:
 
     A graph placed across processes (the default) is served by a supervisor process, an
     engine core and `--api-server-count` fronts (flowllm/cli/processes.py); an unplaced
-    one in this process alone. The supervisor reads the graph's file, not its stages: the
-    processes that run them import (and validate) them, and the supervisor validates the
-    graph only once one of them exits, so that it starts them without importing torch."""
+    one in this process alone. The supervisor reads the graph's file, not its stages, so
+    that it starts the processes without importing torch: they import (and validate) the
+    stages, and one that finds them invalid exits with EXIT_INVALID_GRAPH, upon which the
+    supervisor validates the graph itself to say why."""
     if args.distributed_executor_backend == "ray":
         from flowllm.scale_out.launch import serve_on_ray
 
@@ -220,6 +221,9 @@ def serve_command(args: argparse.Namespace) -> int:
         return 1
     try:
         supervisor = Supervisor(args, config, spec, threads)
+    except GraphValidationError as e:  # validated to learn a stage class's on_error
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 1
