@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import ipaddress
 import json
 import os
@@ -17,6 +16,7 @@ from typing import Any
 import anyio
 import structlog
 
+from flowllm import collector
 from flowllm.config import TOOL_CALL_PARSERS, ConfigError
 from flowllm.engine import DEFAULT_GRAPH
 from flowllm.graph.problems import GraphValidationError
@@ -249,6 +249,7 @@ def serve_in_one_process(
     from flowllm.engine.loading import build_services
     from flowllm.models.loader import ModelLoadError
 
+    collector.pause()  # until the engine runs (run_http)
     if threads is not None:
         import torch
 
@@ -273,6 +274,7 @@ def serve_in_one_process(
 
 def serve_front(args: argparse.Namespace, listener: Any, index: int, socket_path: str) -> int:
     """A front process: the HTTP server and the front's stages, the core at `socket_path`."""
+    collector.pause()  # until the engine runs (run_http)
     from flowllm.engine.args import config_from_args
     from flowllm.engine.core import load_graph_or_exit
     from flowllm.engine.front import FrontEngine
@@ -328,9 +330,7 @@ def run_http(
             )
         sinks = (tracing.span_sink,) if tracing is not None else ()
         async with start_engine(recorder, sinks) as running:
-            # What the engine loaded (a front's tokenizer loads here) out of the collector's
-            # sight, as the model is below.
-            gc.freeze()
+            collector.settle(freeze=True)  # paused since the process started
             log.info("flowllm serving", model=config.model.name, url=f"{url}/v1")
             server.engine = running
             async with anyio.create_task_group() as watch:
@@ -368,9 +368,6 @@ def run_http(
     # (a KeyboardInterrupt traceback, or death by SIGTERM): these let `serve` return 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    # The model, tokenizer and libraries are millions of long-lived objects: out of the
-    # collector's sight, a full collection no longer stalls the event loop for scanning them.
-    gc.freeze()
     try:
         server.run(sockets=sockets)
     finally:

@@ -26,6 +26,7 @@ import anyio.abc
 import structlog
 from prometheus_client import generate_latest
 
+from flowllm import collector
 from flowllm.config import EngineConfig
 from flowllm.engine.core_protocol import (
     CONTROL_DECODER,
@@ -108,6 +109,7 @@ def start_core(spec: CoreSpec) -> multiprocessing.process.BaseProcess:
 
 def run_core(spec: CoreSpec) -> None:
     """The core process's entry point: load, serve the fronts, exit when told to."""
+    collector.pause()  # until loaded
     become_child("flowllm-core")
     configure_logging(fmt=spec.log_format, level=spec.log_level, force=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor handles Ctrl-C
@@ -119,6 +121,7 @@ def run_core(spec: CoreSpec) -> None:
 
     graph = load_graph_or_exit(spec.graph_file)
     services = build_services(spec.config)
+    collector.settle(freeze=False)
     code = anyio.run(_serve, spec, graph, services)
     os._exit(code)  # no interpreter teardown: the model's memory goes with the process
 
