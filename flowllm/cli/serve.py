@@ -330,7 +330,7 @@ def run_http(
             )
         sinks = (tracing.span_sink,) if tracing is not None else ()
         async with start_engine(recorder, sinks) as running:
-            collector.settle(freeze=True)  # paused since the process started
+            collector.settle()  # paused since the process started
             log.info("flowllm serving", model=config.model.name, url=f"{url}/v1")
             server.engine = running
             async with anyio.create_task_group() as watch:

@@ -121,7 +121,7 @@ def run_core(spec: CoreSpec) -> None:
 
     graph = load_graph_or_exit(spec.graph_file)
     services = build_services(spec.config)
-    collector.settle(freeze=False)
+    collector.settle()
     code = anyio.run(_serve, spec, graph, services)
     os._exit(code)  # no interpreter teardown: the model's memory goes with the process
 
