@@ -120,12 +120,11 @@ class Supervisor:
         self.fronts: list[Any] = []
         self.signals = 0
 
-    def _graph_is_invalid(self) -> bool:
+    def _graph_is_invalid(self, exitcode: int | None) -> bool:
         """Whether a process exited because the graph's stages do not validate
         (EXIT_INVALID_GRAPH: each process validates them as it loads): if so, the graph is
         validated here, and its problems printed once, as `serve` prints a flag's error."""
-        processes = (self.core, *self.fronts)
-        if all(p.exitcode != EXIT_INVALID_GRAPH for p in processes):
+        if exitcode != EXIT_INVALID_GRAPH:
             return False
         try:
             self.graph.validate()
@@ -170,10 +169,10 @@ class Supervisor:
                 return self._drain()
             sentinels = [self.core.sentinel, *(f.sentinel for f in self.fronts)]
             multiprocessing.connection.wait(sentinels, timeout=0.2)
-            if not self.signals and self._graph_is_invalid():
-                return 1
             if not self.core.is_alive() and not self.signals:
                 code = self.core.exitcode
+                if self._graph_is_invalid(code):
+                    return 1
                 if not self.intensity.admit():
                     self.log.error(
                         "the engine core failed past its restart intensity; exiting",
@@ -187,6 +186,8 @@ class Supervisor:
             for index, front in enumerate(self.fronts):
                 if not front.is_alive() and not self.signals:
                     code = front.exitcode
+                    if self._graph_is_invalid(code):
+                        return 1
                     if code == EXIT_ENGINE_FAILED or not self.front_intensity.admit():
                         self.log.error("a front failed for good; exiting", front=index)
                         return EXIT_ENGINE_FAILED
