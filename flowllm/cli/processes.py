@@ -155,8 +155,9 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
-            self._start_core()
+            # The fronts first: they take longer to be ready than the core (HTTP, tokenizer).
             self.fronts = [self._start_front(i) for i in range(self.args.api_server_count)]
+            self._start_core()
             return self._watch()
         finally:
             self._stop_all()
