@@ -6,6 +6,9 @@ timed runs (one untimed start), so every timed run is a warm start as users see 
 the first. Optionally interleaves a second checkout (`--baseline DIR`) run for run, on
 this machine's noise; each run prints the load average it started at.
 
+`--quiet` waits before each run until the CPUs were 90 % idle for a second (other work on a
+shared machine comes and goes; the load average lags it by a minute), and prints how idle.
+
 `--breakdown` starts each checkout once more under `python -X importtime` with every
 process's stderr (its log and its import times) in a file of its own, and prints, per
 process (the supervisor, the engine core, the front): when it started, its imports by
@@ -14,6 +17,7 @@ package, and its log lines, in seconds from the launch.
     .venv/bin/python benchmarks/startup.py                        # 5 runs of this checkout
     .venv/bin/python benchmarks/startup.py --baseline ../other    # alternate with another
     .venv/bin/python benchmarks/startup.py --runs 0 --breakdown   # only the breakdown
+    .venv/bin/python benchmarks/startup.py --quiet --baseline ../other
 """
 
 from __future__ import annotations
@@ -56,6 +60,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def idle_fraction(seconds: float = 1.0) -> float:
+    """How idle the CPUs were over the next `seconds` (from /proc/stat)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    idle0, total0 = sample()
+    time.sleep(seconds)
+    idle1, total1 = sample()
+    return (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_until_quiet(threshold: float = 0.9, patience: float = 600.0) -> float:
+    """Wait (up to `patience` seconds) for a second in which the CPUs were `threshold`
+    idle; returns the last second's idle fraction."""
+    deadline = time.monotonic() + patience
+    idle = idle_fraction()
+    while idle < threshold and time.monotonic() < deadline:
+        idle = idle_fraction()
+    return idle
 
 
 def cpu_seconds(root: int) -> dict[int, float]:
@@ -201,6 +228,9 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="then one traced start per checkout"
     )
+    parser.add_argument(
+        "--quiet", action="store_true", help="before each run, wait for a second of idle CPUs"
+    )
     parser.add_argument("serve_args", nargs="*", help="extra `flowllm serve` arguments")
     args = parser.parse_args()
     checkouts = {"this": REPO}
@@ -211,10 +241,11 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in checkouts}
     for run in range(args.runs):
         for name, checkout in checkouts.items():
+            idle = f", {wait_until_quiet():.0%} idle before" if args.quiet else ""
             load = os.getloadavg()[0]
             seconds = time_to_healthy(checkout, args.serve_args)
             times[name].append(seconds)
-            print(f"run {run + 1} {name:9s} {seconds:.2f} s  (load average {load:.2f})")
+            print(f"run {run + 1} {name:9s} {seconds:.2f} s  (load average {load:.2f}{idle})")
     for name, values in times.items():
         if values:
             shown = ", ".join(f"{v:.2f}" for v in values)
