@@ -255,6 +255,8 @@ def main() -> None:
             )
     if args.breakdown:
         for checkout in checkouts.values():
+            if args.quiet:
+                wait_until_quiet()
             breakdown(checkout, args.serve_args)
 
 
