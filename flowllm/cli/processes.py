@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +31,10 @@ from typing import Any
 import structlog
 
 from flowllm.config import EngineConfig
-from flowllm.engine.core import CoreSpec, start_core
-from flowllm.graph.supervision import RestartIntensity
+from flowllm.engine.core import EXIT_INVALID_GRAPH, CoreSpec, placement_of, start_core
+from flowllm.graph.problems import GraphValidationError
+from flowllm.graph.spec import GraphSpec
+from flowllm.graph.supervision import RestartIntensity, parse_supervision
 from flowllm.graph.validator import ValidGraph
 
 EXIT_ENGINE_FAILED = 70  # as a single-process server's escalation (flowllm/server.py)
@@ -46,8 +49,26 @@ class FrontSpec:
     core_address: str
 
 
-def step_loop_intensity(graph: ValidGraph, core: str) -> RestartIntensity:
-    """The restart intensity of the core's restartable group (the step loop)."""
+def step_loop_intensity(graph: GraphSpec, core: str) -> RestartIntensity:
+    """The restart intensity of the core's restartable group (the step loop): read from
+    the graph's file while its core stages name their `on_error` (the default graph's
+    do), else from the validated graph, which imports the stages (and torch) to learn
+    their classes' defaults."""
+    for stage in graph.stages:
+        if graph.placement.get(stage.name) != core:
+            continue
+        try:
+            settings = parse_supervision(stage.supervision)
+        except ValueError:  # the validation says what is wrong
+            return _validated_intensity(graph.validate(), core)
+        if settings.on_error is None:
+            return _validated_intensity(graph.validate(), core)
+        if settings.on_error == "restart":
+            return RestartIntensity(settings.max_restarts, settings.within_s)
+    return RestartIntensity(5, 60.0)
+
+
+def _validated_intensity(graph: ValidGraph, core: str) -> RestartIntensity:
     for bound in graph.stages.values():
         if graph.placement[bound.name] == core and bound.supervision.on_error == "restart":
             settings = bound.supervision.settings
@@ -72,17 +93,21 @@ class Supervisor:
         self,
         args: argparse.Namespace,
         config: EngineConfig,
-        graph: ValidGraph,
-        core: str,
+        graph: GraphSpec,
         threads: int | None,
     ) -> None:
         self.args = args
         self.log = structlog.get_logger("flowllm.serve")
         self.context = multiprocessing.get_context("spawn")
         self.folder = tempfile.mkdtemp(prefix="flowllm-")
+        self.graph = graph
+        self.intensity = step_loop_intensity(graph, placement_of(graph)[1])
+        self.front_intensity = RestartIntensity(
+            self.intensity.max_restarts, self.intensity.within_s
+        )
         self.core_spec = CoreSpec(
             config=config,
-            graph_file=graph.spec.source,
+            graph_file=graph.source,
             address=os.path.join(self.folder, "core.sock"),
             fronts=args.api_server_count,
             threads=threads,
@@ -90,14 +115,23 @@ class Supervisor:
             log_level=args.log_level,
             stop_timeout=args.shutdown_timeout,
         )
-        self.intensity = step_loop_intensity(graph, core)
-        self.front_intensity = RestartIntensity(
-            self.intensity.max_restarts, self.intensity.within_s
-        )
         self.listener = bind(args.host, args.port)
         self.core: Any = None
         self.fronts: list[Any] = []
         self.signals = 0
+
+    def _graph_is_invalid(self, exitcode: int | None) -> bool:
+        """Whether a process exited because the graph's stages do not validate
+        (EXIT_INVALID_GRAPH: each process validates them as it loads): if so, the graph is
+        validated here, and its problems printed once, as `serve` prints a flag's error."""
+        if exitcode != EXIT_INVALID_GRAPH:
+            return False
+        try:
+            self.graph.validate()
+        except GraphValidationError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return True
+        return False
 
     def _start_core(self) -> None:
         self.core = start_core(self.core_spec)
@@ -121,8 +155,9 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
-            self._start_core()
+            # The fronts first: they take longer to be ready than the core (HTTP, tokenizer).
             self.fronts = [self._start_front(i) for i in range(self.args.api_server_count)]
+            self._start_core()
             return self._watch()
         finally:
             self._stop_all()
@@ -137,6 +172,8 @@ class Supervisor:
             multiprocessing.connection.wait(sentinels, timeout=0.2)
             if not self.core.is_alive() and not self.signals:
                 code = self.core.exitcode
+                if self._graph_is_invalid(code):
+                    return 1
                 if not self.intensity.admit():
                     self.log.error(
                         "the engine core failed past its restart intensity; exiting",
@@ -150,6 +187,8 @@ class Supervisor:
             for index, front in enumerate(self.fronts):
                 if not front.is_alive() and not self.signals:
                     code = front.exitcode
+                    if self._graph_is_invalid(code):
+                        return 1
                     if code == EXIT_ENGINE_FAILED or not self.front_intensity.admit():
                         self.log.error("a front failed for good; exiting", front=index)
                         return EXIT_ENGINE_FAILED

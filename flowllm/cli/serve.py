@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import ipaddress
 import json
 import os
@@ -17,10 +16,10 @@ from typing import Any
 import anyio
 import structlog
 
+from flowllm import collector
 from flowllm.config import TOOL_CALL_PARSERS, ConfigError
-from flowllm.engine.async_engine import DEFAULT_GRAPH
+from flowllm.engine import DEFAULT_GRAPH
 from flowllm.graph.problems import GraphValidationError
-from flowllm.graph.validator import load_graph
 from flowllm.logging_config import configure_logging
 
 
@@ -93,8 +92,6 @@ def json_list(text: str) -> list[str]:
 def cors_config(args: argparse.Namespace) -> Any:
     """Litestar's CORS settings from vLLM's flags; None (no CORS headers) without
     --allowed-origins."""
-    from litestar.config.cors import CORSConfig
-
     origins = getattr(args, "allowed_origins", None)
     if origins is None:
         others = [
@@ -109,6 +106,8 @@ def cors_config(args: argparse.Namespace) -> Any:
         if others:
             raise ServeError(f"{', '.join(others)} needs --allowed-origins (CORS is off)")
         return None
+    from litestar.config.cors import CORSConfig  # litestar is the fronts' (0.3 s of imports)
+
     return CORSConfig(
         allow_origins=origins,
         allow_methods=args.allowed_methods or ["*"],
@@ -169,7 +168,10 @@ def serve_command(args: argparse.Namespace) -> int:
 
     A graph placed across processes (the default) is served by a supervisor process, an
     engine core and `--api-server-count` fronts (flowllm/cli/processes.py); an unplaced
-    one in this process alone."""
+    one in this process alone. The supervisor reads the graph's file, not its stages, so
+    that it starts the processes without importing torch: they import (and validate) the
+    stages, and one that finds them invalid exits with EXIT_INVALID_GRAPH, upon which the
+    supervisor validates the graph itself to say why."""
     if args.distributed_executor_backend == "ray":
         from flowllm.scale_out.launch import serve_on_ray
 
@@ -181,30 +183,34 @@ def serve_command(args: argparse.Namespace) -> int:
         return 1
     from flowllm.engine.args import config_from_args
     from flowllm.engine.core import placement_of
+    from flowllm.graph.spec import GraphSpec
     from flowllm.models.loader import ModelLoadError, resolve_model
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
     try:  # flag errors first: one line, before the model loads
         http_settings(args)
         config = config_from_args(args)
-        graph = load_graph(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
+        spec = GraphSpec.load(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
+        if spec.problems:
+            spec.validate()  # raises, naming every problem (its stages' too)
         if args.api_server_count < 1:
             raise ServeError("--api-server-count must be >= 1")
         # A recording runs the graph in one process: a trace's entries and spans are
         # matched by the identity of the messages they saw (traces/README.md).
-        placed = bool(graph.placement) and not getattr(args, "trace_dir", None)
+        placed = bool(spec.placement) and not getattr(args, "trace_dir", None)
         if placed:
-            _, core = placement_of(graph)
+            placement_of(spec)
         elif args.api_server_count != 1:
             raise ServeError(
                 "--api-server-count needs a graph placed in a front and a core process "
                 "(stages with process:, as the default graph), and no --trace-dir"
             )
+        graph = None if placed else spec.validate()  # one process imports the stages anyway
     except (ServeError, ConfigError, GraphValidationError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     threads = serving_threads(args.cpu_threads, os.cpu_count(), dict(os.environ), placed=placed)
-    if not placed:
+    if graph is not None:
         return serve_in_one_process(args, config, graph, threads)
     from flowllm.cli.processes import Supervisor
 
@@ -214,7 +220,10 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        supervisor = Supervisor(args, config, graph, core, threads)
+        supervisor = Supervisor(args, config, spec, threads)
+    except GraphValidationError as e:  # validated to learn a stage class's on_error
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 1
@@ -240,6 +249,7 @@ def serve_in_one_process(
     from flowllm.engine.loading import build_services
     from flowllm.models.loader import ModelLoadError
 
+    collector.pause()  # until the engine runs (run_http)
     if threads is not None:
         import torch
 
@@ -264,13 +274,15 @@ def serve_in_one_process(
 
 def serve_front(args: argparse.Namespace, listener: Any, index: int, core_address: str) -> int:
     """A front process: the HTTP server and the front's stages, the core at `core_address`."""
+    collector.pause()  # until the engine runs (run_http)
     from flowllm.engine.args import config_from_args
+    from flowllm.engine.core import load_graph_or_exit
     from flowllm.engine.front import FrontEngine
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
     structlog.contextvars.bind_contextvars(front=index)
     config = config_from_args(args)
-    graph = load_graph(args.graph or DEFAULT_GRAPH)
+    graph = load_graph_or_exit(str(args.graph or DEFAULT_GRAPH))
 
     def engine(recorder: Any, span_sinks: Any) -> Any:
         return FrontEngine.connect(
@@ -318,9 +330,7 @@ def run_http(
             )
         sinks = (tracing.span_sink,) if tracing is not None else ()
         async with start_engine(recorder, sinks) as running:
-            # What the engine loaded (a front's tokenizer loads here) out of the collector's
-            # sight, as the model is below.
-            gc.freeze()
+            collector.settle()  # paused since the process started
             log.info("flowllm serving", model=config.model.name, url=f"{url}/v1")
             server.engine = running
             async with anyio.create_task_group() as watch:
@@ -358,9 +368,6 @@ def run_http(
     # (a KeyboardInterrupt traceback, or death by SIGTERM): these let `serve` return 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    # The model, tokenizer and libraries are millions of long-lived objects: out of the
-    # collector's sight, a full collection no longer stalls the event loop for scanning them.
-    gc.freeze()
     try:
         server.run(sockets=sockets)
     finally:
@@ -525,6 +532,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 def generate_command(args: argparse.Namespace) -> int:
     """Generate for the prompts offline and print each choice's text."""
     from flowllm.engine.args import config_from_args
+    from flowllm.graph.validator import load_graph
     from flowllm.llm import LLM
     from flowllm.mailbox import RequestFailed
     from flowllm.messages import SamplingParams

@@ -17,6 +17,7 @@ import anyio
 import anyio.to_thread
 
 from flowllm.config import EngineConfig, RequestLimits
+from flowllm.engine import DEFAULT_GRAPH as DEFAULT_GRAPH  # where its users import it from
 from flowllm.engine.loading import build_services
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSink
@@ -32,10 +33,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from flowllm.traces.recorder import TraceRecorder
-
-DEFAULT_GRAPH = Path(__file__).with_name("default.yaml")
-"""The graph every command runs unless given `--graph FILE` (docs/stages.md)."""
-
 
 class AsyncEngine:
     """A started graph seen from outside (implements flowllm.engine.client.EngineClient)."""

@@ -22,13 +22,14 @@ import multiprocessing.process
 import os
 import signal
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 import structlog
 from prometheus_client import generate_latest
 
+from flowllm import collector
 from flowllm.config import EngineConfig
 from flowllm.engine.core_protocol import (
     CONTROL_DECODER,
@@ -45,6 +46,7 @@ from flowllm.engine.core_protocol import (
 from flowllm.engine.ownership import Ownership
 from flowllm.engine.span_relay import SpanRelay, Spans, WantSpans
 from flowllm.graph.channel import type_members
+from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.remote import Boundary, Peer, PeerGone
 from flowllm.graph.runtime import Graph
 from flowllm.graph.transport import keep_alive, listen
@@ -59,10 +61,14 @@ from flowllm.graph.wire import (
 )
 from flowllm.logging_config import configure_logging
 from flowllm.messages import Abort, RequestError
-from flowllm.stages.services import EngineServices
 
-# Exit statuses of the core process, read by its supervisor.
+if TYPE_CHECKING:  # the supervisor imports this module, and needs no torch
+    from flowllm.graph.spec import GraphSpec
+    from flowllm.stages.services import EngineServices
+
+# Exit statuses of the core and front processes, read by their supervisor.
 EXIT_ESCALATED = 70  # the graph failed past its supervision (sysexits' EX_SOFTWARE)
+EXIT_INVALID_GRAPH = 78  # the graph did not validate; the supervisor says why (EX_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -80,17 +86,19 @@ class CoreSpec:
     stop_timeout: float = 30.0
 
 
-def placement_of(graph: ValidGraph) -> tuple[str, str]:
-    """The front's and the core's process names of a placed graph: the front is where
-    `ingest` runs (requests enter there), the core is the one other process."""
+def placement_of(graph: ValidGraph | GraphSpec) -> tuple[str, str]:
+    """The front's and the core's process names of a placed graph (or of its file, read
+    before its stages are imported): the front is where `ingest` runs (requests enter
+    there), the core is the one other process."""
     if "ingest" not in graph.placement:
         raise ValueError(f"graph {graph.name!r} has no 'ingest' stage to take requests")
     front = graph.placement["ingest"]
-    others = [p for p in graph.processes if p != front]
+    processes = tuple(dict.fromkeys(graph.placement.values()))
+    others = [p for p in processes if p != front]
     if len(others) != 1:
         raise ValueError(
-            f"graph {graph.name!r} is placed in {len(graph.processes)} processes "
-            f"({', '.join(graph.processes)}); flowllm runs the front (where 'ingest' is) "
+            f"graph {graph.name!r} is placed in {len(processes)} processes "
+            f"({', '.join(processes)}); flowllm runs the front (where 'ingest' is) "
             "and one core process"
         )
     return front, others[0]
@@ -107,6 +115,7 @@ def start_core(spec: CoreSpec) -> multiprocessing.process.BaseProcess:
 
 def run_core(spec: CoreSpec) -> None:
     """The core process's entry point: load, serve the fronts, exit when told to."""
+    collector.pause()  # until loaded
     become_child("flowllm-core")
     configure_logging(fmt=spec.log_format, level=spec.log_level, force=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor handles Ctrl-C
@@ -116,10 +125,20 @@ def run_core(spec: CoreSpec) -> None:
         torch.set_num_threads(spec.threads)
     from flowllm.engine.loading import build_services
 
-    graph = load_graph(spec.graph_file)
+    graph = load_graph_or_exit(spec.graph_file)
     services = build_services(spec.config)
+    collector.settle()
     code = anyio.run(_serve_until_sigterm, spec, graph, services)
     os._exit(code)  # no interpreter teardown: the model's memory goes with the process
+
+
+def load_graph_or_exit(path: str) -> ValidGraph:
+    """A supervised child's graph; a graph that does not validate ends the child quietly
+    (EXIT_INVALID_GRAPH): its supervisor validates the graph itself and says why, once."""
+    try:
+        return load_graph(path)
+    except GraphValidationError:
+        os._exit(EXIT_INVALID_GRAPH)
 
 
 def become_child(name: str) -> None:

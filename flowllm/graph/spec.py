@@ -93,6 +93,14 @@ class GraphSpec:
     base_dir: Path = field(default_factory=Path.cwd)
     problems: tuple[Problem, ...] = ()
 
+    @property
+    def placement(self) -> dict[str, str]:
+        """Every stage's process as the file names it, or {} when none names one (the
+        validator checks that every stage or none does)."""
+        if not any(stage.process for stage in self.stages):
+            return {}
+        return {stage.name: stage.process or "" for stage in self.stages}
+
     @classmethod
     def load(cls, path: str | Path) -> GraphSpec:
         """Read a graph file; raises GraphValidationError if it is not readable YAML."""

@@ -138,6 +138,12 @@ class NativeLibrary:
         self._set_threads = self.kernel("flowllm_omp_set_threads")
         self.run_calls = self.kernel("flowllm_run_calls")
 
+    @property
+    def build_id(self) -> str:
+        """Which build this is: its ISA and its directory's digest of the sources, flags and
+        compiler (what the weights cached in the kernels' layouts are keyed by)."""
+        return f"{self.isa}-{self.path.parent.name}"
+
     def address(self, name: str) -> int:
         """A function's address."""
         fn = getattr(self._symbols, name)

@@ -373,7 +373,8 @@ class QuantizedLinear:
     """y = x W^T + b over a QuantizedWeight: x [m, k] -> y [m, n] in `out_dtype`, sums in
     float32, the bias kept by reference. bf16 x, bias and y (a bf16 model's layers) go to
     the kernel as they are, so a recorded step needs no conversions; other mixes convert
-    to float32 first."""
+    to float32 first. `rows`: W's rows, where `weight` is interleaved already and so
+    carries pad rows (weights mapped from the cache: flowllm/models/weight_cache.py)."""
 
     def __init__(
         self,
@@ -381,11 +382,16 @@ class QuantizedLinear:
         bias: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.float32,
         lib: native.NativeLibrary | None = None,
+        rows: int | None = None,
     ) -> None:
-        self.out_features, self.in_features = weight.shape
+        n, self.in_features = weight.shape
+        self.out_features = n if rows is None else rows
         self.lib = lib if lib is not None else native.library()
         if self.lib is not None and weight.integer:
             weight = weight.interleave()
+        padded = self.out_features + (-self.out_features % LANES if weight.interleaved else 0)
+        if weight.shape[0] != padded:
+            raise QuantError(f"{weight.shape[0]} rows of codes do not hold {self.out_features}")
         self.weight = weight
         if bias is not None and bias.shape != (self.out_features,):
             raise QuantError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")

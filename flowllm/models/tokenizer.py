@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flowllm.models.bundled import SOURCE_FILE
 from flowllm.models.loader import MissingFileError, ModelLoadError, load_hf_config, one_line
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def load_tokenizer(
 
     `tokenizer.chat_template` is None when neither the model nor the caller gives one.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
     if gguf is not None:
@@ -70,11 +71,20 @@ def load_tokenizer(
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
             raise MissingFileError(f"no tokenizer files in {path} (expected tokenizer.json)")
         try:
-            # The config is flowllm's own reading of config.json: transformers would
-            # otherwise load its model config class, which imports most of its modelling code.
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(path), trust_remote_code=False, config=_model_config(path)
-            )
+            if (path / SOURCE_FILE).is_file():
+                # A directory flowllm converted (bundled.py) names the class it wrote its
+                # tokenizer for; AutoTokenizer would pick the same one, after importing its
+                # tables of every model's tokenizer (0.25 s of each process's start).
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+            else:
+                from transformers import AutoTokenizer
+
+                # The config is flowllm's own reading of config.json: transformers would
+                # otherwise load its model config class, which imports most of its
+                # modelling code.
+                tokenizer = AutoTokenizer.from_pretrained(
+                    str(path), trust_remote_code=False, config=_model_config(path)
+                )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {one_line(e)}") from e
     if not isinstance(tokenizer, PreTrainedTokenizerFast):

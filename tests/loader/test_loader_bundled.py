@@ -125,6 +125,31 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(
     assert len(ours) == 49152
 
 
+def test_the_converted_tokenizer_is_the_one_autotokenizer_picks(smollm2_dir: Path) -> None:
+    """The converted directory's tokenizer loads by the class its files name, without
+    AutoTokenizer's imports; AutoTokenizer, given the same directory and config, builds
+    the same tokenizer."""
+    from transformers import AutoTokenizer
+
+    from flowllm.models.loader import load_hf_config
+
+    ours = load_tokenizer(smollm2_dir)
+    auto = AutoTokenizer.from_pretrained(
+        str(smollm2_dir), trust_remote_code=False, config=load_hf_config(smollm2_dir)
+    )
+    assert type(ours) is type(auto)
+    assert ours.init_kwargs == auto.init_kwargs
+    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert ours.get_vocab() == auto.get_vocab() and ours.chat_template == auto.chat_template
+    assert ours.all_special_tokens == auto.all_special_tokens
+    messages = [{"role": "user", "content": "2 + 2? Answer in café style 🚀"}]
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == (
+        auto.apply_chat_template(messages, add_generation_prompt=True)
+    )
+    text = "<|im_start|>user\nnaïve 3.14159<|im_end|>\n"
+    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+
+
 def test_chat_template_renders(smollm2_dir: Path) -> None:
     tok = load_tokenizer(smollm2_dir)
     user = [{"role": "user", "content": "Hi"}]
