@@ -18,12 +18,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from gguf_fixtures import dequantized_like, write_gguf
-from model_test_utils import Blocks, PagedSeq, reference_logits, schedule
+from model_test_utils import paged_logits, reference_logits
 
 from flowllm.config import BUNDLED_MODEL
 from flowllm.models.bundled import bundled_gguf_path
 from flowllm.models.dtype import resolve_dtype
-from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.layers import Linear
 from flowllm.models.loader import (
     ModelLoadError,
@@ -32,10 +31,8 @@ from flowllm.models.loader import (
     load_model,
     resolve_model,
 )
-from flowllm.models.runner import ModelRunner
 from flowllm.models.tokenizer import TokenizerLoadError, load_tokenizer
 
-BLOCK = 16
 VOCAB = 512
 Q8_0, Q4_K = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K
 
@@ -62,22 +59,6 @@ def qwen(version: int, hidden: int = 256) -> torch.nn.Module:
     return ref
 
 
-def logits_of(model: torch.nn.Module, tokens: list[int], prompt: int) -> torch.Tensor:
-    """Our logits at every position: a prefill of `prompt` tokens (with prompt logits),
-    then one decode step per remaining token."""
-    kv = KVCacheSpec.for_model(model, BLOCK).allocate(16, "cpu")
-    runner = ModelRunner(model, kv, BLOCK, "cpu")
-    seq, blocks = PagedSeq(0, tokens), Blocks(16)
-    logits, rows = runner.run([schedule(seq, prompt, blocks, BLOCK)], {0})
-    out = [rows[0]]
-    seq.num_computed = prompt
-    while seq.num_computed < len(tokens):
-        logits, _ = runner.run([schedule(seq, 1, blocks, BLOCK)], set())
-        seq.num_computed += 1
-        out.append(logits)
-    return torch.cat(out)
-
-
 def tokens(n: int = 48, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(VOCAB - 2) for _ in range(n)]
@@ -90,7 +71,7 @@ def test_qwen_from_safetensors_is_exact(tmp_path: Path, version: int) -> None:
     loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
     assert type(loaded.model).__name__ == f"Qwen{version}Model"
     toks = tokens()
-    diff = (logits_of(loaded.model, toks, 40) - reference_logits(ref, toks)).abs().max()
+    diff = (paged_logits(loaded.model, toks, 40) - reference_logits(ref, toks)).abs().max()
     assert diff < 1e-4
 
 
@@ -107,7 +88,7 @@ def test_gguf_quantized_and_dequantized_against_transformers(
     # Dequantized at load: transformers' logits on the file's values.
     plain = load_model(str(path), dtype="float32", device="cpu", quantization="none")
     assert all(m.quantized is None for m in plain.model.modules() if isinstance(m, Linear))
-    assert (logits_of(plain.model, toks, 40) - oracle).abs().max() < 1e-4
+    assert (paged_logits(plain.model, toks, 40) - oracle).abs().max() < 1e-4
     # Served quantized (the default): every linear layer keeps the file's blocks, with
     # activations in `auto`'s dtype: bf16 where the CPU has fast bf16 products, as an
     # unquantized model's.
@@ -117,7 +98,7 @@ def test_gguf_quantized_and_dequantized_against_transformers(
         loaded = auto if auto.dtype == dtype else load_model(str(path), dtype, "cpu")
         linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
         assert qtype.name in "+".join({m.quantized.weight.source for m in linears})
-        got = logits_of(loaded.model, toks, 40)
+        got = paged_logits(loaded.model, toks, 40)
         # x rounded to int8 a block of 32 (as llama.cpp does): on these random models the
         # logits move by 2-6% of their spread on average (Q4_K's own rounding of the
         # weights moves them 5-8 times more; bf16 activations about as much as int8 x),
@@ -146,7 +127,7 @@ def test_llama_gguf_rows_are_unpermuted(tmp_path: Path) -> None:
     expected = dequantized_like(copy.deepcopy(ref), path)
     toks = tokens(24)
     loaded = load_model(str(path), dtype="float32", device="cpu", quantization="none")
-    diff = (logits_of(loaded.model, toks, 20) - reference_logits(expected, toks)).abs().max()
+    diff = (paged_logits(loaded.model, toks, 20) - reference_logits(expected, toks)).abs().max()
     assert diff < 1e-4
 
 
@@ -168,7 +149,7 @@ def test_the_bundled_model_is_served_quantized_unless_asked_to_dequantize(
     assert {m.quantized.weight.source for m in linears} == {"Q4_1", "Q8_0"}
     toks = tokens(16)
     torch.testing.assert_close(
-        logits_of(loaded.model, toks, 16), logits_of(as_file.model, toks, 16), rtol=0, atol=0
+        paged_logits(loaded.model, toks, 16), paged_logits(as_file.model, toks, 16), rtol=0, atol=0
     )
     # Weights against the bf16 model's: its linear weights, and the embedding table it
     # keeps beside its packed head.
@@ -246,9 +227,7 @@ def test_a_files_tokenizer_is_rebuilt_once_then_loaded_from_the_cache(
     assert (entry / "tokenizer.json").is_file()
     rebuilt: list[Path] = []
     from_file = gguf_file.rebuild_tokenizer
-    monkeypatch.setattr(
-        gguf_file, "rebuild_tokenizer", lambda p: rebuilt.append(p) or from_file(p)
-    )
+    monkeypatch.setattr(gguf_file, "rebuild_tokenizer", lambda p: rebuilt.append(p) or from_file(p))
     again = load_tokenizer(tmp_path, None, path)
     assert rebuilt == []
     text = "the cat sat on the mat"

@@ -23,17 +23,15 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from gguf_fixtures import write_gguf
 from kernel_builds import use_kernel_build
-from model_test_utils import Blocks, PagedSeq, schedule
+from model_test_utils import paged_logits
 from test_model_equivalence import llama_reference, qwen_reference
 
 from flowllm.config import BUNDLED_MODEL
 from flowllm.kernels import quant_linear
 from flowllm.models import gguf_file, loader, weight_cache
 from flowllm.models.bundled import SOURCE_FILE, bundled_model_dir
-from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.layers import Embedding, Linear
 from flowllm.models.loader import REPACKED_DIR, LoadedModel, ResolvedModel, load_model
-from flowllm.models.runner import ModelRunner
 
 BLOCK = 16
 Q4_1, Q4_K = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K
@@ -41,19 +39,8 @@ TOKENS = [3, 141, 59, 265, 35, 89, 79, 323, 84, 62, 64, 33, 83, 279, 50, 288, 41
 
 
 def logits_of(model: torch.nn.Module, tokens: list[int] = TOKENS) -> torch.Tensor:
-    """A prefill of all but the last 4 tokens (every row's logits), then 4 decode steps."""
-    kv = KVCacheSpec.for_model(model, BLOCK).allocate(8, "cpu")
-    runner = ModelRunner(model, kv, BLOCK, "cpu")
-    seq, blocks = PagedSeq(0, tokens), Blocks(8)
-    prompt = len(tokens) - 4
-    _, rows = runner.run([schedule(seq, prompt, blocks, BLOCK)], {0})
-    out = [rows[0]]
-    seq.num_computed = prompt
-    while seq.num_computed < len(tokens):
-        logits, _ = runner.run([schedule(seq, 1, blocks, BLOCK)], set())
-        seq.num_computed += 1
-        out.append(logits)
-    return torch.cat(out)
+    """Prompt logits and four decode steps'."""
+    return paged_logits(model, tokens, len(tokens) - 4, BLOCK)
 
 
 class GGUFModel:

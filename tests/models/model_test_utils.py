@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from flowllm.messages import ScheduledSeq
+from flowllm.models.kv_cache import KVCacheSpec
+from flowllm.models.runner import ModelRunner
 
 
 @dataclass
@@ -55,3 +57,22 @@ def reference_logits(ref: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     """transformers' logits for every position of `tokens`, computed from scratch."""
     with torch.no_grad():
         return ref(torch.tensor([tokens])).logits[0].float()
+
+
+def paged_logits(
+    model: torch.nn.Module, tokens: list[int], prompt: int, block_size: int = 16
+) -> torch.Tensor:
+    """A model's logits at every position through the paged runner: a prefill of `prompt`
+    tokens (with prompt logits), then one decode step per remaining token."""
+    num_blocks = -(-len(tokens) // block_size)
+    kv = KVCacheSpec.for_model(model, block_size).allocate(num_blocks, "cpu")
+    runner = ModelRunner(model, kv, block_size, "cpu")
+    seq, blocks = PagedSeq(0, tokens), Blocks(num_blocks)
+    _, rows = runner.run([schedule(seq, prompt, blocks, block_size)], {0})
+    out = [rows[0]]
+    seq.num_computed = prompt
+    while seq.num_computed < len(tokens):
+        logits, _ = runner.run([schedule(seq, 1, blocks, block_size)], set())
+        seq.num_computed += 1
+        out.append(logits)
+    return torch.cat(out)
