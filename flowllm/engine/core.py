@@ -68,6 +68,9 @@ if TYPE_CHECKING:  # the supervisor imports this module, and needs no torch
 
 # Exit statuses of the core and front processes, read by their supervisor.
 EXIT_ESCALATED = 70  # the graph failed past its supervision (sysexits' EX_SOFTWARE)
+# A greeting comes before the token is checked (a core on TCP is reachable by anyone on
+# its network): it is read only up to this, not up to a channel frame's bound.
+HELLO_MAX_BYTES = 64 * 1024
 EXIT_INVALID_GRAPH = 78  # the graph did not validate; the supervisor says why (EX_CONFIG)
 
 
@@ -329,7 +332,7 @@ class Core:
         keep_alive(stream)
         try:
             with anyio.fail_after(5):
-                frame = await read_one_frame(stream)
+                frame = await read_one_frame(stream, HELLO_MAX_BYTES)
             hello = CONTROL_DECODER.decode(frame.payload) if frame.kind == CONTROL else None
         except (TimeoutError, WireError, anyio.EndOfStream, OSError, ValueError) as exc:
             self.log.warning("a connection did not greet the core", error=repr(exc))

@@ -165,13 +165,16 @@ async def read_frames(stream: anyio.abc.ByteReceiveStream) -> AsyncIterator[Fram
         del buffer[:start]
 
 
-async def read_one_frame(stream: anyio.abc.ByteReceiveStream) -> Frame:
-    """Exactly one frame, reading no byte past it (a greeting, before the stream is handed
-    to a `Peer`); raises WireError on a malformed one, EndOfStream if the stream ends."""
+async def read_one_frame(
+    stream: anyio.abc.ByteReceiveStream, max_bytes: int = MAX_FRAME_BYTES
+) -> Frame:
+    """Exactly one frame of at most `max_bytes`, reading no byte past it (a greeting,
+    before the stream is handed to a `Peer`); raises WireError on a malformed or longer
+    one, EndOfStream if the stream ends."""
     head = await _receive_exactly(stream, _LENGTH.size)
     (length,) = _LENGTH.unpack(head)
-    if length > MAX_FRAME_BYTES:
-        raise WireError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+    if length > max_bytes:
+        raise WireError(f"a frame of {length} bytes (at most {max_bytes})")
     try:
         return _FRAME_DECODER.decode(await _receive_exactly(stream, length))
     except msgspec.DecodeError as exc:

@@ -5,6 +5,7 @@ keepalives, so that a peer whose machine went away ends the connection."""
 from __future__ import annotations
 
 import socket
+import struct
 from pathlib import Path
 
 import anyio
@@ -12,7 +13,9 @@ import anyio.abc
 import pytest
 from anyio.abc import SocketAttribute
 
+from flowllm.engine.core import HELLO_MAX_BYTES
 from flowllm.graph.transport import connect, keep_alive, listen, tcp_address, tcp_endpoint
+from flowllm.graph.wire import WireError, read_one_frame
 
 pytestmark = pytest.mark.anyio
 
@@ -73,3 +76,31 @@ async def test_nobody_listening_is_an_os_error(tmp_path: Path) -> None:
         await connect(address)
     with pytest.raises(OSError):
         await connect(str(tmp_path / "absent.sock"))
+
+
+async def test_a_greeting_longer_than_its_bound_is_refused_before_it_is_read() -> None:
+    """What an unauthenticated peer sends first is bounded by the core's greeting limit,
+    not by a channel frame's: a header claiming 1 MiB fails at once, its body never
+    awaited."""
+    listener, address = await listen("127.0.0.1:0")
+    outcome: list[BaseException] = []
+
+    async def greet(stream: anyio.abc.SocketStream) -> None:
+        try:
+            with anyio.fail_after(2):
+                await read_one_frame(stream, HELLO_MAX_BYTES)
+        except BaseException as exc:
+            outcome.append(exc)
+        await stream.aclose()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, greet)
+        stream = await connect(address)
+        await stream.send(struct.pack("<I", 1 << 20))  # a length, and no body behind it
+        with anyio.fail_after(5):
+            while not outcome:
+                await anyio.sleep(0.01)
+        await stream.aclose()
+        tg.cancel_scope.cancel()
+    assert isinstance(outcome[0], WireError), outcome
+    assert f"at most {HELLO_MAX_BYTES}" in str(outcome[0])
