@@ -12,8 +12,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from model_test_utils import reference_logits
-from test_loader_gguf import logits_of, tokens
+from model_test_utils import paged_logits, reference_logits
+from test_loader_gguf import tokens
 from test_model_equivalence import llama_reference
 
 from flowllm.config import ConfigError, ModelConfig
@@ -43,7 +43,7 @@ def test_int8_weights_against_transformers_on_their_values(
                 p.copy_(int8_per_channel(p).dequantize())
     toks = tokens(48)
     oracle = reference_logits(expected, toks)
-    got = logits_of(model, toks, 40)
+    got = paged_logits(model, toks, 40)
     assert (got - oracle).abs().mean() < 0.075 * oracle.std()
     assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.9
     # int8 codes take a quarter of the float32 weights' bytes (plus a scale per row).
