@@ -58,11 +58,11 @@ GPT2_SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4},
     "124m": {},
 }
-# On CUDA both engines share one GPU: the server, started first, sizes its KV cache to this
-# fraction of the device's memory, and the offline engine to the second (counted from what
-# is in use then, the server's share included), so neither starves the other.
+# On CUDA every engine shares one GPU, each with its own share of the device's memory
+# (`gpu_memory_utilization`): the server this one, the offline engines (the matched ones
+# too) the second, split evenly among them.
 SERVER_GPU_SHARE = 0.35
-OFFLINE_GPU_SHARE = 0.75
+OFFLINE_GPU_SHARE = 0.55
 WARMUP_PROMPTS = 16
 WARMUP_TOKENS = 8
 
@@ -255,13 +255,15 @@ def offline_run(llm: Any, prompts: list[Prompt], output_len: int) -> tuple[float
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
-def build_llm(model: str | None, settings: dict[str, Any], args: argparse.Namespace) -> Any:
-    """An offline engine; `multiprocess` is passed only when asked for."""
+def build_llm(
+    model: str | None, settings: dict[str, Any], args: argparse.Namespace, engines: int
+) -> Any:
+    """One of `engines` offline engines; `multiprocess` is passed only when asked for."""
     from flowllm.llm import LLM
 
     kwargs = dict(settings)
     if args.device == "cuda":
-        kwargs.update(device="cuda", gpu_memory_utilization=OFFLINE_GPU_SHARE)
+        kwargs.update(device="cuda", gpu_memory_utilization=OFFLINE_GPU_SHARE / engines)
     else:
         kwargs["device"] = "cpu"
     if args.offline_multiprocess:
@@ -430,10 +432,11 @@ def main(argv: list[str] | None = None) -> int:
                 torch.set_num_threads(args.offline_threads)
             print(f"offline torch threads: {torch.get_num_threads()}", flush=True)
             started = time.perf_counter()
-            llm = build_llm(model, settings, args)
+            engines = 1 + len(matched)
+            llm = build_llm(model, settings, args, engines)
             print(f"offline engine loaded in {time.perf_counter() - started:.1f} s", flush=True)
             matched_llms = {
-                c: build_llm(model, {**settings, "max_num_seqs": c}, args) for c in matched
+                c: build_llm(model, {**settings, "max_num_seqs": c}, args, engines) for c in matched
             }
 
             if not args.no_warmup:

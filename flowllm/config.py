@@ -66,7 +66,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     block_size: int = 16
     kv_cache_memory: int = 2 * 1024**3  # bytes, on CPU
-    gpu_memory_utilization: float = 0.9  # fraction of free GPU memory, on CUDA
+    gpu_memory_utilization: float = 0.9  # this engine's share of a GPU, weights included
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

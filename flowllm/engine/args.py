@@ -108,7 +108,8 @@ def add_engine_arguments(
         "--gpu-memory-utilization",
         type=float,
         default=_CACHE.gpu_memory_utilization,
-        help="KV cache share of a GPU",
+        help="this engine's share of a GPU's total memory, weights and KV cache together "
+        "(%(default)s); engines sharing a GPU each take their own",
     )
     parser.add_argument(
         "--enable-prefix-caching",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,6 +96,16 @@ def build_services(config: EngineConfig) -> EngineServices:
     )
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    """What the model's parameters and buffers take, each storage counted once (tied
+    embeddings share one)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in itertools.chain(model.parameters(), model.buffers())
+    }
+    return sum(storages.values())
+
+
 def services_for_model(
     config: EngineConfig,
     model: PagedCausalLM,
@@ -114,7 +125,11 @@ def services_for_model(
         max_model_len = config.model.max_model_len
     spec = KVCacheSpec.for_model(model, config.cache.block_size)
     num_blocks, kv_caches = allocate_kv_cache(
-        spec, device, config.cache.kv_cache_memory, config.cache.gpu_memory_utilization
+        spec,
+        device,
+        config.cache.kv_cache_memory,
+        config.cache.gpu_memory_utilization,
+        model_bytes(model),
     )
     return EngineServices(
         config=config,

@@ -1,9 +1,9 @@
 """Size and allocate the paged KV cache: one K and one V tensor per layer, each
 [num_blocks, block_size, num_kv_heads, head_dim].
 
-On CPU the cache gets a fixed byte budget (`kv_cache_memory`); on CUDA a fraction of the
-device's memory, minus what is already in use (the weights), as vLLM's
-`gpu_memory_utilization`.
+On CPU the cache gets a fixed byte budget (`kv_cache_memory`); on CUDA what is left of the
+engine's share of the device (`gpu_memory_utilization`, as vLLM's: a fraction of the
+device's total memory for this engine, weights included) after its weights.
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ class KVCacheSpec:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
-    def num_blocks_for(self, memory_bytes: int) -> int:
-        """How many blocks fit in `memory_bytes`; KVCacheError if not even one does."""
+    def num_blocks_for(self, memory_bytes: int, setting: str = "kv_cache_memory") -> int:
+        """How many blocks fit in `memory_bytes`; KVCacheError, naming the `setting` to
+        raise, if not even one does."""
         n = int(memory_bytes) // self.bytes_per_block
         if n < 1:
             raise KVCacheError(
                 f"KV cache memory of {memory_bytes} bytes holds no block "
-                f"(one block needs {self.bytes_per_block} bytes); raise kv_cache_memory"
+                f"(one block needs {self.bytes_per_block} bytes); raise {setting}"
             )
         return n
 
@@ -82,15 +83,37 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
 
 def cache_memory_budget(
-    device: torch.device | str, kv_cache_memory: int, gpu_memory_utilization: float
+    device: torch.device | str,
+    kv_cache_memory: int,
+    gpu_memory_utilization: float,
+    model_bytes: int = 0,
 ) -> int:
-    """Bytes the cache may take: `kv_cache_memory` on CPU; on CUDA, the utilization fraction
-    of total device memory minus what is already used (call after loading the weights)."""
+    """Bytes the cache may take: `kv_cache_memory` on CPU. On CUDA the engine's share,
+    `gpu_memory_utilization` of the device's total memory whatever other engines or
+    processes hold (so two engines on one GPU each name their own share), less its model's
+    `model_bytes`; KVCacheError when that much is not free."""
     device = torch.device(device)
     if device.type != "cuda":
         return int(kv_cache_memory)
     free, total = torch.cuda.mem_get_info(device)
-    return int(total * gpu_memory_utilization) - (total - free)
+    return gpu_cache_budget(free, total, gpu_memory_utilization, model_bytes)
+
+
+def gpu_cache_budget(free: int, total: int, gpu_memory_utilization: float, model_bytes: int) -> int:
+    """`cache_memory_budget` on a device with `free` of `total` bytes free now, the model
+    loaded."""
+    share = int(total * gpu_memory_utilization)
+    budget = share - model_bytes
+    if budget > free:
+        gib = 1024**3
+        raise KVCacheError(
+            f"gpu_memory_utilization={gpu_memory_utilization} gives this engine "
+            f"{share / gib:.2f} GiB of the device's {total / gib:.2f} GiB; after its model "
+            f"({model_bytes / gib:.2f} GiB) the KV cache would take {budget / gib:.2f} GiB, "
+            f"but {free / gib:.2f} GiB are free (other engines or processes hold the rest): "
+            "lower gpu_memory_utilization, or free the device"
+        )
+    return budget
 
 
 def allocate_kv_cache(
@@ -98,8 +121,11 @@ def allocate_kv_cache(
     device: torch.device | str,
     kv_cache_memory: int = 2 * 1024**3,
     gpu_memory_utilization: float = 0.9,
+    model_bytes: int = 0,
 ) -> tuple[int, KVCaches]:
     """Size the cache for `device` and allocate it: (num_blocks, per-layer (k, v))."""
-    budget = cache_memory_budget(device, kv_cache_memory, gpu_memory_utilization)
-    num_blocks = spec.num_blocks_for(budget)
+    budget = cache_memory_budget(device, kv_cache_memory, gpu_memory_utilization, model_bytes)
+    cuda = torch.device(device).type == "cuda"
+    setting = "gpu_memory_utilization" if cuda else "kv_cache_memory"
+    num_blocks = spec.num_blocks_for(budget, setting)
     return num_blocks, spec.allocate(num_blocks, device)

@@ -11,12 +11,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from flowllm.config import ConfigError
+from flowllm.engine.loading import model_bytes
 from flowllm.kernels import cpu_linear
 from flowllm.models import dtype as dtype_mod
 from flowllm.models import layers
 from flowllm.models.errors import KVCacheError
 from flowllm.models.gpt2 import GPT2Model
-from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
+from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_cache_budget
 from flowllm.models.layers import Linear, rope_inv_freq
 from flowllm.models.llama import LlamaModel
 from flowllm.models.registry import UnsupportedModelError, WeightLoadError, model_class_for
@@ -223,6 +224,28 @@ def test_kv_cache_sizing_and_allocation() -> None:
         spec.num_blocks_for(spec.bytes_per_block - 1)
     model = LlamaModel(tiny_llama().config, torch.float32, "cpu")
     assert KVCacheSpec.for_model(model, 8) == KVCacheSpec(1, 2, 8, torch.float32, 8)
+
+
+def test_gpu_cache_budget_is_the_engines_own_share() -> None:
+    gib = 1024**3
+    # One engine alone: 0.9 of 80 GiB, less its 2 GiB model.
+    assert gpu_cache_budget(78 * gib, 80 * gib, 0.9, 2 * gib) == int(80 * gib * 0.9) - 2 * gib
+    # A second engine beside one holding 30 GiB names its own share, not what is left of 0.9.
+    assert gpu_cache_budget(48 * gib, 80 * gib, 0.4, 2 * gib) == int(80 * gib * 0.4) - 2 * gib
+    with pytest.raises(KVCacheError, match=r"gpu_memory_utilization=0.9 .* 8.00 GiB are free"):
+        gpu_cache_budget(8 * gib, 80 * gib, 0.9, 2 * gib)
+
+
+def test_model_bytes_counts_a_shared_weight_once() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(100, 8)
+            self.head = torch.nn.Linear(8, 100, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("scale", torch.ones(3, dtype=torch.float64))
+
+    assert model_bytes(Tied()) == 100 * 8 * 4 + 3 * 8
 
 
 def test_gpt2_untied_head_loads_separately() -> None:
