@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import json
 import os
+import re
 import signal
 import ssl
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -39,6 +42,35 @@ def serving_threads(
     if "OMP_NUM_THREADS" in env:
         return None
     return max(1, (cpu_count or 1) - (0 if placed else 1))
+
+
+def default_api_server_count(cpu_count: int | None, gpu: bool) -> int:
+    """Fronts when `--api-server-count` is not given. One on a CPU, where the engine core
+    needs the cores; on a GPU one per four host cores, up to four: a GPU's step yields
+    tokens faster than one front's event loop streams them at high concurrency
+    (benchmarks/README.md, "Serving on a GPU: how many fronts")."""
+    if not gpu:
+        return 1
+    return max(1, min(4, (cpu_count or 1) // 4))
+
+
+def gpu_present(env: dict[str, str]) -> bool:
+    """Whether the engine core will find a CUDA device, judged without importing torch
+    (the supervisor stays free of it to start fast): torch is a CUDA build, an NVIDIA
+    driver's device node exists, and CUDA_VISIBLE_DEVICES does not hide every device."""
+    if env.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+        return False
+    if not os.path.exists("/dev/nvidiactl"):
+        return False
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    version = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        text = version.read_text()
+    except OSError:
+        return False
+    return re.search(r"^cuda\b[^=]*=\s*['\"]", text, re.MULTILINE) is not None
 
 
 class ServeError(ValueError):
@@ -193,11 +225,14 @@ def serve_command(args: argparse.Namespace) -> int:
         spec = GraphSpec.load(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
         if spec.problems:
             spec.validate()  # raises, naming every problem (its stages' too)
-        if args.api_server_count < 1:
-            raise ServeError("--api-server-count must be >= 1")
         # A recording runs the graph in one process: a trace's entries and spans are
         # matched by the identity of the messages they saw (traces/README.md).
         placed = bool(spec.placement) and not getattr(args, "trace_dir", None)
+        if args.api_server_count is None:
+            gpu = placed and gpu_present(dict(os.environ))
+            args.api_server_count = default_api_server_count(os.cpu_count(), gpu)
+        if args.api_server_count < 1:
+            raise ServeError("--api-server-count must be >= 1")
         if placed:
             placement_of(spec)
         elif args.api_server_count != 1:
@@ -395,9 +430,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-server-count",
         type=int,
-        default=1,
+        default=None,
         help="front processes (HTTP, tokenization, detokenization) sharing the port and one "
-        "engine core (default 1; needs a graph placed in processes, as the default one)",
+        "engine core (default: 1 on a CPU; on a GPU one per 4 host cores, up to 4; more than "
+        "1 needs a graph placed in processes, as the default one)",
     )
     parser.add_argument(
         "--uvicorn-loop",

@@ -85,7 +85,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             ("--otlp-traces-endpoint", args.otlp_traces_endpoint),
             ("--ssl-keyfile", args.ssl_keyfile),
             ("--ssl-certfile", args.ssl_certfile),
-            ("--api-server-count", args.api_server_count != 1),
+            ("--api-server-count", args.api_server_count not in (None, 1)),
         )
         if value
     ]
