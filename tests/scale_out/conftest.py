@@ -128,12 +128,12 @@ def flood_server(
 
 
 @pytest.fixture
-def start_own_cluster_server(gpt2_tiny_dir: Path) -> Callable[[dict[str, str]], ServerProcess]:
-    """Starts a server on a Ray cluster of its own, with `env` added to its environment;
-    the test stops it."""
+def start_own_cluster_server(gpt2_tiny_dir: Path) -> Callable[..., ServerProcess]:
+    """Starts a server on a Ray cluster of its own, with `env` added to its environment
+    and `flags` to its command line; the test stops it."""
 
-    def start(env: dict[str, str]) -> ServerProcess:
-        return start_ray_server(gpt2_tiny_dir, env={**NO_RAY_OOM_KILLER, **env})
+    def start(env: dict[str, str], flags: tuple[str, ...] = ()) -> ServerProcess:
+        return start_ray_server(gpt2_tiny_dir, flags, env={**NO_RAY_OOM_KILLER, **env})
 
     return start
 
