@@ -107,6 +107,13 @@ def placement_of(graph: ValidGraph | GraphSpec) -> tuple[str, str]:
     return front, others[0]
 
 
+def small_step_threads(threads: int, fronts: int, cpu_count: int | None) -> int | None:
+    """The kernels' threads for a small step in a core of `threads` threads: the cores
+    that `fronts` front processes leave, when fewer (None: `threads` for every step)."""
+    small = max(1, (cpu_count or 1) - fronts)
+    return small if small < threads else None
+
+
 def start_core(spec: CoreSpec) -> multiprocessing.process.BaseProcess:
     """Start a core process (spawned: a fresh interpreter, whatever threads this one runs)."""
     process = multiprocessing.get_context("spawn").Process(
@@ -122,14 +129,17 @@ def run_core(spec: CoreSpec) -> None:
     become_child("flowllm-core")
     configure_logging(fmt=spec.log_format, level=spec.log_level, force=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor handles Ctrl-C
-    if spec.threads is not None:
-        import torch
+    import torch
 
+    if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     from flowllm.engine.loading import build_services
 
     graph = load_graph_or_exit(spec.graph_file)
     services = build_services(spec.config)
+    services.small_step_threads = small_step_threads(
+        torch.get_num_threads(), spec.fronts, os.cpu_count()
+    )
     collector.settle()
     code = anyio.run(_serve_until_sigterm, spec, graph, services)
     os._exit(code)  # no interpreter teardown: the model's memory goes with the process
@@ -295,6 +305,8 @@ class Core:
     ) -> int:
         """Listen and serve the fronts until `stop()` or the graph's end; the exit status.
         Started with `TaskGroup.start`, it reports the address it listens on."""
+        import torch  # loaded by now: the core has built its services
+
         listener, address = await listen(self.spec.address)
         async with anyio.create_task_group() as tg:
             self._tasks = tg
@@ -303,7 +315,13 @@ class Core:
                 tg.start_soon(peer.pump_overflow)
             tg.start_soon(self._heartbeat)
             tg.start_soon(listener.serve, self._connection)
-            self.log.info("engine core ready", address=address, fronts=len(self.fronts))
+            self.log.info(
+                "engine core ready",
+                address=address,
+                fronts=len(self.fronts),
+                threads=torch.get_num_threads(),
+                small_step_threads=self.services.small_step_threads,
+            )
             task_status.started(address)
             with anyio.CancelScope() as waiting:
                 tg.start_soon(self._end_with_graph, waiting)

@@ -162,7 +162,12 @@ class NativeLibrary:
 
     def follow_torch_threads(self) -> None:
         """Size the calling thread's OpenMP pool as torch's (`torch.get_num_threads()`)."""
-        self._set_threads(threads=torch.get_num_threads())
+        self.set_threads(torch.get_num_threads())
+
+    def set_threads(self, threads: int) -> None:
+        """Size the calling thread's OpenMP pool: the kernels' threads, and those of
+        torch's operators in this thread (they share the runtime)."""
+        self._set_threads(threads=threads)
 
     def omp_max_threads(self) -> int:
         """The OpenMP pool size the kernels see (torch's, when they share its runtime)."""

@@ -89,6 +89,9 @@ def keep_freed_memory_mapped() -> bool:
     )
 
 
+# A step of at most this many rows (tokens) runs the kernels on `small_step_threads`.
+SMALL_STEP_ROWS = 8
+
 _num_computed_tokens = attrgetter("num_computed_tokens")
 _samples = attrgetter("sample")
 
@@ -181,6 +184,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str,
         enforce_eager: bool = False,
+        small_step_threads: int | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -193,6 +197,10 @@ class ModelRunner:
         self.plans = None if self.native is None or enforce_eager else StepPlans(self.native)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
+        # the step's threads: torch's when built (the worker thread's own setting changes
+        # with each step), or `small_step_threads` for a step of at most SMALL_STEP_ROWS rows
+        self.threads = torch.get_num_threads()
+        self.small_step_threads = small_step_threads
 
     def _tensor(self, a: np.ndarray[Any, Any]) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -231,7 +239,7 @@ class ModelRunner:
             return empty, {}
         inp, input_ids, positions, ctx = self.build_context(seqs, prompt_logits_for)
         if self.native is not None:
-            self.native.follow_torch_threads()
+            self.native.set_threads(self.kernel_threads(len(inp.input_ids)))
         with torch.no_grad():
             h = self.model.embed(input_ids, positions)
             if self.plans is not None and ctx.max_query_len == 1:
@@ -243,6 +251,15 @@ class ModelRunner:
         logits = out[at[0] : at[-1] + 1] if at else out[:0]
         prompt = {sid: out[a:b].float() for sid, (a, b) in inp.prompt_rows.items()}
         return logits.float(), prompt
+
+    def kernel_threads(self, rows: int) -> int:
+        """The threads of a step of `rows` rows: all, or fewer for a small step when other
+        processes share the cores (`small_step_threads`). Such a step gains less from
+        another thread than it loses each time that thread is preempted, and every kernel
+        parallelizes over outputs, so the thread count never changes a result."""
+        if self.small_step_threads is not None and rows <= SMALL_STEP_ROWS:
+            return self.small_step_threads
+        return self.threads
 
     def _planned_layers(
         self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext

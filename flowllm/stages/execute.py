@@ -26,6 +26,7 @@ class Execute(PerMessageStage):
             config.cache.block_size,
             services.device,
             enforce_eager=config.model.enforce_eager,
+            small_step_threads=services.small_step_threads,
         )
         self._worker = services.worker_thread("execute")
 

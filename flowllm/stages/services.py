@@ -43,6 +43,9 @@ class EngineServices:
     # Whether the graph has a guide stage, which constrained requests need (set by the
     # engine that builds the graph; validate refuses them without one).
     guided: bool = False
+    # The native kernels' threads for small steps, where other processes (the fronts)
+    # share the cores (set by the engine core; None: torch's threads for every step).
+    small_step_threads: int | None = None
     metrics: EngineMetrics = field(init=False)
     # Read-only data derived from the model or tokenizer, built on first use: one dict
     # shared by every `fresh` copy, so whichever copy builds an entry, all reuse it.
@@ -111,6 +114,7 @@ class EngineServices:
             eos_token_ids=self.eos_token_ids,
             device=self.device,
             guided=self.guided,
+            small_step_threads=self.small_step_threads,
             _derived=self._derived,
             _workers=self._workers,
         )

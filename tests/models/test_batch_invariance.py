@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from kernel_builds import KERNEL_BUILDS, use_kernel_build
 
 from flowllm import LLM, SamplingParams
@@ -92,3 +93,22 @@ def test_quantized_outputs_do_not_depend_on_the_batch(build: str) -> None:
     assert metric(small, "flowllm:num_preemptions_total") > 0
     assert [chunked[i] for i in at] == alone, "chunked by 8, through a preemption"
     assert chunked == together  # the others too
+
+
+def test_quantized_outputs_do_not_depend_on_the_kernels_thread_count(build: str) -> None:
+    """A core sharing its cores with fronts runs small steps' kernels on fewer threads
+    (`small_step_threads`): a request alone (one thread) and among others (two threads
+    once the batch is large) gives the tokens it gives with two threads throughout."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM("smollm2-135m-instruct", max_model_len=MAX_MODEL_LEN)
+        two_threads = [tokens(llm, [p], [sp])[0] for p, sp in PROBES]
+        llm.services.small_step_threads = 1
+        alone = [tokens(llm, [p], [sp])[0] for p, sp in PROBES]
+        prompts, params, at = batch_of_8()
+        together = tokens(llm, prompts, params)
+    finally:
+        torch.set_num_threads(before)
+    assert alone == two_threads, "alone, every step on one thread"
+    assert [together[i] for i in at] == two_threads, "among 7 others, on one and two threads"

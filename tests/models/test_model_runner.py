@@ -1,4 +1,5 @@
-"""ModelRunner's flattened inputs: positions, slots, block tables and logit rows."""
+"""ModelRunner's flattened inputs: positions, slots, block tables and logit rows; the
+kernels' threads per step."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from flowllm.engine.core import small_step_threads
 from flowllm.messages import ScheduledSeq
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec
-from flowllm.models.runner import ModelRunner, StepInputError, StepInputs
+from flowllm.models.runner import SMALL_STEP_ROWS, ModelRunner, StepInputError, StepInputs
 
 
 def seq(
@@ -73,3 +75,35 @@ def test_run_returns_editable_float32_rows_in_batch_order() -> None:
     torch.testing.assert_close(prompt[2], want2, atol=1e-5, rtol=1e-5)
     logits.div_(2.0)  # a sampler may edit the logits in place
     prompt[1].sub_(1.0)
+
+
+def test_small_steps_run_the_kernels_on_small_step_threads() -> None:
+    """A step of at most SMALL_STEP_ROWS rows runs the native kernels on
+    `small_step_threads`; a larger one, and every step without the setting, on torch's."""
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+    model = GPT2Model(cfg, torch.float32, "cpu")
+    kv = KVCacheSpec.for_model(model, 4).allocate(8, "cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = ModelRunner(model, kv, 4, "cpu", small_step_threads=1)
+        assert runner.kernel_threads(1) == runner.kernel_threads(SMALL_STEP_ROWS) == 1
+        assert runner.kernel_threads(SMALL_STEP_ROWS + 1) == 2
+        assert ModelRunner(model, kv, 4, "cpu").kernel_threads(1) == 2
+        if runner.native is not None:  # the pool the kernels see follows each step
+            runner.run([seq(1, (1, 2, 3), 0, (3,))])
+            assert runner.native.omp_max_threads() == 1
+            runner.run([seq(2, tuple(range(1, 10)), 0, (0, 1, 2))])
+            assert runner.native.omp_max_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("threads", "fronts", "cpus", "small"),
+    [(2, 1, 2, 1), (16, 4, 16, 12), (4, 1, 8, None), (1, 1, 1, None), (2, 1, None, 1)],
+)
+def test_a_core_leaves_the_fronts_cores_to_them_on_small_steps(
+    threads: int, fronts: int, cpus: int | None, small: int | None
+) -> None:
+    assert small_step_threads(threads, fronts, cpus) == small
