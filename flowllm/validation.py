@@ -203,13 +203,18 @@ def check_sampling_params(
             _in_range("logit_bias", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
 
 
-def check_structured_outputs(params: SamplingParams, limits: RequestLimits) -> None:
+def check_structured_outputs(
+    params: SamplingParams, limits: RequestLimits, vocab_size: int | None = None
+) -> None:
     """A constraint names exactly one kind and is small enough to compile (the compile
     itself, which needs the tokenizer, is the validate stage's)."""
     spec = params.structured_outputs
     if spec is None:
         return
     param = spec.param
+    if spec.after_reasoning is not None:
+        tags = spec.after_reasoning
+        _token_ids(f"{param}.after_reasoning", (tags.start, tags.end), vocab_size)
     kinds = constraint_kind(spec)
     if len(kinds) != 1:
         raise _Invalid(
@@ -409,7 +414,7 @@ def validate_request(
     try:
         _check_prompt(request, vocab_size)
         check_sampling_params(request.params, config.limits, vocab_size)
-        check_structured_outputs(request.params, config.limits)
+        check_structured_outputs(request.params, config.limits, vocab_size)
         check_tools(request.tools, config.limits)
     except _Invalid as invalid:
         return _bad_request(request.request_id, invalid)
