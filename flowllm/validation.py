@@ -16,6 +16,7 @@ from typing import Any
 from flowllm.config import EngineConfig, RequestLimits
 from flowllm.messages import GenerateRequest, RequestError, SamplingParams
 from flowllm.sampling.grammar import constraint_kind, json_schema_text
+from flowllm.text.chat_template import ChatTemplateError, check_template_kwargs
 
 # OpenAI clamps logit_bias values to this range and rejects values outside it.
 LOGIT_BIAS_LIMIT = 100.0
@@ -416,6 +417,9 @@ def validate_request(
         check_sampling_params(request.params, config.limits, vocab_size)
         check_structured_outputs(request.params, config.limits, vocab_size)
         check_tools(request.tools, config.limits)
+        check_template_kwargs(request.chat_template_kwargs, config.limits)
+    except ChatTemplateError as error:
+        return _bad_request(request.request_id, _Invalid(error.message, error.param, error.code))
     except _Invalid as invalid:
         return _bad_request(request.request_id, invalid)
     return None
