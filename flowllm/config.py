@@ -112,6 +112,9 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_structured_output_chars: int = 65536  # a JSON schema's text, a regex, a grammar
     max_choices: int = 256  # entries of a `choice` constraint
     max_tools: int = 128  # functions in `tools`
+    max_chat_template_kwargs: int = 64  # variables in `chat_template_kwargs`
+    max_chat_template_kwargs_chars: int = 65536  # `chat_template_kwargs` as JSON text
+    max_chat_template_kwargs_depth: int = 8  # nesting of its objects and arrays
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:

@@ -166,9 +166,13 @@ class LLM:
         *,
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate for one conversation (OpenAI-style message dicts) or several.
+
+        `chat_template_kwargs`: extra template variables (e.g. `{"enable_thinking": False}`
+        for Qwen3), within the request limits.
 
         `tools` (OpenAI's `{"type": "function", "function": {...}}` entries) are rendered
         by the chat template, or by the fallback system prompt for a template that ignores
@@ -200,6 +204,7 @@ class LLM:
                 messages=tuple(chat_message(m) for m in conversation),
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs or None,
                 tools=tuple(tools) if tools else None,
             )
             for conversation, params in zip(conversations, params_list, strict=True)

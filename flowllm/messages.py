@@ -40,12 +40,25 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class ReasoningTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """How a reasoning model's output marks its thinking part, in token ids
+    (flowllm.text.reasoning): a constraint that carries it applies to the answer only."""
+
+    start: int  # `<think>`
+    end: int  # `</think>`
+    # The output starts inside the thinking part (deepseek_r1); else it thinks only when
+    # its first token is `start` (qwen3).
+    opens_inside: bool
+
+
 class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A constraint on the output, as vLLM's `structured_outputs`: exactly one kind set.
 
     `json` is a JSON schema (an object, or its JSON text); `grammar` is EBNF/GBNF.
     `param` is where the client gave it (`response_format`, `guided_json`...), so that a
     refusal names the field the client sent; it is not part of the constraint.
+    `after_reasoning`: a chat request of a server with a reasoning parser; the constraint
+    starts after the thinking part, which is left free.
     """
 
     json: dict[str, Any] | str | None = None
@@ -54,6 +67,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     grammar: str | None = None
     json_object: bool = False
     param: str = "structured_outputs"
+    after_reasoning: ReasoningTokens | None = None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -16,6 +16,7 @@ from typing import Any
 from flowllm.config import EngineConfig, RequestLimits
 from flowllm.messages import GenerateRequest, RequestError, SamplingParams
 from flowllm.sampling.grammar import constraint_kind, json_schema_text
+from flowllm.text.chat_template import ChatTemplateError, check_template_kwargs
 
 # OpenAI clamps logit_bias values to this range and rejects values outside it.
 LOGIT_BIAS_LIMIT = 100.0
@@ -203,13 +204,18 @@ def check_sampling_params(
             _in_range("logit_bias", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
 
 
-def check_structured_outputs(params: SamplingParams, limits: RequestLimits) -> None:
+def check_structured_outputs(
+    params: SamplingParams, limits: RequestLimits, vocab_size: int | None = None
+) -> None:
     """A constraint names exactly one kind and is small enough to compile (the compile
     itself, which needs the tokenizer, is the validate stage's)."""
     spec = params.structured_outputs
     if spec is None:
         return
     param = spec.param
+    if spec.after_reasoning is not None:
+        tags = spec.after_reasoning
+        _token_ids(f"{param}.after_reasoning", (tags.start, tags.end), vocab_size)
     kinds = constraint_kind(spec)
     if len(kinds) != 1:
         raise _Invalid(
@@ -409,8 +415,11 @@ def validate_request(
     try:
         _check_prompt(request, vocab_size)
         check_sampling_params(request.params, config.limits, vocab_size)
-        check_structured_outputs(request.params, config.limits)
+        check_structured_outputs(request.params, config.limits, vocab_size)
         check_tools(request.tools, config.limits)
+        check_template_kwargs(request.chat_template_kwargs, config.limits)
+    except ChatTemplateError as error:
+        return _bad_request(request.request_id, _Invalid(error.message, error.param, error.code))
     except _Invalid as invalid:
         return _bad_request(request.request_id, invalid)
     return None

@@ -5,6 +5,8 @@ fixtures in conftest.py wrap them with the right scope.
 
 - The seeded random GPT-2 checkpoints come from `flowllm.models.random_gpt2` (shared with
   trace replay), re-exported here.
+- `build_next_token_qwen3_dir`: a Qwen3 checkpoint whose greedy next token is a fixed
+  function of the current token, so that a test scripts what it generates.
 - `populate_hf_cache`: lays a directory out as huggingface_hub's cache does
   (`models--org--name/{blobs,snapshots/<commit>,refs/main,trees/<commit>.json}`), so that
   `snapshot_download` finds it offline through its real code path.
@@ -36,8 +38,11 @@ __all__ = [
     "GPT2_EOS_ID",
     "GPT2_REPO_ID",
     "GPT2_VOCAB_SIZE",
+    "QWEN3_STYLE_TEMPLATE",
+    "THINKING_MODEL",
     "CheckpointBuildError",
     "build_gpt2_dir",
+    "build_next_token_qwen3_dir",
     "gpt2_config",
     "gpt2_state_dict",
     "gpt2_vocab_files",
@@ -48,6 +53,28 @@ __all__ = [
 GPT2_REPO_ID = "openai-community/gpt2"
 # openai-community/gpt2's main commit at the time of writing; any 40-hex string would do.
 GPT2_COMMIT = "607a30d783dfa663caf39e06633721c8d4cfcd7e"
+# ChatML with the end of Qwen3's template: with `enable_thinking: false` the generation
+# prompt closes an empty thinking part.
+QWEN3_STYLE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+# A thinking model's script for `build_next_token_qwen3_dir`: each token's next. After
+# the template's "assistant\n" it thinks "<think> I think</think>" and answers "\n\n Yes.";
+# after the empty thinking part of `enable_thinking: false` ("</think>\n\n") it answers
+# " Yes." at once.
+THINKING_MODEL = {
+    "\n": "<think>",
+    "<think>": " I",
+    " I": " think",
+    " think": "</think>",
+    "</think>": "\n\n",
+    "\n\n": " Yes",
+    " Yes": ".",
+    ".": "<|endoftext|>",
+}
 
 # Files bigger than this (or safetensors) are stored with Git LFS on the Hub, which changes
 # how huggingface_hub names their blobs (sha256 instead of the git blob sha1).
@@ -113,3 +140,56 @@ def populate_hf_cache(
     listing = {"format_version": 1, "files": tree}
     (trees / f"{commit}.json").write_text(json.dumps(listing, indent=1))
     return snapshot
+
+
+def build_next_token_qwen3_dir(
+    dest: Path,
+    next_token: dict[str, str],
+    *,
+    added_tokens: tuple[str, ...] = (),
+    chat_template: str | None = None,
+) -> Path:
+    """A one-layer Qwen3 with the GPT-2 tokenizer (plus `added_tokens`) whose greedy next
+    token is `next_token[current]`, each a single token of the tokenizer.
+
+    Attention and the MLP write nothing (zero output projections), so the last layer sees
+    only the current token's embedding: the tokens in `next_token` get orthonormal
+    embeddings, and the LM head scores `next_token[t]` with t's embedding, every other
+    token 0. A token outside `next_token` has a zero embedding (all logits 0). Written as
+    float32 safetensors with its tokenizer (and `chat_template`) beside it.
+    """
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    write_gpt2_tokenizer_files(dest)
+    tokenizer = AutoTokenizer.from_pretrained(str(dest))
+    tokenizer.add_tokens(list(added_tokens))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(dest))
+
+    def token_id(text: str) -> int:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise CheckpointBuildError(f"{text!r} is not one token: {ids}")
+        return int(ids[0])
+
+    width = 8 * max(2, -(-len(next_token) // 8))
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=width // 2,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=GPT2_EOS_ID, eos_token_id=GPT2_EOS_ID, torch_dtype="float32",
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for k, (current, following) in enumerate(next_token.items()):
+            model.model.embed_tokens.weight[token_id(current), k] = 1.0
+            model.lm_head.weight[token_id(following), k] = 1.0
+    model.save_pretrained(str(dest), safe_serialization=True)
+    return dest

@@ -31,10 +31,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from flowllm.api.chat import ChatFormat, ChatStream
 from flowllm.api.completions import CompletionFormat, CompletionStream
 from flowllm.api.convert import (
+    ChatReasoning,
     check_request_template,
     flatten_messages,
     prepare_chat,
     prepare_completion,
+    template_kwargs,
 )
 from flowllm.api.errors import EXCEPTION_HANDLERS, ApiError
 from flowllm.api.json_depth import maybe_too_deep, nesting_depth
@@ -65,6 +67,7 @@ from flowllm.text.chat_template import (
     DEFAULT_BUDGET,
     ChatTemplateError,
     TemplateBudget,
+    check_template_kwargs,
     render_chat,
 )
 from flowllm.validation import model_not_found, show_number
@@ -116,11 +119,15 @@ class ApiState:
         trust_request_chat_template: bool = False,
         template_budget: TemplateBudget = DEFAULT_BUDGET,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        default_chat_template_kwargs: dict[str, Any] | None = None,
         tracing: RequestTracing | None = None,
         log_requests: bool = False,
     ) -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser  # set only with auto tool choice enabled
+        self.reasoning = ChatReasoning.of(reasoning_parser, engine.tokenizer)
+        self.default_template_kwargs = default_chat_template_kwargs
         self.tracing = tracing
         self.log_requests = log_requests
         self.served_model_name = served_model_name
@@ -389,6 +396,8 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
         max_logprobs=api.engine.limits.max_logprobs,
         trust_request_chat_template=api.trust_request_chat_template,
         tool_parser=api.tool_call_parser,
+        reasoning=api.reasoning,
+        default_template_kwargs=api.default_template_kwargs,
     )
     fmt = ChatFormat(
         prepared,
@@ -448,7 +457,7 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-def _tokenize(api: ApiState, req: TokenizeRequest) -> list[int]:
+def _tokenize(api: ApiState, req: TokenizeRequest, kwargs: dict[str, Any] | None) -> list[int]:
     tokenizer = api.engine.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise ApiError("Give exactly one of prompt and messages.", param="prompt")
@@ -468,7 +477,7 @@ def _tokenize(api: ApiState, req: TokenizeRequest) -> list[int]:
             add_generation_prompt=(
                 True if req.add_generation_prompt is None else req.add_generation_prompt
             ),
-            template_kwargs=req.chat_template_kwargs,
+            template_kwargs=kwargs,
             budget=api.template_budget if req.chat_template is not None else None,
         )
     except ChatTemplateError as e:
@@ -487,10 +496,13 @@ async def tokenize(request: Request[Any, Any, Any]) -> TokenizeResponse:
     api = _state(request)
     req = await api.decode(await request.body(), TokenizeRequest)
     api.check_model(req.model)
-    check_request_template(
-        req.chat_template, req.chat_template_kwargs, api.trust_request_chat_template
-    )
-    tokens = await anyio.to_thread.run_sync(_tokenize, api, req)
+    check_request_template(req.chat_template, api.trust_request_chat_template)
+    kwargs = template_kwargs(req.chat_template_kwargs, api.default_template_kwargs)
+    try:
+        check_template_kwargs(kwargs, api.engine.limits)
+    except ChatTemplateError as e:
+        raise ApiError(e.message, param=e.param, code=e.code) from e
+    tokens = await anyio.to_thread.run_sync(_tokenize, api, req, kwargs)
     return TokenizeResponse(
         count=len(tokens), max_model_len=api.engine.max_model_len, tokens=tokens
     )
@@ -557,6 +569,8 @@ def create_app(
     ui: bool = True,
     debug: bool = False,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    default_chat_template_kwargs: dict[str, Any] | None = None,
     tracing: RequestTracing | None = None,
     log_requests: bool = False,
 ) -> Litestar:
@@ -568,9 +582,12 @@ def create_app(
     /metrics renders (default: `engine.metrics_registry`), under the names `metrics_prefix`
     chooses (flowllm.metrics.MetricsView). `api_key`: the Bearer key every
     route but PUBLIC_PATHS asks for. `trust_request_chat_template`: accept `chat_template`
-    and `chat_template_kwargs` in requests (rendered within `template_budget`). `cors`:
-    Litestar's CORS settings; None sends no CORS headers. `tool_call_parser`: how
-    `tool_choice: auto` outputs are read (flowllm.api.tool_calls); None refuses `auto`.
+    in requests (rendered within `template_budget`). `cors`: Litestar's CORS settings;
+    None sends no CORS headers. `tool_call_parser`: how `tool_choice: auto` outputs are
+    read (flowllm.api.tool_calls); None refuses `auto`. `reasoning_parser`: splits chat
+    outputs' thinking into `reasoning_content` (flowllm.text.reasoning).
+    `default_chat_template_kwargs`: template variables every chat renders with, unless
+    the request gives its own.
     `tracing`: OpenTelemetry traces of every request (flowllm.tracing); `log_requests`:
     one log line per graph request. `ui`: serve the web page at
     `/` and the data it reads under `/ui/` (flowllm/ui).
@@ -590,6 +607,8 @@ def create_app(
                 trust_request_chat_template=trust_request_chat_template,
                 template_budget=template_budget,
                 tool_call_parser=tool_call_parser,
+                reasoning_parser=reasoning_parser,
+                default_chat_template_kwargs=default_chat_template_kwargs,
                 tracing=tracing,
                 log_requests=log_requests,
             )

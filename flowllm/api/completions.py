@@ -142,7 +142,8 @@ def error_event(encoder: msgspec.json.Encoder, error: RequestError) -> bytes:
 
 
 class CompletionStream(EventSource):
-    """The SSE body of a streamed completion: one event per chunk, then usage and [DONE]."""
+    """The SSE body of a streamed completion: one event per chunk (with its choice's usage
+    so far under `continuous_usage_stats`), then usage and [DONE]."""
 
     def __init__(
         self,
@@ -156,6 +157,7 @@ class CompletionStream(EventSource):
 
     async def run(self, emit: Emit, task_group: TaskGroup) -> None:
         fmt, include_usage = self.fmt, self.fmt.prepared.include_usage
+        continuous_usage = fmt.prepared.continuous_usage
         text_lengths: dict[int, int] = {}  # choice index -> returned text so far
         prompt_tokens: dict[int, int] = {}  # prompt index -> its token count
         output_tokens: dict[int, int] = {}  # choice index -> generated tokens so far
@@ -174,12 +176,17 @@ class CompletionStream(EventSource):
             has_tokens = choice.logprobs is not None and choice.logprobs.tokens
             if not (choice.text or choice.finish_reason or has_tokens):
                 continue
+            usage: UsageInfo | msgspec.UnsetType | None = msgspec.UNSET
+            if continuous_usage:  # this choice's so far, with its prompt's, as vLLM's
+                usage = UsageInfo.of(prompt_tokens.get(prompt_index, 0), output_tokens[index])
+            elif include_usage:
+                usage = None
             event = CompletionStreamResponse(
                 id=fmt.response_id,
                 created=fmt.created,
                 model=fmt.model,
                 choices=[choice],
-                usage=None if include_usage else msgspec.UNSET,
+                usage=usage,
             )
             await emit(sse(self.encoder, event))
         else:

@@ -7,6 +7,7 @@ content parts); parameter ranges are the graph's validate stage's job
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -21,14 +22,33 @@ from flowllm.api.tool_calls import ToolUse, tool_use
 from flowllm.messages import (
     ChatMessage,
     GenerateRequest,
+    ReasoningTokens,
     SamplingParams,
     StructuredOutputs,
     ToolCall,
 )
+from flowllm.text.reasoning import ReasoningParser
 from flowllm.validation import show_number
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+ASSISTANT = "assistant"
+CHAT_ROLES = ("system", "developer", "user", ASSISTANT, "tool")
 GUIDED_BACKENDS = (None, "auto", "xgrammar")  # guided_decoding_backend values served
+
+
+@dataclass(frozen=True)
+class ChatReasoning:
+    """The server's `--reasoning-parser`, and its tags as the served tokenizer's tokens
+    (None: the tokenizer does not hold each as one token)."""
+
+    parser: ReasoningParser
+    tokens: ReasoningTokens | None
+
+    @classmethod
+    def of(cls, name: str | None, tokenizer: Any) -> ChatReasoning | None:
+        if name is None:
+            return None
+        parser = ReasoningParser.named(name)
+        return cls(parser, parser.tokens(tokenizer))
 
 
 class PreparedCompletion(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +61,7 @@ class PreparedCompletion(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None  # top-N per returned token, None: no logprobs
     prompt_logprobs: int | None  # vLLM's prompt_logprobs field, as asked
     include_usage: bool
+    continuous_usage: bool = False  # every streamed chunk carries usage so far
 
 
 class PreparedChat(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,7 +69,12 @@ class PreparedChat(msgspec.Struct, frozen=True, kw_only=True):
     n: int
     logprobs: int | None  # top_logprobs when logprobs is true, else None
     include_usage: bool
+    continuous_usage: bool = False  # every streamed chunk carries usage so far
     tool_use: ToolUse = ToolUse(mode="none", tools=None, constraint=None)
+    reasoning: ReasoningParser | None = None  # splits the thinking part from the answer
+    role: str = ASSISTANT  # the answer's role (the last message's without a generation prompt)
+    echo: str = ""  # echo: the last message's content, which opens the answer
+    prompt_logprobs: int | None = None  # the response's prompt_logprobs, top-N
 
 
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -57,13 +83,17 @@ def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def _stream_flags(stream: bool | None, options: Any) -> tuple[bool, bool]:
-    """(stream, include_usage); stream_options without stream is a 400, as in vLLM."""
-    if options is not None and not stream:
+def _stream_flags(stream: bool | None, options: Any) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage); stream_options without stream is a 400,
+    as in vLLM. `continuous_usage_stats` puts usage in every chunk with or without
+    `include_usage` (vLLM wants both)."""
+    if options is None:
+        return bool(stream), False, False
+    if not stream:
         raise ApiError(
             "Stream options can only be defined when `stream=True`.", param="stream_options"
         )
-    return bool(stream), bool(options is not None and options.include_usage)
+    return True, bool(options.include_usage), bool(options.continuous_usage_stats)
 
 
 def _common_params(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
@@ -157,18 +187,22 @@ UNTRUSTED_CHAT_TEMPLATE = (
 )
 
 
-def check_request_template(
-    chat_template: str | None, chat_template_kwargs: dict[str, Any] | None, trusted: bool
-) -> None:
-    """A request's own template (code) or template variables: a 400 unless trusted."""
-    if trusted:
-        return
-    for param, value in (
-        ("chat_template", chat_template),
-        ("chat_template_kwargs", chat_template_kwargs),
-    ):
-        if value is not None:
-            raise ApiError(UNTRUSTED_CHAT_TEMPLATE, param=param, code="untrusted_chat_template")
+def check_request_template(chat_template: str | None, trusted: bool) -> None:
+    """A request's own template (code): a 400 unless trusted. Its template variables
+    (`chat_template_kwargs`, data) are taken from any client, bounded by the limits."""
+    if chat_template is not None and not trusted:
+        raise ApiError(
+            UNTRUSTED_CHAT_TEMPLATE, param="chat_template", code="untrusted_chat_template"
+        )
+
+
+def template_kwargs(
+    given: dict[str, Any] | None, defaults: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The template variables a chat renders with: the server's defaults
+    (`--default-chat-template-kwargs`), overridden by the request's own."""
+    merged = {**(defaults or {}), **(given or {})}
+    return merged or None
 
 
 def _cache_salt(salt: str | None) -> str | None:
@@ -221,7 +255,7 @@ def prepare_completion(
         raise ApiError("suffix is not currently supported", param="suffix")
     if req.best_of is not None and req.best_of != 1:
         raise ApiError("best_of is not currently supported", param="best_of")
-    stream, include_usage = _stream_flags(req.stream, req.stream_options)
+    stream, include_usage, continuous_usage = _stream_flags(req.stream, req.stream_options)
     echo = bool(req.echo)
     echo_only = echo and req.max_tokens == 0
     fields = _common_params(req)
@@ -265,6 +299,7 @@ def prepare_completion(
         logprobs=req.logprobs,
         prompt_logprobs=req.prompt_logprobs,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
     )
     return prepared, stream
 
@@ -329,14 +364,19 @@ def prepare_chat(
     max_logprobs: int | None = None,
     trust_request_chat_template: bool = False,
     tool_parser: str | None = None,
+    reasoning: ChatReasoning | None = None,
+    default_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[PreparedChat, bool]:
     """The graph request for one chat request, and whether it streams.
 
     `top_logprobs` becomes the engine's `logprobs`: its range is checked here (against
     `max_logprobs`), so that a refusal names the field the client sent. `tool_parser`:
-    the server's `--tool-call-parser` when auto tool choice is enabled.
+    the server's `--tool-call-parser` when auto tool choice is enabled. `reasoning`: the
+    server's `--reasoning-parser`; an output constraint (structured outputs, or a tool
+    choice's) then starts after the thinking part. `default_template_kwargs`: the
+    server's template variables, which the request's own override.
     """
-    check_request_template(req.chat_template, req.chat_template_kwargs, trust_request_chat_template)
+    check_request_template(req.chat_template, trust_request_chat_template)
     tools = tool_use(req, tool_parser)
     constraint = structured_outputs(req)
     if tools.constraint is not None:
@@ -346,6 +386,8 @@ def prepare_chat(
                 param=constraint.param,
             )
         constraint = tools.constraint
+    if constraint is not None and reasoning is not None:
+        constraint = _after_reasoning(constraint, reasoning)
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise ApiError.unsupported("modalities", "output modalities other than text")
     top = req.top_logprobs
@@ -360,7 +402,11 @@ def prepare_chat(
         raise ApiError(
             "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
         )
-    stream, include_usage = _stream_flags(req.stream, req.stream_options)
+    stream, include_usage, continuous_usage = _stream_flags(req.stream, req.stream_options)
+    if req.prompt_logprobs is not None and stream:
+        raise ApiError(
+            "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+        )
     fields = _common_params(req)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -370,18 +416,24 @@ def prepare_chat(
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if logprobs is not None:
         fields["logprobs"] = logprobs
+    if req.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = req.prompt_logprobs
     params = SamplingParams(**fields)
+    messages = flatten_messages(req.messages)
+    add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
+    # vLLM's rule: without a generation prompt the answer continues the last message's
+    # role, and `echo` repeats the last message when it has the answer's role.
+    role = ASSISTANT if add_generation_prompt or not messages else messages[-1].role
+    echo = messages[-1].content if req.echo and messages and messages[-1].role == role else ""
     request = GenerateRequest(
         request_id=request_id,
         model=req.model or served_model_name,
         params=params,
         arrival_time=arrival_time,
-        messages=flatten_messages(req.messages),
-        add_generation_prompt=(
-            True if req.add_generation_prompt is None else req.add_generation_prompt
-        ),
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
         chat_template=req.chat_template if req.chat_template is not None else chat_template,
-        chat_template_kwargs=req.chat_template_kwargs or None,
+        chat_template_kwargs=template_kwargs(req.chat_template_kwargs, default_template_kwargs),
         tools=tools.tools,
         cache_salt=_cache_salt(req.cache_salt),
     )
@@ -390,6 +442,25 @@ def prepare_chat(
         n=params.n,
         logprobs=logprobs,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         tool_use=tools,
+        reasoning=reasoning.parser if reasoning is not None else None,
+        role=role,
+        echo=echo,
+        prompt_logprobs=req.prompt_logprobs,
     )
     return prepared, stream
+
+
+def _after_reasoning(constraint: StructuredOutputs, reasoning: ChatReasoning) -> StructuredOutputs:
+    """The constraint, applied from the token after the thinking part; a 400 when the
+    tokenizer cannot say where that part ends."""
+    if reasoning.tokens is None:
+        raise ApiError(
+            f"'{constraint.param}' cannot be combined with --reasoning-parser "
+            f"{reasoning.parser.name} on this model: its tokenizer does not hold <think> and "
+            "</think> as single tokens, so the constraint cannot start after the thinking "
+            "part.",
+            param=constraint.param,
+        )
+    return msgspec.structs.replace(constraint, after_reasoning=reasoning.tokens)

@@ -57,8 +57,8 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class StreamOptions(_Request, kw_only=True):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    include_usage: bool | None = None  # a last chunk with the whole request's usage
+    continuous_usage_stats: bool | None = None  # every chunk with its choice's usage so far
     include_obfuscation: bool | None = None  # accepted and ignored: no padding is sent
 
 
@@ -204,9 +204,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None  # wins over max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs (not streamed)
+    echo: bool | None = None  # vLLM's: the last message, if the answer's role, opens it
     add_generation_prompt: bool | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
-    chat_template_kwargs: dict[str, Any] | None = None  # same; extra template variables
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (bounded)
     # Metadata that does not change the output: accepted and ignored.
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -228,7 +230,7 @@ class TokenizeRequest(_Request, kw_only=True):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
-    chat_template_kwargs: dict[str, Any] | None = None  # same; extra template variables
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (bounded)
 
 
 class DetokenizeRequest(_Request, kw_only=True):
@@ -298,7 +300,8 @@ class CompletionStreamResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[CompletionChoice]
     object: Literal["text_completion"] = "text_completion"
-    usage: UsageInfo | UnsetType | None = UNSET  # present only with include_usage
+    # present only with include_usage (null but on the last chunk) or continuous_usage_stats
+    usage: UsageInfo | UnsetType | None = UNSET
 
 
 class ChatTopLogprob(msgspec.Struct, kw_only=True):
@@ -332,6 +335,8 @@ class ToolCall(msgspec.Struct, kw_only=True):
 class ChatResponseMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | None
+    # With --reasoning-parser: the thinking part (null when none); absent without one.
+    reasoning_content: str | UnsetType | None = UNSET
     tool_calls: list[ToolCall] | UnsetType = UNSET  # present when the model called tools
 
 
@@ -350,6 +355,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET  # when asked
 
 
 class DeltaFunctionCall(msgspec.Struct, kw_only=True):
@@ -370,6 +376,7 @@ class DeltaToolCall(msgspec.Struct, kw_only=True):
 class DeltaMessage(msgspec.Struct, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET  # more of the thinking part
     tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
@@ -387,7 +394,8 @@ class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatStreamChoice]
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    usage: UsageInfo | UnsetType | None = UNSET  # present only with include_usage
+    # present only with include_usage (null but on the last chunk) or continuous_usage_stats
+    usage: UsageInfo | UnsetType | None = UNSET
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

@@ -31,6 +31,7 @@ import msgspec
 from flowllm.api.errors import ApiError
 from flowllm.api.protocol import ChatCompletionRequest, ToolParam
 from flowllm.messages import StructuredOutputs
+from flowllm.text.tags import partial_suffix
 
 
 class ContentDelta(msgspec.Struct, frozen=True):
@@ -323,7 +324,7 @@ class HermesParser(ToolCallParser):
             tag = self.CLOSE if self._inside else self.OPEN
             at = self._held.find(tag)
             if at < 0:
-                keep = _partial_suffix(self._held, tag)
+                keep = partial_suffix(self._held, tag)
                 self._out(self._held[: len(self._held) - keep], events)
                 self._held = self._held[len(self._held) - keep :]
                 break
@@ -412,14 +413,6 @@ class NamedParser(ToolCallParser):
 
     def finish(self) -> list[Event]:
         return self.feed("") if not self._started else []
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ParsedOutput(msgspec.Struct, kw_only=True):

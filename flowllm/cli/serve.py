@@ -24,6 +24,7 @@ from flowllm.config import TOOL_CALL_PARSERS, ConfigError
 from flowllm.engine import DEFAULT_GRAPH
 from flowllm.graph.problems import GraphValidationError
 from flowllm.logging_config import configure_logging
+from flowllm.text.reasoning import REASONING_PARSERS
 
 
 def serving_threads(
@@ -119,6 +120,33 @@ def json_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise bad
     return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object, as vLLM takes them: '{"enable_thinking": false}'."""
+    bad = argparse.ArgumentTypeError(
+        f"""expected a JSON object such as '{{"enable_thinking": false}}', got {text!r}"""
+    )
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad from e
+    if not isinstance(value, dict):
+        raise bad
+    return value
+
+
+def default_template_kwargs(args: argparse.Namespace, limits: Any) -> dict[str, Any] | None:
+    """--default-chat-template-kwargs, held to what a request's own may be (raises
+    ServeError): a request that overrides none of them would otherwise be refused."""
+    from flowllm.text.chat_template import ChatTemplateError, check_template_kwargs
+
+    kwargs: dict[str, Any] | None = getattr(args, "default_chat_template_kwargs", None)
+    try:
+        check_template_kwargs(kwargs, limits)
+    except ChatTemplateError as e:
+        raise ServeError(f"--default-chat-template-kwargs: {e.message}") from e
+    return kwargs
 
 
 def cors_config(args: argparse.Namespace) -> Any:
@@ -222,6 +250,7 @@ def serve_command(args: argparse.Namespace) -> int:
     try:  # flag errors first: one line, before the model loads
         http_settings(args)
         config = config_from_args(args)
+        default_template_kwargs(args, config.limits)
         spec = GraphSpec.load(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
         if spec.problems:
             spec.validate()  # raises, naming every problem (its stages' too)
@@ -380,6 +409,8 @@ def run_http(
         trust_request_chat_template=args.trust_request_chat_template,
         cors=settings["cors"],
         tool_call_parser=settings["tool_parser"],
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
         metrics_prefix=args.metrics_prefix,
         tracing=tracing,
         log_requests=args.log_requests,
@@ -475,8 +506,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-request-chat-template",
         action="store_true",
-        help="accept chat_template and chat_template_kwargs in requests (client-supplied "
-        "Jinja, rendered within a time and size budget); refused with a 400 otherwise",
+        help="accept chat_template in requests (client-supplied Jinja, rendered within a "
+        "time and size budget); refused with a 400 otherwise (chat_template_kwargs, "
+        "variables for the server's template, are accepted from any client, bounded)",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_object,
+        help="template variables every chat request renders with, as a JSON object (e.g. "
+        """'{"enable_thinking": false}'); a request's chat_template_kwargs override them""",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split chat outputs' thinking part (<think>...</think>) into reasoning_content: "
+        "qwen3 (thinking only when the output opens with <think>) or deepseek_r1 (the "
+        "output starts inside the thinking part); structured outputs and tool calls then "
+        "apply to the answer",
     )
     tools = parser.add_argument_group("tool calling (docs/structured-output.md)")
     tools.add_argument(

@@ -46,6 +46,12 @@ _LIMIT_HELP = {
     "compiling, whose time grows with the constraint)",
     "max_choices": "entries of a `choice` constraint (%(default)s)",
     "max_tools": "functions in `tools` (%(default)s, OpenAI's limit)",
+    "max_chat_template_kwargs": "variables in `chat_template_kwargs` (%(default)s; a "
+    "template reads a few, such as enable_thinking)",
+    "max_chat_template_kwargs_chars": "characters of `chat_template_kwargs` as JSON "
+    "(%(default)s; its values may reach the prompt, which the template renders unbudgeted)",
+    "max_chat_template_kwargs_depth": "nesting of objects and arrays in "
+    "`chat_template_kwargs`, itself included (%(default)s)",
     "max_request_tokens": "prompts x n x max_tokens of one request, max_tokens unset "
     "counting as the context length (%(default)s: n=16 at a 64k context, or 256 prompts "
     "of 4096 tokens; bounds the work one request can queue)",

@@ -178,6 +178,13 @@ class Grammars:
         return bitmask
 
 
+def allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Set token `token_id`'s bit in row `row` of a packed bitmask (besides the grammar's)."""
+    word, bit = divmod(token_id, 32)
+    value = int(bitmask[row, word]) | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
+
+
 _NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf
 
 

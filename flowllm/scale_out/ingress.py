@@ -94,6 +94,8 @@ class Ingress:
             trust_request_chat_template=args.trust_request_chat_template,
             cors=cors_config(args),
             tool_call_parser=auto_tool_parser(args),
+            reasoning_parser=args.reasoning_parser,
+            default_chat_template_kwargs=args.default_chat_template_kwargs,
             metrics_prefix=args.metrics_prefix,
             log_requests=args.log_requests,
             ui=not args.disable_ui,

@@ -165,6 +165,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         ServeError,
         auto_tool_parser,
         cors_config,
+        default_template_kwargs,
         exposure_warning,
         resolve_api_key,
     )
@@ -178,7 +179,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         args.api_key = resolve_api_key(args.api_key, dict(os.environ))
         cors_config(args)
         auto_tool_parser(args)
-        config_from_args(args)
+        default_template_kwargs(args, config_from_args(args).limits)
         graph = load_graph(args.graph or DEFAULT_GRAPH)
         if not graph.placement:
             raise ScaleOutError(

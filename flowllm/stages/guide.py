@@ -11,6 +11,12 @@ with `num_output_tokens = m` needs output m - 1 accepted, and that token is amon
 row's `token_ids` (the last one for a decode; inside the chunk for a recompute after
 preemption, where the matcher has usually accepted it already). Prefix-cache hits and
 prefill chunks that do not sample change nothing.
+
+A constraint with `after_reasoning` (chat on a server with a reasoning parser) applies to
+the answer only: a `ReasoningTracker` (flowllm.text.reasoning) follows the sequence's
+tokens, its row gets no mask while it thinks, and the matcher accepts the tokens after
+`</think>`. Where the output may still open its thinking part (qwen3's first token), the
+row allows `<think>` besides what the grammar allows.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from __future__ import annotations
 from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.graph.validator import ValidGraph
 from flowllm.messages import ScheduledSeq, StepBatch, StepMasks
-from flowllm.sampling.grammar import Grammars, Matcher
+from flowllm.sampling.grammar import Grammars, Matcher, allow_token
 from flowllm.stages.services import EngineServices
+from flowllm.text.reasoning import ReasoningTracker
 
 
 class GuideError(RuntimeError):
@@ -29,12 +36,20 @@ class GuideError(RuntimeError):
 class _Guided:
     """What guide keeps about one constrained sequence."""
 
-    __slots__ = ("matcher", "num_accepted", "num_prompt_tokens")
+    __slots__ = ("matcher", "num_accepted", "num_prompt_tokens", "reasoning")
 
-    def __init__(self, matcher: Matcher, num_prompt_tokens: int) -> None:
+    def __init__(
+        self, matcher: Matcher, num_prompt_tokens: int, reasoning: ReasoningTracker | None
+    ) -> None:
         self.matcher = matcher
         self.num_prompt_tokens = num_prompt_tokens
-        self.num_accepted = 0  # output tokens the matcher has accepted
+        self.reasoning = reasoning  # the thinking part, which the constraint leaves free
+        self.num_accepted = 0  # output tokens followed (the matcher accepts the answer's)
+
+    @property
+    def masked(self) -> bool:
+        """Does the next token get the grammar's mask (not while the output thinks)?"""
+        return self.reasoning is None or self.reasoning.answering
 
 
 class Guide(PerMessageStage):
@@ -70,17 +85,28 @@ class Guide(PerMessageStage):
         for start in batch.started:
             spec = start.params.structured_outputs
             if spec is not None:
+                tags = spec.after_reasoning
                 seqs[start.seq_id] = _Guided(
-                    self.grammars.matcher(spec), len(start.prompt_token_ids)
+                    self.grammars.matcher(spec),
+                    len(start.prompt_token_ids),
+                    ReasoningTracker(tags) if tags is not None else None,
                 )
-        rows = [s for s in batch.seqs if s.sample and s.seq_id in seqs]
+        rows = []
+        for row in batch.seqs:
+            guided = seqs.get(row.seq_id) if row.sample else None
+            if guided is not None:
+                _catch_up(guided, row)
+                if guided.masked:
+                    rows.append(row)
         if not rows:
             return StepMasks(step_id=batch.step_id)
         bitmask = self.grammars.allocate_bitmask(len(rows))
         for i, row in enumerate(rows):
             guided = seqs[row.seq_id]
-            _catch_up(guided, row)
             guided.matcher.fill(bitmask, i)
+            reasoning = guided.reasoning
+            if reasoning is not None and reasoning.may_open:
+                allow_token(bitmask, i, reasoning.start_token)
         return StepMasks(
             step_id=batch.step_id, seq_ids=tuple(s.seq_id for s in rows), bitmask=bitmask
         )
@@ -103,6 +129,7 @@ def _catch_up(guided: _Guided, row: ScheduledSeq) -> None:
                 f"{row.num_computed_tokens + len(row.token_ids) - 1})"
             )
         token = row.token_ids[offset]
-        if not guided.matcher.accept(token) and not guided.matcher.terminated:
+        answer = guided.reasoning is None or guided.reasoning.accept(token)
+        if answer and not guided.matcher.accept(token) and not guided.matcher.terminated:
             raise GuideError(f"seq {row.seq_id}: token {token} is not allowed by its grammar")
         guided.num_accepted += 1

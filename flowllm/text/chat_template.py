@@ -26,12 +26,16 @@ The budget keeps a trusted client's mistake from tying up the server; it is not 
 to accept templates from untrusted clients.
 
 Templates configured on the server (`--chat-template`, the model's own) are trusted and
-rendered by `tokenizer.apply_chat_template` unchanged.
+rendered by `tokenizer.apply_chat_template` unchanged. A request's `chat_template_kwargs`
+(extra template variables, such as Qwen3's `enable_thinking`) are data, not code, and are
+accepted from any client as vLLM accepts them: bounded in number, nesting and size before
+anything renders (`check_template_kwargs`), and never one of the names the server sets.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,12 +49,15 @@ from jinja2.sandbox import SandboxedEnvironment
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from flowllm.config import RequestLimits
+
 # Names transformers' renderer or `apply_chat_template` already use; a request's
 # `chat_template_kwargs` may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
         "messages",
         "conversation",
+        "conversations",
         "add_generation_prompt",
         "continue_final_message",
         "tools",
@@ -276,18 +283,63 @@ def _compile_budgeted(template: str) -> jinja2.Template:
     return env.template_class.from_code(env, env.compile(tree), env.make_globals(None), None)
 
 
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """A request's extra template variables, or ChatTemplateError naming a reserved one."""
+def check_template_kwargs(
+    kwargs: dict[str, Any] | None, limits: RequestLimits | None = None
+) -> dict[str, Any]:
+    """Extra template variables, or ChatTemplateError naming a reserved one or, with
+    `limits`, a bound they exceed (the number of variables and their nesting first, both
+    cheap to count, then their size as JSON)."""
     if not kwargs:
         return {}
+    param = "chat_template_kwargs"
     for name in kwargs:
         if name in RESERVED_TEMPLATE_KWARGS:
             raise ChatTemplateError(
-                f"Invalid 'chat_template_kwargs': {name!r} is set by the server and cannot "
-                "be given as a template variable.",
-                param="chat_template_kwargs",
+                f"Invalid '{param}': {name!r} is set by the server and cannot be given as a "
+                "template variable.",
+                param=param,
             )
+    if limits is None:
+        return kwargs
+    if len(kwargs) > limits.max_chat_template_kwargs:
+        raise ChatTemplateError(
+            f"Invalid '{param}': too many variables. Expected at most "
+            f"{limits.max_chat_template_kwargs}, but got {len(kwargs)}.",
+            param=param,
+            code="object_above_max_properties",
+        )
+    if _nests_deeper(kwargs, limits.max_chat_template_kwargs_depth):
+        raise ChatTemplateError(
+            f"Invalid '{param}': objects and arrays nest more than "
+            f"{limits.max_chat_template_kwargs_depth} levels deep.",
+            param=param,
+            code="json_too_deep",
+        )
+    size = len(json.dumps(kwargs, ensure_ascii=False, separators=(",", ":"), default=str))
+    if size > limits.max_chat_template_kwargs_chars:
+        raise ChatTemplateError(
+            f"Invalid '{param}': {size} characters as JSON; expected at most "
+            f"{limits.max_chat_template_kwargs_chars}.",
+            param=param,
+            code="string_above_max_length",
+        )
     return kwargs
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels in `value` (itself the
+    first); stops at the first level past it."""
+    level: list[Any] = [value]
+    for _ in range(limit):
+        level = [
+            item
+            for container in level
+            for item in (container.values() if isinstance(container, dict) else container)
+            if isinstance(item, (dict, list, tuple))
+        ]
+        if not level:
+            return False
+    return True
 
 
 def render_chat(

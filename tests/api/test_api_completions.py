@@ -269,6 +269,32 @@ async def test_streaming_without_usage_has_no_usage_field(client: AsyncTestClien
     assert all(e["choices"] for e in events)
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_continuous_usage_stats(
+    client: AsyncTestClient, tokenizer: Any, include_usage: bool
+) -> None:
+    """Every chunk carries its choice's usage so far, with its own prompt's tokens (vLLM's
+    shape); the last chunk the request's when include_usage is set too."""
+    prompts = ["alpha beta gamma", "delta"]
+    options = {"continuous_usage_stats": True, "include_usage": include_usage}
+    body = {"prompt": prompts, "max_tokens": 4, "n": 2, "stream": True, "stream_options": options}
+    events = sse_events((await client.post("/v1/completions", json=body)).text)
+    prompt_tokens = [len(tokenizer.encode(p)) for p in prompts]
+    so_far = dict.fromkeys(range(4), 0)
+    for event in [e for e in events if e["choices"]]:
+        (choice,) = event["choices"]
+        usage = event["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens[choice["index"] // 2]
+        assert usage["completion_tokens"] > so_far[choice["index"]]  # one more token each
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        so_far[choice["index"]] = usage["completion_tokens"]
+    assert so_far == dict.fromkeys(range(4), 4)
+    last = [e["usage"] for e in events if not e["choices"]]
+    total = sum(prompt_tokens)
+    expected = [{"prompt_tokens": total, "completion_tokens": 16, "total_tokens": total + 16}]
+    assert last == (expected if include_usage else [])
+
+
 async def test_streaming_echo_offsets_continue(client: AsyncTestClient, tokenizer: Any) -> None:
     text = "one two three"
     r = await client.post(

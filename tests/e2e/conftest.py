@@ -16,7 +16,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/e2e: e2e_helpers
 
-from e2e_helpers import API_KEY, CHAT_TEMPLATE, FLOOD_MAX_PENDING, start_server
+from e2e_helpers import (
+    API_KEY,
+    CHAT_TEMPLATE,
+    FLOOD_MAX_PENDING,
+    start_server,
+)
+from model_fixtures import QWEN3_STYLE_TEMPLATE, THINKING_MODEL, build_next_token_qwen3_dir
 from server_process import TINY_FLAGS, ServerProcess, small_pending_graph
 
 
@@ -90,6 +96,28 @@ def structured_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
         ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
         env={"FLOWLLM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"},
     )
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def reasoning_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A Qwen3 that thinks by script (`THINKING_MODEL`, a Qwen3-style template), served
+    with the qwen3 reasoning parser and thinking off by default."""
+    model = build_next_token_qwen3_dir(
+        tmp_path_factory.mktemp("thinking-qwen3"),
+        THINKING_MODEL,
+        added_tokens=("<think>", "</think>"),
+        chat_template=QWEN3_STYLE_TEMPLATE,
+    )
+    flags = [
+        *TINY_FLAGS,
+        "--reasoning-parser", "qwen3",
+        "--default-chat-template-kwargs", '{"enable_thinking": false}',
+    ]  # fmt: skip
+    proc = start_server(str(model), flags)
     try:
         yield proc
     finally:

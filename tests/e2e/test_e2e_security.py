@@ -173,16 +173,11 @@ def test_a_browser_simple_post_is_refused(server: ServerProcess, content_type: s
 # -- request chat templates --------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("chat_template", CHAT_TEMPLATE), ("chat_template_kwargs", {"a": 1})]
-)
-def test_request_templates_are_refused_by_default(
-    server: ServerProcess, field: str, value: Any
-) -> None:
+def test_request_templates_are_refused_by_default(server: ServerProcess) -> None:
     for path in ("/v1/chat/completions", "/tokenize"):
-        r = _post(server, path, {"messages": MESSAGES, field: value})
+        r = _post(server, path, {"messages": MESSAGES, "chat_template": CHAT_TEMPLATE})
         error = assert_error(r, 400, code="untrusted_chat_template")
-        assert error["param"] == field
+        assert error["param"] == "chat_template"
 
 
 def test_trusted_request_template_renders(

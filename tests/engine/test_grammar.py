@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from flowllm.config import engine_config
 from flowllm.engine.loading import build_services
 from flowllm.messages import (
+    ReasoningTokens,
     SamplingParams,
     ScheduledSeq,
     SeqStart,
@@ -197,6 +199,62 @@ def test_guide_follows_decodes_and_recompute(services: EngineServices, gpt2_toke
         guide._fill(StepBatch(step_id=3, seqs=(row(0, (gpt2_tokenizer.encode("x")[0],), 5, 3),)))
     guide._fill(StepBatch(step_id=4, seqs=(), released=(0, 1)))
     assert guide.live_sequences() == 0
+
+
+def row_allowed(bitmask: torch.Tensor, i: int) -> set[int]:
+    logits = torch.zeros(1, VOCAB)
+    apply_bitmask(logits, bitmask[i : i + 1], [0])
+    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+
+def test_guide_leaves_the_thinking_part_free(
+    services: EngineServices, grammars: Grammars, gpt2_tokenizer: Any
+) -> None:
+    """A constraint after a reasoning parser's thinking part, over a scripted token
+    stream: qwen3's first token may open the thinking part (<think> is allowed besides
+    the grammar's tokens), thinking tokens are free whatever the grammar says, and the
+    grammar applies from the token after </think>. Here "<" and ">" play the tags."""
+    guide = Guide(None, services)
+    think, end = gpt2_tokenizer.encode("<")[0], gpt2_tokenizer.encode(">")[0]
+    one, x = gpt2_tokenizer.encode("1")[0], gpt2_tokenizer.encode("x")[0]
+    digits = StructuredOutputs(regex="[0-9]{4}")
+
+    def after(opens_inside: bool) -> SamplingParams:
+        tags = ReasoningTokens(start=think, end=end, opens_inside=opens_inside)
+        constraint = msgspec.structs.replace(digits, after_reasoning=tags)
+        return SamplingParams(structured_outputs=constraint)
+
+    plain = allowed(grammars, grammars.matcher(digits))
+    assert think not in plain and x not in plain
+    prompt = (10, 11, 12)
+    qwen3_thinks, qwen3_answers, r1 = 0, 1, 2
+    batch = StepBatch(
+        step_id=0,
+        seqs=tuple(row(s, prompt, 0, 0) for s in range(3)),
+        started=(start(0, after(False), prompt), start(1, after(False), prompt),
+                 start(2, after(True), prompt)),
+    )  # fmt: skip
+    masks = guide._fill(batch)
+    assert masks.seq_ids == (qwen3_thinks, qwen3_answers)  # deepseek_r1 starts thinking
+    assert row_allowed(masks.bitmask, 0) == row_allowed(masks.bitmask, 1) == plain | {think}
+
+    def step(step_id: int, tokens: tuple[int, ...], outputs: int) -> StepBatch:
+        seqs = tuple(row(s, (t,), 2 + outputs, outputs) for s, t in enumerate(tokens))
+        return StepBatch(step_id=step_id, seqs=seqs)
+
+    masks = guide._fill(step(1, (think, one, x), 1))
+    assert masks.seq_ids == (qwen3_answers,)  # the others think: free
+    assert row_allowed(masks.bitmask, 0) == walk(grammars, gpt2_tokenizer, digits, "1")
+    masks = guide._fill(step(2, (x, one, end), 2))
+    assert masks.seq_ids == (qwen3_answers, r1)
+    assert row_allowed(masks.bitmask, 1) == plain  # a fresh grammar, and no <think>
+    masks = guide._fill(step(3, (end, one, one), 3))
+    assert masks.seq_ids == (qwen3_thinks, qwen3_answers, r1)
+    assert row_allowed(masks.bitmask, 0) == plain
+    # deepseek_r1's "x", </think>, then "1", which its grammar accepted
+    assert row_allowed(masks.bitmask, 2) == walk(grammars, gpt2_tokenizer, digits, "1")
+    with pytest.raises(GuideError):  # after </think> the grammar holds
+        guide._fill(step(4, (x, one, one), 4))
 
 
 def test_serving_modules_leave_xgrammar_to_the_first_constrained_request() -> None:
