@@ -386,7 +386,9 @@ class Core:
         self._span_wanted.discard(front)
         self.spans.wanted = bool(self._span_wanted)
         request_ids = self.ownership.requests_of(front)
-        self.log.warning("front disconnected", front=front, aborted=len(request_ids))
+        # A warning when requests are lost; a front leaving idle is how a server stops.
+        emit = self.log.warning if request_ids else self.log.info
+        emit("front disconnected", front=front, aborted=len(request_ids))
         if not self._request_channels:
             return
         peer = self.fronts[front]
