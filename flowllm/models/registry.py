@@ -7,7 +7,11 @@ from typing import Any
 from flowllm.models.errors import UnsupportedModelError, WeightLoadError
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.layers import config_get
-from flowllm.models.llama import LlamaModel, Qwen2Model, Qwen3Model
+from flowllm.models.llama import (
+    LlamaModel,
+    Qwen2Model,
+    Qwen3Model,
+)
 
 __all__ = [
     "ARCHITECTURES",

@@ -1,7 +1,7 @@
-"""Our GPT-2, Llama, Qwen2 and Qwen3 against transformers on the same random weights, fp32:
-a step that mixes prefills with decodes, chunked prefill after a cached prefix, shared
-prefix blocks, and decoding across block boundaries all give the logits of computing from
-scratch."""
+"""Our models against transformers on the same random weights, fp32: a step that mixes
+prefills with decodes, chunked prefill after a cached prefix, shared prefix blocks, and
+decoding across block boundaries all give the logits of computing from scratch. Sliding
+windows are shorter than the sequences, so every sequence attends past one."""
 
 from __future__ import annotations
 
