@@ -1,13 +1,14 @@
 """Llama (`LlamaForCausalLM` configs, SmolLM2 among them) on flattened token batches and a
-paged KV cache, and the decoders that are its layer with options: Qwen2 and Qwen3 here.
+paged KV cache, and the decoders that are its layer with options: Qwen2, Qwen3 and
+Mistral here.
 
 RMSNorm, rotary positions (`flowllm.models.rope`), grouped-query attention, a SwiGLU MLP,
 tied or untied LM head. q/k/v and gate/up are fused into one linear layer each at load
 time, so a step runs two products where the checkpoint has five. What a model changes:
 - its layers' `BlockOptions`: biases (Qwen2 on q/k/v, `attention_bias` elsewhere), a
   per-head RMSNorm of q and k before the rotation (Qwen3), the activation;
-- each layer's `LayerAttention`: its rotary table, a sliding window, a score cap, the
-  softmax scale;
+- each layer's `LayerAttention`: its rotary table, a sliding window (Mistral), a score
+  cap, the softmax scale;
 - its checkpoint's names.
 Options a checkpoint sets that these classes do not run are refused at construction, by
 name (`refuse_options`).
@@ -34,6 +35,7 @@ from flowllm.models.layers import (
     StepRotary,
     WeightMap,
     config_get,
+    config_value,
     pack_linears,
     paged_attention,
     refuse_options,
@@ -347,6 +349,11 @@ def _bias_loader(name: str, lin: Linear, start: int, rows: int) -> Callable[[tor
     return lambda t: lin.load_bias(name, t, start=start, rows=rows)
 
 
+def sliding_window(config: Any, default: int | None = None) -> int:
+    """The config's `sliding_window` (0: none, when null; `default` when absent)."""
+    return int(config_value(config, "sliding_window", default) or 0)
+
+
 class Qwen2Model(LlamaModel):
     """Qwen2 / Qwen2.5: the Llama layer with q/k/v biases."""
 
@@ -377,3 +384,17 @@ class Qwen3Model(LlamaModel):
             qk_norm=True,
             act=str(config_get(config, "hidden_act", "silu")),
         )
+
+
+class MistralModel(LlamaModel):
+    """Mistral: the Llama layer without biases, every layer attending over a sliding window
+    of `sliding_window` positions (none when it is null; 4096, transformers' default, when
+    the config does not name it)."""
+
+    architecture = "Mistral"
+
+    def block_options(self, config: Any) -> BlockOptions:
+        return BlockOptions(act=str(config_get(config, "hidden_act", "silu")))
+
+    def layer_attention(self, config: Any, i: int) -> LayerAttention:
+        return LayerAttention(scale=self.head_dim**-0.5, window=sliding_window(config, 4096))

@@ -9,6 +9,7 @@ from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.layers import config_get
 from flowllm.models.llama import (
     LlamaModel,
+    MistralModel,
     Qwen2Model,
     Qwen3Model,
 )
@@ -28,12 +29,14 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaModel,
     "Qwen2ForCausalLM": Qwen2Model,
     "Qwen3ForCausalLM": Qwen3Model,
+    "MistralForCausalLM": MistralModel,
 }
 MODEL_TYPES: dict[str, ModelClass] = {
     "gpt2": GPT2Model,
     "llama": LlamaModel,
     "qwen2": Qwen2Model,
     "qwen3": Qwen3Model,
+    "mistral": MistralModel,
 }
 
 

@@ -15,6 +15,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -94,6 +96,22 @@ def qwen_reference(version: int) -> torch.nn.Module:
     return ref
 
 
+SMALL: dict[str, object] = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=VOCAB,
+    max_position_embeddings=256, initializer_range=0.15, bos_token_id=0, eos_token_id=0,
+    rms_norm_eps=1e-6, num_attention_heads=4, num_key_value_heads=2, pad_token_id=None,
+)  # fmt: skip
+
+
+def mistral_reference(window: int | None) -> torch.nn.Module:
+    """A random Mistral whose window (13) starts inside a cache block, or none (null)."""
+    torch.manual_seed(5)
+    cfg = MistralConfig(**SMALL, sliding_window=window, tie_word_embeddings=False)
+    return MistralForCausalLM(cfg).eval()
+
+
+
+
 REFERENCES = {
     "gpt2": (gpt2_reference, 1e-4),
     "llama_gqa_untied": (lambda: llama_reference("gqa_untied"), 1e-4),
@@ -101,6 +119,8 @@ REFERENCES = {
     "llama_llama3_rope": (lambda: llama_reference("llama3_rope"), 1e-4),
     "qwen2": (lambda: qwen_reference(2), 1e-4),
     "qwen3": (lambda: qwen_reference(3), 1e-4),
+    "mistral_window": (lambda: mistral_reference(13), 1e-4),
+    "mistral_no_window": (lambda: mistral_reference(None), 1e-4),
 }
 
 
@@ -175,7 +195,7 @@ def test_bfloat16_close_to_transformers_fp32() -> None:
     assert (prompt[0] - want).abs().max().item() < 0.1 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied", "mistral_window"])
 def test_model_on_triton_kernels_matches_transformers(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
