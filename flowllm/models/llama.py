@@ -1,14 +1,14 @@
 """Llama (`LlamaForCausalLM` configs, SmolLM2 among them) on flattened token batches and a
-paged KV cache, and the decoders that are its layer with options: Qwen2, Qwen3 and
-Mistral here.
+paged KV cache, and the decoders that are its layer with options: Qwen2, Qwen3, Mistral
+and SmolLM3 here.
 
 RMSNorm, rotary positions (`flowllm.models.rope`), grouped-query attention, a SwiGLU MLP,
 tied or untied LM head. q/k/v and gate/up are fused into one linear layer each at load
 time, so a step runs two products where the checkpoint has five. What a model changes:
 - its layers' `BlockOptions`: biases (Qwen2 on q/k/v, `attention_bias` elsewhere), a
   per-head RMSNorm of q and k before the rotation (Qwen3), the activation;
-- each layer's `LayerAttention`: its rotary table, a sliding window (Mistral), a score
-  cap, the softmax scale;
+- each layer's `LayerAttention`: its rotary table (none in SmolLM3's NoPE layers), a
+  sliding window (Mistral, SmolLM3's sliding layers), a score cap, the softmax scale;
 - its checkpoint's names.
 Options a checkpoint sets that these classes do not run are refused at construction, by
 name (`refuse_options`).
@@ -398,3 +398,32 @@ class MistralModel(LlamaModel):
 
     def layer_attention(self, config: Any, i: int) -> LayerAttention:
         return LayerAttention(scale=self.head_dim**-0.5, window=sliding_window(config, 4096))
+
+
+class SmolLM3Model(LlamaModel):
+    """SmolLM3: the Llama layer, without RoPE in the layers `no_rope_layers` marks 0 (every
+    `no_rope_layer_interval`-th layer when it is not given), and a sliding window on the
+    `sliding_attention` layers when `use_sliding_window` is set, as transformers reads
+    them."""
+
+    architecture = "SmolLM3"
+    default_theta = 2000000.0
+
+    def layer_attention(self, config: Any, i: int) -> LayerAttention:
+        n = int(config_get(config, "num_hidden_layers"))
+        interval = int(config_get(config, "no_rope_layer_interval", 4))
+        uses_rope = config_get(config, "no_rope_layers", None) or [
+            int((j + 1) % interval != 0) for j in range(n)
+        ]
+        use_window = bool(config_get(config, "use_sliding_window", False))
+        window = sliding_window(config)
+        layer_types = config_get(config, "layer_types", None) or [
+            "sliding_attention" if use_window and window and not uses_rope[j] else "full_attention"
+            for j in range(n)
+        ]
+        sliding = use_window and layer_types[i] == "sliding_attention"
+        return LayerAttention(
+            scale=self.head_dim**-0.5,
+            rope=GLOBAL_ROPE if uses_rope[i] else None,
+            window=window if sliding else 0,
+        )

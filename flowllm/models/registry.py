@@ -12,6 +12,7 @@ from flowllm.models.llama import (
     MistralModel,
     Qwen2Model,
     Qwen3Model,
+    SmolLM3Model,
 )
 
 __all__ = [
@@ -30,6 +31,7 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "Qwen2ForCausalLM": Qwen2Model,
     "Qwen3ForCausalLM": Qwen3Model,
     "MistralForCausalLM": MistralModel,
+    "SmolLM3ForCausalLM": SmolLM3Model,
 }
 MODEL_TYPES: dict[str, ModelClass] = {
     "gpt2": GPT2Model,
@@ -37,6 +39,7 @@ MODEL_TYPES: dict[str, ModelClass] = {
     "qwen2": Qwen2Model,
     "qwen3": Qwen3Model,
     "mistral": MistralModel,
+    "smollm3": SmolLM3Model,
 }
 
 

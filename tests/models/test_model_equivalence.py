@@ -21,6 +21,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from flowllm import kernels
@@ -110,6 +112,18 @@ def mistral_reference(window: int | None) -> torch.nn.Module:
     return MistralForCausalLM(cfg).eval()
 
 
+def smollm3_reference(sliding: bool) -> torch.nn.Module:
+    """A random SmolLM3 of 4 layers, every second without RoPE (no_rope_layer_interval 2),
+    optionally with a window (11) on those, as transformers lays them out."""
+    torch.manual_seed(6)
+    cfg = SmolLM3Config(
+        **{**SMALL, "num_hidden_layers": 4}, no_rope_layer_interval=2,
+        use_sliding_window=sliding, sliding_window=11 if sliding else None,
+    )  # fmt: skip
+    ref = SmolLM3ForCausalLM(cfg).eval()
+    assert ref.config.no_rope_layers == [1, 0, 1, 0]
+    return ref
+
 
 
 REFERENCES = {
@@ -121,6 +135,8 @@ REFERENCES = {
     "qwen3": (lambda: qwen_reference(3), 1e-4),
     "mistral_window": (lambda: mistral_reference(13), 1e-4),
     "mistral_no_window": (lambda: mistral_reference(None), 1e-4),
+    "smollm3": (lambda: smollm3_reference(False), 1e-4),
+    "smollm3_sliding": (lambda: smollm3_reference(True), 1e-4),
 }
 
 
