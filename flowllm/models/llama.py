@@ -1,6 +1,6 @@
 """Llama (`LlamaForCausalLM` configs, SmolLM2 among them) on flattened token batches and a
-paged KV cache, and the decoders that are its layer with options: Qwen2, Qwen3, Mistral
-and SmolLM3 here.
+paged KV cache, and the decoders that are its layer with options: Qwen2, Qwen3, Mistral,
+SmolLM3 and Phi-3.
 
 RMSNorm, rotary positions (`flowllm.models.rope`), grouped-query attention, a SwiGLU MLP,
 tied or untied LM head. q/k/v and gate/up are fused into one linear layer each at load
@@ -8,8 +8,8 @@ time, so a step runs two products where the checkpoint has five. What a model ch
 - its layers' `BlockOptions`: biases (Qwen2 on q/k/v, `attention_bias` elsewhere), a
   per-head RMSNorm of q and k before the rotation (Qwen3), the activation;
 - each layer's `LayerAttention`: its rotary table (none in SmolLM3's NoPE layers), a
-  sliding window (Mistral, SmolLM3's sliding layers), a score cap, the softmax scale;
-- its checkpoint's names.
+  sliding window (Mistral, Phi-3, SmolLM3's sliding layers), the softmax scale;
+- its checkpoint's names (Phi-3's projections come fused already).
 Options a checkpoint sets that these classes do not run are refused at construction, by
 name (`refuse_options`).
 """
@@ -427,3 +427,40 @@ class SmolLM3Model(LlamaModel):
             rope=GLOBAL_ROPE if uses_rope[i] else None,
             window=window if sliding else 0,
         )
+
+
+class Phi3Model(LlamaModel):
+    """Phi-3 and Phi-4-mini: the Llama layer without biases, its checkpoint's q/k/v and
+    gate/up projections fused already (loaded whole), LongRoPE (`longrope`, and the older
+    names `su` and `yarn` Phi-3 configs give it), a partial rotary factor, and a sliding
+    window where `sliding_window` is set."""
+
+    architecture = "Phi3"
+
+    def block_options(self, config: Any) -> BlockOptions:
+        return BlockOptions(act=str(config_get(config, "hidden_act", "silu")))
+
+    def layer_attention(self, config: Any, i: int) -> LayerAttention:
+        return LayerAttention(scale=self.head_dim**-0.5, window=sliding_window(config))
+
+    def rope_tables(self, config: Any) -> dict[str, dict[str, Any]]:
+        params = rope_parameters(config, default_theta=self.default_theta)
+        if params["rope_type"] in ("su", "yarn"):
+            params["rope_type"] = "longrope"
+        params.setdefault(
+            "original_max_position_embeddings",
+            int(config_get(config, "original_max_position_embeddings", 4096)),
+        )
+        return {GLOBAL_ROPE: params}
+
+    def attention_shards(self, layer: LlamaBlock) -> list[tuple[str, Linear, int, int]]:
+        return [
+            ("self_attn.qkv_proj", layer.qkv_proj, 0, layer.qkv_proj.out_features),
+            ("self_attn.o_proj", layer.o_proj, 0, layer.o_proj.out_features),
+        ]
+
+    def mlp_shards(self, layer: LlamaBlock) -> list[tuple[str, Linear, int, int]]:
+        return [
+            ("mlp.gate_up_proj", layer.gate_up_proj, 0, layer.gate_up_proj.out_features),
+            ("mlp.down_proj", layer.down_proj, 0, layer.down_proj.out_features),
+        ]

@@ -10,6 +10,7 @@ from flowllm.models.layers import config_get
 from flowllm.models.llama import (
     LlamaModel,
     MistralModel,
+    Phi3Model,
     Qwen2Model,
     Qwen3Model,
     SmolLM3Model,
@@ -32,6 +33,7 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "Qwen3ForCausalLM": Qwen3Model,
     "MistralForCausalLM": MistralModel,
     "SmolLM3ForCausalLM": SmolLM3Model,
+    "Phi3ForCausalLM": Phi3Model,
 }
 MODEL_TYPES: dict[str, ModelClass] = {
     "gpt2": GPT2Model,
@@ -40,6 +42,7 @@ MODEL_TYPES: dict[str, ModelClass] = {
     "qwen3": Qwen3Model,
     "mistral": MistralModel,
     "smollm3": SmolLM3Model,
+    "phi3": Phi3Model,
 }
 
 

@@ -4,13 +4,15 @@ dequantizes the K formats).
 
 - `quantize_q4_k`: float32 [n, k] -> Q4_K blocks, the scales and mins chosen per 32 values
   from their range (llama.cpp searches better ones; any valid blocks serve here).
-- `write_gguf`: a transformers Llama/Qwen2/Qwen3 model as a GGUF file: its config as
-  metadata, a byte-level BPE tokenizer of the model's vocabulary size, its 2-D weights in
-  the given format (norms and biases float32), Llama's Q/K rows permuted as llama.cpp does.
+- `write_gguf`: a transformers Llama/Qwen2/Qwen3/Phi-3 model as a GGUF file: its config
+  as metadata, a byte-level BPE tokenizer of the model's vocabulary size, its 2-D weights
+  in the given format (norms and biases float32), Llama's Q/K rows permuted and Phi-3's
+  LongRoPE factors stored as tensors, as llama.cpp's converter does.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +95,14 @@ def _rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: bool = True) -> Path:
-    """Write `model` (a transformers Llama/Qwen2/Qwen3 causal LM) to `path` as GGUF (without
-    tokenizer metadata if not `tokenizer`)."""
+    """Write `model` (a transformers Llama/Qwen2/Qwen3/Phi-3 causal LM) to `path` as GGUF
+    (without tokenizer metadata if not `tokenizer`)."""
     cfg = model.config
     arch = cfg.model_type
     w = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_name(f"tiny-{arch}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -109,11 +112,24 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
+    if rope.get("rope_type") == "longrope":
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(
+                1
+                + math.log(cfg.max_position_embeddings / cfg.original_max_position_embeddings)
+                / math.log(cfg.original_max_position_embeddings)
+            )
+        )
+        for kind in ("long", "short"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            w.add_tensor(f"rope_factors_{kind}.weight", factors)
     if tokenizer:
         tokens, merges, types = byte_level_vocab(cfg.vocab_size)
         w.add_tokenizer_model("gpt2")
@@ -136,6 +152,7 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+        "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
     }  # fmt: skip
     state = model.state_dict()
     if cfg.tie_word_embeddings:

@@ -17,6 +17,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -125,6 +127,27 @@ def smollm3_reference(sliding: bool) -> torch.nn.Module:
     return ref
 
 
+def phi3_reference(variant: str) -> torch.nn.Module:
+    """A random Phi-3: fused projections, a partial rotary factor (0.75: 12 of 16 dims),
+    LongRoPE with random factors. "short": the original context (128) holds every test
+    sequence, so transformers rotates all of them by the short factors, as we do serving
+    up to 128 positions; "long": the sequences pass the original context (32), both sides
+    rotate by the long factors, and a window of 20."""
+    original = 128 if variant == "short" else 32
+    rng = torch.Generator().manual_seed(7)
+    kw = {**SMALL, "max_position_embeddings": 128 if variant == "short" else 256}
+    cfg = Phi3Config(
+        **kw, original_max_position_embeddings=original, partial_rotary_factor=0.75,
+        sliding_window=20 if variant == "long" else None, tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(6, generator=rng)).tolist(),
+            "long_factor": (1 + 3 * torch.rand(6, generator=rng)).tolist(),
+        },
+    )  # fmt: skip
+    torch.manual_seed(7)
+    return Phi3ForCausalLM(cfg).eval()
+
 
 REFERENCES = {
     "gpt2": (gpt2_reference, 1e-4),
@@ -137,6 +160,8 @@ REFERENCES = {
     "mistral_no_window": (lambda: mistral_reference(None), 1e-4),
     "smollm3": (lambda: smollm3_reference(False), 1e-4),
     "smollm3_sliding": (lambda: smollm3_reference(True), 1e-4),
+    "phi3_longrope_short": (lambda: phi3_reference("short"), 1e-4),
+    "phi3_longrope_long_window": (lambda: phi3_reference("long"), 1e-4),
 }
 
 

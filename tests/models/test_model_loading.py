@@ -12,6 +12,7 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -24,7 +25,7 @@ from flowllm.models.errors import KVCacheError
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_cache_budget
 from flowllm.models.layers import Linear
-from flowllm.models.llama import LlamaModel
+from flowllm.models.llama import LlamaModel, Phi3Model
 from flowllm.models.registry import UnsupportedModelError, WeightLoadError, model_class_for
 from flowllm.models.rope import rope_frequencies, rope_parameters
 
@@ -220,6 +221,35 @@ def test_yarn_frequencies_and_attention_scaling_match_transformers(extra: dict) 
     assert got.attention_scaling == pytest.approx(scaling, rel=1e-12)
     assert not torch.equal(got.inv_freq, rope_frequencies({}, {"rope_type": "default",
                            "rope_theta": 50000.0}, 64).inv_freq)  # fmt: skip
+
+
+def test_longrope_factors_and_attention_scaling_match_transformers() -> None:
+    """Phi-3's LongRoPE with a partial rotary factor: the short factors while the served
+    context is within the original one, the long ones past it (transformers' choice for a
+    sequence that long), cos and sin scaled by transformers' attention factor either way."""
+    rng = torch.Generator().manual_seed(0)
+    cfg = Phi3Config(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=4096,
+        original_max_position_embeddings=256, partial_rotary_factor=0.5,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(16, generator=rng)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(16, generator=rng)).tolist(),
+        },
+    )  # fmt: skip
+    model = Phi3Model(cfg, torch.float32, "cpu")
+    params = model.rope_tables(cfg)["global"]
+    for context, seq_len in ((256, None), (4096, 257)):
+        want, scaling = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=seq_len)
+        got = rope_frequencies(cfg, params, 64, context)
+        torch.testing.assert_close(got.inv_freq, want, rtol=0, atol=0)
+        assert got.attention_scaling == pytest.approx(scaling, rel=1e-12) and scaling > 1
+    # The model serves its whole context (long factors) until told to serve less.
+    long_table = model.rotaries["global"].table
+    model.limit_context(256)
+    short = rope_frequencies(cfg, params, 64, 256).inv_freq
+    assert torch.equal(model.rotaries["global"].inv_freq, short)
+    assert not torch.equal(model.rotaries["global"].table[:100], long_table[:100])
 
 
 def test_unsupported_rope_types_and_options_are_refused_by_name() -> None:
