@@ -9,7 +9,10 @@ permutation, which whole quantized rows allow). Qwen2, Qwen3 and Phi-3 files are
 permuted. A Phi-3 file keeps q/k/v fused (`attn_qkv`) and gate/up fused (`ffn_up`), as
 the HF checkpoint does, and its LongRoPE factors as tensors, which go to the config here
 with the metadata transformers' GGUF reader leaves out (the rotary width, the original
-context, the attention factor, the sliding window).
+context, the attention factor, the sliding window). Gemma 2 and 3 files store each norm's
+1 + w (llama.cpp's RMSNorm multiplies by its weight), given back here as HF's w, and
+their score caps and global rope scaling in metadata transformers' reader drops; their
+attention scale is llama.cpp's (`_complete_gemma`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ from flowllm.kernels.quant_linear import GGUF_FORMATS, QuantizedWeight, from_ggu
 from flowllm.models.layers import Weight, config_get
 
 # llama.cpp's architecture names -> the HF model type whose layout its tensors have
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+}
+_GEMMA = frozenset({"gemma2", "gemma3"})
 _PERMUTED_QK = frozenset({"llama"})
 
 _TOP = {
@@ -53,8 +64,16 @@ _LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 # where an architecture's layer tensors differ from the Llama names above
+_GEMMA_LAYER = {
+    **_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _ARCH_LAYER = {
     "phi3": {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_LAYER,
+    "gemma3": _GEMMA_LAYER,
 }
 
 
@@ -122,6 +141,8 @@ def load_config(path: Path, reader: Any) -> Any:
         config.attention_bias = "blk.0.attn_q.bias" in names
     if arch == "phi3":
         _complete_phi3(config, reader)
+    if arch in _GEMMA:
+        _complete_gemma(config, reader, arch)
     return config
 
 
@@ -129,6 +150,26 @@ def _field(reader: Any, key: str) -> Any:
     """A metadata field's value; None when the file has none."""
     field = reader.fields.get(key)
     return None if field is None else field.contents()
+
+
+def _complete_gemma(config: Any, reader: Any, arch: str) -> None:
+    """Gemma's score caps and (Gemma 3) its global layers' rope scaling, from the metadata
+    transformers' GGUF reader drops; its attention scale as llama.cpp sets it, which the
+    file does not hold: 1/sqrt(hidden / heads) for the 27B models (46 layers for Gemma 2,
+    62 for Gemma 3), 1/sqrt(head_dim) for the others."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None:
+            setattr(config, key, float(value))
+    big = config.num_hidden_layers == (46 if arch == "gemma2" else 62)
+    config.query_pre_attn_scalar = (
+        config.hidden_size // config.num_attention_heads if big else config.head_dim
+    )
+    if arch == "gemma3" and _field(reader, "gemma3.rope.scaling.type") == "linear":
+        factor = float(_field(reader, "gemma3.rope.scaling.factor"))
+        params = {kind: dict(p) for kind, p in dict(config.rope_parameters).items()}
+        params["full_attention"].update(rope_type="linear", factor=factor)
+        config.rope_parameters = params
 
 
 def _complete_phi3(config: Any, reader: Any) -> None:
@@ -190,6 +231,8 @@ def iter_tensors(
                 raise GGUFError(f"GGUF tensor {t.name!r}: {e}") from e
         else:
             w = _dense(t)
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            w = _dense(t) - 1.0  # the file holds 1 + w
         if arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = n_heads if ".q_proj." in name else n_kv
             order = rope_row_order(w.shape[0], heads)

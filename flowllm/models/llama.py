@@ -1,6 +1,6 @@
 """Llama (`LlamaForCausalLM` configs, SmolLM2 among them) on flattened token batches and a
 paged KV cache, and the decoders that are its layer with options: Qwen2, Qwen3, Mistral,
-SmolLM3 and Phi-3.
+SmolLM3 and Phi-3 here, Gemma 2 and 3 in `flowllm.models.gemma`.
 
 RMSNorm, rotary positions (`flowllm.models.rope`), grouped-query attention, a SwiGLU MLP,
 tied or untied LM head. q/k/v and gate/up are fused into one linear layer each at load

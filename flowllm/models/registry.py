@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from flowllm.models.errors import UnsupportedModelError, WeightLoadError
+from flowllm.models.gemma import Gemma2Model, Gemma3Model
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.layers import config_get
 from flowllm.models.llama import (
@@ -34,6 +35,8 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "MistralForCausalLM": MistralModel,
     "SmolLM3ForCausalLM": SmolLM3Model,
     "Phi3ForCausalLM": Phi3Model,
+    "Gemma2ForCausalLM": Gemma2Model,
+    "Gemma3ForCausalLM": Gemma3Model,
 }
 MODEL_TYPES: dict[str, ModelClass] = {
     "gpt2": GPT2Model,
@@ -43,6 +46,8 @@ MODEL_TYPES: dict[str, ModelClass] = {
     "mistral": MistralModel,
     "smollm3": SmolLM3Model,
     "phi3": Phi3Model,
+    "gemma2": Gemma2Model,
+    "gemma3_text": Gemma3Model,
 }
 
 

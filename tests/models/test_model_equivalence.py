@@ -11,6 +11,10 @@ import pytest
 import torch
 from model_test_utils import Blocks, PagedSeq, reference_logits, schedule
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -149,6 +153,42 @@ def phi3_reference(variant: str) -> torch.nn.Module:
     return Phi3ForCausalLM(cfg).eval()
 
 
+def _randomize_norms(ref: torch.nn.Module) -> torch.nn.Module:
+    """Gemma's norms scale by 1 + w with w initialized to 0: make w matter."""
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    return ref
+
+
+def gemma_reference(version: int) -> torch.nn.Module:
+    """A random Gemma 2 or Gemma 3 of 4 layers: head_dim apart from hidden / heads, a
+    query_pre_attn_scalar apart from head_dim, sliding layers (window 13) among global ones,
+    caps small enough to bind (Gemma 2's attention cap and both final caps), Gemma 3's
+    layer types from sliding_window_pattern 3 and its global layers rotated by linear
+    scaling of their own theta."""
+    kw = {**SMALL, "num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 24,
+          "sliding_window": 13, "pad_token_id": 0}  # fmt: skip
+    torch.manual_seed(8 + version)
+    if version == 2:
+        cfg = Gemma2Config(**kw, attn_logit_softcapping=1.5, final_logit_softcapping=3.0)
+        ref = Gemma2ForCausalLM(cfg)
+    else:
+        cfg = Gemma3TextConfig(
+            **kw, final_logit_softcapping=4.0, sliding_window_pattern=3,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )  # fmt: skip
+        ref = Gemma3ForCausalLM(cfg)
+        assert cfg.layer_types == ["sliding_attention"] * 2 + ["full_attention"] + [
+            "sliding_attention"
+        ]
+    return _randomize_norms(ref.eval())
+
+
 REFERENCES = {
     "gpt2": (gpt2_reference, 1e-4),
     "llama_gqa_untied": (lambda: llama_reference("gqa_untied"), 1e-4),
@@ -162,6 +202,8 @@ REFERENCES = {
     "smollm3_sliding": (lambda: smollm3_reference(True), 1e-4),
     "phi3_longrope_short": (lambda: phi3_reference("short"), 1e-4),
     "phi3_longrope_long_window": (lambda: phi3_reference("long"), 1e-4),
+    "gemma2": (lambda: gemma_reference(2), 1e-4),
+    "gemma3": (lambda: gemma_reference(3), 1e-4),
 }
 
 
@@ -223,8 +265,9 @@ def test_mixed_steps_match_transformers(name: str) -> None:
     assert oracle[0].std().item() > 0.1
 
 
-def test_bfloat16_close_to_transformers_fp32() -> None:
-    ref = llama_reference("gqa_untied")
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "gemma2", "gemma3"])
+def test_bfloat16_close_to_transformers_fp32(name: str) -> None:
+    ref = REFERENCES[name][0]()
     model = model_class_for(ref.config)(ref.config, torch.bfloat16, "cpu")
     model.load_weights(ref.state_dict().items())
     kv = KVCacheSpec.for_model(model, BLOCK).allocate(8, "cpu")
@@ -236,7 +279,7 @@ def test_bfloat16_close_to_transformers_fp32() -> None:
     assert (prompt[0] - want).abs().max().item() < 0.1 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied", "mistral_window"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied", "mistral_window", "gemma2"])
 def test_model_on_triton_kernels_matches_transformers(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
