@@ -258,10 +258,14 @@ def test_unsupported_rope_types_and_options_are_refused_by_name() -> None:
     dynamic = {**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
     with pytest.raises(UnsupportedModelError, match="rope type 'dynamic' is not supported"):
         LlamaModel(dynamic, torch.float32, "cpu")
-    with pytest.raises(UnsupportedModelError, match="Qwen2 with use_sliding_window=True"):
-        model_class_for({"model_type": "qwen2"})(
-            {**base, "use_sliding_window": True}, torch.float32, "cpu"
-        )
+    refused = [
+        ("qwen2", {"use_sliding_window": True}, "Qwen2 with use_sliding_window=True"),
+        ("gemma2", {"use_bidirectional_attention": True}, "Gemma2 with use_bidirectional"),
+        ("gemma3_text", {"attn_logit_softcapping": 50.0}, "Gemma3 with attn_logit_softcapping"),
+    ]
+    for model_type, options, message in refused:
+        with pytest.raises(UnsupportedModelError, match=message):
+            model_class_for({"model_type": model_type})({**base, **options}, torch.float32, "cpu")
 
 
 def test_resolve_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
