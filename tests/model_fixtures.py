@@ -7,6 +7,10 @@ fixtures in conftest.py wrap them with the right scope.
   trace replay), re-exported here.
 - `build_next_token_qwen3_dir`: a Qwen3 checkpoint whose greedy next token is a fixed
   function of the current token, so that a test scripts what it generates.
+- `build_tiny_dir`: a tiny random checkpoint of one of the architectures built on Llama's
+  layer (Mistral, SmolLM3, Phi-3, Gemma 2, Gemma 3), with the real GPT-2 tokenizer, as
+  transformers saves it; each with the options that set it apart (a window shorter than
+  the e2e prompts, layers without RoPE, LongRoPE, score caps).
 - `populate_hf_cache`: lays a directory out as huggingface_hub's cache does
   (`models--org--name/{blobs,snapshots/<commit>,refs/main,trees/<commit>.json}`), so that
   `snapshot_download` finds it offline through its real code path.
@@ -19,6 +23,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from flowllm.models.random_gpt2 import (
     GPT2_EOS,
@@ -40,9 +45,11 @@ __all__ = [
     "GPT2_VOCAB_SIZE",
     "QWEN3_STYLE_TEMPLATE",
     "THINKING_MODEL",
+    "TINY_ARCHITECTURES",
     "CheckpointBuildError",
     "build_gpt2_dir",
     "build_next_token_qwen3_dir",
+    "build_tiny_dir",
     "gpt2_config",
     "gpt2_state_dict",
     "gpt2_vocab_files",
@@ -79,6 +86,71 @@ THINKING_MODEL = {
 # Files bigger than this (or safetensors) are stored with Git LFS on the Hub, which changes
 # how huggingface_hub names their blobs (sha256 instead of the git blob sha1).
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
+
+
+# Each architecture: (config class, model class, what sets it apart), 2 layers 64 wide.
+TINY_ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 512,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.2, 1.5, 2.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+            },
+        },
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "sliding_window": 8,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 10.0,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+}
+
+
+def build_tiny_dir(dest: Path, architecture: str, seed: int = 0) -> Path:
+    """Write a tiny random checkpoint of `architecture` (a key of TINY_ARCHITECTURES) with
+    the real GPT-2 tokenizer into `dest`, as transformers' save_pretrained lays it out."""
+    import torch
+    import transformers
+
+    config_name, model_name, extra = TINY_ARCHITECTURES[architecture]
+    kw: dict[str, Any] = dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=GPT2_VOCAB_SIZE, max_position_embeddings=1024,
+        bos_token_id=GPT2_EOS_ID, eos_token_id=GPT2_EOS_ID, pad_token_id=None,
+        initializer_range=0.1, tie_word_embeddings=True,
+    )  # fmt: skip
+    config = getattr(transformers, config_name)(**{**kw, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    write_gpt2_tokenizer_files(dest)
+    return dest
 
 
 def _git_blob_sha1(data: bytes) -> str:

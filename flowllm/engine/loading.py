@@ -123,6 +123,7 @@ def services_for_model(
                 f"context of {max_model_len} tokens"
             )
         max_model_len = config.model.max_model_len
+    model.limit_context(max_model_len)
     spec = KVCacheSpec.for_model(model, config.cache.block_size)
     num_blocks, kv_caches = allocate_kv_cache(
         spec,

@@ -16,9 +16,12 @@ Two functions:
 
 - `store_kv(key, value, k_cache, v_cache, slot_mapping)`
 - `paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-  scale, max_query_len, max_seq_len, workspace) -> Tensor`
+  scale, max_query_len, max_seq_len, workspace, window, softcap) -> Tensor`
 
-`workspace` holds the reference's scratch buffers; the other paths ignore it.
+`workspace` holds the reference's scratch buffers; the other paths ignore it. `window`
+(a sliding window: each query sees its last `window` positions, 0 all of them) and
+`softcap` (scores capped as softcap * tanh(score / softcap), 0 not) are served by every
+path alike.
 """
 
 from __future__ import annotations
@@ -67,16 +70,20 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     workspace: Workspace | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal paged attention with a cached-prefix offset (see `reference.paged_attention`)."""
     args = (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     impl = implementation_for(query.device)
     if impl is not reference:
-        out: torch.Tensor = impl.paged_attention(*args, max_query_len, max_seq_len)
+        out: torch.Tensor = impl.paged_attention(
+            *args, max_query_len, max_seq_len, window=window, softcap=softcap
+        )
         return out
     if cpu_attention.serves(query, k_cache):
-        return _native_cpu(*args, max_query_len)
-    return reference.paged_attention(*args, max_query_len, max_seq_len, workspace)
+        return _native_cpu(*args, max_query_len, window, softcap)
+    return reference.paged_attention(*args, max_query_len, max_seq_len, workspace, window, softcap)
 
 
 def _native_cpu(
@@ -88,6 +95,8 @@ def _native_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     """Every row by the C kernel, each as one query over its sequence's keys up to its own
     position."""
@@ -98,7 +107,10 @@ def _native_cpu(
     out = torch.empty(query.shape, dtype=query.dtype)
     num_seqs, num_tokens = seq_lens.shape[0], query.shape[0]
     if max_query_len == 1 and num_tokens == num_seqs:  # every sequence one query: row i
-        cpu_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        cpu_attention.decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, out,
+            window=window, softcap=softcap,
+        )  # fmt: skip
         return out
     ends = query_start_loc[1:].to(torch.int64)
     q_lens = ends - query_start_loc[:-1].to(torch.int64)
@@ -112,6 +124,7 @@ def _native_cpu(
     row_lens = seq_lens[seq_of_row] - ends[seq_of_row] + torch.arange(num_tokens) + 1
     tables = block_tables.index_select(0, seq_of_row)
     cpu_attention.decode_attention(
-        query, k_cache, v_cache, tables, row_lens.to(torch.int32), scale, out
-    )
+        query, k_cache, v_cache, tables, row_lens.to(torch.int32), scale, out,
+        window=window, softcap=softcap,
+    )  # fmt: skip
     return out

@@ -98,11 +98,15 @@ def decode_attention(
     out: torch.Tensor,
     seqs: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Write into `out` each decode query's attention over its sequence's paged context.
 
     seqs, rows: the sequences attended and their query rows (mixed prefill/decode steps);
-    None attends every sequence i with query row i."""
+    None attends every sequence i with query row i. window > 0: each query sees only its
+    sequence's last `window` positions; softcap > 0: scores become
+    softcap * tanh(score / softcap) before the softmax."""
     # query, out: [num_tokens, H, D]; k_cache, v_cache: [num_blocks, block_size, kvh, D]
     # block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32
     # seqs, rows: [n] int64
@@ -144,13 +148,15 @@ def decode_attention(
         if rows.shape != seqs.shape:
             raise KernelInputError(f"seqs {tuple(seqs.shape)} and rows {tuple(rows.shape)}")
         n = seqs.shape[0]
+    if window < 0 or softcap < 0:
+        raise KernelInputError(f"window {window} and softcap {softcap} must not be negative")
     status = fns.decode_attention(
         bf16=DTYPES[query.dtype], query=query, q_stride=query.stride(0), k_cache=k_cache,
         v_cache=v_cache, num_blocks=num_blocks, block_size=block_size, kv_heads=kv_heads,
         group=num_heads // kv_heads, head_dim=head_dim, block_tables=block_tables,
         table_stride=block_tables.shape[1], seq_lens=seq_lens, num_seqs=num_seqs, seqs=seqs,
-        rows=rows, n=n, num_tokens=num_tokens, scale=float(scale), out=out,
-        out_stride=out.stride(0),
+        rows=rows, n=n, num_tokens=num_tokens, scale=float(scale), window=int(window),
+        softcap=float(softcap), out=out, out_stride=out.stride(0),
     )  # fmt: skip
     if status:
         code, entry = status % 256, status // 256

@@ -296,6 +296,8 @@ def _all() -> Iterator[type[KernelArgs]]:
         ("n", INT64),
         ("num_tokens", INT64),
         ("scale", DOUBLE),
+        ("window", INT64),
+        ("softcap", DOUBLE),
         ("out", Tensor("void", _ACTIVATIONS, const=False, rows=True)),
         ("out_stride", INT64),
     )

@@ -2,13 +2,14 @@
 kernels are tested against, and the CPU path wherever the native library does not serve
 (`FLOWLLM_NATIVE_KERNELS=0`, no AVX2, float16, other head sizes).
 
-Every query row attends on its own, over exactly the keys at or before its position
-(`_attend_row`), whether it is a decode row or one of a prefill chunk's: its result then
-depends only on its sequence's tokens, never on the other sequences of the step (no
-padding to their lengths), on how its prompt was chunked or on a recompute after
-preemption, which batched products (padded decode batches, a chunk's causal mask) made
-it depend on through their reduction orders. Each sequence's cache blocks are gathered
-once per call (into a `Workspace` buffer when one is given).
+Every query row attends on its own, over exactly the keys at or before its position (the
+last `window` of them under a sliding window) (`_attend_row`), whether it is a decode row
+or one of a prefill chunk's: its result then depends only on its sequence's tokens, never
+on the other sequences of the step (no padding to their lengths), on how its prompt was
+chunked or on a recompute after preemption, which batched products (padded decode
+batches, a chunk's causal mask) made it depend on through their reduction orders. Each
+sequence's cache blocks are gathered once per call (into a `Workspace` buffer when one is
+given).
 """
 
 from __future__ import annotations
@@ -119,9 +120,13 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     workspace: Workspace | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context (GQA aware);
-    max_query_len and max_seq_len are the callers' common signature, unused here."""
+    max_query_len and max_seq_len are the callers' common signature, unused here.
+    window > 0: a query at position p sees positions p - window < j <= p only (a sliding
+    window); softcap > 0: scores become softcap * tanh(score / softcap), as Gemma 2's."""
     # query: [num_tokens, num_heads, head_dim]; returns the same shape.
     check_attention_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     out = torch.empty_like(query)
@@ -140,18 +145,26 @@ def paged_attention(
         values = _gather_context(v_cache, tables, nb, workspace, "v")[0].transpose(0, 1)
         for j in range(q_len):
             length = seq_len - q_len + j + 1  # the row's position + 1
+            first = max(length - window, 0) if window > 0 else 0
             row = qsl[i] + j
-            out[row] = _attend_row(query[row], keys[:, :length], values[:, :length], scale)
+            out[row] = _attend_row(
+                query[row], keys[:, first:length], values[:, first:length], scale, softcap
+            )
     return out
 
 
-def _attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row over its keys: scores rounded to q's dtype by the product, softmax in
-    float32, probabilities cast back, as transformers' eager attention does."""
+def _attend_row(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """One query row over its keys: scores rounded to q's dtype by the product, capped in
+    float32 (softcap > 0), softmax in float32, probabilities cast back, as transformers'
+    eager attention does."""
     # q: [H, D]; k, v: [kvh, L, D] -> [H, D]
     num_heads, head_dim = q.shape
     kv_heads = k.shape[0]
     queries = q.view(kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.bmm(queries, k.transpose(1, 2)).float()  # [kvh, group, L]
-    probs = torch.softmax(scores.mul_(scale), dim=-1).to(q.dtype)
+    scores = torch.bmm(queries, k.transpose(1, 2)).float().mul_(scale)  # [kvh, group, L]
+    if softcap > 0:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.bmm(probs, v).view(num_heads, head_dim)

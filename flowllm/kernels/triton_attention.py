@@ -9,7 +9,9 @@ several cache blocks (any block size works, including ones smaller than a tile o
 of two). Grouped-query attention packs the query heads that share one KV head into the rows
 of a tile, so each K/V tile is read once per KV head rather than once per query head.
 Softmax runs online (FlashAttention style) in fp32 with base-2 exponentials; the scale is
-folded into the exponent.
+folded into the exponent. A sliding window (`window` > 0: each query sees its last `window`
+positions) masks older keys and skips the tiles wholly before it; a softcap caps each score
+as softcap * tanh(score / softcap) before the softmax (Gemma 2).
 
 The wrappers validate every argument before launching and raise ValueError naming the
 argument: a bad launch on a GPU corrupts memory instead of failing. They never read tensor
@@ -166,6 +168,7 @@ def _attend_kv_tile(
     l_i,  # [BLOCK_M] fp32, running sum of exp2(logit - m_i)
     q_pos,  # [BLOCK_M] int32, position of each row's query (causal limit)
     start,  # first cache position of this tile
+    lo,  # the first position any row may see (0, or the window's start): none before is read
     seq_len,
     table_row_ptr,  # block table row of this sequence
     max_blocks,
@@ -180,15 +183,18 @@ def _attend_kv_tile(
     stride_vs,
     stride_vh,
     qk_scale,  # softmax scale * log2(e)
+    window,  # > 0: a query at p sees keys p - window < j <= p only
+    softcap,  # the score cap * log2(e), when SOFTCAP
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WIDEN_DOT: tl.constexpr,  # multiply 16-bit tiles as fp32 (see _widen_dot)
+    SOFTCAP: tl.constexpr,
 ):
     """Fold one tile of BLOCK_N cache positions into the online softmax of every row."""
     pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] cache positions
     table_idx = pos // block_size
-    pos_ok = (pos < seq_len) & (table_idx < max_blocks)  # [BLOCK_N]
+    pos_ok = (pos >= lo) & (pos < seq_len) & (table_idx < max_blocks)  # [BLOCK_N]
     block = tl.load(table_row_ptr + table_idx, mask=pos_ok, other=0).to(tl.int64)
     within = (pos % block_size).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -202,7 +208,12 @@ def _attend_kv_tile(
     else:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     s = s * qk_scale  # [BLOCK_M, BLOCK_N] fp32, base-2 logits
+    if SOFTCAP:  # c tanh(x / c) on base-2 logits: the cap is in base-2 units too
+        e = tl.exp2(s * (2.8853900817779268 / softcap))  # exp(2 x / c): 2 log2(e) s / cap
+        # e = inf or 0 gives tanh 1 or -1
+        s = softcap * (1.0 - 2.0 / (e + 1.0))
     keep = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # causal; q_pos -1: padded row
+    keep = keep & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
     s = tl.where(keep, s, float("-inf"))
 
     # m_i starts finite (-1e30), so rows with every logit masked keep alpha = 1, p = 0.
@@ -245,6 +256,8 @@ def _decode_kernel(
     stride_bt,
     max_blocks,
     block_size,
+    window,
+    softcap,
     part_acc_ptr,  # [num_seqs, num_heads, num_splits, HEAD_DIM] fp32, when num_splits > 1
     part_m_ptr,  # [num_seqs, num_heads, num_splits] fp32
     part_l_ptr,  # [num_seqs, num_heads, num_splits] fp32
@@ -256,6 +269,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WIDEN_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One program per (sequence, KV head, split): the sequence's single query, for every
     query head of the group, attends to the split's share of the seq_len cached positions
@@ -288,16 +302,19 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + seq * stride_bt
+    # The window's first key, and the tile holding it (0 and tile 0 without a window).
+    lo = tl.where(window > 0, tl.maximum(kv_end - window, 0), 0)
+    kv_first = lo // BLOCK_N * BLOCK_N
     # This split's share: a contiguous run of whole BLOCK_N tiles (possibly none).
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits)
-    kv_lo = split * tiles_per_split * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_first, BLOCK_N), num_splits)
+    kv_lo = kv_first + split * tiles_per_split * BLOCK_N
     kv_hi = tl.minimum(kv_lo + tiles_per_split * BLOCK_N, kv_end)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_kv_tile(
-            q, acc, m_i, l_i, q_pos, start, seq_len, table_row_ptr, max_blocks,
+            q, acc, m_i, l_i, q_pos, start, lo, seq_len, table_row_ptr, max_blocks,
             k_cache_ptr, v_cache_ptr, kv_head, block_size,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_DOT,
+            window, softcap, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_DOT, SOFTCAP,
         )  # fmt: skip
 
     if num_splits == 1:
@@ -380,6 +397,8 @@ def _prefill_kernel(
     stride_bt,
     max_blocks,
     block_size,
+    window,
+    softcap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per tile: BLOCK_Q query tokens x GROUP heads, padded
@@ -387,6 +406,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WIDEN_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One program per (sequence, tile of BLOCK_Q queries, KV head). Queries are the last
     q_len of the sequence's seq_len positions; each attends causally to the cached prefix and
@@ -416,17 +436,20 @@ def _prefill_kernel(
     # The tile's last query sits at context_len + last_tok: no key beyond it is needed.
     last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = tl.where(tile * BLOCK_Q < q_len, context_len + last_tok + 1, 0)
+    # Under a window, the tile's first query sees nothing before its window's first key.
+    lo = tl.where(window > 0, tl.maximum(context_len + tile * BLOCK_Q - window + 1, 0), 0)
+    kv_first = lo // BLOCK_N * BLOCK_N
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + seq * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_first, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_kv_tile(
-            q, acc, m_i, l_i, q_pos, start, seq_len, table_row_ptr, max_blocks,
+            q, acc, m_i, l_i, q_pos, start, lo, seq_len, table_row_ptr, max_blocks,
             k_cache_ptr, v_cache_ptr, kv_head, block_size,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_DOT,
+            window, softcap, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_DOT, SOFTCAP,
         )  # fmt: skip
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
@@ -618,6 +641,8 @@ def paged_attention(
     max_seq_len: int,
     *,
     tiles: AttentionTiles | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch of queries over the paged KV cache.
 
@@ -632,6 +657,8 @@ def paged_attention(
       max_query_len == 1 (all decodes) runs the decode kernel; anything else the prefill
       kernel, which also handles mixed decode and prefill batches.
     tiles: tile sizes; None picks choose_tiles(head_dim, query.dtype).
+    window: > 0, each query sees only its sequence's last `window` positions.
+    softcap: > 0, scores become softcap * tanh(score / softcap) before the softmax.
     Returns [num_tokens, num_heads, head_dim] in query's dtype; rows past qsl[-1] are
     unspecified.
     """
@@ -677,6 +704,15 @@ def paged_attention(
         )
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"window must be a non-negative int, got {window!r}")
+    if (
+        not isinstance(softcap, (int, float))
+        or isinstance(softcap, bool)
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
+        raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}")
     for name, bound in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
             raise ValueError(f"{name} must be a non-negative int, got {bound!r}")
@@ -720,7 +756,7 @@ def paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), max_blocks, block_size,
+        block_tables.stride(0), max_blocks, block_size, window, float(softcap) * _LOG2E,
     )  # fmt: skip
     with _launch_device(query):
         if max_query_len == 1:
@@ -749,6 +785,7 @@ def paged_attention(
                 BLOCK_N=tiles.decode_block_n,
                 BLOCK_D=block_d,
                 WIDEN_DOT=widen,
+                SOFTCAP=softcap > 0,
                 num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages,
             )
@@ -781,6 +818,7 @@ def paged_attention(
                 BLOCK_N=tiles.block_n,
                 BLOCK_D=block_d,
                 WIDEN_DOT=widen,
+                SOFTCAP=softcap > 0,
                 num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages,
             )

@@ -36,6 +36,10 @@ class PagedCausalLM(nn.Module, abc.ABC):
     def final_norm(self) -> ResidualNorm:
         """The norm before the LM head."""
 
+    def limit_context(self, max_model_len: int) -> None:
+        """The engine serves sequences of up to `max_model_len` tokens (a model whose
+        positions depend on the context served adapts to it)."""
+
     @abc.abstractmethod
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The rows' input embeddings [n, d]."""

@@ -5,7 +5,14 @@ Quantized tensors in a format the kernels serve (`quant_linear.GGUF_FORMATS`) co
 QuantizedWeight, kept quantized, unless `dequantize` asks for float32; other formats
 (IQ*, Q2_K, Q3_K, Q5_0, ...) are dequantized by gguf at load. llama.cpp stores a Llama's
 Q/K rows permuted for its RoPE kernel; they are put back in HF's order here (a row
-permutation, which whole quantized rows allow). Qwen2 and Qwen3 files are not permuted.
+permutation, which whole quantized rows allow). Qwen2, Qwen3 and Phi-3 files are not
+permuted. A Phi-3 file keeps q/k/v fused (`attn_qkv`) and gate/up fused (`ffn_up`), as
+the HF checkpoint does, and its LongRoPE factors as tensors, which go to the config here
+with the metadata transformers' GGUF reader leaves out (the rotary width, the original
+context, the attention factor, the sliding window). Gemma 2 and 3 files store each norm's
+1 + w (llama.cpp's RMSNorm multiplies by its weight), given back here as HF's w, and
+their score caps and global rope scaling in metadata transformers' reader drops; their
+attention scale is llama.cpp's (`_complete_gemma`).
 """
 
 from __future__ import annotations
@@ -27,7 +34,15 @@ from flowllm.kernels.quant_linear import GGUF_FORMATS, QuantizedWeight, from_ggu
 from flowllm.models.layers import Weight, config_get
 
 # llama.cpp's architecture names -> the HF model type whose layout its tensors have
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+}
+_GEMMA = frozenset({"gemma2", "gemma3"})
 _PERMUTED_QK = frozenset({"llama"})
 
 _TOP = {
@@ -48,20 +63,32 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# where an architecture's layer tensors differ from the Llama names above
+_GEMMA_LAYER = {
+    **_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER = {
+    "phi3": {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_LAYER,
+    "gemma3": _GEMMA_LAYER,
+}
 
 
 class GGUFError(ValueError):
     """The GGUF file cannot be served; the message says why."""
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """A llama.cpp tensor name under HF's (Llama/Qwen) names; None: not a tensor of ours."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """A llama.cpp tensor name of `arch` under HF's names; None: not a tensor of ours."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or parts[3] not in ("weight", "bias"):
         return None
-    layer = _LAYER.get(parts[2])
+    layer = _ARCH_LAYER.get(arch, _LAYER).get(parts[2])
     return None if layer is None else f"model.layers.{parts[1]}.{layer}.{parts[3]}"
 
 
@@ -112,7 +139,62 @@ def load_config(path: Path, reader: Any) -> Any:
     config.tie_word_embeddings = "output.weight" not in names
     if arch != "qwen2":
         config.attention_bias = "blk.0.attn_q.bias" in names
+    if arch == "phi3":
+        _complete_phi3(config, reader)
+    if arch in _GEMMA:
+        _complete_gemma(config, reader, arch)
     return config
+
+
+def _field(reader: Any, key: str) -> Any:
+    """A metadata field's value; None when the file has none."""
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _complete_gemma(config: Any, reader: Any, arch: str) -> None:
+    """Gemma's score caps and (Gemma 3) its global layers' rope scaling, from the metadata
+    transformers' GGUF reader drops; its attention scale as llama.cpp sets it, which the
+    file does not hold: 1/sqrt(hidden / heads) for the 27B models (46 layers for Gemma 2,
+    62 for Gemma 3), 1/sqrt(head_dim) for the others."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None:
+            setattr(config, key, float(value))
+    big = config.num_hidden_layers == (46 if arch == "gemma2" else 62)
+    config.query_pre_attn_scalar = (
+        config.hidden_size // config.num_attention_heads if big else config.head_dim
+    )
+    if arch == "gemma3" and _field(reader, "gemma3.rope.scaling.type") == "linear":
+        factor = float(_field(reader, "gemma3.rope.scaling.factor"))
+        params = {kind: dict(p) for kind, p in dict(config.rope_parameters).items()}
+        params["full_attention"].update(rope_type="linear", factor=factor)
+        config.rope_parameters = params
+
+
+def _complete_phi3(config: Any, reader: Any) -> None:
+    """What Phi-3's HF config holds and transformers' GGUF reader drops: the rotary width
+    (Phi-4-mini rotates 3/4 of each head), the sliding window, and LongRoPE (its factors
+    are the file's `rope_factors_*` tensors)."""
+    head_dim = int(config.hidden_size // config.num_attention_heads)
+    rot = _field(reader, "phi3.rope.dimension_count")
+    params = dict(config.rope_parameters or {})
+    params["partial_rotary_factor"] = 1.0 if rot is None else int(rot) / head_dim
+    config.sliding_window = _field(reader, "phi3.attention.sliding_window") or None
+    original = _field(reader, "phi3.rope.scaling.original_context_length")
+    if original is not None:
+        config.original_max_position_embeddings = int(original)
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        params.update(
+            rope_type="longrope",
+            long_factor=_dense(factors["rope_factors_long.weight"]).tolist(),
+            short_factor=_dense(factors["rope_factors_short.weight"]).tolist(),
+        )
+        attn_factor = _field(reader, "phi3.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            params["attention_factor"] = float(attn_factor)
+    config.rope_parameters = params
 
 
 def _dense(t: Any) -> torch.Tensor:
@@ -136,7 +218,7 @@ def iter_tensors(
     n_heads = int(config_get(hf_config, "num_attention_heads"))
     n_kv = int(config_get(hf_config, "num_key_value_heads", n_heads))
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue  # rope_freqs and other derived tensors flowllm computes itself
         type_name = t.tensor_type.name
@@ -149,6 +231,8 @@ def iter_tensors(
                 raise GGUFError(f"GGUF tensor {t.name!r}: {e}") from e
         else:
             w = _dense(t)
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            w = _dense(t) - 1.0  # the file holds 1 + w
         if arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = n_heads if ".q_proj." in name else n_kv
             order = rope_row_order(w.shape[0], heads)

@@ -41,7 +41,6 @@ output channel instead of packing it.
 from __future__ import annotations
 
 import abc
-import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +71,25 @@ def config_get(config: Any, name: str, default: Any = None) -> Any:
     else:
         value = getattr(config, name, default)
     return default if value is None else value
+
+
+def config_value(config: Any, name: str, default: Any = None) -> Any:
+    """A field as the config gives it, None included; `default` only where it is absent
+    (for a field whose absence means a default and whose null means "none")."""
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def refuse_options(config: Any, model: str, names: Iterable[str]) -> None:
+    """UnsupportedModelError naming every option of `names` the config sets (to anything
+    but None, False or 0): options that change the model and that flowllm does not run."""
+    set_ = [f"{name}={config_get(config, name)!r}" for name in names if config_get(config, name)]
+    if set_:
+        raise UnsupportedModelError(
+            f"{model} with {', '.join(set_)} is not supported (flowllm does not implement "
+            f"{'that option' if len(set_) == 1 else 'those options'})"
+        )
 
 
 def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
@@ -381,9 +399,13 @@ class ResidualNorm(nn.Module, abc.ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [n, dim]
-        if fused.serves(x) and x.is_contiguous():
+        if self.serves_fused(x) and x.is_contiguous():
             return self.fused(x, None)
         return self.torch_forward(x)
+
+    def serves_fused(self, x: torch.Tensor) -> bool:
+        """Whether the native kernel computes this norm of x (and its residual add)."""
+        return fused.serves(x)
 
     @abc.abstractmethod
     def fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -399,7 +421,7 @@ class ResidualNorm(nn.Module, abc.ABC):
         """(norm(residual + x), residual + x), fused where the native kernels serve (which
         write the sum into `residual`)."""
         # x, residual: [n, dim]
-        if fused.serves(x) and x.is_contiguous() and residual.is_contiguous():
+        if self.serves_fused(x) and x.is_contiguous() and residual.is_contiguous():
             return self.fused(x, residual), residual
         h = residual + x
         return self.forward(h), h
@@ -432,6 +454,12 @@ class RMSNorm(ResidualNorm):
     def fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return fused.rms_norm(x, self.weight, self.eps, residual)
 
+    def load(self, name: str, w: torch.Tensor) -> None:
+        """Copy the checkpoint's weight."""
+        check_shape(name, w, tuple(self.weight.shape))
+        with torch.no_grad():
+            self.weight.copy_(w)
+
     def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """fp32: torch's op (the same numbers, fewer ops). Half precision: the transformers
         formula, in place on the float32 copy."""
@@ -442,63 +470,64 @@ class RMSNorm(ResidualNorm):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
-    """RoPE inverse frequencies [rot_dim / 2] (float32), with `llama3` scaling when asked.
+class GemmaRMSNorm(ResidualNorm):
+    """Gemma's RMSNorm: x normalized and scaled by (1 + w) in float32, rounded once.
 
-    Reads transformers' `rope_parameters` or the older `rope_scaling` + `rope_theta`.
-    """
-    params = dict(config_get(config, "rope_parameters", None) or {})
-    scaling = dict(config_get(config, "rope_scaling", None) or {})
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", config_get(config, "rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    partial = float(params.get("partial_rotary_factor", 1.0))
-    dim = int(head_dim * partial)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(params["factor"])
-    if rope_type != "llama3":
-        raise WeightLoadError(
-            f"unsupported rope type {rope_type!r}; supported: default, linear, llama3"
-        )
-    factor = float(params["factor"])
-    low = float(params["low_freq_factor"])
-    high = float(params["high_freq_factor"])
-    old_len = float(
-        params.get(
-            "original_max_position_embeddings",
-            config_get(config, "max_position_embeddings", 8192),
-        )
-    )
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    `weight` holds 1 + w in float32 (what llama.cpp's Gemma files store): a float32 model
+    runs it through the native kernel, whose float32 math is this formula; a half-precision
+    one through torch, since the kernel rounds the normalized row before the weight."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _frozen(torch.ones(dim, dtype=torch.float32, device=device))
+
+    def load(self, name: str, w: torch.Tensor) -> None:
+        """Hold 1 + the checkpoint's w."""
+        check_shape(name, w, tuple(self.weight.shape))
+        with torch.no_grad():
+            self.weight.copy_(1.0 + w.float())
+
+    def serves_fused(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and fused.serves(x)
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return fused.rms_norm(x, self.weight, self.eps, residual)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE from cos and signed-sin tables indexed by position (grown on demand).
 
     The model looks the step's positions up once (`lookup`) and every layer rotates its
-    queries and keys with `apply_rotary`."""
+    queries and keys with `apply_rotary`. `attention_scaling` multiplies cos and sin
+    (yarn's and LongRoPE's factor), before they are rounded, as transformers does."""
 
     def __init__(
-        self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype, device: torch.device
+        self,
+        inv_freq: torch.Tensor,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_scaling: float = 1.0,
     ) -> None:
         super().__init__()
         self.inv_freq = inv_freq.to(device)  # [rot_dim / 2] float32
         self.dtype = dtype
+        self.attention_scaling = attention_scaling
         self._build(max(max_positions, 1))
 
     def _build(self, n: int) -> None:
         t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)  # [n, rot_dim / 2]
-        cos, sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         # [n, 2, rot_dim]: (cos | cos) and (-sin | sin), rounded to the model's dtype as
         # transformers rounds them, so x * cos + roll(x) * sin is rotate-half RoPE.
         self.table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), 1)
@@ -611,8 +640,11 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     ctx: AttentionContext,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Store this step's K/V in the layer's cache, then attend over each sequence's context."""
+    """Store this step's K/V in the layer's cache, then attend over each sequence's context
+    (its last `window` positions under a sliding window; scores capped under a softcap)."""
     # q: [n, H, D]; k, v: [n, kvh, D] -> [n, H * D]
     k_cache, v_cache = kv_cache
     kernels.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
@@ -627,6 +659,8 @@ def paged_attention(
         ctx.max_query_len,
         ctx.max_seq_len,
         ctx.workspace,
+        window,
+        softcap,
     )
     return out.reshape(q.shape[0], -1)
 

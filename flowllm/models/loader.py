@@ -379,7 +379,7 @@ def load_hf_config(path: Path | str) -> ModelConfig:
     if model_type not in MODEL_TYPES and not any(arch in ARCHITECTURES for arch in archs):
         raise UnknownArchitectureError(
             f"unknown model architecture {model_type!r} ({', '.join(archs) or 'no architectures'})"
-            f" in {path}; flowllm runs GPT-2, Llama-family, Qwen2 and Qwen3 models"
+            f" in {path}; flowllm runs {', '.join(ARCHITECTURES)}"
         )
     return ModelConfig(**{str(key): value for key, value in raw.items()})
 

@@ -5,9 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from flowllm.models.errors import UnsupportedModelError, WeightLoadError
+from flowllm.models.gemma import Gemma2Model, Gemma3Model
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.layers import config_get
-from flowllm.models.llama import LlamaModel, Qwen2Model, Qwen3Model
+from flowllm.models.llama import (
+    LlamaModel,
+    MistralModel,
+    Phi3Model,
+    Qwen2Model,
+    Qwen3Model,
+    SmolLM3Model,
+)
 
 __all__ = [
     "ARCHITECTURES",
@@ -24,12 +32,22 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaModel,
     "Qwen2ForCausalLM": Qwen2Model,
     "Qwen3ForCausalLM": Qwen3Model,
+    "MistralForCausalLM": MistralModel,
+    "SmolLM3ForCausalLM": SmolLM3Model,
+    "Phi3ForCausalLM": Phi3Model,
+    "Gemma2ForCausalLM": Gemma2Model,
+    "Gemma3ForCausalLM": Gemma3Model,
 }
 MODEL_TYPES: dict[str, ModelClass] = {
     "gpt2": GPT2Model,
     "llama": LlamaModel,
     "qwen2": Qwen2Model,
     "qwen3": Qwen3Model,
+    "mistral": MistralModel,
+    "smollm3": SmolLM3Model,
+    "phi3": Phi3Model,
+    "gemma2": Gemma2Model,
+    "gemma3_text": Gemma3Model,
 }
 
 

@@ -6,15 +6,27 @@ import torch
 
 
 def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One query [H, D] at position q_pos over dense keys/values [L, kvh, D]."""
+    """One query [H, D] at position q_pos over dense keys/values [L, kvh, D]: the keys
+    q_pos - window < j <= q_pos under a window, scores softcap * tanh(s / softcap) under a
+    softcap."""
     group = q.shape[0] // k.shape[1]
+    first = max(q_pos + 1 - window, 0) if window > 0 else 0
     out = torch.empty_like(q)
     for h in range(q.shape[0]):
-        kh, vh = k[: q_pos + 1, h // group].double(), v[: q_pos + 1, h // group].double()
-        w = torch.softmax((kh @ q[h].double()) * scale, dim=0)
-        out[h] = (w @ vh).to(q.dtype)
+        kh = k[first : q_pos + 1, h // group].double()
+        vh = v[first : q_pos + 1, h // group].double()
+        s = (kh @ q[h].double()) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        out[h] = (torch.softmax(s, dim=0) @ vh).to(q.dtype)
     return out
 
 
@@ -44,7 +56,7 @@ def make_case(
     return query, k_cache, v_cache, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-def expected(query, k_cache, v_cache, tables, qsl, seq_lens, scale):
+def expected(query, k_cache, v_cache, tables, qsl, seq_lens, scale, window=0, softcap=0.0):
     """Every query of a `make_case` batch by `naive_attention` (float64 sums)."""
     bs = k_cache.shape[1]
     out = torch.empty_like(query)
@@ -54,14 +66,15 @@ def expected(query, k_cache, v_cache, tables, qsl, seq_lens, scale):
         v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:s]
         a, b = qsl[i].item(), qsl[i + 1].item()
         for j in range(a, b):
-            out[j] = naive_attention(query[j], k, v, s - (b - a) + (j - a), scale)
+            pos = s - (b - a) + (j - a)
+            out[j] = naive_attention(query[j], k, v, pos, scale, window, softcap)
     return out
 
 
-def rows_alone(case, scale, attend) -> torch.Tensor:
+def rows_alone(case, scale, attend, **options) -> torch.Tensor:
     """Each query row of a `make_case` batch computed by `attend` (a paged_attention) as the
     only query of a step, a decode row at its own position: what the row gives in any other
-    company, through any chunking of its prompt."""
+    company, through any chunking of its prompt. `options` go to `attend` (window, softcap)."""
     query, k_cache, v_cache, tables, qsl, seq_lens = case
     out = torch.empty_like(query)
     one = torch.tensor([0, 1], dtype=torch.int32)
@@ -71,5 +84,5 @@ def rows_alone(case, scale, attend) -> torch.Tensor:
             length = s - (b - a) + (j - a) + 1
             lens = torch.tensor([length], dtype=torch.int32)
             out[j] = attend(query[j : j + 1], k_cache, v_cache, tables[i : i + 1], one, lens,
-                            scale, 1, length)[0]  # fmt: skip
+                            scale, 1, length, **options)[0]  # fmt: skip
     return out

@@ -14,7 +14,8 @@ import torch
 
 from flowllm.kernels import call_plan, fused, native
 from flowllm.kernels.reference import KernelInputError
-from flowllm.models.layers import RotaryEmbedding, rope_inv_freq
+from flowllm.models.layers import RotaryEmbedding
+from flowllm.models.rope import rope_frequencies, rope_parameters
 
 pytestmark = pytest.mark.usefixtures("native_build")  # each build in turn
 D = 64
@@ -121,7 +122,8 @@ def test_the_plan_keeps_alive_what_it_addresses_and_a_kernels_refusal_returns_no
     """A table made for the recording and then dropped by its owner (as a model replacing
     its rotary table) is still read by the replays; positions past it make the rope kernel
     refuse, and replay says so instead of raising."""
-    rotary = RotaryEmbedding(rope_inv_freq({}, D), 32, torch.float32, torch.device("cpu"))
+    inv_freq = rope_frequencies({}, rope_parameters({}), D).inv_freq
+    rotary = RotaryEmbedding(inv_freq, 32, torch.float32, torch.device("cpu"))
 
     def rotate(x: torch.Tensor, positions: torch.Tensor) -> tuple:
         fused.rope_(x, 2, D, rotary.table, positions)

@@ -75,6 +75,31 @@ def test_mixed_prefill_and_decode_step(dtype):
     close(got, case)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(20, 0.0), (1, 0.0), (0, 3.0), (9, 2.5)])
+def test_window_and_softcap(dtype, window, softcap):
+    """A sliding window (starting inside a block, past several, and the query alone) and a
+    score cap: decode rows and a mixed step through the dispatcher equal the float64 oracle
+    and each row attended alone; keys before the window are never read."""
+    q_lens, seq_lens = [1, 7, 1, 1], [41, 30, 5, 64]
+    case = as_dtype(make_case(q_lens, seq_lens, 8, 2, 64, 16, seed=6), dtype)
+    options = {"window": window, "softcap": softcap}
+    got = kernels.paged_attention(*case, SCALE, max(q_lens), max(seq_lens), **options)
+    assert torch.equal(got, rows_alone(case, SCALE, kernels.paged_attention, **options))
+    want = expected(*as_dtype(case, torch.float64), SCALE, window, softcap)
+    rtol = 2e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=rtol)
+    ref = reference.paged_attention(*case, SCALE, max(q_lens), max(seq_lens), **options)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    if window:  # sequence 0's first block (positions 0-15) is before its query's window
+        _, k_cache, v_cache, tables, _, _ = case
+        k_cache[tables[0, 0].long()] = float("nan")
+        v_cache[tables[0, 0].long()] = float("nan")
+        again = kernels.paged_attention(*case, SCALE, max(q_lens), max(seq_lens), **options)
+        assert torch.equal(again[0], got[0])
+
+
 def test_strided_query_rows_and_stale_slots():
     """A query taken from a fused qkv row (token stride 3 H D) reads right; slots past a
     sequence's length never leak in."""

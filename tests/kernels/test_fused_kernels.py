@@ -17,8 +17,8 @@ from flowllm.models.layers import (
     RotaryEmbedding,
     apply_rotary,
     gelu_tanh,
-    rope_inv_freq,
 )
+from flowllm.models.rope import rope_frequencies, rope_parameters
 
 pytestmark = pytest.mark.usefixtures("native_build")  # each build in turn
 CPU = torch.device("cpu")
@@ -84,13 +84,9 @@ def test_rope_in_place_on_strided_rows(
     dtype: torch.dtype, heads: int, head_dim: int, rot: int
 ) -> None:
     torch.manual_seed(heads)
-    rotary = RotaryEmbedding(
-        rope_inv_freq(
-            {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": rot / head_dim}},
-            head_dim,
-        ),
-        300, dtype, CPU,
-    )  # fmt: skip
+    cfg = {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": rot / head_dim}}
+    inv_freq = rope_frequencies(cfg, rope_parameters(cfg), head_dim).inv_freq
+    rotary = RotaryEmbedding(inv_freq, 300, dtype, CPU)
     n, row = 6, heads * head_dim + 40  # rows of a fused projection: rotated heads, then more
     x = torch.randn(n, row).to(dtype)
     positions = torch.tensor([0, 1, 15, 16, 200, 299])

@@ -157,8 +157,9 @@ def make_case(
     )
 
 
-def dense_oracle(case: Case) -> torch.Tensor:
-    """Gather each sequence's K/V through its block table; causal softmax in float64."""
+def dense_oracle(case: Case, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Gather each sequence's K/V through its block table; causal softmax in float64 (the
+    last `window` positions only under a window, scores capped under a softcap)."""
     block_size = case.k_cache.shape[1]
     num_heads, num_kv_heads = case.query.shape[1], case.k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -173,11 +174,18 @@ def dense_oracle(case: Case) -> torch.Tensor:
         blocks = case.block_tables[i].long().cpu()[pos // block_size]
         k = case.k_cache.cpu()[blocks, pos % block_size].double()  # [L, kvh, D]
         v = case.v_cache.cpu()[blocks, pos % block_size].double()
+        if window:  # keys before every window may hold NaN; their weight is 0 here
+            k, v = k.nan_to_num(), v.nan_to_num()
         k = k.repeat_interleave(group, dim=1)  # [L, H, D]: head h reads kv head h // group
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale  # [H, q_len, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = seq_len - q_len + torch.arange(q_len)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if window:
+            hidden |= pos[None, None, :] <= q_pos[None, :, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[qsl[i] : qsl[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
 
@@ -250,6 +258,31 @@ def test_split_decode_matches_oracle(splits: int, dtype: torch.dtype) -> None:
     tiles = replace(SMALL_TILES, decode_splits=splits)
     out = ta.paged_attention(*idle.args(), tiles=tiles)
     assert_close(out, dense_oracle(case), dtype)
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(10, 0.0), (1, 0.0), (0, 1.5), (23, 2.0)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_window_and_softcap_match_oracle(
+    window: int, softcap: float, splits: int, dtype: torch.dtype
+) -> None:
+    """A sliding window and a score cap, on decodes (split or not) and on a mixed batch of
+    prefill chunks: the keys before any query's window hold NaN, so a kernel that reads one
+    fails."""
+    tiles = replace(SMALL_TILES, decode_splits=splits)
+    for seqs in ([(0, 1), (20, 1), (49, 1), (70, 1)], [(0, 7), (10, 17), (40, 1), (5, 33)]):
+        case = make_case(seqs, dtype=dtype, block_size=8, seed=window + splits)
+        if window:
+            k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+            for i, (prefix, _) in enumerate(seqs):
+                hidden = torch.arange(max(prefix + 1 - window, 0))  # before the first window
+                blocks = case.block_tables[i].long()[hidden // 8]
+                k_cache[blocks, hidden % 8] = float("nan")
+                v_cache[blocks, hidden % 8] = float("nan")
+            case = replace(case, k_cache=k_cache, v_cache=v_cache)
+        out = ta.paged_attention(*case.args(), tiles=tiles, window=window, softcap=softcap)
+        assert_close(out, dense_oracle(case, window, softcap), dtype)
 
 
 def test_auto_decode_splits() -> None:

@@ -31,6 +31,22 @@ def test_reference_matches_naive(q_lens, seq_lens, heads, kv_heads) -> None:
     torch.testing.assert_close(got, expected(*case, scale), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (1, 0.0), (0, 2.0), (7, 1.5)])
+def test_window_and_softcap_match_naive(window: int, softcap: float) -> None:
+    """A sliding window (shorter and longer than a block, and 1: the query alone) and a
+    score cap, on decode rows and a prefill chunk after a cached prefix: each row sees its
+    last `window` positions only, scores capped before the softmax."""
+    case = make_case([1, 9, 1, 3], [30, 12, 4, 21], 6, 2, seed=2)
+    got = reference.paged_attention(*case, 0.7, 9, 30, window=window, softcap=softcap)
+    torch.testing.assert_close(got, expected(*case, 0.7, window, softcap), atol=1e-5, rtol=1e-5)
+    if window:  # keys before the window never count, whatever they hold
+        _, k_cache, v_cache, tables, _, _ = case
+        k_cache[tables[0, 0].long()] = 1e4
+        v_cache[tables[0, 0].long()] = float("nan")
+        again = reference.paged_attention(*case, 0.7, 9, 30, window=window, softcap=softcap)
+        assert torch.equal(again[0], got[0])
+
+
 def test_reference_bf16_close_to_fp32() -> None:
     case32 = make_case([4, 1, 1], [10, 6, 20], 4, 2)
     case16 = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in case32)

@@ -4,13 +4,17 @@ dequantizes the K formats).
 
 - `quantize_q4_k`: float32 [n, k] -> Q4_K blocks, the scales and mins chosen per 32 values
   from their range (llama.cpp searches better ones; any valid blocks serve here).
-- `write_gguf`: a transformers Llama/Qwen2/Qwen3 model as a GGUF file: its config as
-  metadata, a byte-level BPE tokenizer of the model's vocabulary size, its 2-D weights in
-  the given format (norms and biases float32), Llama's Q/K rows permuted as llama.cpp does.
+- `gemma_for_gguf`: a random Gemma 2 or 3 whose options a GGUF file can carry.
+- `write_gguf`: a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 model as a GGUF
+  file: its config as metadata, a byte-level BPE tokenizer of the model's vocabulary size,
+  its 2-D weights in the given format (norms and biases float32), Llama's Q/K rows
+  permuted, Phi-3's LongRoPE factors stored as tensors and Gemma's norms as 1 + w, as
+  llama.cpp's converter does.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -93,13 +98,21 @@ def _rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: bool = True) -> Path:
-    """Write `model` (a transformers Llama/Qwen2/Qwen3 causal LM) to `path` as GGUF (without
-    tokenizer metadata if not `tokenizer`)."""
+    """Write `model` (a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma causal LM) to `path` as
+    GGUF (without tokenizer metadata if not `tokenizer`)."""
     cfg = model.config
-    arch = cfg.model_type
+    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
+    gemma = arch in ("gemma2", "gemma3")
     w = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if arch == "gemma3":  # the global layers' rope; the sliding ones' theta is llama.cpp's
+        assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+        rope = rope["full_attention"]
+        if rope["rope_type"] == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
     w.add_name(f"tiny-{arch}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -109,11 +122,27 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key, None):
+            w.add_key_value(f"{arch}.{key}", float(getattr(cfg, key)), gguf.GGUFValueType.FLOAT32)
+    if rope.get("rope_type") == "longrope":
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(
+                1
+                + math.log(cfg.max_position_embeddings / cfg.original_max_position_embeddings)
+                / math.log(cfg.original_max_position_embeddings)
+            )
+        )
+        for kind in ("long", "short"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            w.add_tensor(f"rope_factors_{kind}.weight", factors)
     if tokenizer:
         tokens, merges, types = byte_level_vocab(cfg.vocab_size)
         w.add_tokenizer_model("gpt2")
@@ -136,7 +165,14 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+        "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
     }  # fmt: skip
+    if gemma:
+        layer_names.update(
+            post_attention_layernorm="post_attention_norm",
+            pre_feedforward_layernorm="ffn_norm",
+            post_feedforward_layernorm="post_ffw_norm",
+        )
     state = model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -147,6 +183,8 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
             parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}
             gname = f"blk.{parts[2]}.{layer_names['.'.join(parts[3:-1])]}.{parts[-1]}"
         a = t.detach().to(torch.float32).numpy()
+        if gemma and name.endswith("norm.weight"):
+            a = a + 1.0
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             a = _rope_permute(a, heads if ".q_proj." in name else kv_heads)
         if a.ndim == 2:
@@ -159,6 +197,38 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def gemma_for_gguf(version: int) -> torch.nn.Module:
+    """A random Gemma whose attention scale and layer pattern are llama.cpp's (which a file
+    does not carry): query_pre_attn_scalar = head_dim, Gemma 3's five sliding layers to one
+    global (7 layers: the 6th global), its sliding layers' theta 10000; hidden 256, so Q4_K
+    super-blocks fit."""
+    kw: dict[str, object] = dict(
+        num_hidden_layers=7 if version == 3 else 3, hidden_size=256, intermediate_size=512,
+        vocab_size=512, max_position_embeddings=256, initializer_range=0.05,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=13, pad_token_id=0, bos_token_id=510, eos_token_id=511,
+    )  # fmt: skip
+    torch.manual_seed(20 + version)
+    if version == 2:
+        cfg = Gemma2Config(**kw, attn_logit_softcapping=1.5, final_logit_softcapping=3.0)
+        ref = Gemma2ForCausalLM(cfg)
+    else:
+        cfg = Gemma3TextConfig(
+            **kw, final_logit_softcapping=4.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )  # fmt: skip
+        ref = Gemma3ForCausalLM(cfg)
+        assert [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"] == [5]
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    return ref.eval()
 
 
 def dequantized_like(model: Any, path: Path) -> Any:

@@ -1,7 +1,7 @@
-"""Our GPT-2, Llama, Qwen2 and Qwen3 against transformers on the same random weights, fp32:
-a step that mixes prefills with decodes, chunked prefill after a cached prefix, shared
-prefix blocks, and decoding across block boundaries all give the logits of computing from
-scratch."""
+"""Our models against transformers on the same random weights, fp32: a step that mixes
+prefills with decodes, chunked prefill after a cached prefix, shared prefix blocks, and
+decoding across block boundaries all give the logits of computing from scratch. Sliding
+windows are shorter than the sequences, so every sequence attends past one."""
 
 from __future__ import annotations
 
@@ -11,14 +11,24 @@ import pytest
 import torch
 from model_test_utils import Blocks, PagedSeq, reference_logits, schedule
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from flowllm import kernels
@@ -94,6 +104,91 @@ def qwen_reference(version: int) -> torch.nn.Module:
     return ref
 
 
+SMALL: dict[str, object] = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=VOCAB,
+    max_position_embeddings=256, initializer_range=0.15, bos_token_id=0, eos_token_id=0,
+    rms_norm_eps=1e-6, num_attention_heads=4, num_key_value_heads=2, pad_token_id=None,
+)  # fmt: skip
+
+
+def mistral_reference(window: int | None) -> torch.nn.Module:
+    """A random Mistral whose window (13) starts inside a cache block, or none (null)."""
+    torch.manual_seed(5)
+    cfg = MistralConfig(**SMALL, sliding_window=window, tie_word_embeddings=False)
+    return MistralForCausalLM(cfg).eval()
+
+
+def smollm3_reference(sliding: bool) -> torch.nn.Module:
+    """A random SmolLM3 of 4 layers, every second without RoPE (no_rope_layer_interval 2),
+    optionally with a window (11) on those, as transformers lays them out."""
+    torch.manual_seed(6)
+    cfg = SmolLM3Config(
+        **{**SMALL, "num_hidden_layers": 4}, no_rope_layer_interval=2,
+        use_sliding_window=sliding, sliding_window=11 if sliding else None,
+    )  # fmt: skip
+    ref = SmolLM3ForCausalLM(cfg).eval()
+    assert ref.config.no_rope_layers == [1, 0, 1, 0]
+    return ref
+
+
+def phi3_reference(variant: str) -> torch.nn.Module:
+    """A random Phi-3: fused projections, a partial rotary factor (0.75: 12 of 16 dims),
+    LongRoPE with random factors. "short": the original context (128) holds every test
+    sequence, so transformers rotates all of them by the short factors, as we do serving
+    up to 128 positions; "long": the sequences pass the original context (32), both sides
+    rotate by the long factors, and a window of 20."""
+    original = 128 if variant == "short" else 32
+    rng = torch.Generator().manual_seed(7)
+    kw = {**SMALL, "max_position_embeddings": 128 if variant == "short" else 256}
+    cfg = Phi3Config(
+        **kw, original_max_position_embeddings=original, partial_rotary_factor=0.75,
+        sliding_window=20 if variant == "long" else None, tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(6, generator=rng)).tolist(),
+            "long_factor": (1 + 3 * torch.rand(6, generator=rng)).tolist(),
+        },
+    )  # fmt: skip
+    torch.manual_seed(7)
+    return Phi3ForCausalLM(cfg).eval()
+
+
+def _randomize_norms(ref: torch.nn.Module) -> torch.nn.Module:
+    """Gemma's norms scale by 1 + w with w initialized to 0: make w matter."""
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    return ref
+
+
+def gemma_reference(version: int) -> torch.nn.Module:
+    """A random Gemma 2 or Gemma 3 of 4 layers: head_dim apart from hidden / heads, a
+    query_pre_attn_scalar apart from head_dim, sliding layers (window 13) among global ones,
+    caps small enough to bind (Gemma 2's attention cap and both final caps), Gemma 3's
+    layer types from sliding_window_pattern 3 and its global layers rotated by linear
+    scaling of their own theta."""
+    kw = {**SMALL, "num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 24,
+          "sliding_window": 13, "pad_token_id": 0}  # fmt: skip
+    torch.manual_seed(8 + version)
+    if version == 2:
+        cfg = Gemma2Config(**kw, attn_logit_softcapping=1.5, final_logit_softcapping=3.0)
+        ref = Gemma2ForCausalLM(cfg)
+    else:
+        cfg = Gemma3TextConfig(
+            **kw, final_logit_softcapping=4.0, sliding_window_pattern=3,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )  # fmt: skip
+        ref = Gemma3ForCausalLM(cfg)
+        assert cfg.layer_types == ["sliding_attention"] * 2 + ["full_attention"] + [
+            "sliding_attention"
+        ]
+    return _randomize_norms(ref.eval())
+
+
 REFERENCES = {
     "gpt2": (gpt2_reference, 1e-4),
     "llama_gqa_untied": (lambda: llama_reference("gqa_untied"), 1e-4),
@@ -101,6 +196,14 @@ REFERENCES = {
     "llama_llama3_rope": (lambda: llama_reference("llama3_rope"), 1e-4),
     "qwen2": (lambda: qwen_reference(2), 1e-4),
     "qwen3": (lambda: qwen_reference(3), 1e-4),
+    "mistral_window": (lambda: mistral_reference(13), 1e-4),
+    "mistral_no_window": (lambda: mistral_reference(None), 1e-4),
+    "smollm3": (lambda: smollm3_reference(False), 1e-4),
+    "smollm3_sliding": (lambda: smollm3_reference(True), 1e-4),
+    "phi3_longrope_short": (lambda: phi3_reference("short"), 1e-4),
+    "phi3_longrope_long_window": (lambda: phi3_reference("long"), 1e-4),
+    "gemma2": (lambda: gemma_reference(2), 1e-4),
+    "gemma3": (lambda: gemma_reference(3), 1e-4),
 }
 
 
@@ -162,8 +265,9 @@ def test_mixed_steps_match_transformers(name: str) -> None:
     assert oracle[0].std().item() > 0.1
 
 
-def test_bfloat16_close_to_transformers_fp32() -> None:
-    ref = llama_reference("gqa_untied")
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "gemma2", "gemma3"])
+def test_bfloat16_close_to_transformers_fp32(name: str) -> None:
+    ref = REFERENCES[name][0]()
     model = model_class_for(ref.config)(ref.config, torch.bfloat16, "cpu")
     model.load_weights(ref.state_dict().items())
     kv = KVCacheSpec.for_model(model, BLOCK).allocate(8, "cpu")
@@ -175,7 +279,7 @@ def test_bfloat16_close_to_transformers_fp32() -> None:
     assert (prompt[0] - want).abs().max().item() < 0.1 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied", "mistral_window", "gemma2"])
 def test_model_on_triton_kernels_matches_transformers(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

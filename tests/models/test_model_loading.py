@@ -7,7 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from flowllm.config import ConfigError
@@ -18,9 +24,10 @@ from flowllm.models import layers
 from flowllm.models.errors import KVCacheError
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_cache_budget
-from flowllm.models.layers import Linear, rope_inv_freq
-from flowllm.models.llama import LlamaModel
+from flowllm.models.layers import Linear
+from flowllm.models.llama import LlamaModel, Phi3Model
 from flowllm.models.registry import UnsupportedModelError, WeightLoadError, model_class_for
+from flowllm.models.rope import rope_frequencies, rope_parameters
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
@@ -44,8 +51,8 @@ def test_registry_by_architecture_and_model_type() -> None:
     assert model_class_for({"architectures": ["LlamaForCausalLM"]}) is LlamaModel
     assert model_class_for({"model_type": "llama"}) is LlamaModel
     assert model_class_for(tiny_gpt2().config) is GPT2Model
-    with pytest.raises(UnsupportedModelError, match=r"MistralForCausalLM.*GPT2LMHeadModel"):
-        model_class_for({"architectures": ["MistralForCausalLM"]})
+    with pytest.raises(UnsupportedModelError, match=r"MixtralForCausalLM.*GPT2LMHeadModel"):
+        model_class_for({"architectures": ["MixtralForCausalLM"]})
     with pytest.raises(UnsupportedModelError, match="'bert'"):
         model_class_for({"model_type": "bert"})
 
@@ -182,9 +189,83 @@ def test_llama3_rope_frequencies_match_transformers() -> None:
         rope_parameters={"rope_theta": 500000.0, **old_style["rope_scaling"]},
     )  # fmt: skip
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    torch.testing.assert_close(rope_inv_freq(cfg, 32), want)
-    torch.testing.assert_close(rope_inv_freq(old_style, 32), want)
-    assert not torch.allclose(rope_inv_freq({"rope_theta": 500000.0}, 32), want)
+
+    def inv_freq(config: object) -> torch.Tensor:
+        return rope_frequencies(config, rope_parameters(config), 32).inv_freq
+
+    torch.testing.assert_close(inv_freq(cfg), want)
+    torch.testing.assert_close(inv_freq(old_style), want)
+    assert not torch.allclose(inv_freq({"rope_theta": 500000.0}), want)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+        {"mscale": 1.0, "mscale_all_dim": 0.5},
+        {"attention_factor": 0.9},
+        {"factor": None},  # from max_position_embeddings / original
+    ],
+)
+def test_yarn_frequencies_and_attention_scaling_match_transformers(extra: dict) -> None:
+    params = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
+              "original_max_position_embeddings": 64, **extra}  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=512,
+        rope_parameters=params,
+    )  # fmt: skip
+    want, scaling = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    got = rope_frequencies(cfg, rope_parameters(cfg), 64)
+    torch.testing.assert_close(got.inv_freq, want, rtol=0, atol=0)
+    assert got.attention_scaling == pytest.approx(scaling, rel=1e-12)
+    assert not torch.equal(got.inv_freq, rope_frequencies({}, {"rope_type": "default",
+                           "rope_theta": 50000.0}, 64).inv_freq)  # fmt: skip
+
+
+def test_longrope_factors_and_attention_scaling_match_transformers() -> None:
+    """Phi-3's LongRoPE with a partial rotary factor: the short factors while the served
+    context is within the original one, the long ones past it (transformers' choice for a
+    sequence that long), cos and sin scaled by transformers' attention factor either way."""
+    rng = torch.Generator().manual_seed(0)
+    cfg = Phi3Config(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=4096,
+        original_max_position_embeddings=256, partial_rotary_factor=0.5,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(16, generator=rng)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(16, generator=rng)).tolist(),
+        },
+    )  # fmt: skip
+    model = Phi3Model(cfg, torch.float32, "cpu")
+    params = model.rope_tables(cfg)["global"]
+    for context, seq_len in ((256, None), (4096, 257)):
+        want, scaling = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=seq_len)
+        got = rope_frequencies(cfg, params, 64, context)
+        torch.testing.assert_close(got.inv_freq, want, rtol=0, atol=0)
+        assert got.attention_scaling == pytest.approx(scaling, rel=1e-12) and scaling > 1
+    # The model serves its whole context (long factors) until told to serve less.
+    long_table = model.rotaries["global"].table
+    model.limit_context(256)
+    short = rope_frequencies(cfg, params, 64, 256).inv_freq
+    assert torch.equal(model.rotaries["global"].inv_freq, short)
+    assert not torch.equal(model.rotaries["global"].table[:100], long_table[:100])
+
+
+def test_unsupported_rope_types_and_options_are_refused_by_name() -> None:
+    base = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 1,
+            "intermediate_size": 32, "vocab_size": 16}  # fmt: skip
+    dynamic = {**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic' is not supported"):
+        LlamaModel(dynamic, torch.float32, "cpu")
+    refused = [
+        ("qwen2", {"use_sliding_window": True}, "Qwen2 with use_sliding_window=True"),
+        ("gemma2", {"use_bidirectional_attention": True}, "Gemma2 with use_bidirectional"),
+        ("gemma3_text", {"attn_logit_softcapping": 50.0}, "Gemma3 with attn_logit_softcapping"),
+    ]
+    for model_type, options, message in refused:
+        with pytest.raises(UnsupportedModelError, match=message):
+            model_class_for({"model_type": model_type})({**base, **options}, torch.float32, "cpu")
 
 
 def test_resolve_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,8 +9,11 @@ multiple of 16 (float32) or 32 (bfloat16), whole vectors (or pairs) of either bu
 
 One work item is one (decode sequence, kv head): its `group` query heads are scored
 against the sequence's keys LANES tokens at a time (LANES dot products, then one
-transposing reduction), the scores go to a per-thread scratch, a softmax runs over them in
-place, and a second walk over the blocks sums the values weighted by the probabilities. (An
+transposing reduction), the scores go to a per-thread scratch (capped there by
+softcap * tanh(score / softcap) when a softcap is given), a softmax runs over them in
+place, and a second walk over the blocks sums the values weighted by the probabilities.
+A sliding window (`window` > 0) starts both walks at the first of the last `window`
+positions: keys before it are never read. (An
 online softmax in one walk measured 5-40% slower: benchmarks/README.md.)
 */
 #include <stdint.h>
@@ -57,9 +60,15 @@ typedef struct {
   int64_t block, offset; /* where the next row is */
 } Cursor;
 
+/* A cursor at token position `start` of the sequence. */
 INLINE Cursor cursor(const void *cache, int64_t head_bytes, const int32_t *table,
-                     int64_t block_size, int64_t row_bytes) {
-  return (Cursor){(const char *)cache + head_bytes, table, block_size, row_bytes, 0, 0};
+                     int64_t block_size, int64_t row_bytes, int64_t start) {
+  return (Cursor){(const char *)cache + head_bytes,
+                  table,
+                  block_size,
+                  row_bytes,
+                  start / block_size,
+                  start % block_size};
 }
 
 INLINE const char *next_row(Cursor *c) {
@@ -128,6 +137,13 @@ INLINE void score(const float *qf, int64_t group, int64_t D, Cursor keys, int64_
       vf_store_n(scores + h * stride + t0, m, vf_transpose_sums(part));
     }
   }
+}
+
+/* scores[0..n) -> softcap * tanh(scores / softcap) in place (lanes past n too: scratch). */
+INLINE void cap_scores(float *scores, int64_t n, float softcap) {
+  const vf cap = vf_set1(softcap), inv = vf_set1(1.0f / softcap);
+  for (int64_t t = 0; t < n; t += LANES)
+    vf_store(scores + t, vf_mul(cap, vf_tanh(vf_mul(vf_load(scores + t), inv))));
 }
 
 /* scores[0..n) -> exp(scores - max) in place; returns their sum. */
@@ -203,7 +219,8 @@ INLINE void weigh_values_any(const float *p, int64_t stride, const float *inv, C
 /* One (sequence, kv head): q and out point at its group's [group, D] heads; keys and
    values walk its rows. */
 INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t group, int64_t D,
-                   float scale, float *scratch, int64_t stride, void *out, const int bf16) {
+                   float scale, float softcap, float *scratch, int64_t stride, void *out,
+                   const int bf16) {
   float *qf = scratch;         /* [group, D] */
   float *inv = qf + group * D; /* [group] */
   float *scores = inv + group; /* [group, stride] */
@@ -212,6 +229,8 @@ INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t
     vf_store(qf + i, vf_mul(x, vf_set1(scale)));
   }
   score(qf, group, D, keys, n, scores, stride, bf16);
+  if (softcap > 0.0f)
+    for (int64_t h = 0; h < group; h++) cap_scores(scores + h * stride, n, softcap);
   for (int64_t h = 0; h < group; h++) inv[h] = 1.0f / softmax_numerators(scores + h * stride, n);
   for (int64_t h0 = 0; h0 < group; h0 += HEADS_PER_PASS) {
     const int hn = group - h0 < HEADS_PER_PASS ? (int)(group - h0) : HEADS_PER_PASS;
@@ -227,8 +246,9 @@ INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t
 /* Attention of `n` decode queries over their sequences' cached context.
 
    seqs[i] is the i-th sequence attended (of num_seqs) and rows[i] its query's row in
-   query/out (of num_tokens); NULL: i and seqs[i]. Strides count elements. D must be a
-   multiple of 16 (32 for bf16) and the heads of a token contiguous. Every index is checked before
+   query/out (of num_tokens); NULL: i and seqs[i]. Strides count elements. window > 0: each
+   query sees its sequence's last `window` positions only; softcap > 0: scores are capped. D must be
+   a multiple of 16 (32 for bf16) and the heads of a token contiguous. Every index is checked before
    anything is read: returns OK, or BAD_INDEX / BAD_SEQ_LEN / BAD_BLOCK with *bad set to
    the offending entry i, or NO_MEMORY. */
 static int decode_attention(int bf16, const void *query, int64_t q_stride, const void *k_cache,
@@ -236,7 +256,8 @@ static int decode_attention(int bf16, const void *query, int64_t q_stride, const
                             int64_t kv_heads, int64_t group, int64_t D, const int32_t *block_tables,
                             int64_t table_stride, const int32_t *seq_lens, int64_t num_seqs,
                             const int64_t *seqs, const int64_t *rows, int64_t n, int64_t num_tokens,
-                            float scale, void *out, int64_t out_stride, int64_t *bad) {
+                            float scale, int64_t window, float softcap, void *out,
+                            int64_t out_stride, int64_t *bad) {
   int64_t longest = 0;
   for (int64_t i = 0; i < n; i++) {
     const int64_t s = seqs ? seqs[i] : i, r = rows ? rows[i] : s;
@@ -266,15 +287,16 @@ static int decode_attention(int bf16, const void *query, int64_t q_stride, const
       const int64_t i = item / kv_heads, j = item % kv_heads;
       const int64_t s = seqs ? seqs[i] : i, r = rows ? rows[i] : s;
       const int32_t *table = block_tables + s * table_stride;
-      const int64_t head = j * D * esz, row = kv_heads * D * esz;
-      const Cursor keys = cursor(k_cache, head, table, block_size, row);
-      const Cursor values = cursor(v_cache, head, table, block_size, row);
+      const int64_t head = j * D * esz, row = kv_heads * D * esz, len = seq_lens[s];
+      const int64_t start = window > 0 && len > window ? len - window : 0;
+      const Cursor keys = cursor(k_cache, head, table, block_size, row, start);
+      const Cursor values = cursor(v_cache, head, table, block_size, row, start);
       const char *q = (const char *)query + (r * q_stride + j * group * D) * esz;
       char *o = (char *)out + (r * out_stride + j * group * D) * esz;
       if (bf16)
-        attend(q, keys, values, seq_lens[s], group, D, scale, scratch, stride, o, 1);
+        attend(q, keys, values, len - start, group, D, scale, softcap, scratch, stride, o, 1);
       else
-        attend(q, keys, values, seq_lens[s], group, D, scale, scratch, stride, o, 0);
+        attend(q, keys, values, len - start, group, D, scale, softcap, scratch, stride, o, 0);
     }
     free(scratch);
   }
@@ -306,11 +328,11 @@ static int store_kv(const void *key, int64_t key_stride, const void *value, int6
 
 int64_t flowllm_decode_attention(const struct flowllm_decode_attention_args *a) {
   int64_t bad = 0;
-  const int status =
-      decode_attention((int)a->bf16, a->query, a->q_stride, a->k_cache, a->v_cache, a->num_blocks,
-                       a->block_size, a->kv_heads, a->group, a->head_dim, a->block_tables,
-                       a->table_stride, a->seq_lens, a->num_seqs, a->seqs, a->rows, a->n,
-                       a->num_tokens, (float)a->scale, a->out, a->out_stride, &bad);
+  const int status = decode_attention(
+      (int)a->bf16, a->query, a->q_stride, a->k_cache, a->v_cache, a->num_blocks, a->block_size,
+      a->kv_heads, a->group, a->head_dim, a->block_tables, a->table_stride, a->seq_lens,
+      a->num_seqs, a->seqs, a->rows, a->n, a->num_tokens, (float)a->scale, a->window,
+      (float)a->softcap, a->out, a->out_stride, &bad);
   return status == OK ? 0 : status + 256 * bad;
 }
 

@@ -1,5 +1,5 @@
 /* Shared inline helpers of the native kernels: bfloat16 <-> float32 conversions (round to
- * nearest even, NaN kept quiet), a vectorized exp for activations over the vector layer
+ * nearest even, NaN kept quiet), a vectorized exp and tanh for activations over the vector layer
  * (isa.h), and the loop that splits rows across threads. */
 #ifndef FLOWLLM_H
 #define FLOWLLM_H
@@ -39,6 +39,12 @@ static inline vf vf_exp(vf x) {
   p = vf_fma(p, r, vf_set1(5.0000001201e-1f));
   p = vf_fma(vf_mul(p, r), r, vf_add(r, vf_set1(1.0f)));
   return vf_scale_pow2(p, n);
+}
+
+/* tanh(x) = 1 - 2 / (exp(2x) + 1): vf_exp saturates to 0 and inf, so it reaches -1 and 1. */
+static inline vf vf_tanh(vf x) {
+  const vf e = vf_exp(vf_add(x, x));
+  return vf_sub(vf_set1(1.0f), vf_div(vf_set1(2.0f), vf_add(e, vf_set1(1.0f))));
 }
 
 /* silu(x) = x / (1 + exp(-x)). */

@@ -43,7 +43,8 @@ typedef uint16_t f16_t;
 
 /* query, out [tokens][heads][head_dim] (token strides in elements); caches [num_blocks]
  * [block_size][kv_heads][head_dim], float32 or (bf16 = 1) bfloat16; block_tables
- * [num_seqs][table_stride]; seqs, rows [n] or both NULL (sequence i, query row i) */
+ * [num_seqs][table_stride]; seqs, rows [n] or both NULL (sequence i, query row i);
+ * window: the last positions a query sees (0: all); softcap: scores capped (0: not) */
 #define FLOWLLM_DECODE_ATTENTION_ARGS(F, S, ...) \
   F(S, int64_t, bf16)                            \
   F(S, const void *, query)                      \
@@ -64,6 +65,8 @@ typedef uint16_t f16_t;
   F(S, int64_t, n)                               \
   F(S, int64_t, num_tokens)                      \
   F(S, double, scale)                            \
+  F(S, int64_t, window)                          \
+  F(S, double, softcap)                          \
   F(S, void *, out)                              \
   F(S, int64_t, out_stride)
 
