@@ -12,7 +12,9 @@ with the metadata transformers' GGUF reader leaves out (the rotary width, the or
 context, the attention factor, the sliding window). Gemma 2 and 3 files store each norm's
 1 + w (llama.cpp's RMSNorm multiplies by its weight), given back here as HF's w, and
 their score caps and global rope scaling in metadata transformers' reader drops; their
-attention scale is llama.cpp's (`_complete_gemma`).
+attention scale is llama.cpp's (`_complete_gemma`). A SmolLM3 file has Llama's layout (Q/K
+permuted); transformers' reader has no config for it, so it is read here
+(`_smollm3_config`).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ ARCHITECTURES = {
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "smollm3": "smollm3",
 }
 _GEMMA = frozenset({"gemma2", "gemma3"})
-_PERMUTED_QK = frozenset({"llama"})
+_PERMUTED_QK = frozenset({"llama", "smollm3"})
 
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -127,11 +130,14 @@ def load_config(path: Path, reader: Any) -> Any:
     embeddings (no `output.weight`) and q/k/v biases (Llama and Qwen3 have them optionally)."""
     from transformers import AutoConfig
 
+    arch = architecture(reader)
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        if arch == "smollm3":
+            config = _smollm3_config(reader)
+        else:
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise GGUFError(f"cannot read the model config from {path}: {e}") from e
-    arch = architecture(reader)
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None:
         config.head_dim = int(key_length.contents())
@@ -150,6 +156,38 @@ def _field(reader: Any, key: str) -> Any:
     """A metadata field's value; None when the file has none."""
     field = reader.fields.get(key)
     return None if field is None else field.contents()
+
+
+def _smollm3_config(reader: Any) -> Any:
+    """A SmolLM3 file's config, from its metadata (transformers' GGUF reader has no SmolLM3):
+    its layers without RoPE are every fourth, the rule llama.cpp applies to the
+    architecture, which is SmolLM3's default interval."""
+    from transformers import SmolLM3Config
+
+    def field(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"smollm3.{key}")
+        if value is None and default is None:
+            raise KeyError(f"smollm3.{key}")
+        return default if value is None else value
+
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # its length, not its strings
+    vocab = field("vocab_size", len(tokens.data) if tokens is not None else None)
+    heads = int(field("attention.head_count"))
+    return SmolLM3Config(
+        vocab_size=int(vocab),
+        hidden_size=int(field("embedding_length")),
+        intermediate_size=int(field("feed_forward_length")),
+        num_hidden_layers=int(field("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(field("attention.head_count_kv", heads)),
+        max_position_embeddings=int(field("context_length")),
+        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(field("rope.freq_base"))},
+        no_rope_layer_interval=4,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
 
 
 def _complete_gemma(config: Any, reader: Any, arch: str) -> None:
@@ -272,10 +310,15 @@ def load_tokenizer(path: Path, cache_dir: Path | None = None) -> Any:
 
 
 def rebuild_tokenizer(path: Path) -> Any:
-    """transformers' tokenizer rebuilt from the GGUF file's metadata (slow)."""
-    from transformers import AutoTokenizer
+    """transformers' tokenizer rebuilt from the GGUF file's metadata (slow). AutoTokenizer
+    reads the file's model config first to pick a class, which transformers cannot for
+    some architectures (SmolLM3): the fast class then reads the file's tokenizer alone."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError:
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def tokenizer_cache_entry(path: Path, cache_dir: Path | None = None) -> Path:

@@ -1,7 +1,7 @@
 """Mistral, SmolLM3, Phi-3, Gemma 2 and Gemma 3 served from the files people have: a
 safetensors directory as transformers saves it and a config.json in the older style Hub
-checkpoints carry, exact against transformers; Phi-3 and Gemma GGUF files as llama.cpp
-writes them, exact dequantized and close quantized."""
+checkpoints carry, exact against transformers; Phi-3, SmolLM3 and Gemma GGUF files as
+llama.cpp writes them, exact dequantized and close quantized."""
 
 from __future__ import annotations
 
@@ -14,17 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from gguf_fixtures import dequantized_like, gemma_for_gguf, write_gguf
 from model_test_utils import paged_logits, reference_logits
 from test_model_equivalence import (
+    SMALL,
     gemma_reference,
     mistral_reference,
     phi3_reference,
     smollm3_reference,
 )
 
+from flowllm.models import gguf_file
 from flowllm.models.layers import Linear
 from flowllm.models.llama import Phi3Model
 from flowllm.models.loader import load_model
@@ -106,6 +109,34 @@ def test_phi3_gguf(tmp_path: Path) -> None:
     assert torch.equal(
         quantized.model.rotaries["global"].inv_freq, plain.model.rotaries["global"].inv_freq
     )
+
+
+def test_smollm3_gguf(tmp_path: Path) -> None:
+    """A SmolLM3 file as llama.cpp writes one: Llama's layout with Q/K permuted, and no
+    metadata for the layers without RoPE, which are every fourth by the architecture's
+    rule. Dequantized it is transformers' model on the file's values; quantized (Q8_0),
+    within int8 rounding of it; its tokenizer comes from the file."""
+    torch.manual_seed(7)
+    config = SmolLM3Config(
+        **{**SMALL, "num_hidden_layers": 4},
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )
+    ref = SmolLM3ForCausalLM(config).eval()
+    assert ref.config.no_rope_layers == [1, 1, 1, 0]
+    path = write_gguf(ref, tmp_path / "smollm3.gguf", GGMLQuantizationType.Q8_0)
+    expected = dequantized_like(copy.deepcopy(ref), path)
+    toks = tokens()
+    oracle = reference_logits(expected, toks)
+    plain = load_model(str(path), dtype="float32", device="cpu", quantization="none")
+    assert type(plain.model).__name__ == "SmolLM3Model"
+    assert (paged_logits(plain.model, toks, 40) - oracle).abs().max() < 1e-4
+    quantized = load_model(str(path), dtype="float32", device="cpu")
+    assert all(m.quantized is not None for m in quantized.model.modules() if isinstance(m, Linear))
+    got = paged_logits(quantized.model, toks, 40)
+    assert (got - oracle).abs().mean() < 0.05 * oracle.std()
+    assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.8
+    tokenizer = gguf_file.load_tokenizer(path, tmp_path / "cache")
+    assert tokenizer.decode(tokenizer("Hello there").input_ids) == "Hello there"
 
 
 def test_gemma3_config_in_the_older_style(tmp_path: Path) -> None:

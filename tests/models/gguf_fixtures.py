@@ -98,7 +98,7 @@ def _rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: bool = True) -> Path:
-    """Write `model` (a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma causal LM) to `path` as
+    """Write `model` (a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma/SmolLM3 causal LM) to `path` as
     GGUF (without tokenizer metadata if not `tokenizer`)."""
     cfg = model.config
     arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
@@ -185,7 +185,7 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
         a = t.detach().to(torch.float32).numpy()
         if gemma and name.endswith("norm.weight"):
             a = a + 1.0
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch in ("llama", "smollm3") and (".q_proj." in name or ".k_proj." in name):
             a = _rope_permute(a, heads if ".q_proj." in name else kv_heads)
         if a.ndim == 2:
             data, used = _encode(a, qtype)
