@@ -80,13 +80,6 @@ def completion_logprobs(
     return out
 
 
-def extend_completion_logprobs(into: CompletionLogProbs, more: CompletionLogProbs) -> None:
-    into.tokens.extend(more.tokens)
-    into.text_offset.extend(more.text_offset)
-    into.token_logprobs.extend(more.token_logprobs)
-    into.top_logprobs.extend(more.top_logprobs)
-
-
 def prompt_logprobs_entries(
     texts: TokenTexts, entries: Sequence[TokenLogprobs | None], num_top: int
 ) -> list[dict[str, PromptLogprob] | None]:

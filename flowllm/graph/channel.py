@@ -124,9 +124,6 @@ class Channel(Generic[T]):
         """Call `tap(message, send_time)` after every send on this channel."""
         self._taps.append(tap)
 
-    def remove_tap(self, tap: Tap) -> None:
-        self._taps.remove(tap)
-
     def depth(self) -> int:
         """Messages buffered now (never more than `capacity`)."""
         return self._send.statistics().current_buffer_used

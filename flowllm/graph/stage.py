@@ -254,10 +254,6 @@ class StageContext:
 
     # -- outputs --------------------------------------------------------------------------
 
-    @property
-    def output_ports(self) -> tuple[str, ...]:
-        return tuple(self._outboxes)
-
     def outbox(self, port: str) -> Outbox:
         if self._closed:
             raise StageNotRunningError(f"stage {self.name!r} has finished; it cannot emit")

@@ -121,9 +121,6 @@ class BlockPool:
     def block_hash(self, block_id: int) -> BlockHash | None:
         return self._hash[block_id]
 
-    def is_free(self, block_id: int) -> bool:
-        return block_id in self._free
-
     def free_queue(self) -> list[int]:
         """The free queue, head (next evicted) first. O(num free blocks): for tests."""
         return list(self._free)

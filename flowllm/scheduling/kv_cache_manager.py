@@ -156,10 +156,6 @@ class KVCacheManager:
         per decode on the scheduler's hot path. Never edit it."""
         return self._seqs.get(seq_id)
 
-    def num_blocks_of(self, seq_id: int) -> int:
-        rec = self._seqs.get(seq_id)
-        return 0 if rec is None else len(rec.block_ids)
-
     def free(self, seq_id: int) -> None:
         """Return the sequence's blocks to the pool (tail first); keep its hashes, since a
         preempted sequence recomputes the same tokens."""
