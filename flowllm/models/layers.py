@@ -151,11 +151,14 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         out_dtype: torch.dtype | None = None,
+        quantizable: bool = True,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.dtype = dtype
+        # False: `pack_linears` keeps it float under int8 quantization (a MoE router)
+        self.quantizable = quantizable
         # The output's dtype: the weight's, or float32 for an LM head, whose logits the
         # native kernel hands out unrounded (bf16 logits merge near-ties: ulp 0.125 at 25).
         self.out_dtype = dtype if out_dtype is None else out_dtype
@@ -370,7 +373,8 @@ class Embedding(nn.Module):
 
 def pack_linears(model: nn.Module, quantize: str | None = None) -> None:
     """Pack every linear layer of `model` (tied embeddings take their plain table first);
-    with `quantize` ("int8"), quantize every float one but the LM head, as vLLM does.
+    with `quantize` ("int8"), quantize every float one but the LM head and the layers
+    built not `quantizable`, as vLLM does.
 
     Packing is a strided copy per weight in torch ops, which release the GIL: the layers
     pack on every core at once. The first packs alone, as it may build the kernels."""
@@ -383,7 +387,7 @@ def pack_linears(model: nn.Module, quantize: str | None = None) -> None:
         return
 
     def pack(linear: Linear) -> None:
-        linear.pack(None if linear is head else quantize)
+        linear.pack(None if linear is head or not linear.quantizable else quantize)
 
     pack(linears[0])
     with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="flowllm-pack") as pool:

@@ -54,6 +54,7 @@ class BlockOptions:
     out_bias: bool = False  # o_proj
     mlp_bias: bool = False
     qk_norm: bool = False  # a norm of each q and k head before the rotation
+    qk_norm_whole: bool = False  # that norm across all q (all k) heads at once (OLMoE)
     act: str = "silu"
 
 
@@ -86,7 +87,6 @@ class LlamaBlock(nn.Module):
         self.num_heads = int(config_get(config, "num_attention_heads"))
         self.num_kv_heads = int(config_get(config, "num_key_value_heads", self.num_heads))
         self.head_dim = int(config_get(config, "head_dim", d // self.num_heads))
-        self.intermediate = int(config_get(config, "intermediate_size"))
         eps = float(config_get(config, "rms_norm_eps", 1e-6))
         self.act_and_mul = GatedActivation(options.act, model)
         self.attention = attention
@@ -95,10 +95,20 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = norm(d, eps, dtype, device)
         # qkv rows: [q (H * Dh) | k (kvh * Dh) | v (kvh * Dh)]
         self.qkv_proj = Linear(d, self.q_size + 2 * self.kv_size, options.qkv_bias, dtype, device)
-        self.q_norm = norm(self.head_dim, eps, dtype, device) if options.qk_norm else None
-        self.k_norm = norm(self.head_dim, eps, dtype, device) if options.qk_norm else None
+        whole = options.qk_norm_whole
+        q_width, k_width = (self.q_size, self.kv_size) if whole else (self.head_dim,) * 2
+        self.q_norm = norm(q_width, eps, dtype, device) if options.qk_norm else None
+        self.k_norm = norm(k_width, eps, dtype, device) if options.qk_norm else None
         self.o_proj = Linear(self.q_size, d, options.out_bias, dtype, device)
         self.post_attention_layernorm = norm(d, eps, dtype, device)
+        self.build_mlp(config, options, dtype, device)
+
+    def build_mlp(
+        self, config: Any, options: BlockOptions, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """The MLP's projections: gate/up fused, then down."""
+        d = int(config_get(config, "hidden_size"))
+        self.intermediate = int(config_get(config, "intermediate_size"))
         # gate_up rows: [gate (I) | up (I)]
         self.gate_up_proj = Linear(d, 2 * self.intermediate, options.mlp_bias, dtype, device)
         self.down_proj = Linear(self.intermediate, d, options.mlp_bias, dtype, device)
@@ -159,12 +169,13 @@ class LlamaBlock(nn.Module):
         return out
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv with each q head normalized by q_norm and each k head by k_norm."""
+        """qkv with each q head normalized by q_norm and each k head by k_norm (or all q
+        heads at once and all k heads, where the norms are that wide)."""
         assert self.q_norm is not None and self.k_norm is not None
-        n, d = qkv.shape[0], self.head_dim
+        n = qkv.shape[0]
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        q = self.q_norm(qkv[:, :q_end].reshape(n * self.num_heads, d))
-        k = self.k_norm(qkv[:, q_end:k_end].reshape(n * self.num_kv_heads, d))
+        q = self.q_norm(qkv[:, :q_end].reshape(-1, self.q_norm.weight.shape[0]))
+        k = self.k_norm(qkv[:, q_end:k_end].reshape(-1, self.k_norm.weight.shape[0]))
         return torch.cat((q.view(n, -1), k.view(n, -1), qkv[:, k_end:]), dim=1)
 
 
@@ -209,20 +220,23 @@ class LlamaModel(PagedCausalLM):
         )
         options = self.block_options(hf_config)
         self.layers = nn.ModuleList(
-            self.block_class(
-                hf_config,
-                dtype,
-                device,
-                options,
-                self.layer_attention(hf_config, i),
-                self.norm_class,
-                self.architecture,
-            )
-            for i in range(self.num_layers)
+            self.make_layer(hf_config, i, options) for i in range(self.num_layers)
         )
         self.norm = self.norm_class(d, eps, dtype, device)
 
     # ---- what subclasses change
+
+    def make_layer(self, config: Any, i: int, options: BlockOptions) -> LlamaBlock:
+        """Layer i (Llama: a `block_class` with the shared options and its attention)."""
+        return self.block_class(
+            config,
+            self.dtype,
+            self.device,
+            options,
+            self.layer_attention(config, i),
+            self.norm_class,
+            self.architecture,
+        )
 
     def block_options(self, config: Any) -> BlockOptions:
         """The options every layer shares (Llama: `attention_bias` on q/k/v/o, `mlp_bias`)."""

@@ -16,6 +16,7 @@ from flowllm.models.llama import (
     Qwen3Model,
     SmolLM3Model,
 )
+from flowllm.models.moe import MixtralModel, OlmoeModel, Qwen3MoeModel
 
 __all__ = [
     "ARCHITECTURES",
@@ -37,6 +38,9 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "Phi3ForCausalLM": Phi3Model,
     "Gemma2ForCausalLM": Gemma2Model,
     "Gemma3ForCausalLM": Gemma3Model,
+    "Qwen3MoeForCausalLM": Qwen3MoeModel,
+    "OlmoeForCausalLM": OlmoeModel,
+    "MixtralForCausalLM": MixtralModel,
 }
 MODEL_TYPES: dict[str, ModelClass] = {
     "gpt2": GPT2Model,
@@ -48,6 +52,9 @@ MODEL_TYPES: dict[str, ModelClass] = {
     "phi3": Phi3Model,
     "gemma2": Gemma2Model,
     "gemma3_text": Gemma3Model,
+    "qwen3_moe": Qwen3MoeModel,
+    "olmoe": OlmoeModel,
+    "mixtral": MixtralModel,
 }
 
 

@@ -21,12 +21,18 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -189,6 +195,39 @@ def gemma_reference(version: int) -> torch.nn.Module:
     return _randomize_norms(ref.eval())
 
 
+def moe_reference(family: str) -> torch.nn.Module:
+    """A random mixture-of-experts model of 4 layers, transformers' experts run by its
+    eager loop (the reference implementation). "qwen3_moe": 8 experts of width 48, top 2
+    renormalized, layer 2 dense (`mlp_only_layers`); "qwen3_moe_raw": top 3 of 6, the
+    weights not renormalized, layers 0 and 2 dense (`decoder_sparse_step` 2); "olmoe":
+    q/k norms across all heads, top 3 of 8; "mixtral": top 2 of 6, a window of 13."""
+    torch.manual_seed(30)
+    kw = {**SMALL, "num_hidden_layers": 4}
+    if family == "qwen3_moe":
+        cfg: object = Qwen3MoeConfig(
+            **kw, head_dim=32, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2],
+        )  # fmt: skip
+        ref = Qwen3MoeForCausalLM(cfg)
+    elif family == "qwen3_moe_raw":
+        cfg = Qwen3MoeConfig(
+            **kw, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=3,
+            norm_topk_prob=False, decoder_sparse_step=2,
+        )  # fmt: skip
+        ref = Qwen3MoeForCausalLM(cfg)
+    elif family == "olmoe":
+        ref = OlmoeForCausalLM(OlmoeConfig(**kw, num_experts=8, num_experts_per_tok=3))
+    else:
+        cfg = MixtralConfig(**kw, num_local_experts=6, num_experts_per_tok=2, sliding_window=13)
+        ref = MixtralForCausalLM(cfg)
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    return ref.eval()
+
+
 REFERENCES = {
     "gpt2": (gpt2_reference, 1e-4),
     "llama_gqa_untied": (lambda: llama_reference("gqa_untied"), 1e-4),
@@ -204,6 +243,10 @@ REFERENCES = {
     "phi3_longrope_long_window": (lambda: phi3_reference("long"), 1e-4),
     "gemma2": (lambda: gemma_reference(2), 1e-4),
     "gemma3": (lambda: gemma_reference(3), 1e-4),
+    "qwen3_moe": (lambda: moe_reference("qwen3_moe"), 1e-4),
+    "qwen3_moe_raw": (lambda: moe_reference("qwen3_moe_raw"), 1e-4),
+    "olmoe": (lambda: moe_reference("olmoe"), 1e-4),
+    "mixtral": (lambda: moe_reference("mixtral"), 1e-4),
 }
 
 

@@ -51,8 +51,8 @@ def test_registry_by_architecture_and_model_type() -> None:
     assert model_class_for({"architectures": ["LlamaForCausalLM"]}) is LlamaModel
     assert model_class_for({"model_type": "llama"}) is LlamaModel
     assert model_class_for(tiny_gpt2().config) is GPT2Model
-    with pytest.raises(UnsupportedModelError, match=r"MixtralForCausalLM.*GPT2LMHeadModel"):
-        model_class_for({"architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(UnsupportedModelError, match=r"FalconForCausalLM.*GPT2LMHeadModel"):
+        model_class_for({"architectures": ["FalconForCausalLM"]})
     with pytest.raises(UnsupportedModelError, match="'bert'"):
         model_class_for({"model_type": "bert"})
 
@@ -262,6 +262,9 @@ def test_unsupported_rope_types_and_options_are_refused_by_name() -> None:
         ("qwen2", {"use_sliding_window": True}, "Qwen2 with use_sliding_window=True"),
         ("gemma2", {"use_bidirectional_attention": True}, "Gemma2 with use_bidirectional"),
         ("gemma3_text", {"attn_logit_softcapping": 50.0}, "Gemma3 with attn_logit_softcapping"),
+        ("qwen3_moe", {"use_sliding_window": True}, "Qwen3MoE with use_sliding_window=True"),
+        ("olmoe", {"clip_qkv": 8.0}, "OLMoE with clip_qkv=8.0"),
+        ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 6}, "num_experts_per_tok=6 of"),
     ]
     for model_type, options, message in refused:
         with pytest.raises(UnsupportedModelError, match=message):
