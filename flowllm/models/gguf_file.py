@@ -14,7 +14,10 @@ context, the attention factor, the sliding window). Gemma 2 and 3 files store ea
 their score caps and global rope scaling in metadata transformers' reader drops; their
 attention scale is llama.cpp's (`_complete_gemma`). A SmolLM3 file has Llama's layout (Q/K
 permuted); transformers' reader has no config for it, so it is read here
-(`_smollm3_config`).
+(`_smollm3_config`). A Qwen3-MoE file holds each projection of a layer's experts as one
+3-D tensor [experts, rows, in] (`ffn_gate_exps`, ...): it is split here into each
+expert's weight, a quantized slice staying quantized on its own, and its experts' width
+goes to the config, which transformers' reader leaves at its default.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ ARCHITECTURES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "smollm3": "smollm3",
+    "qwen3moe": "qwen3_moe",
 }
 _GEMMA = frozenset({"gemma2", "gemma3"})
 _PERMUTED_QK = frozenset({"llama", "smollm3"})
@@ -73,8 +77,17 @@ _GEMMA_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# a sparse layer's router, and its experts' 3-D tensors (split by `_experts`)
+_MOE_LAYER = {
+    **_LAYER,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 _ARCH_LAYER = {
     "phi3": {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen3moe": _MOE_LAYER,
     "gemma2": _GEMMA_LAYER,
     "gemma3": _GEMMA_LAYER,
 }
@@ -149,6 +162,8 @@ def load_config(path: Path, reader: Any) -> Any:
         _complete_phi3(config, reader)
     if arch in _GEMMA:
         _complete_gemma(config, reader, arch)
+    if arch == "qwen3moe":
+        _complete_qwen3moe(config, reader)
     return config
 
 
@@ -210,6 +225,15 @@ def _complete_gemma(config: Any, reader: Any, arch: str) -> None:
         config.rope_parameters = params
 
 
+def _complete_qwen3moe(config: Any, reader: Any) -> None:
+    """The experts' width (`expert_feed_forward_length`); every layer sparse and the top-k
+    weights renormalized, as llama.cpp runs every Qwen3-MoE file."""
+    config.moe_intermediate_size = int(_field(reader, "qwen3moe.expert_feed_forward_length"))
+    config.decoder_sparse_step = 1
+    config.mlp_only_layers = []
+    config.norm_topk_prob = True
+
+
 def _complete_phi3(config: Any, reader: Any) -> None:
     """What Phi-3's HF config holds and transformers' GGUF reader drops: the rotary width
     (Phi-4-mini rotates 3/4 of each head), the sliding window, and LongRoPE (its factors
@@ -261,6 +285,9 @@ def iter_tensors(
             continue  # rope_freqs and other derived tensors flowllm computes itself
         type_name = t.tensor_type.name
         shape = tuple(int(d) for d in reversed(t.shape))
+        if len(shape) == 3:
+            yield from _experts(t, name, shape, dequantize)
+            continue
         w: Weight
         if type_name in GGUF_FORMATS and len(shape) == 2 and not dequantize:
             try:
@@ -276,6 +303,28 @@ def iter_tensors(
             order = rope_row_order(w.shape[0], heads)
             w = w.take_rows(order) if isinstance(w, QuantizedWeight) else w[order].contiguous()
         yield name, w
+
+
+def _experts(
+    t: Any, name: str, shape: tuple[int, ...], dequantize: bool
+) -> Iterator[tuple[str, Weight]]:
+    """A 3-D expert tensor (`name` with `.experts.` in it) as each expert's [rows, in]
+    weight under `.experts.{e}.`: slices of the file's blocks, quantized as they are unless
+    `dequantize` or their format is not served."""
+    if ".experts." not in name:
+        raise GGUFError(f"GGUF tensor {t.name!r} of shape {shape} is not an expert tensor")
+    quantized = t.tensor_type.name in GGUF_FORMATS and not dequantize
+    dense = None if quantized else _dense(t)
+    for e in range(shape[0]):
+        w: Weight
+        if dense is not None:
+            w = dense[e]
+        else:
+            try:
+                w = from_gguf(t.data[e], t.tensor_type.name, (shape[1], shape[2]))
+            except ValueError as err:
+                raise GGUFError(f"GGUF tensor {t.name!r}: {err}") from err
+        yield name.replace(".experts.", f".experts.{e}.", 1), w
 
 
 def load_tokenizer(path: Path, cache_dir: Path | None = None) -> Any:

@@ -1,7 +1,8 @@
-"""Mistral, SmolLM3, Phi-3, Gemma 2 and Gemma 3 served from the files people have: a
-safetensors directory as transformers saves it and a config.json in the older style Hub
-checkpoints carry, exact against transformers; Phi-3, SmolLM3 and Gemma GGUF files as
-llama.cpp writes them, exact dequantized and close quantized."""
+"""Mistral, SmolLM3, Phi-3, Gemma 2, Gemma 3 and the mixture-of-experts families served
+from the files people have: a safetensors directory as transformers saves it (experts
+apart, or in transformers 5's own 3-D layout) and a config.json in the older style Hub
+checkpoints carry, exact against transformers; Phi-3, SmolLM3, Gemma and Qwen3-MoE GGUF
+files as llama.cpp writes them, exact dequantized and close quantized."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from gguf import GGMLQuantizationType
 from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from gguf_fixtures import dequantized_like, gemma_for_gguf, write_gguf
+from gguf_fixtures import dequantized_like, gemma_for_gguf, qwen3moe_for_gguf, write_gguf
 from model_test_utils import paged_logits, reference_logits
 from test_model_equivalence import (
     SMALL,
     gemma_reference,
     mistral_reference,
+    moe_reference,
     phi3_reference,
     smollm3_reference,
 )
@@ -48,14 +50,35 @@ def tokens(n: int = 60, seed: int = 0) -> list[int]:
         (lambda: phi3_reference("long"), "Phi3Model"),
         (lambda: gemma_reference(2), "Gemma2Model"),
         (lambda: gemma_reference(3), "Gemma3Model"),
+        (lambda: moe_reference("qwen3_moe"), "Qwen3MoeModel"),
+        (lambda: moe_reference("olmoe"), "OlmoeModel"),
+        (lambda: moe_reference("mixtral"), "MixtralModel"),
     ],
-    ids=["mistral", "smollm3", "phi3", "gemma2", "gemma3"],
+    ids=["mistral", "smollm3", "phi3", "gemma2", "gemma3", "qwen3_moe", "olmoe", "mixtral"],
 )
 def test_from_safetensors_is_exact(tmp_path: Path, build, cls: str) -> None:
     ref = build()
     ref.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
     assert type(loaded.model).__name__ == cls
+    toks = tokens()
+    diff = (paged_logits(loaded.model, toks, 40) - reference_logits(ref, toks)).abs().max()
+    assert diff < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_in_transformers_own_layout(tmp_path: Path, family: str) -> None:
+    """A checkpoint saved with `save_original_format=False` holds each projection of a
+    layer's experts as one 3-D tensor (and Mixtral's under `mlp.`): it serves the model
+    its per-expert checkpoint does."""
+    from safetensors import safe_open
+
+    ref = moe_reference(family)
+    ref.save_pretrained(tmp_path, save_original_format=False)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        shape = f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape()
+    assert len(shape) == 3
+    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
     toks = tokens()
     diff = (paged_logits(loaded.model, toks, 40) - reference_logits(ref, toks)).abs().max()
     assert diff < 1e-4
@@ -178,6 +201,34 @@ def test_gemma_gguf(tmp_path: Path, version: int, qtype: GGMLQuantizationType) -
     quantized = load_model(str(path), dtype="float32", device="cpu")
     linears = [m for m in quantized.model.modules() if isinstance(m, Linear)]
     assert all(m.quantized is not None for m in linears)
+    got = paged_logits(quantized.model, toks, 40)
+    assert (got - oracle).abs().mean() < 0.075 * oracle.std()
+    assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K])
+def test_qwen3moe_gguf(tmp_path: Path, qtype: GGMLQuantizationType) -> None:
+    """A Qwen3-MoE file as llama.cpp writes one: each projection of a layer's experts one
+    3-D tensor of blocks, the router float32, the experts' width in the metadata.
+    Dequantized it is transformers' model on the file's values; quantized, every expert
+    keeps its own blocks and the model is within int8 rounding of it."""
+    ref = qwen3moe_for_gguf()
+    path = write_gguf(ref, tmp_path / "qwen3moe.gguf", qtype)
+    expected = dequantized_like(copy.deepcopy(ref), path)
+    toks = tokens()
+    oracle = reference_logits(expected, toks)
+    plain = load_model(str(path), dtype="float32", device="cpu", quantization="none")
+    assert type(plain.model).__name__ == "Qwen3MoeModel"
+    assert all(hasattr(layer, "moe") for layer in plain.model.layers)
+    assert (paged_logits(plain.model, toks, 40) - oracle).abs().max() < 1e-4
+    quantized = load_model(str(path), dtype="float32", device="cpu")
+    experts = [e for layer in quantized.model.layers for e in layer.moe.experts]
+    assert len(experts) == 3 * 8
+    for expert in experts:
+        for linear in (expert.gate_up_proj, expert.down_proj):
+            assert linear.quantized is not None
+            assert linear.quantized.weight.source == qtype.name
+    assert all(layer.moe.gate.quantized is None for layer in quantized.model.layers)
     got = paged_logits(quantized.model, toks, 40)
     assert (got - oracle).abs().mean() < 0.075 * oracle.std()
     assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.8

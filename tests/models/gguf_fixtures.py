@@ -5,11 +5,13 @@ dequantizes the K formats).
 - `quantize_q4_k`: float32 [n, k] -> Q4_K blocks, the scales and mins chosen per 32 values
   from their range (llama.cpp searches better ones; any valid blocks serve here).
 - `gemma_for_gguf`: a random Gemma 2 or 3 whose options a GGUF file can carry.
-- `write_gguf`: a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 model as a GGUF
-  file: its config as metadata, a byte-level BPE tokenizer of the model's vocabulary size,
-  its 2-D weights in the given format (norms and biases float32), Llama's Q/K rows
-  permuted, Phi-3's LongRoPE factors stored as tensors and Gemma's norms as 1 + w, as
-  llama.cpp's converter does.
+- `qwen3moe_for_gguf`: a random Qwen3-MoE as llama.cpp runs one (every layer sparse).
+- `write_gguf`: a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3/Qwen3-MoE model as
+  a GGUF file: its config as metadata, a byte-level BPE tokenizer of the model's
+  vocabulary size, its 2-D weights in the given format (norms, biases and routers
+  float32), each projection of a layer's experts as one 3-D tensor of the experts' blocks,
+  Llama's Q/K rows permuted, Phi-3's LongRoPE factors stored as tensors and Gemma's norms
+  as 1 + w, as llama.cpp's converter does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -101,7 +110,7 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     """Write `model` (a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma/SmolLM3 causal LM) to `path` as
     GGUF (without tokenizer metadata if not `tokenizer`)."""
     cfg = model.config
-    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(cfg.model_type, cfg.model_type)
     gemma = arch in ("gemma2", "gemma3")
     w = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -128,6 +137,10 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     w.add_vocab_size(cfg.vocab_size)
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, key, None):
             w.add_key_value(f"{arch}.{key}", float(getattr(cfg, key)), gguf.GGUFValueType.FLOAT32)
@@ -166,6 +179,8 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+        "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_exps": "ffn_gate_exps",
+        "mlp.experts.up_exps": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps",
     }  # fmt: skip
     if gemma:
         layer_names.update(
@@ -176,6 +191,7 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     state = model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = _experts_apart(state)
     for name, t in state.items():
         if name in names:
             gname = names[name]
@@ -187,7 +203,12 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
             a = a + 1.0
         if arch in ("llama", "smollm3") and (".q_proj." in name or ".k_proj." in name):
             a = _rope_permute(a, heads if ".q_proj." in name else kv_heads)
-        if a.ndim == 2:
+        if a.ndim == 3:  # the experts' blocks, each expert's rows encoded alone
+            encoded = [_encode(expert, qtype) for expert in a]
+            w.add_tensor(gname, np.stack([d for d, _ in encoded]), raw_dtype=encoded[0][1])
+        elif a.ndim == 2 and gname.endswith("ffn_gate_inp.weight"):
+            w.add_tensor(gname, np.ascontiguousarray(a))  # llama.cpp keeps routers float
+        elif a.ndim == 2:
             data, used = _encode(a, qtype)
             w.add_tensor(gname, data, raw_dtype=used)
         else:
@@ -197,6 +218,43 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _experts_apart(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' 3-D expert parameters under names the layer map knows, its fused
+    gate/up [E, 2I, d] as the file's two tensors (`ffn_gate_exps`, `ffn_up_exps`)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            layer = name.removesuffix("mlp.experts.gate_up_proj")
+            out[f"{layer}mlp.experts.gate_exps.weight"] = gate
+            out[f"{layer}mlp.experts.up_exps.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            out[f"{name}.weight"] = t
+        else:
+            out[name] = t
+    return out
+
+
+def qwen3moe_for_gguf() -> torch.nn.Module:
+    """A random Qwen3-MoE as llama.cpp runs one: every layer sparse, the top-k weights
+    renormalized; 8 experts of width 256, top 2, hidden 256 (so Q4_K super-blocks fit)."""
+    cfg = Qwen3MoeConfig(
+        num_hidden_layers=3, hidden_size=256, intermediate_size=512, vocab_size=512,
+        max_position_embeddings=256, initializer_range=0.05, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, moe_intermediate_size=256, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        pad_token_id=0, bos_token_id=510, eos_token_id=511,
+    )  # fmt: skip
+    torch.manual_seed(25)
+    ref = Qwen3MoeForCausalLM(cfg)
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    return ref.eval()
 
 
 def gemma_for_gguf(version: int) -> torch.nn.Module:
@@ -238,6 +296,7 @@ def dequantized_like(model: Any, path: Path) -> Any:
 
     reader = open_reader(path)
     weights = dict(iter_tensors(reader, model.config, dequantize=True))
+    weights.update(_experts_together(weights, model))
     with torch.no_grad():
         for name, p in model.named_parameters():
             key = (
@@ -247,3 +306,24 @@ def dequantized_like(model: Any, path: Path) -> Any:
             )
             p.copy_(weights[key])
     return model
+
+
+def _experts_together(weights: dict[str, Any], model: Any) -> dict[str, torch.Tensor]:
+    """The file's per-expert weights as transformers' 3-D parameters of `model`."""
+    out = {}
+    for name, _ in model.named_parameters():
+        layer, sep, proj = name.rpartition("mlp.experts.")
+        if not sep:
+            continue
+        count = model.config.num_experts
+        if proj == "gate_up_proj":
+            out[name] = torch.stack([
+                torch.cat((weights[f"{layer}mlp.experts.{e}.gate_proj.weight"],
+                           weights[f"{layer}mlp.experts.{e}.up_proj.weight"]))
+                for e in range(count)
+            ])  # fmt: skip
+        else:
+            out[name] = torch.stack(
+                [weights[f"{layer}mlp.experts.{e}.down_proj.weight"] for e in range(count)]
+            )
+    return out

@@ -1,8 +1,9 @@
 """Batch invariance of the architectures built on Llama's layer, served quantized as the
 default serves GGUF files (and `--quantization int8` safetensors): a sequence's logits
 are the same bits alone, prefilled whole, as among other sequences, its prompt chunked
-beside their prefills and decodes. Sliding windows, score caps, layers without RoPE and
-Gemma's norms all keep each row on its own."""
+beside their prefills and decodes. Sliding windows, score caps, layers without RoPE,
+Gemma's norms and experts shared with other sequences' tokens all keep each row on its
+own (the mixture-of-experts models also in their float weights: `auto` on safetensors)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf_fixtures import gemma_for_gguf, write_gguf
+from gguf_fixtures import gemma_for_gguf, qwen3moe_for_gguf, write_gguf
 from model_test_utils import Blocks, PagedSeq, schedule
-from test_model_equivalence import mistral_reference, phi3_reference, smollm3_reference
+from test_model_equivalence import (
+    mistral_reference,
+    moe_reference,
+    phi3_reference,
+    smollm3_reference,
+)
 
 from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.loader import load_model
@@ -46,6 +52,11 @@ MODELS = {
     "phi3": (from_gguf(lambda: phi3_reference("long"), Q8_0), "auto"),
     "gemma2": (from_gguf(lambda: gemma_for_gguf(2), Q4_K), "auto"),
     "gemma3": (from_gguf(lambda: gemma_for_gguf(3), Q8_0), "auto"),
+    "qwen3moe": (from_gguf(qwen3moe_for_gguf, Q4_K), "auto"),
+    "qwen3_moe_int8": (from_safetensors(lambda: moe_reference("qwen3_moe")), "int8"),
+    "qwen3_moe_float": (from_safetensors(lambda: moe_reference("qwen3_moe")), "auto"),
+    "olmoe": (from_safetensors(lambda: moe_reference("olmoe")), "int8"),
+    "mixtral": (from_safetensors(lambda: moe_reference("mixtral")), "auto"),
 }
 
 
