@@ -88,7 +88,8 @@ THINKING_MODEL = {
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
 
-# Each architecture: (config class, model class, what sets it apart), 2 layers 64 wide.
+# Each architecture: (config class, model class, what sets it apart), 2 layers 64 wide
+# (a mixture of experts: its experts' count, top k and width).
 TINY_ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),
@@ -127,6 +128,27 @@ TINY_ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
         },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        {"num_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 32},
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8},
     ),
 }
 

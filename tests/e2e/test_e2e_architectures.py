@@ -1,5 +1,6 @@
 """A tiny random model of each architecture built on Llama's layer (Mistral, SmolLM3, Phi-3,
-Gemma 2, Gemma 3: tests/model_fixtures.py) behind `flowllm serve` with the default graph,
+Gemma 2, Gemma 3, and the mixtures of experts Qwen3-MoE, OLMoE and Mixtral:
+tests/model_fixtures.py) behind `flowllm serve` with the default graph,
 through the openai SDK: a greedy completion is transformers' greedy continuation on the
 same checkpoint (its prompt and output longer than the sliding windows), and a streamed
 chat answer is the whole one."""
