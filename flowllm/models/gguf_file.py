@@ -14,10 +14,11 @@ context, the attention factor, the sliding window). Gemma 2 and 3 files store ea
 their score caps and global rope scaling in metadata transformers' reader drops; their
 attention scale is llama.cpp's (`_complete_gemma`). A SmolLM3 file has Llama's layout (Q/K
 permuted); transformers' reader has no config for it, so it is read here
-(`_smollm3_config`). A Qwen3-MoE file holds each projection of a layer's experts as one
-3-D tensor [experts, rows, in] (`ffn_gate_exps`, ...): it is split here into each
-expert's weight, a quantized slice staying quantized on its own, and its experts' width
-goes to the config, which transformers' reader leaves at its default.
+(`_smollm3_config`). Qwen3-MoE and Mixtral files (Mixtral's are `llama` files with an
+`expert_count`, which transformers' reader reads as a dense Llama: `_complete_experts`
+makes the config Mixtral's) hold each projection of a layer's experts as one 3-D tensor
+[experts, rows, in] (`ffn_gate_exps`, ...): it is split here into each expert's weight,
+a quantized slice staying quantized on its own.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ _MOE_LAYER = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _ARCH_LAYER = {
+    "llama": _MOE_LAYER,  # Mixtral's files are llama's
     "phi3": {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen3moe": _MOE_LAYER,
     "gemma2": _GEMMA_LAYER,
@@ -164,6 +166,8 @@ def load_config(path: Path, reader: Any) -> Any:
         _complete_gemma(config, reader, arch)
     if arch == "qwen3moe":
         _complete_qwen3moe(config, reader)
+    if arch == "llama" and _field(reader, "llama.expert_count"):
+        _complete_experts(config, reader)
     return config
 
 
@@ -232,6 +236,15 @@ def _complete_qwen3moe(config: Any, reader: Any) -> None:
     config.decoder_sparse_step = 1
     config.mlp_only_layers = []
     config.norm_topk_prob = True
+
+
+def _complete_experts(config: Any, reader: Any) -> None:
+    """A `llama` file with experts is a Mixtral: its experts' count and top k, which
+    transformers' Llama reader drops."""
+    config.model_type = "mixtral"
+    config.architectures = ["MixtralForCausalLM"]
+    config.num_local_experts = int(_field(reader, "llama.expert_count"))
+    config.num_experts_per_tok = int(_field(reader, "llama.expert_used_count"))
 
 
 def _complete_phi3(config: Any, reader: Any) -> None:

@@ -1,8 +1,8 @@
 """Mistral, SmolLM3, Phi-3, Gemma 2, Gemma 3 and the mixture-of-experts families served
 from the files people have: a safetensors directory as transformers saves it (experts
 apart, or in transformers 5's own 3-D layout) and a config.json in the older style Hub
-checkpoints carry, exact against transformers; Phi-3, SmolLM3, Gemma and Qwen3-MoE GGUF
-files as llama.cpp writes them, exact dequantized and close quantized."""
+checkpoints carry, exact against transformers; Phi-3, SmolLM3, Gemma, Qwen3-MoE and
+Mixtral GGUF files as llama.cpp writes them, exact dequantized and close quantized."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from gguf_fixtures import dequantized_like, gemma_for_gguf, qwen3moe_for_gguf, write_gguf
+from gguf_fixtures import dequantized_like, gemma_for_gguf, moe_for_gguf, write_gguf
 from model_test_utils import paged_logits, reference_logits
 from test_model_equivalence import (
     SMALL,
@@ -206,19 +206,20 @@ def test_gemma_gguf(tmp_path: Path, version: int, qtype: GGMLQuantizationType) -
     assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.8
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K])
-def test_qwen3moe_gguf(tmp_path: Path, qtype: GGMLQuantizationType) -> None:
-    """A Qwen3-MoE file as llama.cpp writes one: each projection of a layer's experts one
-    3-D tensor of blocks, the router float32, the experts' width in the metadata.
-    Dequantized it is transformers' model on the file's values; quantized, every expert
-    keeps its own blocks and the model is within int8 rounding of it."""
-    ref = qwen3moe_for_gguf()
-    path = write_gguf(ref, tmp_path / "qwen3moe.gguf", qtype)
+def test_experts_gguf(tmp_path: Path, family: str, qtype: GGMLQuantizationType) -> None:
+    """Qwen3-MoE and Mixtral files as llama.cpp writes them (Mixtral's a `llama` file with
+    an expert count): each projection of a layer's experts one 3-D tensor of blocks, the
+    router float32. Dequantized it is transformers' model on the file's values; quantized,
+    every expert keeps its own blocks and the model is within int8 rounding of it."""
+    ref = moe_for_gguf(family)
+    path = write_gguf(ref, tmp_path / f"{family}.gguf", qtype)
     expected = dequantized_like(copy.deepcopy(ref), path)
     toks = tokens()
     oracle = reference_logits(expected, toks)
     plain = load_model(str(path), dtype="float32", device="cpu", quantization="none")
-    assert type(plain.model).__name__ == "Qwen3MoeModel"
+    assert type(plain.model).__name__ == type(ref).__name__.replace("ForCausalLM", "Model")
     assert all(hasattr(layer, "moe") for layer in plain.model.layers)
     assert (paged_logits(plain.model, toks, 40) - oracle).abs().max() < 1e-4
     quantized = load_model(str(path), dtype="float32", device="cpu")

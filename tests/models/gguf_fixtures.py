@@ -5,13 +5,13 @@ dequantizes the K formats).
 - `quantize_q4_k`: float32 [n, k] -> Q4_K blocks, the scales and mins chosen per 32 values
   from their range (llama.cpp searches better ones; any valid blocks serve here).
 - `gemma_for_gguf`: a random Gemma 2 or 3 whose options a GGUF file can carry.
-- `qwen3moe_for_gguf`: a random Qwen3-MoE as llama.cpp runs one (every layer sparse).
-- `write_gguf`: a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3/Qwen3-MoE model as
-  a GGUF file: its config as metadata, a byte-level BPE tokenizer of the model's
-  vocabulary size, its 2-D weights in the given format (norms, biases and routers
-  float32), each projection of a layer's experts as one 3-D tensor of the experts' blocks,
-  Llama's Q/K rows permuted, Phi-3's LongRoPE factors stored as tensors and Gemma's norms
-  as 1 + w, as llama.cpp's converter does.
+- `moe_for_gguf`: a random Qwen3-MoE or Mixtral as llama.cpp runs them.
+- `write_gguf`: a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3/Qwen3-MoE/Mixtral
+  model as a GGUF file (Mixtral's as a `llama` file with experts): its config as metadata,
+  a byte-level BPE tokenizer of the model's vocabulary size, its 2-D weights in the given
+  format (norms, biases and routers float32), each projection of a layer's experts as one
+  3-D tensor of the experts' blocks, Llama's Q/K rows permuted, Phi-3's LongRoPE factors
+  stored as tensors and Gemma's norms as 1 + w, as llama.cpp's converter does.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -110,7 +112,9 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     """Write `model` (a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma/SmolLM3 causal LM) to `path` as
     GGUF (without tokenizer metadata if not `tokenizer`)."""
     cfg = model.config
-    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(cfg.model_type, cfg.model_type)
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(
+        cfg.model_type, cfg.model_type
+    )
     gemma = arch in ("gemma2", "gemma3")
     w = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -137,9 +141,10 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     w.add_vocab_size(cfg.vocab_size)
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
-    if arch == "qwen3moe":
-        w.add_expert_count(cfg.num_experts)
+    if cfg.model_type in ("qwen3_moe", "mixtral"):
+        w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen3moe":
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, key, None):
@@ -237,18 +242,26 @@ def _experts_apart(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def qwen3moe_for_gguf() -> torch.nn.Module:
-    """A random Qwen3-MoE as llama.cpp runs one: every layer sparse, the top-k weights
-    renormalized; 8 experts of width 256, top 2, hidden 256 (so Q4_K super-blocks fit)."""
-    cfg = Qwen3MoeConfig(
-        num_hidden_layers=3, hidden_size=256, intermediate_size=512, vocab_size=512,
-        max_position_embeddings=256, initializer_range=0.05, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, moe_intermediate_size=256, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        pad_token_id=0, bos_token_id=510, eos_token_id=511,
+def moe_for_gguf(family: str) -> torch.nn.Module:
+    """A random Qwen3-MoE ("qwen3_moe") or Mixtral as llama.cpp runs them: every layer
+    sparse, the top-k weights renormalized; 8 experts of width 256, top 2, hidden 256 (so
+    Q4_K super-blocks fit)."""
+    kw: dict[str, object] = dict(
+        num_hidden_layers=3, hidden_size=256, vocab_size=512, max_position_embeddings=256,
+        initializer_range=0.05, num_attention_heads=4, num_key_value_heads=2,
+        num_experts_per_tok=2, pad_token_id=0, bos_token_id=510, eos_token_id=511,
     )  # fmt: skip
     torch.manual_seed(25)
-    ref = Qwen3MoeForCausalLM(cfg)
+    ref: Any
+    if family == "qwen3_moe":
+        ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **kw, intermediate_size=512, head_dim=64, moe_intermediate_size=256,
+            num_experts=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        ))  # fmt: skip
+    else:
+        ref = MixtralForCausalLM(
+            MixtralConfig(**kw, intermediate_size=256, num_local_experts=8)
+        )
     ref.set_experts_implementation("eager")
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -315,7 +328,7 @@ def _experts_together(weights: dict[str, Any], model: Any) -> dict[str, torch.Te
         layer, sep, proj = name.rpartition("mlp.experts.")
         if not sep:
             continue
-        count = model.config.num_experts
+        count = model.config.num_local_experts
         if proj == "gate_up_proj":
             out[name] = torch.stack([
                 torch.cat((weights[f"{layer}mlp.experts.{e}.gate_proj.weight"],

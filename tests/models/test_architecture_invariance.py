@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf_fixtures import gemma_for_gguf, qwen3moe_for_gguf, write_gguf
+from gguf_fixtures import gemma_for_gguf, moe_for_gguf, write_gguf
 from model_test_utils import Blocks, PagedSeq, schedule
 from test_model_equivalence import (
     mistral_reference,
@@ -52,7 +52,8 @@ MODELS = {
     "phi3": (from_gguf(lambda: phi3_reference("long"), Q8_0), "auto"),
     "gemma2": (from_gguf(lambda: gemma_for_gguf(2), Q4_K), "auto"),
     "gemma3": (from_gguf(lambda: gemma_for_gguf(3), Q8_0), "auto"),
-    "qwen3moe": (from_gguf(qwen3moe_for_gguf, Q4_K), "auto"),
+    "qwen3moe": (from_gguf(lambda: moe_for_gguf("qwen3_moe"), Q4_K), "auto"),
+    "mixtral_gguf": (from_gguf(lambda: moe_for_gguf("mixtral"), Q8_0), "auto"),
     "qwen3_moe_int8": (from_safetensors(lambda: moe_reference("qwen3_moe")), "int8"),
     "qwen3_moe_float": (from_safetensors(lambda: moe_reference("qwen3_moe")), "auto"),
     "olmoe": (from_safetensors(lambda: moe_reference("olmoe")), "int8"),
