@@ -8,9 +8,10 @@ fixtures in conftest.py wrap them with the right scope.
 - `build_next_token_qwen3_dir`: a Qwen3 checkpoint whose greedy next token is a fixed
   function of the current token, so that a test scripts what it generates.
 - `build_tiny_dir`: a tiny random checkpoint of one of the architectures built on Llama's
-  layer (Mistral, SmolLM3, Phi-3, Gemma 2, Gemma 3), with the real GPT-2 tokenizer, as
-  transformers saves it; each with the options that set it apart (a window shorter than
-  the e2e prompts, layers without RoPE, LongRoPE, score caps).
+  layer (Mistral, SmolLM3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE, OLMoE, Mixtral), with the
+  real GPT-2 tokenizer, as transformers saves it; each with the options that set it apart
+  (a window shorter than the e2e prompts, layers without RoPE, LongRoPE, score caps,
+  experts and a dense layer among sparse ones).
 - `populate_hf_cache`: lays a directory out as huggingface_hub's cache does
   (`models--org--name/{blobs,snapshots/<commit>,refs/main,trees/<commit>.json}`), so that
   `snapshot_download` finds it offline through its real code path.

@@ -1,6 +1,8 @@
 """Llama (`LlamaForCausalLM` configs, SmolLM2 among them) on flattened token batches and a
 paged KV cache, and the decoders that are its layer with options: Qwen2, Qwen3, Mistral,
-SmolLM3 and Phi-3 here, Gemma 2 and 3 in `flowllm.models.gemma`.
+SmolLM3 and Phi-3 here, Gemma 2 and 3 in `flowllm.models.gemma`, and the mixtures of
+experts (Qwen3-MoE, OLMoE, Mixtral: some or all layers' MLP a router and experts) in
+`flowllm.models.moe`.
 
 RMSNorm, rotary positions (`flowllm.models.rope`), grouped-query attention, a SwiGLU MLP,
 tied or untied LM head. q/k/v and gate/up are fused into one linear layer each at load
@@ -182,9 +184,9 @@ class LlamaBlock(nn.Module):
 class LlamaModel(PagedCausalLM):
     """Llama with an LM head; `forward` returns logits only for `ctx.logits_indices`.
 
-    Subclasses set their layers' options (`block_options`, `layer_attention`), their rotary
-    tables (`rope_tables`) and their checkpoint's names (`attention_shards`,
-    `mlp_shards`)."""
+    Subclasses set their layers' options (`block_options`, `layer_attention`) or the layers
+    themselves (`make_layer`), their rotary tables (`rope_tables`) and their checkpoint's
+    names (`attention_shards`, `mlp_shards`)."""
 
     architecture = "Llama"  # the name refusals give
     default_theta = 10000.0  # transformers' rope_theta where a config gives none
