@@ -176,8 +176,9 @@ class LlamaBlock(nn.Module):
         assert self.q_norm is not None and self.k_norm is not None
         n = qkv.shape[0]
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        q = self.q_norm(qkv[:, :q_end].reshape(-1, self.q_norm.weight.shape[0]))
-        k = self.k_norm(qkv[:, q_end:k_end].reshape(-1, self.k_norm.weight.shape[0]))
+        # contiguous rows, which the native norm takes one at a time
+        q = self.q_norm(qkv[:, :q_end].reshape(-1, self.q_norm.weight.shape[0]).contiguous())
+        k = self.k_norm(qkv[:, q_end:k_end].reshape(-1, self.k_norm.weight.shape[0]).contiguous())
         return torch.cat((q.view(n, -1), k.view(n, -1), qkv[:, k_end:]), dim=1)
 
 
