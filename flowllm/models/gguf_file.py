@@ -14,11 +14,11 @@ context, the attention factor, the sliding window). Gemma 2 and 3 files store ea
 their score caps and global rope scaling in metadata transformers' reader drops; their
 attention scale is llama.cpp's (`_complete_gemma`). A SmolLM3 file has Llama's layout (Q/K
 permuted); transformers' reader has no config for it, so it is read here
-(`_smollm3_config`). Qwen3-MoE and Mixtral files (Mixtral's are `llama` files with an
-`expert_count`, which transformers' reader reads as a dense Llama: `_complete_experts`
-makes the config Mixtral's) hold each projection of a layer's experts as one 3-D tensor
-[experts, rows, in] (`ffn_gate_exps`, ...): it is split here into each expert's weight,
-a quantized slice staying quantized on its own.
+(`_config_from_metadata`), as an OLMoE file's is. Qwen3-MoE, OLMoE and Mixtral files
+(Mixtral's are `llama` files with an `expert_count`, which transformers' reader reads as
+a dense Llama: `_complete_experts` makes the config Mixtral's) hold each projection of a
+layer's experts as one 3-D tensor [experts, rows, in] (`ffn_gate_exps`, ...): it is split
+here into each expert's weight, a quantized slice staying quantized on its own.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ ARCHITECTURES = {
     "gemma3": "gemma3_text",
     "smollm3": "smollm3",
     "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
 }
+_OWN_CONFIG = frozenset({"smollm3", "olmoe"})  # configs transformers' GGUF reader lacks
 _GEMMA = frozenset({"gemma2", "gemma3"})
 _PERMUTED_QK = frozenset({"llama", "smollm3"})
 
@@ -90,6 +92,7 @@ _ARCH_LAYER = {
     "llama": _MOE_LAYER,  # Mixtral's files are llama's
     "phi3": {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen3moe": _MOE_LAYER,
+    "olmoe": _MOE_LAYER,
     "gemma2": _GEMMA_LAYER,
     "gemma3": _GEMMA_LAYER,
 }
@@ -147,8 +150,8 @@ def load_config(path: Path, reader: Any) -> Any:
 
     arch = architecture(reader)
     try:
-        if arch == "smollm3":
-            config = _smollm3_config(reader)
+        if arch in _OWN_CONFIG:
+            config = _config_from_metadata(reader, arch)
         else:
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -177,22 +180,24 @@ def _field(reader: Any, key: str) -> Any:
     return None if field is None else field.contents()
 
 
-def _smollm3_config(reader: Any) -> Any:
-    """A SmolLM3 file's config, from its metadata (transformers' GGUF reader has no SmolLM3):
-    its layers without RoPE are every fourth, the rule llama.cpp applies to the
-    architecture, which is SmolLM3's default interval."""
-    from transformers import SmolLM3Config
+def _config_from_metadata(reader: Any, arch: str) -> Any:
+    """The config of a file whose architecture transformers' GGUF reader does not know
+    (SmolLM3, OLMoE), from its metadata: a SmolLM3's layers without RoPE are every fourth,
+    the rule llama.cpp applies to the architecture, which is SmolLM3's default interval;
+    an OLMoE's experts are `expert_count` of `feed_forward_length`, top
+    `expert_used_count`, their weights not renormalized, as llama.cpp runs it."""
+    from transformers import OlmoeConfig, SmolLM3Config
 
     def field(key: str, default: Any = None) -> Any:
-        value = _field(reader, f"smollm3.{key}")
+        value = _field(reader, f"{arch}.{key}")
         if value is None and default is None:
-            raise KeyError(f"smollm3.{key}")
+            raise KeyError(f"{arch}.{key}")
         return default if value is None else value
 
     tokens = reader.fields.get("tokenizer.ggml.tokens")  # its length, not its strings
     vocab = field("vocab_size", len(tokens.data) if tokens is not None else None)
     heads = int(field("attention.head_count"))
-    return SmolLM3Config(
+    common: dict[str, Any] = dict(
         vocab_size=int(vocab),
         hidden_size=int(field("embedding_length")),
         intermediate_size=int(field("feed_forward_length")),
@@ -202,11 +207,18 @@ def _smollm3_config(reader: Any) -> Any:
         max_position_embeddings=int(field("context_length")),
         rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
         rope_parameters={"rope_type": "default", "rope_theta": float(field("rope.freq_base"))},
-        no_rope_layer_interval=4,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
+    if arch == "olmoe":
+        return OlmoeConfig(
+            **common,
+            num_experts=int(field("expert_count")),
+            num_experts_per_tok=int(field("expert_used_count")),
+            norm_topk_prob=False,
+        )
+    return SmolLM3Config(**common, no_rope_layer_interval=4)
 
 
 def _complete_gemma(config: Any, reader: Any, arch: str) -> None:

@@ -1,8 +1,8 @@
 """Mistral, SmolLM3, Phi-3, Gemma 2, Gemma 3 and the mixture-of-experts families served
 from the files people have: a safetensors directory as transformers saves it (experts
 apart, or in transformers 5's own 3-D layout) and a config.json in the older style Hub
-checkpoints carry, exact against transformers; Phi-3, SmolLM3, Gemma, Qwen3-MoE and
-Mixtral GGUF files as llama.cpp writes them, exact dequantized and close quantized."""
+checkpoints carry, exact against transformers; Phi-3, SmolLM3, Gemma, Qwen3-MoE, OLMoE
+and Mixtral GGUF files as llama.cpp writes them, exact dequantized and close quantized."""
 
 from __future__ import annotations
 
@@ -206,13 +206,15 @@ def test_gemma_gguf(tmp_path: Path, version: int, qtype: GGMLQuantizationType) -
     assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K])
 def test_experts_gguf(tmp_path: Path, family: str, qtype: GGMLQuantizationType) -> None:
-    """Qwen3-MoE and Mixtral files as llama.cpp writes them (Mixtral's a `llama` file with
-    an expert count): each projection of a layer's experts one 3-D tensor of blocks, the
-    router float32. Dequantized it is transformers' model on the file's values; quantized,
-    every expert keeps its own blocks and the model is within int8 rounding of it."""
+    """Qwen3-MoE, OLMoE and Mixtral files as llama.cpp writes them (OLMoE's config read
+    from the metadata, Mixtral's a `llama` file with an expert count): each projection of
+    a layer's experts one 3-D tensor of blocks, the router float32. Dequantized it is
+    transformers' model on the file's values; quantized, every expert keeps its own
+    blocks and the model is within int8 rounding of it; its tokenizer comes from the
+    file."""
     ref = moe_for_gguf(family)
     path = write_gguf(ref, tmp_path / f"{family}.gguf", qtype)
     expected = dequantized_like(copy.deepcopy(ref), path)
@@ -233,3 +235,5 @@ def test_experts_gguf(tmp_path: Path, family: str, qtype: GGMLQuantizationType) 
     got = paged_logits(quantized.model, toks, 40)
     assert (got - oracle).abs().mean() < 0.075 * oracle.std()
     assert (got.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.8
+    tokenizer = gguf_file.load_tokenizer(path, tmp_path / "cache")
+    assert tokenizer.decode(tokenizer("Hello there").input_ids) == "Hello there"

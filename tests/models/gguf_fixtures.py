@@ -5,13 +5,14 @@ dequantizes the K formats).
 - `quantize_q4_k`: float32 [n, k] -> Q4_K blocks, the scales and mins chosen per 32 values
   from their range (llama.cpp searches better ones; any valid blocks serve here).
 - `gemma_for_gguf`: a random Gemma 2 or 3 whose options a GGUF file can carry.
-- `moe_for_gguf`: a random Qwen3-MoE or Mixtral as llama.cpp runs them.
-- `write_gguf`: a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3/Qwen3-MoE/Mixtral
-  model as a GGUF file (Mixtral's as a `llama` file with experts): its config as metadata,
-  a byte-level BPE tokenizer of the model's vocabulary size, its 2-D weights in the given
-  format (norms, biases and routers float32), each projection of a layer's experts as one
-  3-D tensor of the experts' blocks, Llama's Q/K rows permuted, Phi-3's LongRoPE factors
-  stored as tensors and Gemma's norms as 1 + w, as llama.cpp's converter does.
+- `moe_for_gguf`: a random Qwen3-MoE, OLMoE or Mixtral as llama.cpp runs them.
+- `write_gguf`: a transformers Llama/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3/SmolLM3/Qwen3-MoE/
+  OLMoE/Mixtral model as a GGUF file (Mixtral's as a `llama` file with experts): its
+  config as metadata, a byte-level BPE tokenizer of the model's vocabulary size, its 2-D
+  weights in the given format (norms, biases and routers float32), each projection of a
+  layer's experts as one 3-D tensor of the experts' blocks, Llama's Q/K rows permuted,
+  Phi-3's LongRoPE factors stored as tensors and Gemma's norms as 1 + w, as llama.cpp's
+  converter does.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from transformers import (
     Gemma3TextConfig,
     MixtralConfig,
     MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -141,7 +144,7 @@ def write_gguf(model: Any, path: Path, qtype: GGMLQuantizationType, tokenizer: b
     w.add_vocab_size(cfg.vocab_size)
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
-    if cfg.model_type in ("qwen3_moe", "mixtral"):
+    if cfg.model_type in ("qwen3_moe", "olmoe", "mixtral"):
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch == "qwen3moe":
@@ -243,9 +246,9 @@ def _experts_apart(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def moe_for_gguf(family: str) -> torch.nn.Module:
-    """A random Qwen3-MoE ("qwen3_moe") or Mixtral as llama.cpp runs them: every layer
-    sparse, the top-k weights renormalized; 8 experts of width 256, top 2, hidden 256 (so
-    Q4_K super-blocks fit)."""
+    """A random Qwen3-MoE ("qwen3_moe"), OLMoE or Mixtral as llama.cpp runs them: every
+    layer sparse, the top-k weights renormalized (OLMoE's not); 8 experts of width 256, top
+    2, hidden 256 (so Q4_K super-blocks fit)."""
     kw: dict[str, object] = dict(
         num_hidden_layers=3, hidden_size=256, vocab_size=512, max_position_embeddings=256,
         initializer_range=0.05, num_attention_heads=4, num_key_value_heads=2,
@@ -258,6 +261,8 @@ def moe_for_gguf(family: str) -> torch.nn.Module:
             **kw, intermediate_size=512, head_dim=64, moe_intermediate_size=256,
             num_experts=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         ))  # fmt: skip
+    elif family == "olmoe":
+        ref = OlmoeForCausalLM(OlmoeConfig(**kw, intermediate_size=256, num_experts=8))
     else:
         ref = MixtralForCausalLM(
             MixtralConfig(**kw, intermediate_size=256, num_local_experts=8)

@@ -57,6 +57,7 @@ MODELS = {
     "qwen3_moe_int8": (from_safetensors(lambda: moe_reference("qwen3_moe")), "int8"),
     "qwen3_moe_float": (from_safetensors(lambda: moe_reference("qwen3_moe")), "auto"),
     "olmoe": (from_safetensors(lambda: moe_reference("olmoe")), "int8"),
+    "olmoe_gguf": (from_gguf(lambda: moe_for_gguf("olmoe"), Q4_K), "auto"),
     "mixtral": (from_safetensors(lambda: moe_reference("mixtral")), "auto"),
 }
 
