@@ -634,7 +634,10 @@ class GatedActivation(nn.Module):
         if self.is_silu and fused.serves(gate_up) and gate_up.is_contiguous():
             return fused.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.act(gate) * up
+        # A contiguous gate takes the native activation, one vector formula for every
+        # element; torch's on a strided view mixes vector and scalar tanh by the tensor's
+        # shape, so a row's values would depend on the rows beside it.
+        return self.act(gate.contiguous()) * up
 
 
 def paged_attention(
