@@ -83,6 +83,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # A prompt may run in chunks over several steps; off, a step holds each prompt whole
+    # (what an encoder needs, and a pooler that reads every row).
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

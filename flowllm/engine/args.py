@@ -123,6 +123,14 @@ def add_engine_arguments(
         default=_CACHE.enable_prefix_caching,
     )
     parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=_SCHEDULER.enable_chunked_prefill,
+        help="run a long prompt in chunks over several steps (off: each prompt whole in one "
+        "step, which needs --max-num-batched-tokens >= the context length; a model served "
+        "for pooling turns it off where its pooler reads every row)",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="never replay recorded decode steps; run every step op by op",
@@ -166,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "kv_cache_memory": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
         "enforce_eager": args.enforce_eager,
         "seed": args.seed,
         **{name: getattr(args, name) for name in _LIMIT_HELP},

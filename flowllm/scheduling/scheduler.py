@@ -15,7 +15,9 @@ Per step (`schedule`), within `max_num_batched_tokens` tokens and `max_num_seqs`
 2. Then, unless something was preempted this step, waiting sequences are admitted in
    arrival order (FCFS; the head blocks the rest) with the remaining budget. A sequence
    first adopts the prefix-cache hits of its tokens, then a long prompt takes whatever
-   budget remains and continues next step.
+   budget remains and continues next step; without chunked prefill
+   (`enable_chunked_prefill` off: an encoder, which sees a prompt whole, or a pooler that
+   reads every row) it waits for a step with room for all of it.
 
 `apply` appends each step's sampled tokens and finishes sequences whose `SampledToken`
 carries a finish reason: the stop rule (flowllm.stopping) is applied once, by the
@@ -111,6 +113,13 @@ class Scheduler:
             raise ConfigError(
                 f"the KV cache ({num_blocks} blocks of {cache_config.block_size} tokens) "
                 f"cannot hold one sequence of max_model_len={max_model_len} tokens"
+            )
+        self.chunked_prefill = scheduler_config.enable_chunked_prefill
+        if not self.chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill a step must hold a whole prompt: "
+                f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is below "
+                f"max_model_len={max_model_len}"
             )
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -419,7 +428,7 @@ class Scheduler:
             hits = kv.find_cached_prefix(seq.seq_id, seq.token_ids) if seq.use_prefix_cache else []
             num_hit_tokens = len(hits) * self.block_size
             num_new = min(num_tokens - num_hit_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or (not self.chunked_prefill and num_new < num_tokens - num_hit_tokens):
                 break
             rec = kv.allocate_slots(seq.seq_id, seq.token_ids, 0, num_new, hits)
             if rec is None:

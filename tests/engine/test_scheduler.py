@@ -687,3 +687,31 @@ def test_prompt_logits_are_asked_until_the_prompt_was_computed_once() -> None:
     sample(sched, b1)
     b2 = sched.schedule()
     assert b2 is not None and 0 in rows(b2) and b2.prompt_logits_for == ()
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_that_holds_it_whole() -> None:
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=False),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        num_blocks=64,
+        max_model_len=64,
+    )
+    sched.add_request(request("a", range(1, 41), max_tokens=1))
+    sched.add_request(request("b", range(1, 31), max_tokens=1))  # 40 + 30 > 64
+    sched.add_request(request("c", range(1, 11), max_tokens=1))  # FCFS: waits behind b
+    first = sched.schedule()
+    assert first is not None and rows(first) == {0: (0, 40, True)}
+    finished = sample(sched, first, finish={0: ("stop", None)})
+    assert [f.seq_id for f in finished] == [0]
+    second = sched.schedule()
+    assert second is not None and rows(second) == {1: (0, 30, True), 2: (0, 10, True)}
+
+
+def test_without_chunked_prefill_a_step_must_hold_the_longest_prompt() -> None:
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=32 is below max_model_len=64"):
+        Scheduler(
+            SchedulerConfig(max_num_batched_tokens=32, enable_chunked_prefill=False),
+            CacheConfig(block_size=4),
+            num_blocks=64,
+            max_model_len=64,
+        )
