@@ -7,6 +7,8 @@ the same at batch 1 and batch 256.
     ingest ─GenerateRequest─▶ validate ─ValidRequest─▶ tokenize ─TokenizedRequest─▶ schedule
     schedule ─StepBatch─▶ execute ─StepLogits─▶ sample ─StepTokens─▶ schedule, detokenize
     schedule ─StepBatch─▶ guide ─StepMasks─▶ sample   (beside execute: constrained outputs)
+    schedule ─StepBatch─▶ execute ─StepHidden─▶ pool ─StepTokens─▶ schedule
+                              (the pooling graph: pool ─TextDeltas─▶ deliver, vectors as chunks)
     schedule ─ChoiceEvents─▶ detokenize       (a choice starts, or ends unseen by detokenize)
     detokenize ─TextDeltas─▶ deliver ─Chunk─▶ the request's mailbox (flowllm/mailbox.py)
     detokenize ─Finish─▶ schedule            (a stop string ended a sequence)
@@ -96,6 +98,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     structured_outputs: StructuredOutputs | None = None  # filled in by the guide stage
 
 
+class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a pooling request (an embedding, a score) asks of its prompt's vector, as in
+    vLLM's PoolingParams; the pool stage computes it (flowllm.models.pooling)."""
+
+    # Matryoshka truncation: the first `dimensions` values, normalized again (None: all).
+    dimensions: int | None = None
+    normalize: bool | None = None  # L2-normalize the vector (None: as the model's pooler does)
+    # A cross-encoder pair: token type 1 from this position on (set by tokenize).
+    token_type_start: int | None = None
+
+
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
     """A function call of an assistant turn: `arguments` is JSON text, as OpenAI sends it."""
 
@@ -142,6 +155,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # Prefix-cache isolation: blocks cached under one salt are never hit by another salt or
     # by requests without one (see flowllm/scheduling/block_pool.py, "Block hashes").
     cache_salt: str | None = None
+    # A pooling request (the pooling graph): the prompt's vector instead of generated text.
+    pooling: PoolingParams | None = None
+    # A cross-encoder's second text: `prompt` and it are tokenized as one pair.
+    text_pair: str | None = None
 
 
 class ValidRequest(msgspec.Struct, frozen=True):
@@ -160,6 +177,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     arrival_time: float
     prompt_text: str | None = None  # set when the request asked for echo
     cache_salt: str | None = None  # GenerateRequest.cache_salt
+    pooling: PoolingParams | None = None  # GenerateRequest.pooling, the pair's split set
 
 
 class Abort(msgspec.Struct, frozen=True):
@@ -202,6 +220,8 @@ class SeqStart(msgspec.Struct, frozen=True, kw_only=True):
     sample reads the parameters, the prompt (penalties, prompt logprobs, the length limit)
     and the EOS ids (the stop rule, min_tokens); guide the constraint and the prompt's
     length; readers of the batch (tracing, trace timelines) map the sequence to its request.
+    In a pooling graph, execute reads `pooling` (a cross-encoder pair's token types) and
+    pool the rest.
     """
 
     seq_id: int
@@ -210,6 +230,7 @@ class SeqStart(msgspec.Struct, frozen=True, kw_only=True):
     params: SamplingParams
     prompt_token_ids: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
+    pooling: PoolingParams | None = None  # a pooling request's
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -239,6 +260,14 @@ class StepLogits(msgspec.Struct, kw_only=True):
     batch: StepBatch
     logits: Any  # torch.Tensor [num_sampling_seqs, vocab_size], float32
     prompt_logits: dict[int, Any] = {}  # seq_id -> [num_prompt_tokens_this_step, vocab]
+
+
+class StepHidden(msgspec.Struct, kw_only=True):
+    """The model's last hidden states of every row of a step (a pooling graph's execute ->
+    pool): row k of sequence i is row `sum(len(seqs[j].token_ids) for j < i) + k`."""
+
+    batch: StepBatch
+    hidden: Any  # torch.Tensor [num_tokens, hidden_size], the model's dtype
 
 
 class StepMasks(msgspec.Struct, kw_only=True):
@@ -313,7 +342,8 @@ class Chunk(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """New output of one choice since its previous chunk: what a request's mailbox yields.
 
     The first chunk of a choice carries the prompt (for echo and prompt logprobs); the last
-    carries its finish_reason. Pending chunks of a slow reader merge (`merge_chunks`).
+    carries its finish_reason. Pending chunks of a slow reader merge (`merge_chunks`). A
+    pooling request has one chunk, its vector in `pooled`.
     """
 
     request_id: str
@@ -329,6 +359,7 @@ class Chunk(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
     scheduled_time: float = 0.0  # on a choice's first chunk: ChoiceStart.scheduled_time
+    pooled: bytes = b""  # a pooling request's vector: float32, little-endian
 
 
 def merge_chunks(chunks: Sequence[Chunk]) -> Chunk:
@@ -346,6 +377,7 @@ def merge_chunks(chunks: Sequence[Chunk]) -> Chunk:
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
         num_output_tokens=last.num_output_tokens,
+        pooled=last.pooled,
     )
 
 

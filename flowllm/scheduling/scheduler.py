@@ -185,6 +185,7 @@ class Scheduler:
                 prompt_text=request.prompt_text,
                 use_prefix_cache=use_cache,
                 cache_salt=request.cache_salt,
+                pooling=request.pooling,
             )
             if request.cache_salt is not None:
                 self.kv.set_cache_salt(seq.seq_id, request.cache_salt)
@@ -308,6 +309,7 @@ class Scheduler:
                     arrival_time=first.arrival_time,
                     prompt_text=first.prompt_text,
                     cache_salt=first.cache_salt,
+                    pooling=first.pooling,
                 )
             )
         started = [seq.seq_id for seq in self._seqs.values() if seq.started]

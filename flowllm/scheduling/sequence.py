@@ -16,7 +16,7 @@ import enum
 
 import msgspec
 
-from flowllm.messages import ChoiceStart, FinishReason, SamplingParams, SeqStart
+from flowllm.messages import ChoiceStart, FinishReason, PoolingParams, SamplingParams, SeqStart
 
 
 class SequenceStatus(enum.IntEnum):
@@ -77,6 +77,7 @@ class Sequence:
         "num_prompt_tokens",
         "output_limit",
         "params",
+        "pooling",
         "prompt_text",
         "prompt_token_ids",
         "request_id",
@@ -103,6 +104,7 @@ class Sequence:
         prompt_text: str | None = None,
         use_prefix_cache: bool = True,
         cache_salt: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -117,6 +119,7 @@ class Sequence:
         # Requests asking for prompt logprobs compute every prompt token, so never reuse.
         self.use_prefix_cache = use_prefix_cache
         self.cache_salt = cache_salt  # its request's: prefix-cache blocks it may share
+        self.pooling = pooling  # a pooling request's (pool reads it from the SeqStart)
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + outputs so far
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -156,6 +159,7 @@ class Sequence:
             params=self.params,
             prompt_token_ids=self.prompt_token_ids,
             eos_token_ids=self.eos_token_ids,
+            pooling=self.pooling,
         )
 
     def to_choice_start(self, start: SeqStart, scheduled_time: float) -> ChoiceStart:

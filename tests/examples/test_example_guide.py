@@ -121,12 +121,12 @@ def test_message_tables_list_every_field_with_its_type() -> None:
         documented = [(r[0].strip("| `"), r[1].strip("`").replace("\\|", "|")) for r in rows]
         actual = [(f.name, _type_text(hints[f.name])) for f in msgspec.structs.fields(cls)]
         assert documented == actual, name
-    # every type on an edge of the default graph (and the structs inside them) has a table
+    # every type on an edge of the built-in graphs (and the structs inside them) has a table
     on_edges = {
         "GenerateRequest", "ValidRequest", "TokenizedRequest", "Abort", "RequestError",
         "StepBatch", "ScheduledSeq", "SeqStart", "StepMasks", "StepLogits", "StepTokens",
         "SampledToken", "ChoiceEvents", "ChoiceStart",
-        "TokenLogprobs", "Finish", "TextDeltas", "Chunk",
+        "TokenLogprobs", "Finish", "TextDeltas", "Chunk", "StepHidden",
     }  # fmt: skip
     assert set(tables) == on_edges
 
