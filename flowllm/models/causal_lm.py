@@ -27,6 +27,7 @@ class PagedCausalLM(nn.Module, abc.ABC):
 
     lm_head: Linear
     dtype: torch.dtype  # the activations' (and float weights')
+    device: torch.device
     max_position_embeddings: int  # the longest context the model was trained for
     # "int8": `load_weights` quantizes the float linear layers (see layers.pack_linears)
     quantization: str | None = None
@@ -65,6 +66,30 @@ class PagedCausalLM(nn.Module, abc.ABC):
         # input_ids, positions: [n] -> logits [len(ctx.logits_indices), vocab]
         h = self.embed(input_ids, positions)
         return self.compute_logits(self.forward_layers(h, positions, kv_caches, ctx), ctx)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        ctx: AttentionContext,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final norm's output [n, d] of every row (what a pooler reads: a decoder
+        served as an embedder). A decoder has no token types: `token_type_ids` must be
+        None."""
+        if token_type_ids is not None:
+            raise ValueError("a decoder takes no token types (a cross-encoder pair)")
+        hidden = self.forward_layers(self.embed(input_ids, positions), positions, kv_caches, ctx)
+        if len(hidden) == 1:  # no layers
+            normed: torch.Tensor = self.final_norm(hidden[0])
+            return normed
+        return self.final_norm.add_and_norm(hidden[0], hidden[1])[0]
+
+    def drop_lm_head(self) -> None:
+        """Free the LM head's weight: a model served for pooling computes no logits (its
+        embedding keeps its own table, `pack_linears` saw to that)."""
+        self.lm_head = Linear(self.lm_head.in_features, 0, False, self.dtype, self.device)
 
     def compute_logits(
         self, hidden: tuple[torch.Tensor, ...], ctx: AttentionContext

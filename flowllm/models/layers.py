@@ -118,6 +118,14 @@ def weight_layout(dtype: torch.dtype, device: torch.device) -> WeightLayout:
     return "plain"
 
 
+def batch_layout(dtype: torch.dtype, device: torch.device) -> WeightLayout:
+    """The layout for a layer that multiplies hundreds of rows at a time (an encoder's whole
+    prompts): oneDNN's where it packs the dtype, whose blocked products (AMX tiles on CPUs
+    that have them) beat the native kernel's, built for decode's few rows, by several times
+    there (benchmarks/README.md, "Embeddings"); else plain."""
+    return "onednn" if onednn_packs(dtype, device) else "plain"
+
+
 def check_shape(name: str, tensor: Weight, expected: tuple[int, ...]) -> None:
     """Raise WeightLoadError naming the tensor and both shapes when they differ."""
     if tuple(tensor.shape) != tuple(expected):
@@ -152,7 +160,9 @@ class Linear(nn.Module):
         device: torch.device,
         out_dtype: torch.dtype | None = None,
         quantizable: bool = True,
+        layout: WeightLayout | None = None,
     ) -> None:
+        """layout: where the weight goes once packed (default: `weight_layout`'s choice)."""
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -162,7 +172,7 @@ class Linear(nn.Module):
         # The output's dtype: the weight's, or float32 for an LM head, whose logits the
         # native kernel hands out unrounded (bf16 logits merge near-ties: ulp 0.125 at 25).
         self.out_dtype = dtype if out_dtype is None else out_dtype
-        self.layout = weight_layout(dtype, device)
+        self.layout = weight_layout(dtype, device) if layout is None else layout
         # The plain weight [out, in] while loading; None once packed.
         self.weight: nn.Parameter | None = _frozen(
             torch.empty(out_features, in_features, dtype=dtype, device=device)

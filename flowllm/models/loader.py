@@ -36,7 +36,9 @@ from flowllm.config import BUNDLED_MODEL, QUANTIZATIONS
 if TYPE_CHECKING:
     import torch
 
+    from flowllm.models.bert import BertModel
     from flowllm.models.causal_lm import PagedCausalLM
+    from flowllm.models.pooler_config import PoolerConfig, Task
 
 # Old unprefixed Hub names that now live under an organisation.
 HUB_ALIASES = {
@@ -434,7 +436,7 @@ def resolve_dtype(
 class LoadedModel:
     """A model ready to run, with what the engine needs to know about it."""
 
-    model: PagedCausalLM
+    model: PagedCausalLM | BertModel
     hf_config: ModelConfig  # config.json
     path: Path
     dtype: torch.dtype
@@ -443,6 +445,8 @@ class LoadedModel:
     name: str = ""
     # the GGUF file whose metadata holds the tokenizer (None: the directory's files)
     tokenizer_gguf: Path | None = None
+    task: Task = "generate"
+    pooler: PoolerConfig | None = None  # a model served for pooling: its pooler
 
 
 def load_model(
@@ -450,6 +454,7 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "auto",
     quantization: str = "auto",
+    task: str = "generate",
 ) -> LoadedModel:
     """Resolve `name_or_path`, build its flowllm model class and load the weights into it.
 
@@ -457,9 +462,12 @@ def load_model(
     quantized on the CPU and loads others as stored; `none` dequantizes them at load (the
     bundled model then loads from its converted directory, as an HF model); `int8`
     quantizes a float checkpoint's linear layers (but the LM head) to int8 per output
-    channel."""
+    channel. task: `generate`, `embed`, `score` or `auto` (flowllm.models.pooler_config);
+    a decoder served for pooling loads without its LM head."""
     from flowllm.models import gguf_file, weight_cache
+    from flowllm.models.causal_lm import PagedCausalLM
     from flowllm.models.errors import ModelError, UnsupportedModelError, WeightLoadError
+    from flowllm.models.pooler_config import read_pooler_config, resolve_task
     from flowllm.models.registry import model_class_for
 
     if quantization not in QUANTIZATIONS:
@@ -500,6 +508,13 @@ def load_model(
         cls = model_class_for(hf_config)
     except UnsupportedModelError as e:
         raise UnknownArchitectureError(f"model {name_or_path!r}: {one_line(e)}") from e
+    served = resolve_task(resolved.path, task, from_gguf=resolved.config_from_gguf)
+    pooler = read_pooler_config(resolved.path, served)
+    headless = served != "generate" and issubclass(cls, PagedCausalLM)
+    if headless:
+        # The LM head is never run: its tensor, if any, is skipped, and the head is built
+        # tied to the embedding (the checkpoint may have none), then dropped.
+        hf_config = ModelConfig(**{**hf_config.to_dict(), "tie_word_embeddings": True})
     if resolved.gguf is None:
         safetensors_files(resolved.path)  # fail on missing weights before building the model
     where = "" if Path(name_or_path) == resolved.path else f" ({resolved.gguf or resolved.path})"
@@ -507,6 +522,7 @@ def load_model(
         model = cls(hf_config, torch_dtype, dev)
         model.quantization = "int8" if quantization == "int8" else None
         if resolved.gguf is not None:
+            assert isinstance(model, PagedCausalLM)  # a GGUF file holds a decoder
 
             def from_file() -> None:
                 weights = gguf_file.iter_tensors(reader(), hf_config, dequantize=not quantized)
@@ -517,7 +533,10 @@ def load_model(
             else:
                 from_file()
         else:
-            model.load_weights(iter_weights(resolved.path, torch_dtype))
+            weights = iter_weights(resolved.path, torch_dtype)
+            model.load_weights(_without_lm_head(weights) if headless else weights)
+        if isinstance(model, PagedCausalLM) and headless:
+            model.drop_lm_head()
     except gguf_file.GGUFError as e:
         raise CorruptCheckpointError(f"model {name_or_path!r}{where}: {one_line(e)}") from e
     except WeightLoadError as e:
@@ -536,7 +555,16 @@ def load_model(
         dtype=torch_dtype,
         device=dev,
         tokenizer_gguf=resolved.gguf if resolved.config_from_gguf else None,
+        task=served,
+        pooler=pooler,
     )
+
+
+def _without_lm_head(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors but its LM head's."""
+    return ((name, w) for name, w in weights if name.removeprefix("model.") != "lm_head.weight")
 
 
 def _cast(weights: Iterator[tuple[str, Any]], dtype: torch.dtype) -> Iterator[tuple[str, Any]]:

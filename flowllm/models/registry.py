@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flowllm.models.bert import BertModel
 from flowllm.models.errors import UnsupportedModelError, WeightLoadError
 from flowllm.models.gemma import Gemma2Model, Gemma3Model
 from flowllm.models.gpt2 import GPT2Model
@@ -26,9 +27,11 @@ __all__ = [
     "model_class_for",
 ]
 
-ModelClass = type[GPT2Model] | type[LlamaModel]
+ModelClass = type[GPT2Model] | type[LlamaModel] | type[BertModel]
 
 ARCHITECTURES: dict[str, ModelClass] = {
+    "BertModel": BertModel,  # encoders: served for pooling only (--task embed or score)
+    "BertForSequenceClassification": BertModel,
     "GPT2LMHeadModel": GPT2Model,
     "LlamaForCausalLM": LlamaModel,
     "Qwen2ForCausalLM": Qwen2Model,
@@ -43,6 +46,7 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "MixtralForCausalLM": MixtralModel,
 }
 MODEL_TYPES: dict[str, ModelClass] = {
+    "bert": BertModel,
     "gpt2": GPT2Model,
     "llama": LlamaModel,
     "qwen2": Qwen2Model,

@@ -9,7 +9,7 @@ sequences whose prompt logprobs were asked.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from itertools import chain
 from operator import attrgetter
@@ -52,6 +52,23 @@ class StepModel(Protocol):
 
     def compute_logits(
         self, hidden: tuple[torch.Tensor, ...], ctx: AttentionContext
+    ) -> torch.Tensor: ...
+
+
+class PoolingModel(Protocol):
+    """What the runner needs of a model served for pooling (PagedCausalLM and BertModel
+    both are): every row's last hidden states, the final norm applied."""
+
+    hidden_size: int
+    dtype: torch.dtype
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        ctx: AttentionContext,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -251,6 +268,29 @@ class ModelRunner:
         logits = out[at[0] : at[-1] + 1] if at else out[:0]
         prompt = {sid: out[a:b].float() for sid, (a, b) in inp.prompt_rows.items()}
         return logits.float(), prompt
+
+    def hidden_states(
+        self, seqs: Sequence[ScheduledSeq], token_type_starts: Mapping[int, int] | None = None
+    ) -> torch.Tensor:
+        """One step of a pooling model: the last hidden states [num_tokens, d] of every row,
+        in batch order (`PoolingModel.hidden_states`). `token_type_starts`: seq id -> the
+        position where a cross-encoder pair's second text (token type 1) starts."""
+        model: PoolingModel = self.model  # type: ignore[assignment]
+        if not seqs:
+            return torch.empty(0, model.hidden_size, dtype=model.dtype, device=self.device)
+        inp, input_ids, positions, ctx = self.build_context(seqs)
+        token_types = None
+        if token_type_starts:
+            never = np.iinfo(np.int64).max
+            starts = np.fromiter(
+                (token_type_starts.get(s.seq_id, never) for s in seqs), np.int64, len(seqs)
+            )
+            row_start = np.repeat(starts, np.diff(inp.query_start_loc))  # [num_tokens]
+            token_types = self._tensor((inp.positions >= row_start).astype(np.int64))
+        if self.native is not None:
+            self.native.set_threads(self.kernel_threads(len(inp.input_ids)))
+        with torch.no_grad():
+            return model.hidden_states(input_ids, positions, self.kv_caches, ctx, token_types)
 
     def kernel_threads(self, rows: int) -> int:
         """The threads of a step of `rows` rows: all, or fewer for a small step when other
