@@ -13,6 +13,9 @@ import msgspec
 BUNDLED_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8")
+# What a model is served for, vLLM's `--task` (flowllm.models.pooler_config): auto reads the
+# checkpoint; embed and score serve the pooling graph.
+TASKS = ("auto", "generate", "embed", "score")
 
 
 # The `--tool-call-parser` values (flowllm.api.tool_calls reads the output with them).
@@ -43,9 +46,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: str = "auto"
     seed: int = 0
     enforce_eager: bool = False  # never replay decode steps' recorded kernel calls
+    task: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.task in TASKS, f"task must be one of {TASKS}, got {self.task!r}")
         _require(
             self.quantization in QUANTIZATIONS,
             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",

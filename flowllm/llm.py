@@ -2,7 +2,9 @@
 
 The model, tokenizer and KV cache load once, in the constructor; each `generate` call runs
 the graph on its own event loop for the duration of the call, submitting every prompt at
-once so continuous batching does the rest.
+once so continuous batching does the rest. A model served for pooling (`task="embed"` or
+`"score"`, or what `auto` reads from the checkpoint) runs the pooling graph: `embed` and
+`score` instead of `generate`.
 
 With `multiprocess=True` the graph runs as it is placed (flowllm/engine/default.yaml): the
 model and the step loop in an engine core process that the constructor starts, the
@@ -18,29 +20,34 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 import msgspec
 
 from flowllm.config import EngineConfig, engine_config
-from flowllm.engine.async_engine import DEFAULT_GRAPH, AsyncEngine
+from flowllm.engine import graph_for_task
+from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.core import CoreSpec, placement_of, start_core
 from flowllm.engine.front import FrontEngine
 from flowllm.engine.loading import build_services, tokenizer_source
+from flowllm.engine.scoring import pair_texts, plan_scores, pooling_request, vector_of
 from flowllm.graph.validator import ValidGraph, load_graph
 from flowllm.mailbox import Mailbox
 from flowllm.messages import (
     ChatMessage,
+    Chunk,
     GenerateRequest,
+    PoolingParams,
     SamplingParams,
     TokenLogprobs,
     ToolCall,
     merge_by_choice,
 )
 from flowllm.models.loader import resolve_model
+from flowllm.models.pooler_config import resolve_task
 from flowllm.models.tokenizer import load_tokenizer
 from flowllm.stages.services import EngineServices
 
@@ -73,7 +80,35 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         return all(o.finish_reason is not None for o in self.outputs)
 
 
+class EmbeddingOutput(msgspec.Struct, kw_only=True):
+    embedding: list[float]
+
+
+class EmbeddingRequestOutput(msgspec.Struct, kw_only=True):
+    """One prompt's embedding (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+class ScoringOutput(msgspec.Struct, kw_only=True):
+    score: float
+
+
+class ScoringRequestOutput(msgspec.Struct, kw_only=True):
+    """One pair's score (vLLM's shape): with an embedding model, `prompt_token_ids` are
+    the two texts' one after the other."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
 Prompt = str | Sequence[int]
+T = TypeVar("T")
 
 
 class LLM:
@@ -86,7 +121,8 @@ class LLM:
     `trace_dir` records each `generate` call's channel traffic there (the latest call's
     replaces the previous one), limited to `trace_channels` and `trace_max_bytes`.
     `multiprocess=True` runs the model in an engine core process of its own (a graph
-    placed in processes, as the default one; `close()` stops it).
+    placed in processes, as the default one; `close()` stops it). Without `graph`, the
+    graph is the one of the model's task (`task=`, default `auto`).
     """
 
     def __init__(
@@ -112,6 +148,8 @@ class LLM:
                 config = engine_config(model, **settings)
             elif model is not None or settings:
                 raise TypeError("pass either config or model and settings, not both")
+            config = _with_served_task(config)
+            graph = graph or graph_for_task(config.model.task)
             self._core = CoreRun.start(config, graph)
             services = self._core.front_services()
         elif services is not None:
@@ -124,7 +162,8 @@ class LLM:
                 raise TypeError("pass either config or model and settings, not both")
             services = build_services(config)
         self.config = services.config
-        self.graph = graph
+        task = services.pooler.task if services.pooler is not None else "generate"
+        self.graph = graph or graph_for_task(task)
         self.services = services
         self.trace_dir = trace_dir
         self.trace_channels = trace_channels
@@ -142,11 +181,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order."""
-        # One prompt is text or token ids; several are a sequence of those.
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompt_list = [cast(Prompt, prompts)]
-        else:
-            prompt_list = list(cast(Sequence[Prompt], prompts))
+        prompt_list = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
@@ -157,7 +192,7 @@ class LLM:
         if len(params_list) != len(prompt_list):
             raise ValueError("give one SamplingParams, or one per prompt")
         requests = [self._request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
-        return anyio.run(self._run, requests)
+        return anyio.run(self._run, requests, _collect)
 
     def chat(
         self,
@@ -209,7 +244,60 @@ class LLM:
             )
             for conversation, params in zip(conversations, params_list, strict=True)
         ]
-        return anyio.run(self._run, requests)
+        return anyio.run(self._run, requests, _collect)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (text or token ids), in prompt order: a model
+        served for the `embed` task. `pooling_params`: `dimensions` (Matryoshka models),
+        `normalize`."""
+        requests = [
+            pooling_request(
+                f"offline-{next(self._ids)}",
+                self.services.served_model_name,
+                p if isinstance(p, str) else tuple(int(i) for i in p),
+                time.monotonic(),
+                pooling_params,
+            )
+            for p in _prompt_list(prompts)
+        ]
+        chunks = anyio.run(self._run, requests, _pooled)
+        return [
+            EmbeddingRequestOutput(
+                request_id=request.request_id,
+                prompt_token_ids=list(chunk.prompt_token_ids),
+                outputs=EmbeddingOutput(embedding=vector_of(chunk).tolist()),
+            )
+            for request, chunk in zip(requests, chunks, strict=True)
+        ]
+
+    def score(
+        self, text_1: str | Sequence[str], text_2: str | Sequence[str]
+    ) -> list[ScoringRequestOutput]:
+        """The score of each pair (one text_1 against each text_2, or the two lists index
+        by index): a cross-encoder's relevance (task `score`), or an embedding model's
+        cosine similarity (task `embed`), as vLLM's."""
+        pooler = self.services.pooler
+        plan = plan_scores(
+            pair_texts(text_1, text_2),
+            cross_encoder=pooler is not None and pooler.task == "score",
+            request_id=f"offline-{next(self._ids)}",
+            model=self.services.served_model_name,
+            arrival_time=time.monotonic(),
+        )
+        chunks = anyio.run(self._run, plan.requests, _pooled)
+        scores = plan.scores([vector_of(chunk) for chunk in chunks])
+        return [
+            ScoringRequestOutput(
+                request_id="_".join(plan.requests[k].request_id for k in members),
+                prompt_token_ids=[t for k in members for t in chunks[k].prompt_token_ids],
+                outputs=ScoringOutput(score=score),
+            )
+            for members, score in zip(plan.pairs, scores, strict=True)
+        ]
 
     def _request(self, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
         text = prompt if isinstance(prompt, str) else None
@@ -224,7 +312,11 @@ class LLM:
             echo=text is not None,  # keeps the prompt text on the output
         )
 
-    async def _run(self, requests: list[GenerateRequest]) -> list[RequestOutput]:
+    async def _run(
+        self,
+        requests: list[GenerateRequest],
+        collect: Callable[[Mailbox, GenerateRequest], Awaitable[T]],
+    ) -> list[T]:
         services = self.last_run = self.services.fresh()
         recorder = None
         if self.trace_dir is not None:
@@ -243,12 +335,26 @@ class LLM:
             # chunks without waking anyone, so a step costs one wakeup here, not one per
             # running request (the graph never waits for a reader).
             pairs = zip(boxes, requests, strict=True)
-            return [await _collect(box, request) for box, request in pairs]
+            return [await collect(box, request) for box, request in pairs]
 
     def close(self) -> None:
         """Stop the engine core process (multiprocess); the LLM cannot generate after."""
         if self._core is not None:
             self._core.stop()
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or several, as a list."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast(Prompt, prompts)]
+    return list(cast(Sequence[Prompt], prompts))
+
+
+def _with_served_task(config: EngineConfig) -> EngineConfig:
+    """`config` with its task resolved from the checkpoint (the core's graph follows it)."""
+    resolved = resolve_model(config.model.model, config.model.quantization)
+    task = resolve_task(resolved.path, config.model.task, from_gguf=resolved.config_from_gguf)
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, task=task))
 
 
 class CoreRun:
@@ -268,8 +374,8 @@ class CoreRun:
         weakref.finalize(self, _stop_core, self.process, folder)
 
     @classmethod
-    def start(cls, config: EngineConfig, graph: ValidGraph | str | Path | None) -> CoreRun:
-        valid = graph if isinstance(graph, ValidGraph) else load_graph(graph or DEFAULT_GRAPH)
+    def start(cls, config: EngineConfig, graph: ValidGraph | str | Path) -> CoreRun:
+        valid = graph if isinstance(graph, ValidGraph) else load_graph(graph)
         if not valid.placement:
             raise ValueError(
                 f"graph {valid.name!r} names no processes: multiprocess needs a placed graph"
@@ -326,6 +432,11 @@ def chat_message(message: dict[str, Any]) -> ChatMessage:
         for i, call in enumerate(message.get("tool_calls") or ())
     )
     return ChatMessage(message["role"], content, calls, message.get("tool_call_id"))
+
+
+async def _pooled(box: Mailbox, request: GenerateRequest) -> Chunk:
+    """A pooling request's one chunk, its vector in `pooled` (errors raise RequestFailed)."""
+    return merge_by_choice([chunk async for chunk in box])[0]
 
 
 async def _collect(box: Mailbox, request: GenerateRequest) -> RequestOutput:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from flowllm.config import EngineConfig, RequestLimits
-from flowllm.messages import GenerateRequest, RequestError, SamplingParams
+from flowllm.messages import GenerateRequest, PoolingParams, RequestError, SamplingParams
+from flowllm.models.pooler_config import PoolerConfig
 from flowllm.sampling.grammar import constraint_kind, json_schema_text
 from flowllm.text.chat_template import ChatTemplateError, check_template_kwargs
 
@@ -386,6 +387,51 @@ def _check_prompt(request: GenerateRequest, vocab_size: int | None) -> None:
         )
 
 
+def check_task(request: GenerateRequest, pooler: PoolerConfig | None) -> None:
+    """A request fits the task the model is served for: a pooling request (`pooling`) only
+    a pooling model, a pair only a cross-encoder, text generation only a generating one."""
+    if request.pooling is None and pooler is not None:
+        raise _Invalid(
+            f"This model is served for the '{pooler.task}' task (--task {pooler.task}): it "
+            "does not generate text.",
+            "model",
+            "unsupported_task",
+        )
+    if request.pooling is not None and pooler is None:
+        raise _Invalid(
+            "This model is served for the 'generate' task: it makes no embeddings or "
+            "scores (serve an embedding model with --task embed, a cross-encoder with "
+            "--task score).",
+            "model",
+            "unsupported_task",
+        )
+    if request.text_pair is not None and (pooler is None or pooler.task != "score"):
+        raise _Invalid(
+            "Only a cross-encoder (--task score) reads a pair of texts.", "text_pair"
+        )
+
+
+def check_pooling(params: PoolingParams, pooler: PoolerConfig) -> None:
+    """`dimensions` where the model allows it: 1 to its size, and for a model that is not
+    Matryoshka-trained only its own size (a shorter vector would be poor), as vLLM rules."""
+    dimensions = params.dimensions
+    if dimensions is None:
+        return
+    _in_range("dimensions", dimensions, 1, pooler.size, integer=True)
+    allowed = pooler.matryoshka_dimensions
+    if not pooler.matryoshka and dimensions != pooler.size:
+        raise _Invalid(
+            "Invalid 'dimensions': this model does not support Matryoshka representations; "
+            "changing its output dimensions would give poor results.",
+            "dimensions",
+        )
+    if allowed and dimensions not in allowed and dimensions != pooler.size:
+        raise _Invalid(
+            f"Invalid 'dimensions': this model supports the dimensions {list(allowed)} only.",
+            "dimensions",
+        )
+
+
 def model_not_found(request_id: str, model: str) -> RequestError:
     """vLLM's (and OpenAI's) answer to a `model` the server does not serve."""
     return RequestError(
@@ -402,17 +448,22 @@ def validate_request(
     config: EngineConfig,
     served_model_name: str,
     vocab_size: int | None = None,
+    pooler: PoolerConfig | None = None,
 ) -> RequestError | None:
     """The first reason this request cannot run, or None when it is valid.
 
     `vocab_size`: the ids the model and tokenizer both know (prompt ids, stop_token_ids,
-    logit_bias keys must be below it; None: only their sign is checked). The context
-    length needs the prompt's tokens, so it is checked later (by tokenize, with
-    `check_context_length`).
+    logit_bias keys must be below it; None: only their sign is checked). `pooler`: the
+    model's, when it is served for pooling. The context length needs the prompt's tokens,
+    so it is checked later (by tokenize, with `check_context_length` or
+    `check_pooling_length`).
     """
     if request.model != served_model_name:
         return model_not_found(request.request_id, request.model)
     try:
+        check_task(request, pooler)
+        if request.pooling is not None and pooler is not None:
+            check_pooling(request.pooling, pooler)
         _check_prompt(request, vocab_size)
         check_sampling_params(request.params, config.limits, vocab_size)
         check_structured_outputs(request.params, config.limits, vocab_size)
@@ -452,6 +503,21 @@ def check_context_length(
         )
         return 0, _context_error(request_id, message)
     return max_tokens, None
+
+
+def check_pooling_length(
+    request_id: str, num_prompt_tokens: int, max_model_len: int
+) -> RequestError | None:
+    """A pooling request's prompt fits the context (it generates nothing, so it may fill
+    it). Wording as vLLM's."""
+    if num_prompt_tokens <= max_model_len:
+        return None
+    message = (
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {num_prompt_tokens} tokens in the input for embedding generation. Please "
+        "reduce the length of the input."
+    )
+    return _context_error(request_id, message)
 
 
 def _context_error(request_id: str, message: str) -> RequestError:

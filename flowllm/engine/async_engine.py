@@ -24,6 +24,7 @@ from flowllm.graph.spans import SpanSink
 from flowllm.graph.validator import ValidGraph
 from flowllm.mailbox import Mailbox, Overloaded
 from flowllm.messages import GenerateRequest
+from flowllm.models.pooler_config import PoolerConfig
 from flowllm.stages.guide import has_guide
 from flowllm.stages.ingest import Ingest
 from flowllm.stages.services import EngineServices
@@ -113,6 +114,10 @@ class AsyncEngine:
     @property
     def limits(self) -> RequestLimits:
         return self.services.config.limits
+
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        return self.services.pooler
 
     def submit(self, request: GenerateRequest) -> Mailbox:
         return self._ingest.submit(request)

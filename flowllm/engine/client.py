@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 from flowllm.config import RequestLimits
 from flowllm.mailbox import Mailbox
 from flowllm.messages import GenerateRequest
+from flowllm.models.pooler_config import PoolerConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -33,6 +34,9 @@ class EngineClient(Protocol):
 
     @property
     def limits(self) -> RequestLimits: ...
+
+    @property
+    def pooler(self) -> PoolerConfig | None: ...  # a model served for pooling: its pooler
 
     def submit(self, request: GenerateRequest) -> Mailbox:
         """Enter the graph; raises Overloaded when admission is full, RequestFailed (a

@@ -298,6 +298,7 @@ class Core:
             num_blocks=services.num_blocks,
             pid=os.getpid(),
             healthy=self.graph.healthy,
+            pooler=services.pooler,
         )
 
     async def serve(

@@ -16,6 +16,7 @@ import msgspec
 
 from flowllm.engine.span_relay import Spans, WantSpans
 from flowllm.messages import RequestError
+from flowllm.models.pooler_config import PoolerConfig
 
 HEARTBEAT_INTERVAL_S = 0.1
 METRICS_TIMEOUT_S = 1.0  # a core this slow to answer: the front renders without it
@@ -43,6 +44,7 @@ class CoreReady(msgspec.Struct, frozen=True, tag=True):
     num_blocks: int
     pid: int
     healthy: bool  # as a `Heartbeat` says: the front may serve at once
+    pooler: PoolerConfig | None = None  # a model served for pooling: what requests may ask
 
 
 class Refused(msgspec.Struct, frozen=True, tag=True):

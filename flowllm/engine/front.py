@@ -313,6 +313,7 @@ class FrontEngine(AsyncEngine):
                 max_model_len=link.ready.max_model_len,
                 eos_token_ids=link.ready.eos_token_ids,
                 device=torch.device("cpu"),
+                pooler=link.ready.pooler,
             )
             link.services = services
             tg.start_soon(link.peer.pump_overflow)

@@ -7,21 +7,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 import torch
 
 from flowllm.config import ConfigError, EngineConfig
 from flowllm.kernels import native
+from flowllm.models.causal_lm import PagedCausalLM
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
 from flowllm.models.layers import Linear
 from flowllm.models.loader import LoadedModel, load_model, resolve_model
+from flowllm.models.pooler_config import PoolerConfig
 from flowllm.models.tokenizer import load_tokenizer
 from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from flowllm.models.causal_lm import PagedCausalLM
+    from flowllm.models.bert import BertModel
 
 
 def eos_token_ids(loaded: LoadedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -85,6 +88,7 @@ def build_services(config: EngineConfig) -> EngineServices:
                 config.model.dtype,
                 config.model.device,
                 config.model.quantization,
+                config.model.task,
             )
         except BaseException:
             tokenizer_loading.cancel()
@@ -92,7 +96,12 @@ def build_services(config: EngineConfig) -> EngineServices:
         tokenizer = tokenizer_loading.result()
     report_native_kernels(loaded)
     return services_for_model(
-        config, loaded.model, tokenizer, eos_token_ids(loaded, tokenizer), loaded.device
+        config,
+        loaded.model,
+        tokenizer,
+        eos_token_ids(loaded, tokenizer),
+        loaded.device,
+        loaded.pooler,
     )
 
 
@@ -108,14 +117,19 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 def services_for_model(
     config: EngineConfig,
-    model: PagedCausalLM,
+    model: PagedCausalLM | BertModel,
     tokenizer: PreTrainedTokenizerBase,
     eos_token_ids: tuple[int, ...],
     device: torch.device,
+    pooler: PoolerConfig | None = None,
 ) -> EngineServices:
     """The services of a loaded model under `config`: its context length checked against
-    `config`'s, and a KV cache of `config`'s size allocated for it."""
+    `config`'s, and a KV cache of `config`'s size allocated for it (an encoder has none).
+    A model served for pooling (`pooler`) runs with its scheduling adjusted
+    (`pooling_config`)."""
     max_model_len = model.max_position_embeddings
+    if pooler is not None and pooler.max_seq_length is not None:
+        max_model_len = min(max_model_len, pooler.max_seq_length)
     if config.model.max_model_len is not None:
         if config.model.max_model_len > max_model_len:
             raise ConfigError(
@@ -123,15 +137,19 @@ def services_for_model(
                 f"context of {max_model_len} tokens"
             )
         max_model_len = config.model.max_model_len
-    model.limit_context(max_model_len)
-    spec = KVCacheSpec.for_model(model, config.cache.block_size)
-    num_blocks, kv_caches = allocate_kv_cache(
-        spec,
-        device,
-        config.cache.kv_cache_memory,
-        config.cache.gpu_memory_utilization,
-        model_bytes(model),
-    )
+    config = pooling_config(config, pooler, max_model_len)
+    if isinstance(model, PagedCausalLM):
+        model.limit_context(max_model_len)
+        spec = KVCacheSpec.for_model(model, config.cache.block_size)
+        num_blocks, kv_caches = allocate_kv_cache(
+            spec,
+            device,
+            config.cache.kv_cache_memory,
+            config.cache.gpu_memory_utilization,
+            model_bytes(model),
+        )
+    else:
+        num_blocks, kv_caches = encoder_blocks(config, max_model_len), []
     return EngineServices(
         config=config,
         model=model,
@@ -141,4 +159,41 @@ def services_for_model(
         max_model_len=max_model_len,
         eos_token_ids=eos_token_ids,
         device=device,
+        pooler=pooler,
     )
+
+
+def pooling_config(
+    config: EngineConfig, pooler: PoolerConfig | None, max_model_len: int
+) -> EngineConfig:
+    """`config` for a model served with `pooler`. A pooler that reads a prompt's every row,
+    or an encoder's first, needs each prompt whole in one step: chunked prefill and the
+    prefix cache (whose hits skip rows) are turned off, and a step's token budget holds
+    the longest prompt, as vLLM does for such models. A decoder's last row comes at the
+    end of its chunks: it keeps both."""
+    if pooler is None or not pooler.whole_prompts:
+        return config
+    scheduler, cache = config.scheduler, config.cache
+    budget = max(scheduler.max_num_batched_tokens, max_model_len)
+    if scheduler.enable_chunked_prefill or cache.enable_prefix_caching:
+        structlog.get_logger("flowllm.models").info(
+            "pooling runs each prompt whole: chunked prefill and prefix caching off",
+            pooling=pooler.pooling,
+            max_num_batched_tokens=budget,
+        )
+    return msgspec.structs.replace(
+        config,
+        scheduler=msgspec.structs.replace(
+            scheduler, enable_chunked_prefill=False, max_num_batched_tokens=budget
+        ),
+        cache=msgspec.structs.replace(cache, enable_prefix_caching=False),
+    )
+
+
+def encoder_blocks(config: EngineConfig, max_model_len: int) -> int:
+    """The scheduler's block count for a model without a KV cache (an encoder): blocks are
+    only its bookkeeping, so as many as one step of whole prompts takes (each prompt one
+    partial block at most), and one longest prompt."""
+    size = config.cache.block_size
+    step = -(-config.scheduler.max_num_batched_tokens // size) + config.scheduler.max_num_seqs
+    return max(step, -(-max_model_len // size))

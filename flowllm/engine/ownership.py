@@ -5,7 +5,9 @@ the step loop's per-step messages (`StepTokens`, `ChoiceEvents`) carry every run
 sequence's share together. `Ownership` learns a request's front as the request arrives,
 a sequence's front as it starts (a `ChoiceEvents.started` entry names its request), and
 splits each outgoing message into one part per front, forgetting a sequence once its
-last token or its end has passed and a request once all its choices have.
+last token or its end has passed and a request once all its choices have. A pooling
+graph's core sends the fronts chunks (`TextDeltas`, each naming its request) instead of
+tokens: a request is forgotten once its choices' last chunks have passed.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from flowllm.messages import (
     Abort,
     ChoiceEvents,
     ChoiceStart,
+    Chunk,
     Finish,
     RequestError,
     SampledToken,
     StepTokens,
+    TextDeltas,
     TokenizedRequest,
     TokenLogprobs,
 )
@@ -64,6 +68,8 @@ class Ownership:
             return self._split_tokens(message)
         if isinstance(message, ChoiceEvents):
             return self._split_events(message)
+        if isinstance(message, TextDeltas):
+            return self._split_chunks(message)
         if isinstance(message, RequestError):
             front = self._request_front.get(message.request_id)
             self._forget_request(message.request_id)
@@ -99,6 +105,22 @@ class Ownership:
             for front in sorted(started.keys() | ended.keys())
         ]
 
+    def _split_chunks(self, deltas: TextDeltas) -> list[tuple[int, object]]:
+        chunks: dict[int, list[Chunk]] = defaultdict(list)
+        for chunk in deltas.chunks:
+            front = self._request_front.get(chunk.request_id)
+            if front is None:
+                continue
+            chunks[front].append(chunk)
+            if chunk.finish_reason is not None:
+                self._end_choice(chunk.request_id)
+        if len(chunks) == 1 and len(next(iter(chunks.values()))) == len(deltas.chunks):
+            return [(next(iter(chunks)), deltas)]
+        return [
+            (front, TextDeltas(step_id=deltas.step_id, chunks=tuple(parts)))
+            for front, parts in sorted(chunks.items())
+        ]
+
     def _split_tokens(self, step: StepTokens) -> list[tuple[int, object]]:
         tokens: dict[int, list[SampledToken]] = defaultdict(list)
         finished: list[int] = []
@@ -131,9 +153,10 @@ class Ownership:
 
     def _end_seq(self, seq_id: int) -> None:
         owner = self._seq.pop(seq_id, None)
-        if owner is None:
-            return
-        request_id = owner[1]
+        if owner is not None:
+            self._end_choice(owner[1])
+
+    def _end_choice(self, request_id: str) -> None:
         left = self._open_choices.get(request_id, 0) - 1
         if left <= 0:
             self._forget_request(request_id)

@@ -17,6 +17,9 @@ loop; with `replicas: N` the bound is N x B) and every channel on the cycle has 
 A port sending up to one message per step beside that loop (`Stage.per_step_outputs`, e.g.
 `schedule.choices`) is not bounded by B: its steps stop only once its consumer's input from
 the loop is full. Its channel, when on a cycle, needs that input's capacity + B + 1 instead.
+When every credited cycle passes through that consumer (the pooling graph's `pool`), each
+step's credit returns through it: the steps stop with it, and a full channel only makes its
+sender wait for it, so any capacity does.
 
 Placement. Stages that name a `process:` must all name one; an edge between processes
 must carry messages with a wire encoding (flowllm/graph/wire.py), and holds its capacity
@@ -505,11 +508,17 @@ class _Validator:
         (that input's capacity, the steps in flight, and one its producer holds back)."""
         head, consumer = stages[edge.src.stage], edge.dst.stage
         loop: set[str] = set()  # on cycles leaving `head` by a credited port, not via `consumer`
+        credit_through_consumer = False
         for cycle in cycles:
-            if head.name in cycle and consumer not in cycle:
+            if head.name in cycle:
                 after = cycle[(cycle.index(head.name) + 1) % len(cycle)]
                 if any(per_step_bound(e.src, stages) is None for e in succ[head.name][after]):
-                    loop.update(cycle)
+                    if consumer in cycle:
+                        credit_through_consumer = True
+                    else:
+                        loop.update(cycle)
+        if credit_through_consumer and not loop:
+            return  # every step's credit returns through the consumer: see the module docstring
         intakes = [
             channel
             for channel in channels.values()

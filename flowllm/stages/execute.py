@@ -2,13 +2,15 @@
 
 It owns the KV cache tensors (through its ModelRunner) and keeps no per-sequence state:
 the batch names the sequences whose prompt logits it returns (`prompt_logits_for`,
-decided by schedule).
+decided by schedule). `ExecuteHidden`, a pooling graph's execute, returns the last hidden
+states of every row instead of logits, for pool; it keeps only where each cross-encoder
+pair's second text starts (its token types), from the step it starts to its release.
 """
 
 from __future__ import annotations
 
 from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
-from flowllm.messages import StepBatch, StepLogits
+from flowllm.messages import StepBatch, StepHidden, StepLogits
 from flowllm.models.runner import ModelRunner
 from flowllm.stages.services import EngineServices
 
@@ -35,3 +37,20 @@ class Execute(PerMessageStage):
             self.runner.run, batch.seqs, batch.prompt_logits_for
         )
         await ctx.emit("out", StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits))
+
+
+class ExecuteHidden(Execute):
+    outputs = {"out": StepHidden}
+
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
+        super().__init__(params, services)
+        self._type_starts: dict[int, int] = {}  # seq id -> token_type_start, pairs only
+
+    async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
+        for seq_id in batch.released:
+            self._type_starts.pop(seq_id, None)
+        for start in batch.started:
+            if start.pooling is not None and start.pooling.token_type_start is not None:
+                self._type_starts[start.seq_id] = start.pooling.token_type_start
+        hidden = await self._worker.run(self.runner.hidden_states, batch.seqs, self._type_starts)
+        await ctx.emit("out", StepHidden(batch=batch, hidden=hidden))

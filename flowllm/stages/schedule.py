@@ -49,6 +49,7 @@ class ScheduleParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Schedule(Stage):
     inputs = {"step_results": StepTokens, "finishes": Finish, "requests": TokenizedRequest | Abort}
+    optional_inputs = frozenset({"finishes"})  # a graph without stop strings (pooling)
     outputs = {"out": StepBatch, "choices": ChoiceEvents, "errors": RequestError}
     Params = ScheduleParams
     params: ScheduleParams

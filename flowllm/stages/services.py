@@ -17,6 +17,7 @@ from flowllm.config import EngineConfig
 from flowllm.mailbox import Mailboxes
 from flowllm.metrics import EngineMetrics
 from flowllm.models.kv_cache import KVCaches
+from flowllm.models.pooler_config import PoolerConfig
 from flowllm.sampling.grammar import Grammars
 from flowllm.stages.worker import WorkerThread
 from flowllm.text.detokenizer import ByteVocab
@@ -46,6 +47,9 @@ class EngineServices:
     # The native kernels' threads for small steps, where other processes (the fronts)
     # share the cores (set by the engine core; None: torch's threads for every step).
     small_step_threads: int | None = None
+    # A model served for pooling (--task embed or score): how its vectors are made and
+    # what requests may ask of them; None: a model served for generation.
+    pooler: PoolerConfig | None = None
     metrics: EngineMetrics = field(init=False)
     # Read-only data derived from the model or tokenizer, built on first use: one dict
     # shared by every `fresh` copy, so whichever copy builds an entry, all reuse it.
@@ -115,6 +119,7 @@ class EngineServices:
             device=self.device,
             guided=self.guided,
             small_step_threads=self.small_step_threads,
+            pooler=self.pooler,
             _derived=self._derived,
             _workers=self._workers,
         )

@@ -8,6 +8,11 @@ encoded without adding special tokens again, as the template already holds them.
 Stateless but for a cache of which server templates render tools, and the encoding runs
 in a worker thread (the tokenizer releases the GIL), so `replicas: N` tokenizes N
 prompts at once.
+
+A pooling request generates nothing: its prompt may fill the context, and it runs as a
+sequence of one step's output (`max_tokens` 1, which pool's finishing entry ends). A
+cross-encoder's pair (`text_pair`) is encoded as the tokenizer joins two texts, and where
+the second one's token type starts goes with it (`PoolingParams.token_type_start`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
     Abort,
     GenerateRequest,
+    PoolingParams,
     RequestError,
     TokenizedRequest,
     ValidRequest,
@@ -29,7 +35,7 @@ from flowllm.messages import (
 from flowllm.stages.services import EngineServices
 from flowllm.text.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
 from flowllm.text.tool_prompt import PROBE_MESSAGES, renders_tools, template_messages
-from flowllm.validation import check_context_length
+from flowllm.validation import check_context_length, check_pooling_length
 
 # Renders messages (and tools, or None) with the request's chat template.
 _Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
@@ -60,10 +66,16 @@ class Tokenize(PerMessageStage):
             await ctx.emit("out", message)
             return
         request = message.request
+        pooling = request.pooling
         try:
             if request.prompt_token_ids is not None:
                 # ids are taken as they are (validate checked them): no worker-thread hop
                 prompt_ids = self.prompt_token_ids(request)
+            elif request.text_pair is not None:
+                prompt_ids, type_start = await anyio.to_thread.run_sync(self.pair_ids, request)
+                pooling = msgspec.structs.replace(
+                    pooling or PoolingParams(), token_type_start=type_start
+                )
             else:
                 prompt_ids = await anyio.to_thread.run_sync(self.prompt_token_ids, request)
         except PromptError as e:
@@ -72,9 +84,13 @@ class Tokenize(PerMessageStage):
             )
             await ctx.emit("errors", refusal)
             return
-        max_tokens, error = check_context_length(
-            request.request_id, len(prompt_ids), request.params.max_tokens, self._max_model_len
-        )
+        if pooling is not None:
+            max_tokens: int = 1
+            error = check_pooling_length(request.request_id, len(prompt_ids), self._max_model_len)
+        else:
+            max_tokens, error = check_context_length(
+                request.request_id, len(prompt_ids), request.params.max_tokens, self._max_model_len
+            )
         if error is not None:
             await ctx.emit("errors", error)
             return
@@ -95,6 +111,7 @@ class Tokenize(PerMessageStage):
                 arrival_time=request.arrival_time,
                 prompt_text=prompt_text,
                 cache_salt=request.cache_salt,
+                pooling=pooling,
             ),
         )
 
@@ -107,6 +124,16 @@ class Tokenize(PerMessageStage):
             if not from_request:
                 self._template_tools[template] = known
         return known
+
+    def pair_ids(self, request: GenerateRequest) -> tuple[tuple[int, ...], int | None]:
+        """A cross-encoder pair's token ids (`prompt` then `text_pair`, joined by the
+        tokenizer's own template) and the position where token type 1 starts (None: the
+        tokenizer gives every token type 0)."""
+        encoded = self._tokenizer(request.prompt or "", request.text_pair)
+        ids = tuple(encoded["input_ids"])
+        types = encoded.get("token_type_ids") or ()
+        start = next((i for i, t in enumerate(types) if t), None)
+        return ids, start
 
     def prompt_token_ids(self, request: GenerateRequest) -> tuple[int, ...]:
         """The request's prompt as token ids; PromptError when it has none."""

@@ -31,7 +31,9 @@ class Validate(PerMessageStage):
         if isinstance(message, Abort):
             await ctx.emit("out", message)
             return
-        error = validate_request(message, self._config, self._model_name, self._vocab_size)
+        error = validate_request(
+            message, self._config, self._model_name, self._vocab_size, self._services.pooler
+        )
         spec = message.params.structured_outputs
         if error is None and spec is not None:
             error = await self._compile(message.request_id, spec)

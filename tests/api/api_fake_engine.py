@@ -111,6 +111,10 @@ class FakeEngine:
     def limits(self) -> RequestLimits:
         return self.config.limits
 
+    @property
+    def pooler(self) -> None:
+        return None  # a generating model
+
     def submit_all(self, requests: Sequence[GenerateRequest]) -> list[Mailbox]:
         """Admitted as a whole, with the real admission rules (as ingest's)."""
         error = check_admission(

@@ -1,0 +1,112 @@
+"""pool: a pooling graph's step end. Turns the hidden states of each prompt that finished
+its prefill into its vector, in its worker thread.
+
+It learns each choice from `schedule` (`ChoiceEvents` on `choices`, read first, so a
+choice is known before its rows arrive) and forgets it once pooled, or on `ended`
+(aborted). Each step it sends one `StepTokens` to schedule, a finishing entry for every
+prompt it pooled (a pooling request generates nothing: its one entry ends it), and the
+vectors to deliver as chunks (`Chunk.pooled`, float32 little-endian), which cross to the
+front without a tensor. The pooling itself is `flowllm.models.pooling`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
+from flowllm.messages import (
+    ChoiceEvents,
+    ChoiceStart,
+    Chunk,
+    PoolingParams,
+    SampledToken,
+    StepHidden,
+    StepTokens,
+    TextDeltas,
+)
+from flowllm.models.pooling import Pooler
+from flowllm.stages.services import EngineServices
+
+# The token id of a pooled prompt's finishing entry: schedule appends it and ends the
+# sequence; nothing reads it.
+FINISHED_TOKEN = 0
+
+
+class PoolingUnavailableError(ValueError):
+    """The graph has a pool stage but the model is served for generation."""
+
+
+class Pool(PerMessageStage):
+    inputs = {"choices": ChoiceEvents, "in": StepHidden}
+    outputs = {"out": StepTokens, "chunks": TextDeltas}
+
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
+        super().__init__(params, services)
+        config = services.pooler
+        if config is None:
+            raise PoolingUnavailableError(
+                "the pool stage needs a model served for pooling (--task embed or score)"
+            )
+        self.pooler = Pooler(config, services.model if config.task == "score" else None)
+        self._choices: dict[int, ChoiceStart] = {}
+        self._worker = services.worker_thread("pool")
+
+    def live_sequences(self) -> int:
+        return len(self._choices)
+
+    def request_ids(self, message: object) -> tuple[str, ...]:
+        """A step's requests, as far as their choices are known."""
+        if isinstance(message, StepHidden):
+            choices = (self._choices.get(s.seq_id) for s in message.batch.seqs)
+            return tuple(dict.fromkeys(c.request_id for c in choices if c is not None))
+        return super().request_ids(message)
+
+    async def handle(self, message: ChoiceEvents | StepHidden, ctx: StageContext) -> None:
+        if isinstance(message, ChoiceEvents):
+            for choice in message.started:
+                self._choices[choice.seq_id] = choice
+            for seq_id in message.ended:
+                self._choices.pop(seq_id, None)
+            return
+        tokens, chunks = await self._worker.run(self._pool, message)
+        await ctx.emit("out", tokens)  # schedule first: it frees the step's credit
+        if chunks:
+            await ctx.emit("chunks", TextDeltas(step_id=tokens.step_id, chunks=chunks))
+
+    def _pool(self, step: StepHidden) -> tuple[StepTokens, tuple[Chunk, ...]]:
+        """Pool every prompt that ends in this step (rows in batch order)."""
+        spans: list[tuple[int, int]] = []
+        params: list[PoolingParams | None] = []
+        finished: list[ChoiceStart] = []
+        start = 0
+        for seq in step.batch.seqs:
+            end = start + len(seq.token_ids)
+            choice = self._choices.get(seq.seq_id)
+            if seq.sample and choice is not None:  # its prompt's last row is in this step
+                spans.append((start, end))
+                params.append(choice.seq.pooling)
+                finished.append(choice)
+            start = end
+        vectors = self.pooler(step.hidden, spans, params)
+        chunks = []
+        for choice, vector in zip(finished, vectors, strict=True):
+            del self._choices[choice.seq_id]
+            prompt = choice.seq.prompt_token_ids
+            chunks.append(
+                Chunk(
+                    request_id=choice.request_id,
+                    index=choice.seq.index,
+                    text="",
+                    token_ids=(),
+                    finish_reason="stop",
+                    num_prompt_tokens=len(prompt),
+                    prompt_token_ids=prompt,
+                    scheduled_time=choice.scheduled_time,
+                    pooled=np.asarray(vector.cpu(), dtype="<f4").tobytes(),
+                )
+            )
+        tokens = tuple(
+            SampledToken(seq_id=c.seq_id, token_id=FINISHED_TOKEN, finish_reason="stop")
+            for c in finished
+        )
+        return StepTokens(step_id=step.batch.step_id, tokens=tokens), tuple(chunks)
