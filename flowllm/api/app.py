@@ -42,6 +42,15 @@ from flowllm.api.errors import EXCEPTION_HANDLERS, ApiError
 from flowllm.api.json_depth import maybe_too_deep, nesting_depth
 from flowllm.api.logprobs import TokenTexts
 from flowllm.api.openapi import OPENAPI_OPT, OpenApi, openapi_document
+from flowllm.api.pooling import (
+    embedding_response,
+    prepare_embeddings,
+    prepare_scores,
+    require_task,
+    rerank_documents,
+    rerank_response,
+    score_response,
+)
 from flowllm.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -51,8 +60,14 @@ from flowllm.api.protocol import (
     CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ModelCard,
     ModelList,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -61,7 +76,7 @@ from flowllm.api.serving import ClientDisconnected, EventStream, Generation, unt
 from flowllm.api.ui_routes import AUTH_PATH, STATIC_PREFIX, live_feed_of
 from flowllm.api.ui_routes import ROUTES as UI_ROUTES
 from flowllm.engine.client import EngineClient
-from flowllm.messages import GenerateRequest
+from flowllm.messages import Chunk, GenerateRequest
 from flowllm.metrics import MetricsView
 from flowllm.text.chat_template import (
     DEFAULT_BUDGET,
@@ -347,6 +362,7 @@ async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
     arrival = time.monotonic()  # the graph's clock for latency metrics
     created = int(time.time())
     api = _state(request)
+    require_task(api.engine.pooler, "/v1/completions", "generate")
     body = await api.decode(await request.body(), CompletionRequest)
     graph_id, response_id = _ids(request, "cmpl")
     prepared, streaming = prepare_completion(
@@ -385,6 +401,7 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
     arrival = time.monotonic()  # the graph's clock for latency metrics
     created = int(time.time())
     api = _state(request)
+    require_task(api.engine.pooler, "/v1/chat/completions", "generate")
     body = await api.decode(await request.body(), ChatCompletionRequest)
     graph_id, response_id = _ids(request, "chatcmpl")
     prepared, streaming = prepare_chat(
@@ -412,6 +429,135 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
         return EventStream(ChatStream(generation, fmt, api.encoder)) if streaming else None
 
     return await _respond(request, generation, stream, lambda results: fmt.response(results[0]))
+
+
+async def _pool_all(
+    request: Request[Any, Any, Any],
+    api: ApiState,
+    requests: list[GenerateRequest],
+    *,
+    operation: str,
+    response_id: str,
+) -> list[Chunk]:
+    """Run pooling requests to their vectors (each one chunk); raises ClientDisconnected
+    when the client goes first, and aborts what is left however it ends."""
+    generation = api.submit(request, requests, operation=operation, response_id=response_id)
+    try:
+        await until_disconnect(request, generation.prime)
+        results = await until_disconnect(request, generation.collect)
+    finally:
+        generation.close()
+    return [merged[0] for merged in results]
+
+
+@post(
+    "/v1/embeddings",
+    status_code=200,
+    opt={OPENAPI_OPT: OpenApi(request=EmbeddingRequest, response=EmbeddingResponse)},
+)
+async def create_embedding(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Create embeddings (OpenAI's embeddings API; vLLM's `normalize`)."""
+    arrival = time.monotonic()
+    created = int(time.time())
+    api = _state(request)
+    require_task(api.engine.pooler, "/v1/embeddings", "embed")
+    body = await api.decode(await request.body(), EmbeddingRequest)
+    api.check_model(body.model)
+    graph_id, response_id = _ids(request, "embd")
+    requests = prepare_embeddings(
+        body,
+        request_id=graph_id,
+        model=api.served_model_name,
+        arrival_time=arrival,
+        limits=api.engine.limits,
+    )
+    try:
+        chunks = await _pool_all(
+            request, api, requests, operation="embeddings", response_id=response_id
+        )
+    except ClientDisconnected:
+        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
+    return Response(
+        embedding_response(
+            chunks,
+            encode_base64=body.encoding_format == "base64",
+            response_id=response_id,
+            created=created,
+            model=body.model or api.served_model_name,
+        )
+    )
+
+
+@post(
+    ["/v1/score", "/score"],
+    status_code=200,
+    opt={OPENAPI_OPT: OpenApi(request=ScoreRequest, response=ScoreResponse, tag="vLLM")},
+)
+async def create_score(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Score text pairs (vLLM's score API): a cross-encoder's relevance, or an embedding
+    model's cosine similarity."""
+    arrival = time.monotonic()
+    created = int(time.time())
+    api = _state(request)
+    require_task(api.engine.pooler, request.url.path, "embed", "score")
+    body = await api.decode(await request.body(), ScoreRequest)
+    api.check_model(body.model)
+    graph_id, response_id = _ids(request, "score")
+    plan = prepare_scores(
+        body.text_1,
+        body.text_2,
+        api.engine.pooler,
+        request_id=graph_id,
+        model=api.served_model_name,
+        arrival_time=arrival,
+        limits=api.engine.limits,
+    )
+    try:
+        chunks = await _pool_all(
+            request, api, plan.requests, operation="score", response_id=response_id
+        )
+    except ClientDisconnected:
+        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
+    model = body.model or api.served_model_name
+    return Response(
+        score_response(plan, chunks, response_id=response_id, created=created, model=model)
+    )
+
+
+@post(
+    ["/v1/rerank", "/rerank", "/v2/rerank"],
+    status_code=200,
+    opt={OPENAPI_OPT: OpenApi(request=RerankRequest, response=RerankResponse, tag="vLLM")},
+)
+async def create_rerank(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Rank documents by relevance to a query (vLLM's rerank API, as Jina's and Cohere's)."""
+    arrival = time.monotonic()
+    api = _state(request)
+    require_task(api.engine.pooler, request.url.path, "embed", "score")
+    body = await api.decode(await request.body(), RerankRequest)
+    api.check_model(body.model)
+    graph_id, response_id = _ids(request, "rerank")
+    documents = rerank_documents(body)
+    plan = prepare_scores(
+        body.query,
+        documents,
+        api.engine.pooler,
+        request_id=graph_id,
+        model=api.served_model_name,
+        arrival_time=arrival,
+        limits=api.engine.limits,
+        names=("query", "documents"),
+    )
+    try:
+        chunks = await _pool_all(
+            request, api, plan.requests, operation="rerank", response_id=response_id
+        )
+    except ClientDisconnected:
+        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
+    model = body.model or api.served_model_name
+    return Response(
+        rerank_response(body, documents, plan, chunks, response_id=response_id, model=model)
+    )
 
 
 @get("/v1/models", opt={OPENAPI_OPT: OpenApi(response=ModelList)})
@@ -624,6 +770,9 @@ def create_app(
         route_handlers=[
             create_completion,
             create_chat_completion,
+            create_embedding,
+            create_score,
+            create_rerank,
             list_models,
             health,
             version,

@@ -213,12 +213,13 @@ def _cache_salt(salt: str | None) -> str | None:
     return salt
 
 
-def split_prompts(prompt: str | list[Any]) -> list[str | tuple[int, ...]]:
-    """The prompts of a completion request: a string, strings, token ids, or id lists."""
+def split_prompts(prompt: str | list[Any], param: str = "prompt") -> list[str | tuple[int, ...]]:
+    """The prompts of a completion request (or the inputs of an embeddings request, the
+    field `param`): a string, strings, token ids, or id lists."""
     bad = ApiError(
-        "Invalid 'prompt': expected a string, an array of strings, an array of token ids "
+        f"Invalid '{param}': expected a string, an array of strings, an array of token ids "
         "or an array of token id arrays.",
-        param="prompt",
+        param=param,
         code="invalid_type",
     )
     if isinstance(prompt, str):

@@ -436,3 +436,96 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
 
 class VersionResponse(msgspec.Struct, kw_only=True):
     version: str
+
+
+# ---------------------------------------------------------------------------------------
+# Pooling: embeddings (OpenAI's), scores (vLLM's), reranking (vLLM's, Jina's, Cohere's)
+
+
+class EmbeddingRequest(_Request, kw_only=True):
+    """POST /v1/embeddings."""
+
+    input: str | list[Any]  # str, [str], [int] or [[int]]: checked by flowllm.api.pooling
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = None  # None: float
+    dimensions: int | None = None  # Matryoshka models: the first N values, renormalized
+    user: str | None = None  # accepted and ignored (metadata)
+    normalize: bool | None = None  # vLLM's: L2-normalize (None: as the model's pooler does)
+
+
+class ScoreRequest(_Request, kw_only=True):
+    """POST /v1/score (vLLM's): one text_1 against each text_2, or the lists pairwise."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    user: str | None = None  # accepted and ignored
+
+
+class RerankDocument(_Request, kw_only=True):
+    """A document given as an object (Cohere's and Jina's form)."""
+
+    text: str
+
+
+class RerankRequest(_Request, kw_only=True):
+    """POST /v1/rerank, /rerank, /v2/rerank: the documents ranked by relevance to query."""
+
+    query: str
+    documents: list[str | RerankDocument]
+    model: str | None = None
+    top_n: int | None = None  # the best N (None or 0: every document)
+    return_documents: bool | None = None  # None: true, as vLLM and Jina
+    user: str | None = None  # accepted and ignored
+
+
+class PoolingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(msgspec.Struct, kw_only=True):
+    index: int
+    embedding: list[float] | str  # base64: the float32 little-endian bytes
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: PoolingUsage
+    object: Literal["list"] = "list"
+
+
+class ScoreData(msgspec.Struct, kw_only=True):
+    index: int
+    score: float
+    object: Literal["score"] = "score"
+
+
+class ScoreResponse(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+    object: Literal["list"] = "list"
+
+
+class RerankedDocument(msgspec.Struct, kw_only=True):
+    text: str
+
+
+class RerankResult(msgspec.Struct, kw_only=True):
+    index: int  # the document's in the request
+    relevance_score: float
+    document: RerankedDocument | UnsetType = UNSET  # unless return_documents is false
+
+
+class RerankResponse(msgspec.Struct, kw_only=True):
+    id: str
+    model: str
+    usage: PoolingUsage
+    results: list[RerankResult]  # best first

@@ -21,7 +21,7 @@ import structlog
 
 from flowllm import collector
 from flowllm.config import TOOL_CALL_PARSERS, ConfigError
-from flowllm.engine import DEFAULT_GRAPH
+from flowllm.engine import DEFAULT_GRAPH, graph_for_task
 from flowllm.graph.problems import GraphValidationError
 from flowllm.logging_config import configure_logging
 from flowllm.text.reasoning import REASONING_PARSERS
@@ -223,6 +223,18 @@ def request_tracing(args: argparse.Namespace) -> Any:
         raise ServeError(str(e)) from e
 
 
+def resolve_served_task(args: argparse.Namespace) -> str:
+    """`--task` as the checkpoint resolves it (`auto`: what it is for), read without
+    torch, and set on `args`, from which the core and the fronts build their configs.
+    Resolving the model converts the bundled one once, here."""
+    from flowllm.models.loader import resolve_model
+    from flowllm.models.pooler_config import resolve_task
+
+    resolved = resolve_model(args.model, args.quantization)
+    args.task = resolve_task(resolved.path, args.task, from_gguf=resolved.config_from_gguf)
+    return str(args.task)
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """Load the model, then serve the OpenAI API until SIGINT/SIGTERM; exit 0 after a drain.
 
@@ -244,14 +256,17 @@ def serve_command(args: argparse.Namespace) -> int:
     from flowllm.engine.args import config_from_args
     from flowllm.engine.core import placement_of
     from flowllm.graph.spec import GraphSpec
-    from flowllm.models.loader import ModelLoadError, resolve_model
+    from flowllm.models.loader import ModelLoadError
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
     try:  # flag errors first: one line, before the model loads
         http_settings(args)
         config = config_from_args(args)
         default_template_kwargs(args, config.limits)
-        spec = GraphSpec.load(args.graph or DEFAULT_GRAPH)  # a bad graph fails before the model
+        task = resolve_served_task(args)
+        config = config_from_args(args)
+        # a bad graph fails before the model
+        spec = GraphSpec.load(args.graph or graph_for_task(task))
         if spec.problems:
             spec.validate()  # raises, naming every problem (its stages' too)
         # A recording runs the graph in one process: a trace's entries and spans are
@@ -270,7 +285,7 @@ def serve_command(args: argparse.Namespace) -> int:
                 "(stages with process:, as the default graph), and no --trace-dir"
             )
         graph = None if placed else spec.validate()  # one process imports the stages anyway
-    except (ServeError, ConfigError, GraphValidationError, ValueError) as e:
+    except (ServeError, ConfigError, GraphValidationError, ModelLoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     threads = serving_threads(args.cpu_threads, os.cpu_count(), dict(os.environ), placed=placed)
@@ -278,11 +293,6 @@ def serve_command(args: argparse.Namespace) -> int:
         return serve_in_one_process(args, config, graph, threads)
     from flowllm.cli.processes import Supervisor
 
-    try:
-        resolve_model(config.model.model, config.model.quantization)  # converts once, here
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     try:
         supervisor = Supervisor(args, config, spec, threads)
     except GraphValidationError as e:  # validated to learn a stage class's on_error
@@ -346,7 +356,7 @@ def serve_front(args: argparse.Namespace, listener: Any, index: int, core_addres
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
     structlog.contextvars.bind_contextvars(front=index)
     config = config_from_args(args)
-    graph = load_graph_or_exit(str(args.graph or DEFAULT_GRAPH))
+    graph = load_graph_or_exit(str(args.graph or graph_for_task(args.task)))
 
     def engine(recorder: Any, span_sinks: Any) -> Any:
         return FrontEngine.connect(

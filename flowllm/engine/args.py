@@ -10,6 +10,7 @@ from flowllm.config import (
     BUNDLED_MODEL,
     DTYPES,
     QUANTIZATIONS,
+    TASKS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -95,6 +96,15 @@ def add_engine_arguments(
         "(weights only)",
     )
     parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default=_MODEL.task,
+        help="what the model is served for: generate (completions and chat), embed "
+        "(/v1/embeddings; /v1/score and /v1/rerank by cosine similarity) or score (a "
+        "cross-encoder: /v1/score, /v1/rerank); auto reads the checkpoint's architectures "
+        "and sentence-transformers files",
+    )
+    parser.add_argument(
         "--tokenizer",
         help="a directory (or Hub id) whose tokenizer to use, for GGUF files without one",
     )
@@ -176,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_prefix_caching": args.enable_prefix_caching,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "enforce_eager": args.enforce_eager,
+        "task": args.task,
         "seed": args.seed,
         **{name: getattr(args, name) for name in _LIMIT_HELP},
         "chat_template": args.chat_template,

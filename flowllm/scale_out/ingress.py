@@ -60,8 +60,8 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> WithoutEchoedRequestId:
         from flowllm.api.app import create_app
         from flowllm.cli.serve import auto_tool_parser, cors_config, resolve_api_key
+        from flowllm.engine import graph_for_task
         from flowllm.engine.args import config_from_args
-        from flowllm.engine.async_engine import DEFAULT_GRAPH
         from flowllm.engine.loading import tokenizer_source
         from flowllm.graph.validator import load_graph
         from flowllm.logging_config import configure_logging
@@ -70,7 +70,7 @@ class Ingress:
         args = self._args
         configure_logging(fmt=args.log_format, level=args.log_level, force=True)
         config = config_from_args(args)
-        graph = load_graph(args.graph or DEFAULT_GRAPH)
+        graph = load_graph(args.graph or graph_for_task(args.task))
         tokenizer = load_tokenizer(*tokenizer_source(config))
         replicas = self._replicas
 

@@ -168,11 +168,13 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         default_template_kwargs,
         exposure_warning,
         resolve_api_key,
+        resolve_served_task,
     )
+    from flowllm.engine import graph_for_task
     from flowllm.engine.args import config_from_args
-    from flowllm.engine.async_engine import DEFAULT_GRAPH
     from flowllm.engine.core import placement_of
     from flowllm.graph.validator import load_graph
+    from flowllm.models.loader import ModelLoadError
 
     try:
         check_arguments(args)
@@ -180,7 +182,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         cors_config(args)
         auto_tool_parser(args)
         default_template_kwargs(args, config_from_args(args).limits)
-        graph = load_graph(args.graph or DEFAULT_GRAPH)
+        graph = load_graph(args.graph or graph_for_task(resolve_served_task(args)))
         if not graph.placement:
             raise ScaleOutError(
                 "--distributed-executor-backend ray needs a graph placed in a front and a "
@@ -196,7 +198,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    except (ScaleOutError, ServeError, ValueError) as e:
+    except (ScaleOutError, ServeError, ModelLoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -34,15 +34,15 @@ class EngineReplica:
         import ray
         import torch
 
+        from flowllm.engine import graph_for_task
         from flowllm.engine.args import config_from_args
-        from flowllm.engine.async_engine import DEFAULT_GRAPH
         from flowllm.engine.loading import build_services
         from flowllm.graph.validator import load_graph
         from flowllm.logging_config import configure_logging
 
         configure_logging(fmt=args.log_format, level=args.log_level, force=True)
         torch.set_num_threads(threads)
-        graph = load_graph(args.graph or DEFAULT_GRAPH)
+        graph = load_graph(args.graph or graph_for_task(args.task))
         config = config_from_args(args)
         services = await anyio.to_thread.run_sync(build_services, config)
         spec = CoreSpec(

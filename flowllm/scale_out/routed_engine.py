@@ -25,6 +25,7 @@ from flowllm.engine.front import FrontEngine
 from flowllm.graph.validator import ValidGraph
 from flowllm.mailbox import Mailbox, Overloaded
 from flowllm.messages import GenerateRequest
+from flowllm.models.pooler_config import PoolerConfig
 from flowllm.scale_out.replica_link import ReplicaLink, locate, replica_failed
 from flowllm.scale_out.replica_metrics import ReplicaSeries, RoutingMetrics
 from flowllm.scale_out.router import Router
@@ -124,6 +125,10 @@ class RoutedEngine:
     @property
     def limits(self) -> RequestLimits:
         return self._first.limits
+
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        return self._first.pooler
 
     @property
     def links(self) -> Sequence[ReplicaLink]:
