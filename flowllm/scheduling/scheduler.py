@@ -148,6 +148,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        self.num_generated = 0  # tokens appended by `apply` (cumulative, this instance)
 
     # ------------------------------------------------------------------ input messages
     def add_request(self, request: TokenizedRequest) -> list[int]:
@@ -233,7 +234,8 @@ class Scheduler:
     def apply(self, step: StepTokens) -> list[FinishedSeq]:
         """Append one step's sampled tokens and finish the sequences they end; returns those.
         Tokens for sequences that already left (aborted, stop string), or that the step did
-        not sample, are ignored."""
+        not sample, are ignored. A pooling sequence's entry (pool's) only ends it: it
+        generates nothing, so nothing is appended or counted in `num_generated`."""
         step_id = step.step_id
         self._releases_in_flight.pop(step_id, None)
         finished: list[FinishedSeq] = []
@@ -244,7 +246,9 @@ class Scheduler:
                 continue  # it left, or this step did not sample it
             seq.awaiting_step = None
             tokens = seq.token_ids
-            tokens.append(token.token_id)
+            if seq.pooling is None:
+                tokens.append(token.token_id)
+                self.num_generated += 1
             reason = token.finish_reason
             if reason is None and len(tokens) - seq.num_prompt_tokens >= seq.output_limit:
                 reason = "length"  # the rule's length limit, which sample should have said

@@ -27,8 +27,8 @@ from flowllm.messages import (
 from flowllm.models.pooling import Pooler
 from flowllm.stages.services import EngineServices
 
-# The token id of a pooled prompt's finishing entry: schedule appends it and ends the
-# sequence; nothing reads it.
+# The token id of a pooled prompt's finishing entry: schedule ends the sequence on it and
+# appends nothing (a pooling sequence generates nothing); nothing reads it.
 FINISHED_TOKEN = 0
 
 

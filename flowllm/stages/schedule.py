@@ -140,9 +140,10 @@ class Schedule(Stage):
                 continue
             ctx.begin(message, started)
             if isinstance(message, StepTokens):
+                generated = scheduler.num_generated
                 scheduler.apply(message)
                 inflight -= 1
-                self._metrics.generation_tokens.inc(len(message.tokens))
+                self._metrics.generation_tokens.inc(scheduler.num_generated - generated)
             elif isinstance(message, Finish):
                 scheduler.finish_sequence(message.seq_id, message.stop_reason)
             elif isinstance(message, Abort):
