@@ -27,6 +27,16 @@ BODIES: dict[str, dict[str, Any]] = {
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [1, 2]},
 }
+# The fake engine generates: with the key, the pooling routes answer that they need a
+# model served for pooling.
+POOLING_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/embeddings": {"input": "hi"},
+    "/v1/score": {"text_1": "a", "text_2": "b"},
+    "/score": {"text_1": "a", "text_2": "b"},
+    "/v1/rerank": {"query": "a", "documents": ["b"]},
+    "/rerank": {"query": "a", "documents": ["b"]},
+    "/v2/rerank": {"query": "a", "documents": ["b"]},
+}
 
 
 def app_routes(app: Any) -> list[tuple[str, str]]:
@@ -47,7 +57,7 @@ async def test_every_route_but_the_public_ones_needs_the_key(engine: FakeEngine)
     assert {path for _, path in routes} >= set(BODIES) | PUBLIC_PATHS | {"/v1/models"}
     async with AsyncTestClient(app) as client:
         for method, path in routes:
-            body = BODIES.get(path)
+            body = BODIES.get(path) or POOLING_BODIES.get(path)
             for headers in ({}, {"Authorization": "Bearer wrong"}):
                 r = await client.request(method, path, json=body, headers=headers)
                 if is_public(path):
@@ -63,7 +73,11 @@ async def test_every_route_but_the_public_ones_needs_the_key(engine: FakeEngine)
                 r = await client.request(
                     method, path, json=body, headers={"Authorization": f"Bearer {KEY}"}
                 )
-                assert r.status_code == 200, (method, path, r.text)
+                if path in POOLING_BODIES:
+                    assert r.status_code == 400, (method, path, r.text)
+                    assert r.json()["error"]["code"] == "unsupported_task"
+                else:
+                    assert r.status_code == 200, (method, path, r.text)
     assert {p for _, p in routes if is_public(p)} == PUBLIC_PATHS
     assert len(engine.submitted) == 2  # the two generation routes, with the key only
 

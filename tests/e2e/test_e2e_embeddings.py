@@ -112,6 +112,9 @@ def test_embeddings_through_the_sdk_are_sentence_transformers(
     tokens = sum(len(tokenizer.encode(text)) for text in TEXTS)
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == tokens
     assert floats.model == bert_server.model and floats.object == "list"
+    metrics = bert_server.metrics()  # embeddings read prompts and generate nothing
+    assert metrics["flowllm:generation_tokens_total"] == 0
+    assert metrics["flowllm:prompt_tokens_total"] >= 2 * tokens
 
 
 def test_token_id_inputs_embed_as_their_text(bert_server: ServerProcess, bert_dir: Path) -> None:
@@ -282,3 +285,24 @@ def test_bad_score_and_rerank_requests(rerank_server: ServerProcess) -> None:
         timeout=60,
     )
     assert_error(long_pair, 400, code="context_length_exceeded")
+
+
+def test_responses_match_the_openapi_document(
+    bert_server: ServerProcess, rerank_server: ServerProcess
+) -> None:
+    import jsonschema
+
+    for server, path, body in (
+        (bert_server, "/v1/embeddings", {"input": TEXTS[:2]}),
+        (bert_server, "/v1/embeddings", {"input": "a cat", "encoding_format": "base64"}),
+        (rerank_server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS}),
+        (rerank_server, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2}),
+    ):
+        doc = httpx.get(f"{server.url}/openapi.json", timeout=60).json()
+        response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        ok = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]
+        jsonschema.Draft202012Validator(
+            {**ok["schema"], "components": doc["components"]}
+        ).validate(response.json())
+        assert doc["paths"][path]["post"]["requestBody"]

@@ -21,6 +21,7 @@ from flowllm.graph.spec import GraphSpec
 from flowllm.graph.validator import load_graph, validate_graph
 from flowllm.mailbox import RequestFailed
 from flowllm.messages import Chunk, PoolingParams, TextDeltas, TokenizedRequest
+from flowllm.models.bert import BertModel
 
 TEXTS = ["the cat sat on the mat", "paris is the capital of france", "a blue sea"]
 
@@ -51,6 +52,7 @@ def test_the_pooling_graph_is_valid_with_any_choices_capacity(tmp_path: Path) ->
 
 def test_an_encoder_runs_whole_prompts_without_a_kv_cache(bert: LLM) -> None:
     services = bert.services
+    assert isinstance(services.model, BertModel)
     assert services.kv_caches == []
     assert not services.config.scheduler.enable_chunked_prefill
     assert not services.config.cache.enable_prefix_caching

@@ -53,8 +53,8 @@ def test_registry_by_architecture_and_model_type() -> None:
     assert model_class_for(tiny_gpt2().config) is GPT2Model
     with pytest.raises(UnsupportedModelError, match=r"FalconForCausalLM.*GPT2LMHeadModel"):
         model_class_for({"architectures": ["FalconForCausalLM"]})
-    with pytest.raises(UnsupportedModelError, match="'bert'"):
-        model_class_for({"model_type": "bert"})
+    with pytest.raises(UnsupportedModelError, match="'t5'"):
+        model_class_for({"model_type": "t5"})
 
 
 def test_gpt2_loads_prefixed_and_unprefixed_names_alike() -> None:
