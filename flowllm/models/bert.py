@@ -4,9 +4,10 @@
 Attention is bidirectional over each prompt, and a step holds every prompt whole (the
 pooling graph runs without chunked prefill), so an encoder needs no paged KV cache: each
 prompt is computed once and its K/V are never read again. Each sequence attends over its
-own rows with torch's `scaled_dot_product_attention`, one call per sequence, so a row's
-output never depends on the other prompts of its step (batch invariance); the paged
-kernels are causal and would store K/V for nothing.
+own rows with torch's `scaled_dot_product_attention`, the sequences of one length batched
+into one call: its batch entries are computed apart, so a row's output never depends on
+the other prompts of its step (batch invariance); the paged kernels are causal and would
+store K/V for nothing.
 
 Post-norm layers: LayerNorm(x + attention(x)), then LayerNorm(h + MLP(h)), each add fused
 into its norm where the native kernels serve. Linear layers take `batch_layout`: an
@@ -41,6 +42,21 @@ from flowllm.models.pooler_config import num_labels
 
 CROSS_ENCODER = "BertForSequenceClassification"
 
+# Sequences of one length: (length, their rows [sequences * length], sequence by sequence)
+LengthGroup = tuple[int, torch.Tensor]
+
+
+def length_groups(starts: Sequence[int], device: torch.device) -> list[LengthGroup]:
+    """The sequences whose rows start at `starts[i]` and end at `starts[i + 1]`, grouped by
+    length, each group's rows in one index tensor."""
+    by_length: dict[int, list[int]] = {}
+    for start, end in pairwise(starts):
+        by_length.setdefault(end - start, []).append(start)
+    return [
+        (length, (torch.tensor(firsts)[:, None] + torch.arange(length)).reshape(-1).to(device))
+        for length, firsts in by_length.items()
+    ]
+
 
 class BertLayer(nn.Module):
     """Self-attention -> dense -> LayerNorm(+ input); intermediate -> act -> dense ->
@@ -66,25 +82,27 @@ class BertLayer(nn.Module):
         self.output = linear(inter, d)
         self.out_norm = LayerNorm(d, eps, dtype, device)
 
-    def forward(self, h: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-        # h: [n, d], the rows of every sequence; spans: each sequence's rows [start, end)
-        attn = self.attn_out(self.attend(self.qkv(h), spans))
+    def forward(self, h: torch.Tensor, groups: Sequence[LengthGroup]) -> torch.Tensor:
+        # h: [n, d], the rows of every sequence, `groups` of them by length
+        attn = self.attn_out(self.attend(self.qkv(h), groups))
         h, _ = self.attn_norm.add_and_norm(attn, h)  # the sum is written into the old h
         x = self.output(self.act(self.intermediate(h)))
         out, _ = self.out_norm.add_and_norm(x, h)
         return out
 
-    def attend(self, qkv: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, groups: Sequence[LengthGroup]) -> torch.Tensor:
         """Each sequence's rows attend over its own rows, both ways: [n, d]."""
         n = qkv.shape[0]
         heads, head_dim = self.num_heads, self.head_dim
-        # [3, heads, n, head_dim] views of the fused rows
-        q, k, v = qkv.view(n, 3, heads, head_dim).permute(1, 2, 0, 3)
+        fused = qkv.view(n, 3, heads, head_dim)
         out = torch.empty(n, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-        for start, end in spans:
-            rows = slice(start, end)
-            seq = F.scaled_dot_product_attention(q[:, rows], k[:, rows], v[:, rows])
-            out[rows] = seq.transpose(0, 1)
+        for length, rows in groups:
+            # [3, sequences, heads, length, head_dim] views of the group's rows
+            q, k, v = fused.index_select(0, rows).view(-1, length, 3, heads, head_dim).permute(
+                2, 0, 3, 1, 4
+            )
+            seqs = F.scaled_dot_product_attention(q, k, v)  # [sequences, heads, length, hd]
+            out.index_copy_(0, rows, seqs.transpose(1, 2).reshape(-1, heads, head_dim))
         return out.view(n, heads * head_dim)
 
 
@@ -140,10 +158,9 @@ class BertModel(nn.Module):
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         h = self.word_embeddings(input_ids) + self.token_type_embeddings(types)
         h = self.embeddings_norm(h + self.position_embeddings(positions))
-        starts = ctx.query_start_loc.tolist()
-        spans = list(pairwise(starts))
+        groups = length_groups(ctx.query_start_loc.tolist(), input_ids.device)
         for layer in self.layers:
-            h = layer(h, spans)
+            h = layer(h, groups)
         out: torch.Tensor = h
         return out
 
