@@ -3,11 +3,14 @@
 
 Every product of one step runs in turn, layer by layer and the LM head last, so weights
 stream from memory as in a real step (a model's weights do not fit the caches). Shapes:
-GPT-2 124M and SmolLM2-135M, random weights, float32 and bfloat16. `GB/s` is weight bytes
-over time; `native/oneDNN` below 1 means the native kernel is faster.
+GPT-2 124M and SmolLM2-135M, random weights, float32 and bfloat16, and an encoder's,
+bge-small's (no LM head: its steps are whole prompts, hundreds to thousands of rows).
+`GB/s` is weight bytes over time; `native/oneDNN` below 1 means the native kernel is
+faster.
 
     .venv/bin/python benchmarks/linear_step.py --threads 1 --cpu-time
     .venv/bin/python benchmarks/linear_step.py --threads 2 --rows 1,8,64
+    .venv/bin/python benchmarks/linear_step.py --models bge-small --rows 128,512,2048
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from model_step import add_timing_options, best_times, timing_clock  # benchmark
 from flowllm.kernels import cpu_linear
 
 # (out, in) of each layer's products, layers, whether they have biases, the LM head's
-# (vocab, dim)
-SHAPES: dict[str, tuple[list[tuple[int, int]], int, bool, tuple[int, int]]] = {
+# (vocab, dim) if any
+SHAPES: dict[str, tuple[list[tuple[int, int]], int, bool, tuple[int, int] | None]] = {
     "gpt2-124m": ([(2304, 768), (768, 768), (3072, 768), (768, 3072)], 12, True, (50257, 768)),
     "smollm2-135m": (
         [(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, False, (49152, 576)
     ),
+    "bge-small": ([(1152, 384), (384, 384), (1536, 384), (384, 1536)], 12, True, None),
 }  # fmt: skip
 
 Product = Callable[[torch.Tensor], torch.Tensor]
@@ -36,7 +40,7 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 def step_products(name: str, dtype: torch.dtype) -> tuple[list[Product], list[Product], int]:
     """(oneDNN products, native products, weight bytes) of one step of model `name`."""
     layer, layers, biased, head = SHAPES[name]
-    shapes = [(o, i, biased) for o, i in layer] * layers + [(*head, False)]
+    shapes = [(o, i, biased) for o, i in layer] * layers + ([(*head, False)] if head else [])
     onednn: list[Product] = []
     ours: list[Product] = []
     for out, inp, has_bias in shapes:
@@ -77,7 +81,7 @@ def main() -> None:
                 continue
             onednn, ours, nbytes = step_products(name, dtype)
             layer, layers, _, head = SHAPES[name]
-            ins = [i for _, i in layer * layers] + [head[1]]
+            ins = [i for _, i in layer * layers] + ([head[1]] if head else [])
             for rows in [int(r) for r in args.rows.split(",")]:
                 xs = [torch.randn(rows, i).to(dtype) for i in ins]
                 t_dnn, t_ours = best_times(
