@@ -4,11 +4,11 @@ A channel file is a sequence of frames, each a 4-byte little-endian length follo
 msgpack entry `[type_name, send_time, message, object_id]` (`send_time` is the sender's
 `perf_counter()`; `object_id` is the message object's `id()`, which lets a span recorded
 by the consuming stage be matched with the entry it handled, offline). Messages are the Structs of
-`flowllm.messages`; a tensor inside one (the `Any` fields of `StepLogits`) is a msgpack
-extension holding its dtype, shape and raw little-endian bytes (`EXT_TENSOR`), or, when the
-recorder was asked for compact logits, a `TensorDigest` (`EXT_DIGEST`): each row's top-k
-entries plus its sum and sum of squares, enough to check a replayed tensor but not to
-replay from. An integer tensor (a token bitmask) is always whole, zlib-compressed
+`flowllm.messages`; a tensor inside one (the `Any` fields of `StepLogits` and `StepHidden`)
+is a msgpack extension holding its dtype, shape and raw little-endian bytes (`EXT_TENSOR`),
+or, when the recorder was asked for compact logits, a `TensorDigest` (`EXT_DIGEST`): each
+row's top-k entries plus its sum and sum of squares, enough to check a replayed tensor but
+not to replay from. An integer tensor (a token bitmask) is always whole, zlib-compressed
 (`EXT_ZTENSOR`).
 """
 
@@ -43,6 +43,7 @@ MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
         M.RequestError,
         M.StepBatch,
         M.StepLogits,
+        M.StepHidden,
         M.StepMasks,
         M.StepTokens,
         M.ChoiceEvents,
@@ -228,4 +229,6 @@ def snapshot(message: Any) -> Any:
             logits=message.logits.detach().clone(),
             prompt_logits={k: v.detach().clone() for k, v in message.prompt_logits.items()},
         )
+    if isinstance(message, M.StepHidden):
+        return M.StepHidden(batch=message.batch, hidden=message.hidden.detach().clone())
     return message

@@ -22,6 +22,7 @@ from flowllm.graph.validator import load_graph, validate_graph
 from flowllm.mailbox import RequestFailed
 from flowllm.messages import Chunk, PoolingParams, TextDeltas, TokenizedRequest
 from flowllm.models.bert import BertModel
+from flowllm.traces.replay import replay_trace
 
 TEXTS = ["the cat sat on the mat", "paris is the capital of france", "a blue sea"]
 
@@ -110,3 +111,16 @@ def test_each_front_gets_the_chunks_of_its_own_requests() -> None:
     }
     assert len(owners) == 0  # each request's one chunk ended it
     assert owners.route("deliver.in", TextDeltas(step_id=4, chunks=(_chunk("a"),))) == []
+
+
+def test_a_recorded_pooling_run_replays_stage_by_stage(tmp_path: Path) -> None:
+    """A cross-encoder's pairs (token types in execute, scores in pool): every stage's
+    outputs from its recorded inputs are the recorded ones."""
+    model = build_bert_dir(tmp_path / "rerank", cross_encoder=True)
+    llm = LLM(str(model), dtype="float32", trace_dir=tmp_path / "trace")
+    assert len(llm.score(TEXTS[0], TEXTS[1:])) == 2
+    report = replay_trace(tmp_path / "trace", services=llm.services)
+    assert report.ok, report.format()
+    assert [r.stage for r in report.results] == [
+        "ingest", "validate", "tokenize", "schedule", "execute", "pool", "deliver"
+    ]  # fmt: skip
