@@ -82,12 +82,14 @@ def prepare_embeddings(
     """One graph request per input (a string, strings, token ids or id lists)."""
     prompts = split_prompts(body.input, "input")
     _bounded(len(prompts), limits, "input", "inputs")
-    if any(prompt == "" for prompt in prompts):
-        raise ApiError(
-            "Invalid 'input': an input cannot be an empty string.",
-            param="input",
-            code="empty_string",
-        )
+    for prompt in prompts:
+        if not prompt:
+            empty = "string" if isinstance(prompt, str) else "array"
+            raise ApiError(
+                f"Invalid 'input': an input cannot be an empty {empty}.",
+                param="input",
+                code=f"empty_{empty}",
+            )
     pooling = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
     return [
         pooling_request(f"{request_id}-{i}", model, prompt, arrival_time, pooling)

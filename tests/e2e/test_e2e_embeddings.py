@@ -216,7 +216,8 @@ def test_bad_embedding_requests_are_400s_naming_the_field(bert_server: ServerPro
     assert f"maximum context length is {MAX_LEN} tokens" in error["message"]
     assert assert_error(post({"input": ["a"] * 300}), 400)["param"] == "input"
     assert assert_error(post({"input": ""}), 400, code="empty_string")["param"] == "input"
-    assert assert_error(post({"input": [[]]}), 400)["param"] == "prompt"
+    assert assert_error(post({"input": [[]]}), 400, code="empty_array")["param"] == "input"
+    assert assert_error(post({"input": []}), 400, code="empty_array")["param"] == "input"
     assert assert_error(post({"input": [1, "a"]}), 400, code="invalid_type")["param"] == "input"
     assert assert_error(post({"input": [10**9]}), 400)["param"] == "prompt"
     assert assert_error(post({"input": "a", "dimensions": 0}), 400)["param"] == "dimensions"

@@ -68,6 +68,9 @@ def trusted_server(gpt2_tiny_dir: Path, chat_template_file: Path) -> Iterator[Se
 # -- the API key on every route ----------------------------------------------------------
 
 
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
+
+
 def test_no_route_but_the_public_ones_answers_without_the_key(auth_server: ServerProcess) -> None:
     routes = served_routes()
     assert {p for _, p in routes} >= {"/tokenize", "/detokenize", "/v1/models", *PUBLIC_PATHS}
@@ -76,7 +79,11 @@ def test_no_route_but_the_public_ones_answers_without_the_key(auth_server: Serve
         "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 1},
         "/tokenize": {"prompt": "x"},
         "/detokenize": {"tokens": [1]},
+        "/v1/embeddings": {"input": "x"},
+        **{path: {"text_1": "x", "text_2": "y"} for path in ("/v1/score", "/score")},
+        **{path: {"query": "x", "documents": ["y"]} for path in RERANK_PATHS},
     }
+    pooling_routes = {"/v1/embeddings", "/v1/score", "/score", *RERANK_PATHS}
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = httpx.request(
@@ -91,8 +98,9 @@ def test_no_route_but_the_public_ones_answers_without_the_key(auth_server: Serve
             r = httpx.request(
                 method, auth_server.url + path, json=bodies.get(path), headers=good, timeout=60
             )
-            # Past the key; chat answers 400 as this server has no chat template.
-            expected = 400 if path == "/v1/chat/completions" else 200
+            # Past the key; chat answers 400 as this server has no chat template, and the
+            # pooling routes as it serves a generating model.
+            expected = 400 if path == "/v1/chat/completions" or path in pooling_routes else 200
             assert r.status_code == expected, (method, path, r.text)
 
 
