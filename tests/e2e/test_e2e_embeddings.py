@@ -307,3 +307,41 @@ def test_responses_match_the_openapi_document(
             {**ok["schema"], "components": doc["components"]}
         ).validate(response.json())
         assert doc["paths"][path]["post"]["requestBody"]
+
+
+BAD_BODIES = {
+    "/v1/embeddings": [
+        {}, {"input": None}, {"input": 5}, {"input": [[1, "a"]]}, {"input": [True]},
+        {"input": "a", "dimensions": 10**30}, {"input": "a", "dimensions": "8"},
+        {"input": "a", "normalize": "yes"}, {"input": "a", "encoding_format": None, "x": 1},
+        {"input": [-1]}, {"input": {"text": "a"}}, {"input": [[[1]]]},
+    ],
+    "/v1/score": [
+        {}, {"text_1": "a"}, {"text_1": 1, "text_2": "b"}, {"text_1": ["a"] * 300, "text_2": "b"},
+        {"text_1": "a", "text_2": [["b"]]}, {"text_1": "a", "text_2": [""] * 0},
+    ],
+    "/v1/rerank": [
+        {}, {"query": "a"}, {"query": 1, "documents": ["b"]}, {"query": "a", "documents": "b"},
+        {"query": "a", "documents": [{"txt": "b"}]}, {"query": "a", "documents": [1]},
+        {"query": "a", "documents": ["b"], "top_n": "1"}, {"query": "a", "documents": ["b"],
+                                                           "rank_fields": ["x"]},
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted(BAD_BODIES))
+def test_malformed_pooling_bodies_are_400s(request: pytest.FixtureRequest, path: str) -> None:
+    """Embeddings from the embedder, scores and reranking from the cross-encoder."""
+    server: ServerProcess = request.getfixturevalue(
+        "bert_server" if path == "/v1/embeddings" else "rerank_server"
+    )
+    for body in BAD_BODIES[path]:
+        response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert_error(response, 400)
+    nested = b'{"input": ' + b"[" * 100 + b"]" * 100 + b"}"
+    deep = httpx.post(
+        f"{server.url}{path}", content=nested,
+        headers={"content-type": "application/json"}, timeout=60,
+    )  # fmt: skip
+    assert_error(deep, 400, code="json_too_deep")
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
