@@ -10,5 +10,6 @@ POOLING_GRAPH = Path(__file__).with_name("pooling.yaml")
 
 
 def graph_for_task(task: str) -> Path:
-    """The built-in graph that serves a resolved task (flowllm.models.pooler_config)."""
-    return DEFAULT_GRAPH if task == "generate" else POOLING_GRAPH
+    """The built-in graph that serves a resolved task (flowllm.models.pooler_config): the
+    pooling graph for embed and score, else the default one."""
+    return POOLING_GRAPH if task in ("embed", "score") else DEFAULT_GRAPH
