@@ -32,7 +32,8 @@ def render_text(graph: ValidGraph) -> str:
             optional = "  (optional)" if port in bound.cls.optional_inputs else ""
             lines.append(f"  {'':<{width}}    in   {port}: {type_name(tp)}{optional}")
         for port, tp in bound.cls.outputs.items():
-            lines.append(f"  {'':<{width}}    out  {port}: {type_name(tp)}")
+            optional = "  (optional)" if port in bound.cls.optional_outputs else ""
+            lines.append(f"  {'':<{width}}    out  {port}: {type_name(tp)}{optional}")
         lines.append(f"  {'':<{width}}    supervision: {bound.supervision.describe()}")
     lines += ["", "channels:"]
     for channel in graph.channels.values():

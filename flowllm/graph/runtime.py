@@ -435,8 +435,9 @@ class Graph:
             }
             outboxes = {}
             for port in bound.cls.outputs:
-                targets = spec.fanout[PortRef(task.name, port)]
-                outboxes[port] = Outbox(port, [self.channels[t].sender() for t in targets])
+                targets = spec.fanout.get(PortRef(task.name, port))
+                if targets:  # an optional port may be unwired
+                    outboxes[port] = Outbox(port, [self.channels[t].sender() for t in targets])
             log = self.log.bind(stage=task.name, replica=task.replica)
             task.ctx = StageContext(
                 name=task.name,

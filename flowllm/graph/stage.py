@@ -185,6 +185,11 @@ class StageContext:
     def input_ports(self) -> tuple[str, ...]:
         return self._input_order
 
+    @property
+    def output_ports(self) -> tuple[str, ...]:
+        """The connected output ports (an optional one may be unwired)."""
+        return tuple(self._outboxes)
+
     def inbox(self, port: str) -> ChannelReceiver[Any]:
         try:
             return self._inboxes[port]
@@ -308,6 +313,9 @@ class Stage:
     # Input ports a graph may leave unconnected: the stage then runs without them (it
     # sees only connected ports in `ctx.input_ports`).
     optional_inputs: ClassVar[frozenset[str]] = frozenset()
+    # Output ports a graph may leave unconnected: the stage then skips what it would send
+    # there (it sees only connected ports in `ctx.output_ports`).
+    optional_outputs: ClassVar[frozenset[str]] = frozenset()
     # Name of an int param bounding the messages this stage keeps in flight around a
     # cycle (docs/stages.md); the validator accepts a cycle only through such a stage.
     credit_param: ClassVar[str | None] = None

@@ -12,7 +12,10 @@ may block sending into a full channel whose consumer is itself blocked sending. 
 accepted only when some stage on it declares a credit bound B (`Stage.credit_param`, e.g.
 `schedule`'s `max_inflight_steps`: it never has more than B messages in flight around the
 loop; with `replicas: N` the bound is N x B) and every channel on the cycle has capacity
->= B, so no send on the cycle can block.
+>= B, so no send on the cycle can block. A cycle inside such a loop (every stage on it also
+on a credited cycle, like the sampled ids that `sample` hands back to `execute`) carries at
+most one message a step too, so the loop's bound B holds for it and the same capacity rule
+applies.
 
 A port sending up to one message per step beside that loop (`Stage.per_step_outputs`, e.g.
 `schedule.choices`) is not bounded by B: its steps stop only once its consumer's input from
@@ -396,7 +399,8 @@ class _Validator:
                     ref = PortRef(bound.name, port)
                     if ref in connected or ref in named:
                         continue
-                    if kind == "inputs" and port in bound.cls.optional_inputs:
+                    optional = "optional_inputs" if kind == "inputs" else "optional_outputs"
+                    if port in getattr(bound.cls, optional):
                         continue
                     direction = "from" if role == "output" else "into"
                     self.problem(
@@ -459,8 +463,12 @@ class _Validator:
                 on_cycle.extend(succ[a][b])
             path = " -> ".join([*cycle, cycle[0]])
             line = min((e.line for e in on_cycle if e.line is not None), default=None)
-            bounds = {n: stages[n].credit_bound for n in cycle}
-            credited = {n: b for n, b in bounds.items() if b is not None}
+            credited = credit_bounds(cycle, stages)
+            if not credited:  # a cycle inside a credited loop takes the loop's bound
+                members = set(cycle)
+                for loop in cycles:
+                    if members <= set(loop):
+                        credited.update(credit_bounds(loop, stages))
             if not credited:
                 self.problem(
                     f"cycle {path} is not credit-bounded: no stage on it declares a credit "
@@ -568,6 +576,12 @@ class _Validator:
 
 
 _MISSING: Final = object()
+
+
+def credit_bounds(cycle: list[str], stages: dict[str, BoundStage]) -> dict[str, int]:
+    """The credit bound of each stage on `cycle` that declares one."""
+    bounds = {name: stages[name].credit_bound for name in cycle}
+    return {name: bound for name, bound in bounds.items() if bound is not None}
 
 
 def per_step_bound(port: PortRef, stages: dict[str, BoundStage]) -> int | None:
