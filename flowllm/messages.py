@@ -233,15 +233,24 @@ class SeqStart(msgspec.Struct, frozen=True, kw_only=True):
     pooling: PoolingParams | None = None  # a pooling request's
 
 
+PLACEHOLDER_TOKEN = -1  # a token id sampled by a step still in flight (`ScheduledSeq.input_from`)
+
+
 class ScheduledSeq(msgspec.Struct, frozen=True, gc=False, kw_only=True):
-    """One sequence's share of a step: which tokens to compute and where their KV goes."""
+    """One sequence's share of a step: which tokens to compute and where their KV goes.
+
+    Scheduled ahead of its last token (async scheduling), a sequence computes that token
+    as one placeholder row: `token_ids == (PLACEHOLDER_TOKEN,)`, and `input_from` names the
+    (step id, row among that step's sampling rows) whose sampled id execute reads instead.
+    """
 
     seq_id: int
     token_ids: tuple[int, ...]  # the tokens computed this step (a prefill chunk or 1 decode)
     num_computed_tokens: int  # tokens already in the KV cache before this step
     block_table: tuple[int, ...]
-    sample: bool  # does this step end at the sequence's last known token (so it samples)?
-    num_output_tokens: int  # tokens generated so far (for min_tokens / max_tokens)
+    sample: bool  # does this step end at the sequence's last token (so it samples)?
+    num_output_tokens: int  # tokens generated so far, in flight included (min/max_tokens)
+    input_from: tuple[int, int] | None = None
 
 
 class StepBatch(msgspec.Struct, kw_only=True):
@@ -252,6 +261,8 @@ class StepBatch(msgspec.Struct, kw_only=True):
     started: tuple[SeqStart, ...] = ()
     released: tuple[int, ...] = ()  # seq ids that left since the previous step
     prompt_logits_for: tuple[int, ...] = ()  # seqs whose prompt logits execute returns
+    reads_sampled: tuple[int, ...] = ()  # steps whose sampled ids its placeholder rows read
+    inflight_from: int = 0  # the oldest step in flight when built: no later batch reads older
 
 
 class StepLogits(msgspec.Struct, kw_only=True):
@@ -268,6 +279,14 @@ class StepHidden(msgspec.Struct, kw_only=True):
 
     batch: StepBatch
     hidden: Any  # torch.Tensor [num_tokens, hidden_size], the model's dtype
+
+
+class SampledIds(msgspec.Struct, kw_only=True):
+    """One step's sampled token ids where the model runs (sample -> execute): what a later
+    step's placeholder rows read, without a round trip through the host."""
+
+    step_id: int
+    ids: Any  # torch.Tensor [num_sampling_seqs] int64, in the order of the step's sampling rows
 
 
 class StepMasks(msgspec.Struct, kw_only=True):

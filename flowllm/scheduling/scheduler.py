@@ -19,6 +19,13 @@ Per step (`schedule`), within `max_num_batched_tokens` tokens and `max_num_seqs`
    (`enable_chunked_prefill` off: an encoder, which sees a prompt whole, or a pooler that
    reads every row) it waits for a step with room for all of it.
 
+Async scheduling (`async_scheduling`, with more than one step in flight): a sequence whose
+sampled token is still in flight is scheduled again at once, its next row computing that
+token as a placeholder (`ScheduledSeq.input_from`: execute reads the id where the model
+runs). Its stop is then known one step late: a step may compute a row for a sequence its
+previous token ended, which sample drops. Sequences under a grammar (whose masks need each
+token) and those whose in-flight tokens reach their length limit wait for their tokens.
+
 `apply` appends each step's sampled tokens and finishes sequences whose `SampledToken`
 carries a finish reason: the stop rule (flowllm.stopping) is applied once, by the
 sample stage. The scheduler only guards its own invariant with the rule's length limit
@@ -38,6 +45,7 @@ import msgspec
 
 from flowllm.config import CacheConfig, ConfigError, SchedulerConfig
 from flowllm.messages import (
+    PLACEHOLDER_TOKEN,
     ChoiceEvents,
     ChoiceStart,
     ScheduledSeq,
@@ -96,8 +104,9 @@ class Scheduler:
     * Whenever fewer than `max_inflight_steps` steps are in flight: `schedule()`, and send
       `choice_events()` (if not None) to detokenize and then the `StepBatch` (if not
       None). With more than one step in flight, a sequence whose sampled token is still
-      in flight is skipped until `apply` delivers it, while prompt chunks that do not
-      sample keep going; steps must run in schedule order.
+      in flight is scheduled with a placeholder (`async_scheduling`) or skipped until
+      `apply` delivers it, while prompt chunks that do not sample keep going; steps must
+      run, and their tokens be applied, in schedule order.
     """
 
     def __init__(
@@ -106,6 +115,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        async_scheduling: bool = False,
     ) -> None:
         if max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -127,6 +137,7 @@ class Scheduler:
         # Every running sequence gets >= 1 token per step, so never run more than the budget.
         self.max_num_seqs = min(scheduler_config.max_num_seqs, self.max_num_batched_tokens)
         self.enable_prefix_caching = cache_config.enable_prefix_caching
+        self.async_scheduling = async_scheduling
         self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_prefix_caching)
 
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences at the front
@@ -141,7 +152,8 @@ class Scheduler:
         # step id -> the released ids its batch carries, until the step's tokens come back:
         # a step loop that fails on that batch never delivers them downstream.
         self._releases_in_flight: dict[int, tuple[int, ...]] = {}
-        self._inflight: dict[int, list[Sequence]] = {}  # step id -> sequences it samples
+        # step id -> the sequences it samples, in row order, until `apply` (oldest first)
+        self._inflight: dict[int, list[Sequence]] = {}
         self._next_seq_id = 0
         self._next_step_id = 0
 
@@ -233,18 +245,32 @@ class Scheduler:
 
     def apply(self, step: StepTokens) -> list[FinishedSeq]:
         """Append one step's sampled tokens and finish the sequences they end; returns those.
-        Tokens for sequences that already left (aborted, stop string), or that the step did
-        not sample, are ignored. A pooling sequence's entry (pool's) only ends it: it
-        generates nothing, so nothing is appended or counted in `num_generated`."""
+        Tokens for sequences that already left (aborted, stop string, ended by an earlier
+        token), or that the step did not sample, are ignored. A pooling sequence's entry
+        (pool's) only ends it: it generates nothing, so nothing is appended or counted in
+        `num_generated`."""
         step_id = step.step_id
         self._releases_in_flight.pop(step_id, None)
+        sampled = self._inflight.pop(step_id, None)
+        if not sampled:
+            return []
+        got = {token.seq_id: token for token in step.tokens}
         finished: list[FinishedSeq] = []
         finished_waiting = False  # preempted while its token was in flight (overlap only)
-        for token in step.tokens:
-            seq = self._seqs.get(token.seq_id)
-            if seq is None or seq.awaiting_step != step_id:
-                continue  # it left, or this step did not sample it
-            seq.awaiting_step = None
+        for seq in sampled:
+            if seq.status > SequenceStatus.PREEMPTED:
+                continue  # it left meanwhile
+            if seq.num_dropped:
+                seq.num_dropped -= 1
+                continue
+            seq.num_pending -= 1
+            token = got.get(seq.seq_id)
+            if token is None:
+                # No token came for it: drop what later steps computed from it, and compute
+                # its last token again next step, so it samples again instead of waiting.
+                seq.num_dropped, seq.num_pending = seq.num_pending, 0
+                seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+                continue
             tokens = seq.token_ids
             if seq.pooling is None:
                 tokens.append(token.token_id)
@@ -257,13 +283,6 @@ class Scheduler:
                 finished_waiting |= seq.status is not SequenceStatus.RUNNING
                 self._finish(seq, FINISH_STATUSES[reason], token.stop_reason)
                 finished.append(seq.to_finished())
-        for seq in self._inflight.pop(step_id, ()):
-            if seq.awaiting_step == step_id:
-                # No token came for it: compute its last token again next step, so it
-                # samples again instead of waiting forever.
-                seq.awaiting_step = None
-                if seq.num_computed_tokens == len(seq.token_ids):
-                    seq.num_computed_tokens -= 1
         if finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
             if finished_waiting:
@@ -372,31 +391,34 @@ class Scheduler:
         running = self.running
         blocks_of = self.kv.seq_blocks
         max_model_len = self.max_model_len
-        # Runnable sequences not yet visited: each keeps one token of budget reserved.
-        pending = sum(1 for s in running if s.awaiting_step is None)
+        ahead = self.async_scheduling
         preempted = False
         i = 0
         while i < len(running):
             seq = running[i]
             i += 1
-            if seq.awaiting_step is not None:
-                continue
-            pending -= 1
             num_tokens = len(seq.token_ids)
+            pending = seq.num_pending
+            if pending:
+                # Ahead of its tokens only as a placeholder, and never past its last one.
+                num_tokens += pending
+                if not (
+                    ahead
+                    and seq.runs_ahead
+                    and num_tokens - seq.num_prompt_tokens < seq.output_limit
+                ):
+                    continue
             if num_tokens > max_model_len:
                 num_tokens = max_model_len
-            num_new = num_tokens - seq.num_computed_tokens
-            if num_new > budget - pending:
-                num_new = budget - pending
+            # Every later running sequence keeps one token of the budget.
+            num_new = min(num_tokens - seq.num_computed_tokens, budget - (len(running) - i))
             if num_new <= 0:
                 continue
             rec = blocks_of(seq.seq_id)
             if rec is None or seq.num_computed_tokens + num_new > rec.fast_limit:
                 num_preemptions = self.num_preemptions
                 rec = self._allocate_or_preempt(seq, num_new)
-                if self.num_preemptions != num_preemptions:
-                    preempted = True
-                    pending = sum(1 for s in running[i:] if s.awaiting_step is None)
+                preempted |= self.num_preemptions != num_preemptions
                 if rec is None:
                     continue
             rows.append((seq, num_new, rec))
@@ -428,7 +450,7 @@ class Scheduler:
         waiting, running, kv = self.waiting, self.running, self.kv
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0]
-            if seq.awaiting_step is not None:  # preempted while its token is in flight
+            if seq.num_pending or seq.num_dropped:  # preempted while a token is in flight
                 break
             num_tokens = min(seq.num_tokens, self.max_model_len)
             hits = kv.find_cached_prefix(seq.seq_id, seq.token_ids) if seq.use_prefix_cache else []
@@ -456,26 +478,36 @@ class Scheduler:
         (the K/V of these tokens will be in the cache once the step runs)."""
         step_id = self._next_step_id
         self._next_step_id += 1
+        inflight_from = next(iter(self._inflight), step_id)
         seqs: list[ScheduledSeq] = []
         started: list[SeqStart] = []
         prompt_logits_for: list[int] = []
         sampling: list[Sequence] = []
+        reads_sampled: set[int] = set()
         for seq, num_new, blocks in rows:
             tokens = seq.token_ids
-            num_tokens = len(tokens)
+            num_tokens = len(tokens) + seq.num_pending
             start = seq.num_computed_tokens
             end = start + num_new
             sample = end == num_tokens
+            input_from = None
+            if seq.num_pending:  # the token in flight, as a placeholder (one row)
+                input_from = seq.sampled_at
+                reads_sampled.add(input_from[0])
+                token_ids: tuple[int, ...] = (PLACEHOLDER_TOKEN,)
+            elif num_new == 1 and sample:
+                token_ids = (tokens[-1],)
+            else:
+                token_ids = tuple(tokens[start:end])
             seqs.append(
                 ScheduledSeq(
                     seq_id=seq.seq_id,
-                    token_ids=(tokens[-1],)
-                    if num_new == 1 and sample
-                    else tuple(tokens[start:end]),
+                    token_ids=token_ids,
                     num_computed_tokens=start,
                     block_table=blocks.table,
                     sample=sample,
                     num_output_tokens=num_tokens - seq.num_prompt_tokens,
+                    input_from=input_from,
                 )
             )
             seq.num_computed_tokens = end
@@ -483,7 +515,8 @@ class Scheduler:
                 prompt_logits_for.append(seq.seq_id)
                 seq.wants_prompt_logits = not sample
             if sample:
-                seq.awaiting_step = step_id
+                seq.num_pending += 1
+                seq.sampled_at = (step_id, len(sampling))
                 sampling.append(seq)
             if not seq.started:
                 seq.started = True
@@ -502,6 +535,8 @@ class Scheduler:
             started=tuple(started),
             released=released,
             prompt_logits_for=tuple(prompt_logits_for),
+            reads_sampled=tuple(sorted(reads_sampled)),
+            inflight_from=inflight_from,
         )
 
     def _preempt(self, seq: Sequence) -> None:
@@ -517,7 +552,6 @@ class Scheduler:
         """Mark finished and free blocks now; the caller removes it from running/waiting."""
         seq.status = status
         seq.stop_reason = stop_reason
-        seq.awaiting_step = None
         self.kv.remove(seq.seq_id)
         del self._seqs[seq.seq_id]
         siblings = self._requests.get(seq.request_id)

@@ -68,12 +68,13 @@ class Sequence:
 
     __slots__ = (
         "arrival_time",
-        "awaiting_step",
         "cache_salt",
         "eos_token_ids",
         "index",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_dropped",
+        "num_pending",
         "num_prompt_tokens",
         "output_limit",
         "params",
@@ -81,6 +82,8 @@ class Sequence:
         "prompt_text",
         "prompt_token_ids",
         "request_id",
+        "runs_ahead",
+        "sampled_at",
         "seq_id",
         "started",
         "status",
@@ -130,9 +133,16 @@ class Sequence:
         # execute returns its prompt logits until its prompt has been computed once
         # (a recompute after preemption does not ask again).
         self.wants_prompt_logits = params.prompt_logprobs is not None
-        # The id of the in-flight step that samples this sequence's next token, else None.
-        # Until `apply` delivers that token the sequence is not scheduled again.
-        self.awaiting_step: int | None = None
+        # Tokens that steps in flight sample for it, not yet appended by `apply`. Ahead of
+        # them it may only be scheduled with placeholders (async scheduling), whose input
+        # token is read on the device from `sampled_at`: (step id, row among that step's
+        # sampling rows) of its newest in-flight token.
+        self.num_pending = 0
+        self.sampled_at = (-1, -1)
+        # In-flight tokens that `apply` drops: ones computed from a token that never came.
+        self.num_dropped = 0
+        # May it take placeholders? Not under a grammar, which advances with each token.
+        self.runs_ahead = params.structured_outputs is None
 
     @property
     def num_tokens(self) -> int:
