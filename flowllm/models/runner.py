@@ -4,7 +4,9 @@ Every sequence contributes the tokens it computes this step (a prefill chunk or 
 decode token); token k of a sequence sits at position `num_computed_tokens + k`, and its
 K/V go to slot `block_table[pos // block_size] * block_size + pos % block_size`.
 Logits come back for the last row of each sequence that samples, and for every row of the
-sequences whose prompt logprobs were asked.
+sequences whose prompt logprobs were asked. A placeholder row (a token sampled by a step
+still in flight when the batch was built) reads its id from that step's sampled ids, which
+stay on the device.
 """
 
 from __future__ import annotations
@@ -223,9 +225,13 @@ class ModelRunner:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
 
     def build_context(
-        self, seqs: Sequence[ScheduledSeq], prompt_logits_for: Collection[int] = frozenset()
+        self,
+        seqs: Sequence[ScheduledSeq],
+        prompt_logits_for: Collection[int] = frozenset(),
+        sampled: Mapping[int, torch.Tensor] | None = None,
     ) -> tuple[StepInputs, torch.Tensor, torch.Tensor, AttentionContext]:
-        """The host inputs, token ids, positions and attention context of one step."""
+        """The host inputs, token ids, positions and attention context of one step;
+        `sampled`: step id -> its sampled ids, which the placeholder rows read."""
         inp = StepInputs(seqs, self.block_size, prompt_logits_for)
         ctx = AttentionContext(
             slot_mapping=self._tensor(inp.slot_mapping),
@@ -237,10 +243,40 @@ class ModelRunner:
             max_seq_len=inp.max_seq_len,
             workspace=self.workspace,
         )
-        return inp, self._tensor(inp.input_ids), self._tensor(inp.positions), ctx
+        input_ids = self._tensor(inp.input_ids)
+        if sampled:
+            self._fill_placeholders(seqs, inp, input_ids, sampled)
+        return inp, input_ids, self._tensor(inp.positions), ctx
+
+    def _fill_placeholders(
+        self,
+        seqs: Sequence[ScheduledSeq],
+        inp: StepInputs,
+        input_ids: torch.Tensor,
+        sampled: Mapping[int, torch.Tensor],
+    ) -> None:
+        """Write each placeholder row's token, read from its step's sampled ids on the
+        device (one gather and scatter per step read)."""
+        starts = inp.query_start_loc
+        by_step: dict[int, tuple[list[int], list[int]]] = {}
+        for i, s in enumerate(seqs):
+            source = s.input_from
+            if source is not None:
+                at, rows = by_step.setdefault(source[0], ([], []))
+                at.append(int(starts[i]))
+                rows.append(source[1])
+        for step_id, (at, rows) in by_step.items():
+            ids = sampled.get(step_id)
+            if ids is None:
+                raise StepInputError(f"placeholder rows read step {step_id}'s sampled ids, "
+                                     "which did not come")  # fmt: skip
+            input_ids[self._tensor(np.asarray(at))] = ids[self._tensor(np.asarray(rows))]
 
     def run(
-        self, seqs: Sequence[ScheduledSeq], prompt_logits_for: Collection[int] = frozenset()
+        self,
+        seqs: Sequence[ScheduledSeq],
+        prompt_logits_for: Collection[int] = frozenset(),
+        sampled: Mapping[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One model step: (logits [num sampling seqs, vocab] float32 in batch order,
         {seq_id: float32 logits of every token computed this step} for `prompt_logits_for`).
@@ -250,11 +286,12 @@ class ModelRunner:
         float32): no row belongs to two of them, and they are ordinary tensors (the model
         runs under no_grad, not inference mode), so callers may edit them in place. A copy
         of [256, 50257] float32 logits is 51 MB per step, which the sampler needs only when
-        a logits processor edits them (it then uses a buffer of its own)."""
+        a logits processor edits them (it then uses a buffer of its own). `sampled`: the
+        sampled ids that placeholder rows read, by step id (`build_context`)."""
         if not seqs:
             empty = torch.empty(0, self.model.vocab_size, dtype=torch.float32, device=self.device)
             return empty, {}
-        inp, input_ids, positions, ctx = self.build_context(seqs, prompt_logits_for)
+        inp, input_ids, positions, ctx = self.build_context(seqs, prompt_logits_for, sampled)
         if self.native is not None:
             self.native.set_threads(self.kernel_threads(len(inp.input_ids)))
         with torch.no_grad():

@@ -125,7 +125,21 @@ class Sampler:
         num_output_tokens: Sequence[int],
         allowed: tuple[Sequence[int], torch.Tensor] | None = None,
     ) -> list[SampledToken]:
-        """Sample one token per row, record it, and say whether it ends its sequence.
+        """`sample_with_ids` without the ids."""
+        return self.sample_with_ids(seq_ids, logits, num_output_tokens, allowed)[0]
+
+    def sample_with_ids(
+        self,
+        seq_ids: Sequence[int],
+        logits: torch.Tensor,
+        num_output_tokens: Sequence[int],
+        allowed: tuple[Sequence[int], torch.Tensor] | None = None,
+    ) -> tuple[list[SampledToken], torch.Tensor]:
+        """Sample one token per row, record it, and say whether it ends its sequence; also
+        the chosen ids as a [B] int64 tensor on the device, one per row.
+
+        A row of a sequence that an earlier token ended (scheduled before that token was
+        known) is sampled but dropped: no token, nothing recorded.
 
         logits: [B, V] float32, row i for seq_ids[i]; read only (it may be the model's
         output itself, even an inference tensor): rows that need editing are edited in a
@@ -223,12 +237,15 @@ class Sampler:
         for sid, state, token, n, lp in zip(
             seq_ids, states, token_list, num_output_tokens, logprobs, strict=True
         ):
+            if state.finished:
+                continue
             if state.history is not None:
                 state.history.add(token)
             finish, stop = state.stop(token, n + 1)
             if finish is None and lp is None:  # the common case: fewer fields to set
                 append(SampledToken(seq_id=sid, token_id=token))
             else:
+                state.finished = finish is not None
                 append(
                     SampledToken(
                         seq_id=sid,
@@ -238,7 +255,7 @@ class Sampler:
                         stop_reason=stop,
                     )
                 )
-        return out
+        return out, tokens
 
     def prompt_logprobs(
         self, seq_id: int, num_computed_tokens: int, logits: torch.Tensor

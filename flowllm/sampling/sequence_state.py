@@ -76,6 +76,7 @@ class SeqSamplingState:
     bias_ids: torch.Tensor | None  # [k] int64
     bias_values: torch.Tensor | None  # [k] float32, clamped
     history: TokenHistory | None  # only when a penalty is active
+    finished: bool = False  # a sampled token ended it (rows scheduled after are dropped)
 
     @classmethod
     def of(

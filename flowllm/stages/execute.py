@@ -2,21 +2,37 @@
 
 It owns the KV cache tensors (through its ModelRunner) and keeps no per-sequence state:
 the batch names the sequences whose prompt logits it returns (`prompt_logits_for`,
-decided by schedule). `ExecuteHidden`, a pooling graph's execute, returns the last hidden
-states of every row instead of logits, for pool; it keeps only where each cross-encoder
-pair's second text starts (its token types), from the step it starts to its release.
+decided by schedule). With async scheduling a batch may arrive before the tokens of the
+step ahead of it are sampled: its placeholder rows read them from the `SampledIds` that
+sample sends back on `sampled` (kept, on the model's device, while a later batch may still
+read them). `ExecuteHidden`, a pooling graph's execute, returns the last hidden states of
+every row instead of logits, for pool; it keeps only where each cross-encoder pair's second
+text starts (its token types), from the step it starts to its release.
 """
 
 from __future__ import annotations
 
-from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
-from flowllm.messages import StepBatch, StepHidden, StepLogits
+from time import perf_counter
+from typing import Any
+
+import anyio
+import torch
+
+from flowllm.graph.channel import ChannelReceiver
+from flowllm.graph.stage import CLOSED, NoParams, PerMessageStage, StageContext
+from flowllm.messages import SampledIds, StepBatch, StepHidden, StepLogits
 from flowllm.models.runner import ModelRunner
 from flowllm.stages.services import EngineServices
 
 
+class MissingSampledIdsError(RuntimeError):
+    """A batch reads ids sampled in flight, but they cannot come (the graph does not
+    connect sample.ids to execute.sampled, or the input closed)."""
+
+
 class Execute(PerMessageStage):
-    inputs = {"in": StepBatch}
+    inputs = {"in": StepBatch, "sampled": SampledIds}
+    optional_inputs = frozenset({"sampled"})
     outputs = {"out": StepLogits}
 
     def __init__(self, params: NoParams, services: EngineServices) -> None:
@@ -31,15 +47,78 @@ class Execute(PerMessageStage):
             small_step_threads=services.small_step_threads,
         )
         self._worker = services.worker_thread("execute")
+        self._sampled: dict[int, torch.Tensor] = {}  # step id -> its sampled ids
+
+    async def run(self, ctx: StageContext) -> None:
+        if "sampled" not in ctx.input_ports:
+            await super().run(ctx)
+            return
+        sampled = ctx.inbox("sampled")
+        while True:
+            # Ids may come before the batch that reads them: take whichever is first.
+            try:
+                port, message = await ctx.receive_any()
+            except anyio.EndOfStream:
+                return
+            if message is CLOSED:
+                continue
+            if port == "sampled":
+                self._keep(message, sampled, ctx)
+                continue
+            wait = ctx.last_wait
+            started = perf_counter()
+            ctx.begin(message, started)
+            await self.execute_step(message, await self._read_sampled(message, sampled, ctx), ctx)
+            ctx.end()
+            ctx.spans.record(message, started, wait)
 
     async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
+        if batch.reads_sampled:
+            raise MissingSampledIdsError(
+                f"step {batch.step_id} reads ids sampled in flight, but nothing sends them: "
+                "connect sample.ids to execute.sampled"
+            )
+        await self.execute_step(batch, None, ctx)
+
+    async def execute_step(
+        self, batch: StepBatch, sampled: dict[int, torch.Tensor] | None, ctx: StageContext
+    ) -> None:
+        """Run one step (its placeholder rows reading `sampled`) and send its logits."""
         logits, prompt_logits = await self._worker.run(
-            self.runner.run, batch.seqs, batch.prompt_logits_for
+            self.runner.run, batch.seqs, batch.prompt_logits_for, sampled
         )
         await ctx.emit("out", StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits))
 
+    async def _read_sampled(
+        self, batch: StepBatch, inbox: ChannelReceiver[Any], ctx: StageContext
+    ) -> dict[int, torch.Tensor] | None:
+        """The sampled ids `batch` reads, waiting for those not here yet; ids no later
+        batch reads are dropped."""
+        kept = self._sampled
+        for step_id in [s for s in kept if s < batch.inflight_from]:
+            del kept[step_id]
+        for step_id in batch.reads_sampled:
+            while step_id not in kept:
+                try:
+                    message = await inbox.receive()
+                except anyio.EndOfStream:
+                    raise MissingSampledIdsError(
+                        f"step {batch.step_id} reads the ids sampled in step {step_id}, "
+                        "but its input closed first"
+                    ) from None
+                self._keep(message, inbox, ctx)
+        return {step_id: kept[step_id] for step_id in batch.reads_sampled} or None
+
+    def _keep(self, message: SampledIds, inbox: ChannelReceiver[Any], ctx: StageContext) -> None:
+        """Keep a step's ids; a span marks the receipt, so a trace shows (and a replay
+        feeds) when they came."""
+        ctx.spans.record(message, perf_counter(), inbox.last_wait, observed=False)
+        self._sampled[message.step_id] = message.ids
+
 
 class ExecuteHidden(Execute):
+    inputs = {"in": StepBatch}
+    optional_inputs = frozenset()
     outputs = {"out": StepHidden}
 
     def __init__(self, params: NoParams, services: EngineServices) -> None:

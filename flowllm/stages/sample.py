@@ -3,7 +3,9 @@
 It learns each sequence's parameters from `StepBatch.started` (and forgets it on
 `StepBatch.released`), decides every sampled token's finish reason with the stop rule
 (flowllm.stopping), and sends the same `StepTokens` to schedule (which appends
-them) and detokenize (which turns them into text).
+them) and detokenize (which turns them into text). With `ids` connected it first hands
+the step's sampled ids, still on the model's device, to execute (`SampledIds`), where the
+next step's placeholder rows read them (async scheduling).
 
 With the guide stage connected to `masks`, it joins each step's logits with the step's
 `StepMasks` (both come from one `StepBatch`, in step order) and samples constrained rows
@@ -15,9 +17,17 @@ from __future__ import annotations
 from time import perf_counter
 
 import anyio
+import torch
 
 from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
-from flowllm.messages import StepLogits, StepMasks, StepTokens, TokenLogprobs
+from flowllm.messages import (
+    SampledIds,
+    SampledToken,
+    StepLogits,
+    StepMasks,
+    StepTokens,
+    TokenLogprobs,
+)
 from flowllm.sampling.sampler import Sampler
 from flowllm.stages.services import EngineServices
 
@@ -29,7 +39,8 @@ class SampleError(RuntimeError):
 class Sample(PerMessageStage):
     inputs = {"in": StepLogits, "masks": StepMasks}
     optional_inputs = frozenset({"masks"})
-    outputs = {"out": StepTokens}
+    outputs = {"out": StepTokens, "ids": SampledIds}
+    optional_outputs = frozenset({"ids"})
 
     def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
@@ -75,10 +86,15 @@ class Sample(PerMessageStage):
         self, step: StepLogits, masks: StepMasks | None, ctx: StageContext
     ) -> None:
         """Sample one step (under its grammar masks, if any) and send its tokens."""
-        tokens = await self._worker.run(self._sample, step, masks)
+        tokens, ids = await self._worker.run(self._sample, step, masks)
+        if ids is not None and "ids" in ctx.output_ports:
+            await ctx.emit("ids", SampledIds(step_id=step.batch.step_id, ids=ids))
         await ctx.emit("out", tokens)
 
-    def _sample(self, step: StepLogits, masks: StepMasks | None) -> StepTokens:
+    def _sample(
+        self, step: StepLogits, masks: StepMasks | None
+    ) -> tuple[StepTokens, torch.Tensor | None]:
+        """The step's tokens, and its sampled ids on the device (None: nothing sampled)."""
         batch = step.batch
         sampler = self.sampler
         for seq_id in batch.released:
@@ -95,12 +111,16 @@ class Sample(PerMessageStage):
         if masks is not None and masks.seq_ids:
             row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
             allowed = ([row_of[seq_id] for seq_id in masks.seq_ids], masks.bitmask)
-        tokens = sampler.sample(seq_ids, step.logits, num_output_tokens, allowed) if seq_ids else []
+        tokens: list[SampledToken] = []
+        ids = None
+        if seq_ids:
+            tokens, ids = sampler.sample_with_ids(seq_ids, step.logits, num_output_tokens, allowed)
         prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         if step.prompt_logits:
             computed = {s.seq_id: s.num_computed_tokens for s in batch.seqs}
             for seq_id, logits in step.prompt_logits.items():
                 prompt_logprobs[seq_id] = sampler.prompt_logprobs(seq_id, computed[seq_id], logits)
-        return StepTokens(
+        step_tokens = StepTokens(
             step_id=batch.step_id, tokens=tuple(tokens), prompt_logprobs=prompt_logprobs
         )
+        return step_tokens, ids

@@ -45,6 +45,9 @@ EARLY_ABORTS_KEPT = 4096
 
 class ScheduleParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_inflight_steps: int = 1
+    # Schedule a sequence again while its sampled token is in flight, as a placeholder row
+    # that execute fills from sample's `SampledIds` (sample.ids -> execute.sampled).
+    async_scheduling: bool = False
 
 
 class Schedule(Stage):
@@ -60,7 +63,11 @@ class Schedule(Stage):
         super().__init__(params, services)
         config = services.config
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, services.num_blocks, services.max_model_len
+            config.scheduler,
+            config.cache,
+            services.num_blocks,
+            services.max_model_len,
+            async_scheduling=params.async_scheduling,
         )
         self._metrics = services.metrics
         self._early_aborts: OrderedDict[str, None] = OrderedDict()

@@ -45,6 +45,7 @@ MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
         M.StepLogits,
         M.StepHidden,
         M.StepMasks,
+        M.SampledIds,
         M.StepTokens,
         M.ChoiceEvents,
         M.TextDeltas,

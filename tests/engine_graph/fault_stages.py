@@ -96,9 +96,9 @@ class FaultySchedule(Schedule):
 
 
 class FaultyExecute(Execute):
-    async def handle(self, message: Any, ctx: Any) -> None:
+    async def execute_step(self, message: Any, sampled: Any, ctx: Any) -> None:
         await strike("execute")
-        await super().handle(message, ctx)
+        await super().execute_step(message, sampled, ctx)
 
 
 class FaultySample(Sample):

@@ -47,7 +47,7 @@ def test_the_committed_traces_cover_the_scenarios() -> None:
     }  # fmt: skip
     for name in TRACES:
         size = sum(f.stat().st_size for f in (REPO / "traces" / name).iterdir())
-        assert size < 100 * 1024, f"trace {name} is {size} bytes"
+        assert size < 128 * 1024, f"trace {name} is {size} bytes"
 
 
 BUNDLED_TRACES = ("chat",)  # recorded on the bundled SmolLM2, found by its name
@@ -207,18 +207,15 @@ def test_a_sampler_ignoring_top_k_fails_replay(
 class OffExecute(Execute):
     """A model step whose logits are off by 1e-3 (a kernel with a small numeric bug)."""
 
-    async def handle(self, batch: Any, ctx: Any) -> None:
+    def __init__(self, params: Any, services: Any) -> None:
+        super().__init__(params, services)
         run = self.runner.run
 
-        def shifted(seqs: Any, asked: Any) -> Any:
-            logits, prompt = run(seqs, asked)
+        def shifted(*args: Any) -> Any:
+            logits, prompt = run(*args)
             return logits + 1e-3, prompt
 
         self.runner.run = shifted  # type: ignore[method-assign]
-        try:
-            await super().handle(batch, ctx)
-        finally:
-            self.runner.run = run  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("name", ["greedy", "preemption"])
