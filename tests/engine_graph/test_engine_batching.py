@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from flowllm import LLM, SamplingParams
+from flowllm.engine import DEFAULT_GRAPH
 from flowllm.llm import RequestOutput
 
 VOCAB = 50257
@@ -98,3 +99,61 @@ def test_shared_prefix_hits_the_cache_and_keeps_results_exact(llm: LLM) -> None:
     batched = token_ids(llm.generate(prompts, params))
     assert metric(llm, "flowllm:prefix_cache_hits_total") > 0
     assert batched == alone(llm, prompts, params)
+
+
+@pytest.fixture(scope="module")
+def lockstep_llm(gpt2_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    """The default graph with one step in flight and no async scheduling."""
+    text = DEFAULT_GRAPH.read_text()
+    async_schedule = "max_inflight_steps: 2, async_scheduling: true"
+    assert async_schedule in text
+    graph = tmp_path_factory.mktemp("lockstep") / "lockstep.yaml"
+    graph.write_text(text.replace(async_schedule, "max_inflight_steps: 1"))
+    return LLM(
+        str(gpt2_tiny_dir),
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        kv_cache_memory=4096 * TINY_BLOCK_BYTES,
+        graph=graph,
+    )
+
+
+def test_two_steps_in_flight_give_the_tokens_of_one(llm: LLM, lockstep_llm: LLM) -> None:
+    """Async scheduling (placeholder rows read the ids sampled by the step ahead, stops seen
+    a step late) changes no token, logprob or finish: greedy and seeded, penalties, EOS and
+    stop ids ending sequences early, max_tokens of 1, n > 1 and a stop string."""
+    rng = random.Random(4)
+    prompts = random_prompts(rng, 24, 3, 150)
+    frequent = [t for p in prompts for t in p[:2]]  # ids likely to come up: stop ids
+    params = []
+    for i in range(len(prompts)):
+        kind = i % 4
+        params.append(
+            SamplingParams(
+                temperature=0.0 if kind == 0 else 0.9,
+                seed=None if kind == 0 else i,
+                top_k=40 if kind == 2 else 0,
+                presence_penalty=0.5 if kind == 3 else 0.0,
+                repetition_penalty=1.2 if kind == 3 else 1.0,
+                n=2 if kind == 2 else 1,
+                max_tokens=rng.choice([1, 2, 7, 20]),
+                stop_token_ids=tuple(rng.sample(frequent, 8)) if kind == 1 else (),
+                stop=("e",) if kind == 3 else (),
+                logprobs=2 if kind == 1 else None,
+            )
+        )
+    async_out = llm.generate(prompts, params)
+    lockstep_out = lockstep_llm.generate(prompts, params)
+    assert metric(llm, "flowllm:num_preemptions_total") == 0
+    for a, b in zip(async_out, lockstep_out, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (
+                y.token_ids,
+                y.text,
+                y.finish_reason,
+                y.stop_reason,
+            )
+            assert x.logprobs == y.logprobs
+    finishes = {o.finish_reason for out in async_out for o in out.outputs}
+    assert finishes == {"stop", "length"}  # sequences ended early, as well as at max_tokens

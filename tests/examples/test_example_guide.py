@@ -126,7 +126,7 @@ def test_message_tables_list_every_field_with_its_type() -> None:
         "GenerateRequest", "ValidRequest", "TokenizedRequest", "Abort", "RequestError",
         "StepBatch", "ScheduledSeq", "SeqStart", "StepMasks", "StepLogits", "StepTokens",
         "SampledToken", "ChoiceEvents", "ChoiceStart",
-        "TokenLogprobs", "Finish", "TextDeltas", "Chunk", "StepHidden",
+        "TokenLogprobs", "Finish", "TextDeltas", "Chunk", "StepHidden", "SampledIds",
     }  # fmt: skip
     assert set(tables) == on_edges
 
