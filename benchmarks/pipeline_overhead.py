@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_fixtures import write_gpt2_tokenizer_files
 
 from flowllm.config import engine_config
+from flowllm.engine import DEFAULT_GRAPH
 from flowllm.graph.stage import NoParams
 from flowllm.llm import LLM
 from flowllm.messages import SamplingParams, StepLogits, TokenizedRequest
@@ -50,12 +51,15 @@ class InstantModel:
 
     By default the rows are a view of one persistent tensor (the greedy sampler only reads
     them). `fresh`: a new tensor each call, written once, as a real model's LM head
-    allocates its output (in execute's worker thread).
+    allocates its output (in execute's worker thread). `model_seconds`: each forward waits
+    that long without holding the interpreter, as a step on a GPU does, so that what the
+    host does meanwhile shows.
     """
 
-    def __init__(self, vocab_size: int, fresh: bool = False) -> None:
+    def __init__(self, vocab_size: int, fresh: bool = False, model_seconds: float = 0.0) -> None:
         self.vocab_size = vocab_size
         self.fresh = fresh
+        self.model_seconds = model_seconds
         generator = torch.Generator().manual_seed(0)
         self._row = torch.randn(vocab_size, generator=generator)
         self._logits = self._row.expand(1024, vocab_size).contiguous()
@@ -64,6 +68,8 @@ class InstantModel:
         return input_ids
 
     def forward_layers(self, h: Any, positions: Any, kv_caches: Any, ctx: Any) -> tuple[()]:
+        if self.model_seconds:
+            time.sleep(self.model_seconds)  # the device busy, the interpreter free
         return ()
 
     def compute_logits(self, hidden: Any, ctx: Any) -> torch.Tensor:
@@ -71,13 +77,15 @@ class InstantModel:
         return rows.clone() if self.fresh else rows
 
 
-def services(vocab_size: int, tokenizer: Any, fresh_logits: bool = False) -> EngineServices:
+def services(
+    vocab_size: int, tokenizer: Any, fresh_logits: bool = False, model_seconds: float = 0.0
+) -> EngineServices:
     config = engine_config(
         "instant", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192
     )
     return EngineServices(
         config=config,
-        model=InstantModel(vocab_size, fresh_logits),
+        model=InstantModel(vocab_size, fresh_logits, model_seconds),
         tokenizer=tokenizer,
         kv_caches=[],
         num_blocks=256 * 64,
@@ -106,6 +114,22 @@ SAMPLING: dict[str, Callable[[int], dict[str, Any]]] = {
         "logprobs": 2,
     },
 }
+
+
+def graph_file(name: str) -> Path | None:
+    """`default` (None: the LLM's own), or `lockstep`: the default graph with one step in
+    flight and no async scheduling, written to a temporary file."""
+    if name == "default":
+        return None
+    if name != "lockstep":
+        raise SystemExit(f"unknown graph {name!r}: default or lockstep")
+    text = DEFAULT_GRAPH.read_text()
+    async_schedule = "max_inflight_steps: 2, async_scheduling: true"
+    if async_schedule not in text:
+        raise SystemExit(f"{DEFAULT_GRAPH} does not schedule with {async_schedule!r}")
+    path = Path(tempfile.mkdtemp()) / "lockstep.yaml"
+    path.write_text(text.replace(async_schedule, "max_inflight_steps: 1"))
+    return path
 
 
 def sampling_params(kind: str, i: int, max_tokens: int) -> SamplingParams:
@@ -208,7 +232,7 @@ async def stage_bench(
         logits, prompt_logits = execute.runner.run(batch.seqs)
         t2 = clock()
         step_logits = StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits)
-        tokens = sample._sample(step_logits, None)
+        tokens, _ = sample._sample(step_logits, None)
         t3 = clock()
         scheduler.apply(tokens)
         t4 = clock()
@@ -246,6 +270,18 @@ def main() -> None:
         help="the requests' sampling parameters (default: greedy)",
     )
     parser.add_argument(
+        "--model-ms",
+        type=float,
+        default=0.0,
+        help="each forward waits this long without the interpreter, as a GPU step does",
+    )
+    parser.add_argument(
+        "--graphs",
+        default="default",
+        help="comma-separated: default, lockstep (the default graph with one step in flight "
+        "and no async scheduling); several run alternately",
+    )
+    parser.add_argument(
         "--stage-bench",
         action="store_true",
         help="median CPU µs per step of each step-path part, driven on one thread",
@@ -264,11 +300,19 @@ def main() -> None:
             cols = "".join(f"{med[p] * 1e6:>11.0f}" for p in PARTS)
             print(f"{num_seqs:>12}{cols}{sum(med.values()) * 1e6:>11.0f}")
         return
-    llm = LLM(services=services(args.vocab, tokenizer, args.fresh_logits))
-    run(llm, 4, 4, args.sampling)  # warm up
+    llms = {
+        name: LLM(
+            services=services(args.vocab, tokenizer, args.fresh_logits, args.model_ms / 1e3),
+            graph=graph_file(name),
+        )
+        for name in args.graphs.split(",")
+    }
+    for llm in llms.values():
+        run(llm, 4, 4, args.sampling)  # warm up
     k = args.steps
     fresh = ", fresh logits each step" if args.fresh_logits else ""
-    print(f"vocab {args.vocab}, {k} tokens per sequence, {args.sampling}, instant model{fresh};")
+    model = f"a model of {args.model_ms:g} ms" if args.model_ms else "instant model"
+    print(f"vocab {args.vocab}, {k} tokens per sequence, {args.sampling}, {model}{fresh};")
     print(f"best of {args.repeats} runs. µs/step: the mean time per output token (the engine's")
     print("own flowllm:time_per_output_token_seconds), i.e. the time of a step with every sequence")
     print("running, intake and prefill excluded. Round columns: the whole run per round (every")
@@ -278,20 +322,25 @@ def main() -> None:
     print("(execute and sample include waiting for the GIL in their worker thread).")
     head = "".join(f"{s:>11}" for s in STAGES)
     print(
-        f"{'running seqs':>12} {'µs/step':>8} {'steps/s':>8} {'µs/round':>9} "
+        f"{'graph':>9}{'running seqs':>13} {'µs/step':>8} {'steps/s':>8} {'µs/round':>9} "
         f"{'cpu µs/round':>13} {'faults/round':>13}{head}"
     )
     for num_seqs in (1, 64, 256):
-        runs = [run(llm, num_seqs, k, args.sampling) for _ in range(args.repeats)]
-        best = min(runs, key=lambda r: r.step_seconds)
-        step = best.step_seconds
-        cpu = min(r.cpu_seconds for r in runs)
-        faults = min(r.minor_faults for r in runs)
-        stages = "".join(f"{best.busy[s] / k * 1e6:>11.0f}" for s in STAGES)
-        print(
-            f"{num_seqs:>12} {step * 1e6:>8.0f} {1 / step:>8.0f} {best.seconds / k * 1e6:>9.0f} "
-            f"{cpu / k * 1e6:>13.0f} {faults / k:>13.0f}{stages}"
-        )
+        runs: dict[str, list[Run]] = {name: [] for name in llms}
+        for _ in range(args.repeats):
+            for name, llm in llms.items():
+                runs[name].append(run(llm, num_seqs, k, args.sampling))
+        for name, done in runs.items():
+            best = min(done, key=lambda r: r.step_seconds)
+            step = best.step_seconds
+            cpu = min(r.cpu_seconds for r in done)
+            faults = min(r.minor_faults for r in done)
+            stages = "".join(f"{best.busy[s] / k * 1e6:>11.0f}" for s in STAGES)
+            print(
+                f"{name:>9}{num_seqs:>13} {step * 1e6:>8.0f} {1 / step:>8.0f} "
+                f"{best.seconds / k * 1e6:>9.0f} {cpu / k * 1e6:>13.0f} {faults / k:>13.0f}"
+                f"{stages}"
+            )
 
 
 if __name__ == "__main__":
