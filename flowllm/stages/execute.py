@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import StepBatch, StepHidden, StepLogits
+from flowllm.models.decode_buckets import DecodeBuckets, capture_sizes
 from flowllm.models.runner import ModelRunner
+from flowllm.models.warm_up import warm_up
 from flowllm.stages.services import EngineServices
 
 
@@ -22,6 +24,7 @@ class Execute(PerMessageStage):
     def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
         config = services.config
+        generates = services.pooler is None
         self.runner = ModelRunner(
             services.model,
             services.kv_caches,
@@ -29,7 +32,23 @@ class Execute(PerMessageStage):
             services.device,
             enforce_eager=config.model.enforce_eager,
             small_step_threads=services.small_step_threads,
+            decode_buckets=DecodeBuckets.for_context(
+                capture_sizes(
+                    config.scheduler.max_num_seqs,
+                    config.model.cudagraph_capture_sizes,
+                    config.model.max_cudagraph_capture_size,
+                ),
+                services.max_model_len,
+                config.cache.block_size,
+            )
+            if generates
+            else None,
         )
+        if generates:  # on CUDA: every kernel compiled, every decode graph captured
+            warm_up(
+                self.runner,
+                min(config.scheduler.max_num_batched_tokens, services.max_model_len),
+            )
         self._worker = services.worker_thread("execute")
 
     async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
