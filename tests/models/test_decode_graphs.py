@@ -296,3 +296,18 @@ def test_cuda_graphs_replay_decode_steps_up_to_the_longest_context(
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for s in seqs[:n]:
             s.num_computed += 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_every_run_of_the_graph_shares_one_warmed_up_runner() -> None:
+    model = llama(torch.float32, "cuda")
+    kv = KVCacheSpec.for_model(model, BLOCK).allocate(NUM_BLOCKS, "cuda")
+    services = EngineServices(
+        config=engine_config("tiny", max_num_seqs=12), model=model, tokenizer=None,
+        kv_caches=kv, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
+        eos_token_ids=(0,), device=torch.device("cuda"),
+    )  # fmt: skip
+    runner = Execute(None, services).runner
+    assert Execute(None, services.fresh()).runner is runner
+    assert runner.plans is not None and runner.plans.buckets is not None
+    assert runner.plans.buckets.sizes == (1, 2, 4, 8, 12) and len(runner.plans.plans) == 5
