@@ -49,7 +49,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # CUDA: the decode batch sizes captured as CUDA graphs at start-up (vLLM's names).
     # None: 1, 2, 4, 8 and every multiple of 8 up to max_cudagraph_capture_size.
     cudagraph_capture_sizes: tuple[int, ...] | None = None
-    max_cudagraph_capture_size: int | None = None  # None: max_num_seqs, at most 512
+    # None: max_num_seqs, at most 512 for the default sizes (decode_buckets.capture_sizes)
+    max_cudagraph_capture_size: int | None = None
     task: str = "auto"
 
     def __post_init__(self) -> None:

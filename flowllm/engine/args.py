@@ -156,8 +156,8 @@ def add_engine_arguments(
     parser.add_argument(
         "--max-cudagraph-capture-size",
         type=int,
-        help="CUDA: the largest decode batch captured (default: --max-num-seqs, at most 512; "
-        "0 captures none); larger decode steps run eagerly",
+        help="CUDA: the largest decode batch captured (default: --max-num-seqs, at most 512 "
+        "for the default sizes; 0 captures none); larger decode steps run eagerly",
     )
     parser.add_argument("--seed", type=int, default=_MODEL.seed)
     for name, text in _LIMIT_HELP.items():

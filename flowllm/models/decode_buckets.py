@@ -30,11 +30,14 @@ LayerInputs = tuple[torch.Tensor, ...]  # h, positions, slot_mapping, block_tabl
 def capture_sizes(
     max_num_seqs: int, sizes: Iterable[int] | None = None, max_size: int | None = None
 ) -> tuple[int, ...]:
-    """The decode batch sizes to capture, ascending: `sizes`, or by default 1, 2, 4, 8 and
-    every multiple of 8 up to the limit, and the limit itself. The limit is `max_size`
-    (default `MAX_DEFAULT_CAPTURE_SIZE`) and never above `max_num_seqs`, since no decode
-    step is larger; sizes above it are dropped."""
-    limit = min(max_num_seqs, MAX_DEFAULT_CAPTURE_SIZE if max_size is None else max_size)
+    """The decode batch sizes to capture, ascending: `sizes`, or by default 1, 2, 4, 8,
+    every multiple of 8 up to the limit and the limit itself. The limit is `max_size`
+    (default: `MAX_DEFAULT_CAPTURE_SIZE` for the default sizes, none for given ones), and
+    never above `max_num_seqs`, since no decode step is larger; sizes above it are
+    dropped."""
+    if max_size is None:
+        max_size = MAX_DEFAULT_CAPTURE_SIZE if sizes is None else max_num_seqs
+    limit = min(max_num_seqs, max_size)
     if sizes is None:
         sizes = [1, 2, 4, *range(8, limit + 1, 8), limit]
     return tuple(sorted({n for n in sizes if 1 <= n <= limit}))

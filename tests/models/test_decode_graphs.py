@@ -120,6 +120,7 @@ def test_capture_sizes_default_to_vllms_and_follow_the_config() -> None:
     assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)  # the largest decode batch included
     assert capture_sizes(3) == (1, 2, 3)
     assert capture_sizes(256, [64, 1, 300, 8, 8]) == (1, 8, 64)
+    assert capture_sizes(1000, [1, 600]) == (1, 600)  # given sizes: no default ceiling
     assert capture_sizes(256, [1, 2, 4, 8, 16], max_size=8) == (1, 2, 4, 8)
     assert capture_sizes(256, max_size=0) == ()
 
