@@ -6,7 +6,9 @@
 #               --no-deps: torch, triton and the nvidia packages are never touched), the
 #               versions that matter printed, flowllm's server and offline API imported
 #   kernels     tests/kernels/test_kernel_triton_attention.py, the Triton kernels compiled
-#               for the GPU (TRITON_INTERPRET unset), pytest-xdist's workers where present
+#               for the GPU (TRITON_INTERPRET unset), and tests/models/test_decode_graphs.py,
+#               decode steps captured as CUDA graphs against eager ones, pytest-xdist's
+#               workers where present
 #   serving     benchmarks/serving_efficiency.py on cuda: a random GPT-2 of the 124M shape,
 #               bf16, 256 prompts of 128 tokens, 128 out, offline and served at
 #               concurrency 64 and 256
@@ -121,14 +123,15 @@ EOF
 }
 
 kernels() {
-  local tests=tests/kernels/test_kernel_triton_attention.py
+  local tests=tests/kernels/test_kernel_triton_attention.py graphs=tests/models/test_decode_graphs.py
   if [ "$DEVICE" = cuda ]; then
     local xdist=()
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4)
-    env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" -rfEs "$tests"
-  else # the interpreter is slow: a few cases show the command works
-    TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -rfE "$tests" \
-      -k "test_empty_batch or test_store_then_attend or bad_inputs"
+    env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" -rfEs \
+      "$tests" "$graphs"
+  else # the interpreter is slow: a few kernel cases show the command works
+    TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -rfE "$tests" "$graphs" \
+      -k "test_empty_batch or test_store_then_attend or bad_inputs or decode_graphs"
   fi
 }
 

@@ -45,7 +45,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # quantized per output channel (flowllm.models.loader.load_model)
     quantization: str = "auto"
     seed: int = 0
-    enforce_eager: bool = False  # never replay decode steps' recorded kernel calls
+    enforce_eager: bool = False  # never replay decode steps (recorded kernel calls, CUDA graphs)
+    # CUDA: the decode batch sizes captured as CUDA graphs at start-up (vLLM's names).
+    # None: 1, 2, 4, 8 and every multiple of 8 up to max_cudagraph_capture_size.
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    # None: max_num_seqs, at most 512 for the default sizes (decode_buckets.capture_sizes)
+    max_cudagraph_capture_size: int | None = None
     task: str = "auto"
 
     def __post_init__(self) -> None:
@@ -58,6 +63,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
+        _require(
+            all(n >= 1 for n in self.cudagraph_capture_sizes or ()),
+            f"cudagraph_capture_sizes must be >= 1, got {self.cudagraph_capture_sizes}",
+        )
+        _require(
+            self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 0,
+            f"max_cudagraph_capture_size must be >= 0, got {self.max_cudagraph_capture_size}",
         )
 
     @property

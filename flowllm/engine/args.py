@@ -143,7 +143,21 @@ def add_engine_arguments(
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="never replay recorded decode steps; run every step op by op",
+        help="never replay decode steps (recorded kernel calls on CPU, CUDA graphs on CUDA); "
+        "run every step op by op",
+    )
+    parser.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        help="CUDA: the decode batch sizes captured as graphs at start-up (default: 1, 2, 4, "
+        "8 and every multiple of 8 up to --max-cudagraph-capture-size)",
+    )
+    parser.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        help="CUDA: the largest decode batch captured (default: --max-num-seqs, at most 512 "
+        "for the default sizes; 0 captures none); larger decode steps run eagerly",
     )
     parser.add_argument("--seed", type=int, default=_MODEL.seed)
     for name, text in _LIMIT_HELP.items():
@@ -186,6 +200,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_prefix_caching": args.enable_prefix_caching,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "enforce_eager": args.enforce_eager,
+        "cudagraph_capture_sizes": (
+            None if args.cuda_graph_sizes is None else tuple(args.cuda_graph_sizes)
+        ),
+        "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
         "task": args.task,
         "seed": args.seed,
         **{name: getattr(args, name) for name in _LIMIT_HELP},

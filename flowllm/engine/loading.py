@@ -19,6 +19,7 @@ from flowllm.models.layers import Linear
 from flowllm.models.loader import LoadedModel, load_model, resolve_model
 from flowllm.models.pooler_config import PoolerConfig
 from flowllm.models.tokenizer import load_tokenizer
+from flowllm.stages.execute import model_runner
 from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def build_services(config: EngineConfig) -> EngineServices:
             raise
         tokenizer = tokenizer_loading.result()
     report_native_kernels(loaded)
-    return services_for_model(
+    services = services_for_model(
         config,
         loaded.model,
         tokenizer,
@@ -103,6 +104,9 @@ def build_services(config: EngineConfig) -> EngineServices:
         loaded.device,
         loaded.pooler,
     )
+    if loaded.device.type == "cuda":  # kernels compiled, graphs captured: before serving
+        model_runner(services)
+    return services
 
 
 def model_bytes(model: torch.nn.Module) -> int:

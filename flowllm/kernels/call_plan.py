@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowllm.kernels.native import NativeLibrary
 
-__all__ = ["CallPlan", "Recorded", "record", "recording"]
+__all__ = ["CallPlan", "Recorded", "ValueReads", "record", "recording"]
 
 _state = threading.local()
 
@@ -95,21 +95,36 @@ _READS_VALUES = frozenset(
 )  # fmt: skip
 
 
-class _KeepAddressed(TorchFunctionMode):
-    """Keeps every tensor whose `data_ptr()` is taken; notes the first read of a tensor's
-    values into Python (some, as `tolist`, never reach the dispatcher)."""
+class ValueReads(TorchFunctionMode):
+    """Notes the first read of a tensor's values into Python (some, as `tolist`, never
+    reach the dispatcher): a replay, of a plan or of a CUDA graph, would keep the decision
+    made on them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: str | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.note(func, args)
+        return func(*args, **(kwargs or {}))
+
+    def note(self, func: Any, args: Any) -> None:
+        if func in _READS_VALUES and self.refused is None:
+            self.refused = f"Tensor.{func.__name__}"
+
+
+class _KeepAddressed(ValueReads):
+    """Also keeps every tensor whose `data_ptr()` is taken."""
 
     def __init__(self) -> None:
         super().__init__()
         self.tensors: dict[int, torch.Tensor] = {}
-        self.refused: str | None = None
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def note(self, func: Any, args: Any) -> None:
         if func is torch.Tensor.data_ptr:
             self.tensors[id(args[0])] = args[0]
-        elif func in _READS_VALUES and self.refused is None:
-            self.refused = f"Tensor.{func.__name__}"
-        return func(*args, **(kwargs or {}))
+        else:
+            super().note(func, args)
 
 
 class CallPlan:

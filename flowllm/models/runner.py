@@ -12,7 +12,6 @@ stay on the device.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import replace
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Protocol
@@ -23,10 +22,10 @@ import torch
 from flowllm.kernels import native
 from flowllm.kernels.workspace import Workspace
 from flowllm.messages import ScheduledSeq
-from flowllm.models import glibc_heap
+from flowllm.models import glibc_heap, step_plans
 from flowllm.models.context import AttentionContext
+from flowllm.models.decode_buckets import DecodeBuckets
 from flowllm.models.errors import ModelError
-from flowllm.models.step_plans import StepPlans
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -204,6 +203,7 @@ class ModelRunner:
         device: torch.device | str,
         enforce_eager: bool = False,
         small_step_threads: int | None = None,
+        decode_buckets: DecodeBuckets | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -212,8 +212,13 @@ class ModelRunner:
         self.workspace = Workspace()  # the attention's scratch buffers, kept across steps
         # the CPU kernels, whose thread pool must be sized in each thread that runs a step
         self.native = native.library() if self.device.type == "cpu" else None
-        # decode steps' layers, replayed from their recorded kernel calls
-        self.plans = None if self.native is None or enforce_eager else StepPlans(self.native)
+        # decode steps' layers, replayed from recorded kernel calls (CPU) or from the CUDA
+        # graphs of `decode_buckets`' sizes
+        self.plans = (
+            None
+            if enforce_eager
+            else step_plans.for_device(model, kv_caches, self.device, self.native, decode_buckets)
+        )
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
         # the step's threads: torch's when built (the worker thread's own setting changes
@@ -296,8 +301,8 @@ class ModelRunner:
             self.native.set_threads(self.kernel_threads(len(inp.input_ids)))
         with torch.no_grad():
             h = self.model.embed(input_ids, positions)
-            if self.plans is not None and ctx.max_query_len == 1:
-                hidden = self._planned_layers(h, positions, ctx)
+            if self.plans is not None:
+                hidden = self.plans.forward_layers(h, positions, ctx)
             else:
                 hidden = self.model.forward_layers(h, positions, self.kv_caches, ctx)
             out = self.model.compute_logits(hidden, ctx)  # [rows, vocab]
@@ -337,20 +342,3 @@ class ModelRunner:
         if self.small_step_threads is not None and rows <= SMALL_STEP_ROWS:
             return self.small_step_threads
         return self.threads
-
-    def _planned_layers(
-        self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
-    ) -> tuple[torch.Tensor, ...]:
-        """A decode step's layers through `self.plans`, keyed by the shapes of its inputs
-        (every Python decision in the layers of such a step depends on those alone)."""
-        assert self.plans is not None
-        inputs = (h, positions, ctx.slot_mapping, ctx.block_tables, ctx.query_start_loc,
-                  ctx.seq_lens)  # fmt: skip
-
-        def layers(*t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            static = replace(ctx, slot_mapping=t[2], block_tables=t[3], query_start_loc=t[4],
-                             seq_lens=t[5])  # fmt: skip
-            return self.model.forward_layers(t[0], t[1], self.kv_caches, static)
-
-        key = (h.shape, h.dtype, ctx.block_tables.shape)
-        return self.plans.run(key, layers, inputs)

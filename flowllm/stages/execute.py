@@ -21,13 +21,51 @@ import torch
 from flowllm.graph.channel import ChannelReceiver
 from flowllm.graph.stage import CLOSED, NoParams, PerMessageStage, StageContext
 from flowllm.messages import SampledIds, StepBatch, StepHidden, StepLogits
+from flowllm.models.decode_buckets import DecodeBuckets, capture_sizes
 from flowllm.models.runner import ModelRunner
+from flowllm.models.warm_up import warm_up
 from flowllm.stages.services import EngineServices
 
 
 class MissingSampledIdsError(RuntimeError):
     """A batch reads ids sampled in flight, but they cannot come (the graph does not
     connect sample.ids to execute.sampled, or the input closed)."""
+
+
+def model_runner(services: EngineServices) -> ModelRunner:
+    """Execute's runner. On CUDA, for a model served for generation, one for every run of
+    the graph (the offline API starts one per call), built with every kernel compiled and
+    every decode graph captured (flowllm/models/warm_up.py); otherwise a new one per run,
+    whose CPU plans are recorded as steps come."""
+    if services.pooler is not None or services.device.type != "cuda":
+        return _runner(services, None)
+    return services.shared("model_runner", lambda: _warmed_up_runner(services))
+
+
+def _runner(services: EngineServices, decode_buckets: DecodeBuckets | None) -> ModelRunner:
+    config = services.config
+    return ModelRunner(
+        services.model,
+        services.kv_caches,
+        config.cache.block_size,
+        services.device,
+        enforce_eager=config.model.enforce_eager,
+        small_step_threads=services.small_step_threads,
+        decode_buckets=decode_buckets,
+    )
+
+
+def _warmed_up_runner(services: EngineServices) -> ModelRunner:
+    config = services.config
+    sizes = capture_sizes(
+        config.scheduler.max_num_seqs,
+        config.model.cudagraph_capture_sizes,
+        config.model.max_cudagraph_capture_size,
+    )
+    block_size = config.cache.block_size
+    runner = _runner(services, DecodeBuckets.for_context(sizes, services.max_model_len, block_size))
+    warm_up(runner, min(config.scheduler.max_num_batched_tokens, services.max_model_len))
+    return runner
 
 
 class Execute(PerMessageStage):
@@ -37,15 +75,7 @@ class Execute(PerMessageStage):
 
     def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
-        config = services.config
-        self.runner = ModelRunner(
-            services.model,
-            services.kv_caches,
-            config.cache.block_size,
-            services.device,
-            enforce_eager=config.model.enforce_eager,
-            small_step_threads=services.small_step_threads,
-        )
+        self.runner = model_runner(services)
         self._worker = services.worker_thread("execute")
         self._sampled: dict[int, torch.Tensor] = {}  # step id -> its sampled ids
 

@@ -8,8 +8,9 @@ cache tensors to execute; the rest is read-only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -25,6 +26,8 @@ from flowllm.text.detokenizer import ByteVocab
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -78,6 +81,13 @@ class EngineServices:
                 self.tokenizer, self.logits_size, self.eos_token_ids
             )
         return grammars
+
+    def shared(self, name: str, build: Callable[[], T]) -> T:
+        """The entry `name` that every `fresh` copy shares, built by `build` on first use."""
+        if name not in self._derived:
+            self._derived[name] = build()
+        entry: T = self._derived[name]
+        return entry
 
     @property
     def logits_size(self) -> int:
