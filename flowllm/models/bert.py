@@ -146,7 +146,7 @@ class BertModel(nn.Module):
         if self.cross_encoder:
             self.pooler = Linear(d, d, True, dtype, device)
             self.classifier = Linear(d, num_labels(hf_config), True, dtype, device)
-        self.limit_steps(self.max_position_embeddings, 1)
+        self.limit_steps(self.max_position_embeddings, self.max_position_embeddings)
 
     def limit_steps(self, max_rows: int, max_prompts: int) -> None:
         """Plan for steps of at most `max_rows` rows and `max_prompts` prompts: the row
