@@ -153,6 +153,7 @@ def services_for_model(
             model_bytes(model),
         )
     else:
+        model.limit_steps(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
         num_blocks, kv_caches = encoder_blocks(config, max_model_len), []
     return EngineServices(
         config=config,

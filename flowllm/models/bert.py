@@ -12,6 +12,9 @@ store K/V for nothing.
 Post-norm layers: LayerNorm(x + attention(x)), then LayerNorm(h + MLP(h)), each add fused
 into its norm where the native kernels serve. Linear layers take `batch_layout`: an
 encoder multiplies whole prompts, thousands of rows a step (see `flowllm.models.layers`).
+A step runs padded with zero rows up to a row count of `flowllm.models.step_rows`, where
+oneDNN sums every row alike, and so does the cross-encoder's head over the step's [CLS]
+rows: a prompt's vector or score is then the same bits whatever its company.
 Absolute position embeddings only; other options change the model and are refused.
 """
 
@@ -39,6 +42,7 @@ from flowllm.models.layers import (
     pack_linears,
 )
 from flowllm.models.pooler_config import num_labels
+from flowllm.models.step_rows import StepRows, pad_rows
 
 CROSS_ENCODER = "BertForSequenceClassification"
 
@@ -95,7 +99,7 @@ class BertLayer(nn.Module):
         n = qkv.shape[0]
         heads, head_dim = self.num_heads, self.head_dim
         fused = qkv.view(n, 3, heads, head_dim)
-        out = torch.empty(n, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        out = qkv.new_zeros(n, heads, head_dim)  # a padded step's extra rows stay 0
         for length, rows in groups:
             # [3, sequences, heads, length, head_dim] views of the group's rows
             q, k, v = fused.index_select(0, rows).view(-1, length, 3, heads, head_dim).permute(
@@ -142,6 +146,14 @@ class BertModel(nn.Module):
         if self.cross_encoder:
             self.pooler = Linear(d, d, True, dtype, device)
             self.classifier = Linear(d, num_labels(hf_config), True, dtype, device)
+        self.limit_steps(self.max_position_embeddings, self.max_position_embeddings)
+
+    def limit_steps(self, max_rows: int, max_prompts: int) -> None:
+        """Plan for steps of at most `max_rows` rows and `max_prompts` prompts: the row
+        counts the encoder and the head pad a step to (`flowllm.models.step_rows`)."""
+        linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
+        self.steps = StepRows(linears, max_rows)
+        self.head_steps = StepRows([m for m in (self.pooler, self.classifier) if m], max_prompts)
 
     def hidden_states(
         self,
@@ -154,22 +166,27 @@ class BertModel(nn.Module):
         """The last layer's output [n, d] of every row: each sequence (rows
         `ctx.query_start_loc[i]:[i + 1]`, the whole prompt) attends over itself only.
         `kv_caches` is unused: an encoder keeps no cache."""
-        # input_ids, positions, token_type_ids: [n] -> [n, d]
+        # input_ids, positions, token_type_ids: [n] -> [n, d], computed on `rows` >= n rows
+        n = input_ids.shape[0]
+        rows = self.steps.padded(n)
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        input_ids, positions, types = (pad_rows(t, rows) for t in (input_ids, positions, types))
         h = self.word_embeddings(input_ids) + self.token_type_embeddings(types)
         h = self.embeddings_norm(h + self.position_embeddings(positions))
         groups = length_groups(ctx.query_start_loc.tolist(), input_ids.device)
         for layer in self.layers:
             h = layer(h, groups)
-        out: torch.Tensor = h
+        out: torch.Tensor = h[:n]
         return out
 
     def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
         """The cross-encoder's logits [m, labels] of prompts' [CLS] rows [m, d]."""
         if self.pooler is None or self.classifier is None:
             raise UnsupportedModelError("this BERT has no classifier head (BertModel)")
-        logits: torch.Tensor = self.classifier(torch.tanh(self.pooler(first_rows)))
-        return logits
+        m = first_rows.shape[0]
+        x = pad_rows(first_rows, self.head_steps.padded(m))
+        logits: torch.Tensor = self.classifier(torch.tanh(self.pooler(x)))
+        return logits[:m]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF BERT tensors (prefixed `bert.` or not), fusing query/key/value, then pack

@@ -55,10 +55,12 @@ class Pooler:
         if self.config.task == "score":
             assert self.model is not None
             first = torch.stack([hidden[start] for start, _ in spans])
-            scores = self.model.classify(first).float()
+            scores = list(self.model.classify(first).float().unbind(0))
             if self.config.activation == "sigmoid":
-                scores = scores.sigmoid()
-            return list(scores.unbind(0))
+                # prompt by prompt: torch's sigmoid takes its vector formula or its scalar
+                # one by an element's place in the tensor, which differ in the last bit
+                scores = [score.sigmoid() for score in scores]
+            return scores
         vectors: list[torch.Tensor] = []
         for (start, end), asked in zip(spans, params, strict=True):
             row = self.rows(hidden, start, end)

@@ -330,7 +330,9 @@ class ModelRunner:
             row_start = np.repeat(starts, np.diff(inp.query_start_loc))  # [num_tokens]
             token_types = self._tensor((inp.positions >= row_start).astype(np.int64))
         if self.native is not None:
-            self.native.set_threads(self.kernel_threads(len(inp.input_ids)))
+            # all threads at any size: an encoder's oneDNN products split their sums by
+            # the thread count too (flowllm.models.step_rows)
+            self.native.set_threads(self.threads)
         with torch.no_grad():
             return model.hidden_states(input_ids, positions, self.kv_caches, ctx, token_types)
 

@@ -79,7 +79,8 @@ def test_run_returns_editable_float32_rows_in_batch_order() -> None:
 
 def test_small_steps_run_the_kernels_on_small_step_threads() -> None:
     """A step of at most SMALL_STEP_ROWS rows runs the native kernels on
-    `small_step_threads`; a larger one, and every step without the setting, on torch's."""
+    `small_step_threads`; a larger one, every step without the setting, and every pooling
+    step (an encoder's oneDNN sums depend on the thread count), on torch's."""
     cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
     model = GPT2Model(cfg, torch.float32, "cpu")
     kv = KVCacheSpec.for_model(model, 4).allocate(8, "cpu")
@@ -94,6 +95,9 @@ def test_small_steps_run_the_kernels_on_small_step_threads() -> None:
             runner.run([seq(1, (1, 2, 3), 0, (3,))])
             assert runner.native.omp_max_threads() == 1
             runner.run([seq(2, tuple(range(1, 10)), 0, (0, 1, 2))])
+            assert runner.native.omp_max_threads() == 2
+            runner.run([seq(3, (1, 2, 3), 0, (3,))])
+            runner.hidden_states([seq(4, (1, 2, 3), 0, (4,))])  # a pooling step: all of them
             assert runner.native.omp_max_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -3,8 +3,8 @@ the pooling graph (`LLM.embed`, `LLM.score`), float32: BERT embedders (CLS and m
 pooling, normalized or not; Matryoshka `dimensions`; `normalize` asked per request), a
 BERT cross-encoder (its activation as sentence-transformers' CrossEncoder reads it), a
 Qwen3 in the Qwen3-Embedding layout (tied and untied, no LM head in the checkpoint), and an
-embedding model's scores (cosine similarities); then batch invariance: an input's vector
-alone is the same input's among others, bit for bit.
+embedding model's scores (cosine similarities); then batch invariance, float32 and bf16: an
+input's vector or score alone is the same input's among others, bit for bit.
 """
 
 from __future__ import annotations
@@ -140,16 +140,42 @@ def test_qwen3_vectors_do_not_depend_on_their_company(tmp_path: Path, dtype: str
         assert np.array_equal(_embeddings(llm, [texts[i]])[0], together[i])
 
 
-def test_bert_vectors_do_not_depend_on_their_company(tmp_path: Path) -> None:
-    """float32, at a bge-small width: each sequence attends over itself alone, norms are
-    per row, and oneDNN's float32 products give each row the same sums at any row count
-    of two and more (a prompt has [CLS] and [SEP] at least)."""
-    model = build_bert_dir(
-        tmp_path, hidden_size=384, num_attention_heads=12, intermediate_size=1536,
-        max_position_embeddings=512, seed=9,
-    )  # fmt: skip
-    llm = LLM(str(model), dtype="float32")
-    texts = _texts(40, seed=2)
-    together = _embeddings(llm, texts)
-    for i in (0, 13, 39):
-        assert np.array_equal(_embeddings(llm, [texts[i]])[0], together[i])
+# bge-small's width: its bf16 products on AMX split their sums by the row count
+BGE_SMALL = {"hidden_size": 384, "num_attention_heads": 12, "intermediate_size": 1536,
+             "max_position_embeddings": 512}  # fmt: skip
+# Companies of 3, 9 and 40 texts: steps of about 150, 450 and 1,900 rows, where oneDNN's
+# bf16 down projection sums otherwise differ from each other and from a prompt alone's
+COMPANY = (3, 9, 40)
+ALONE = (0, 6, 12, 30, 39)  # prompts alone: steps of 2 to 92 rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bert_vectors_do_not_depend_on_their_company(tmp_path: Path, dtype: str) -> None:
+    """Each sequence attends over itself alone, norms are per row, and oneDNN's products
+    run at row counts that all sum a row alike (`flowllm.models.step_rows`)."""
+    llm = LLM(str(build_bert_dir(tmp_path, **BGE_SMALL, seed=9)), dtype=dtype)
+    texts = _texts(max(COMPANY), seed=2)
+    everyone = _embeddings(llm, texts)
+    for i in ALONE:
+        assert np.array_equal(_embeddings(llm, [texts[i]])[0], everyone[i]), i
+    for size in COMPANY[:-1]:
+        assert np.array_equal(_embeddings(llm, texts[:size]), everyone[:size]), size
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_encoder_scores_do_not_depend_on_their_company(tmp_path: Path, dtype: str) -> None:
+    """The encoder as above, and the head's products (native or oneDNN's, by build) over the
+    step's [CLS] rows alike."""
+    model = build_bert_dir(tmp_path, cross_encoder=True, **BGE_SMALL, seed=10)
+    llm = LLM(str(model), dtype=dtype)
+    query = "what is the capital of france?"
+    texts = _texts(max(COMPANY), seed=3)
+
+    def scores(docs: list[str]) -> list[float]:
+        return [o.outputs.score for o in llm.score(query, docs)]
+
+    everyone = scores(texts)
+    for i in ALONE:
+        assert scores([texts[i]]) == everyone[i : i + 1], i
+    for size in COMPANY[:-1]:
+        assert scores(texts[:size]) == everyone[:size], size
