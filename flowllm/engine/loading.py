@@ -111,11 +111,16 @@ def build_services(config: EngineConfig) -> EngineServices:
 
 def model_bytes(model: torch.nn.Module) -> int:
     """What the model's parameters and buffers take, each storage counted once (tied
-    embeddings share one)."""
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in itertools.chain(model.parameters(), model.buffers())
-    }
+    embeddings share one). A tensor without a storage of its own (oneDNN's packed
+    weights) counts its elements."""
+    storages: dict[int, int] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        try:
+            storage = t.untyped_storage()
+        except NotImplementedError:  # an opaque tensor (a packed weight)
+            storages[id(t)] = t.numel() * t.element_size()
+            continue
+        storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 

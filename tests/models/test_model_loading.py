@@ -346,3 +346,13 @@ def test_gpt2_untied_head_loads_separately() -> None:
     del sd["lm_head.weight"]
     with pytest.raises(WeightLoadError, match=r"lm_head\.weight"):
         GPT2Model(cfg, torch.float32, "cpu").load_weights(sd.items())
+
+
+def test_model_bytes_counts_a_weight_packed_by_onednn() -> None:
+    """oneDNN's packed weights (the bf16 layout where native kernels do not serve bf16, as
+    on AVX2 builds) have no storage to ask: their elements are counted."""
+    weight = torch.randn(64, 32).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    model = torch.nn.Module()
+    model.register_buffer("packed", packed)
+    assert model_bytes(model) == 64 * 32 * 2
