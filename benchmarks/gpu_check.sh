@@ -15,10 +15,12 @@
 #   throughput  benchmarks/throughput.py on cuda: the same shape and workload offline
 #               beside transformers' generate, one request at a time and in one static
 #               batch of 256
+#   async_steps the same offline run, flowllm alone, with two steps in flight
+#               (examples/graphs/async-scheduling.yaml)
 #
 # Each part runs under `timeout`, capped by what is left of $BUDGET; a part that fails or
 # times out is reported and the next runs. The logs, the JSON figures and a summary go to
-# $OUT (7 files). Exit status: 0 when every part passed.
+# $OUT (9 files). Exit status: 0 when every part passed.
 #
 #   bash benchmarks/gpu_check.sh              # on the GPU machine, from anywhere
 #   bash benchmarks/gpu_check.sh --dry-run    # a rehearsal on a CPU: tiny settings, the
@@ -159,12 +161,25 @@ throughput() {
   fi
 }
 
+# The offline run again with two steps in flight (async scheduling), flowllm alone.
+async_steps() {
+  if [ "$DEVICE" = cuda ]; then
+    "$PY" benchmarks/throughput.py --device cuda --models gpt2-124m --dtypes bfloat16 \
+      --num-requests 256 --input-len 128 --output-len 128 --baselines none \
+      --graph examples/graphs/async-scheduling.yaml --json "$OUT/throughput-async.json"
+  else
+    "$PY" benchmarks/throughput.py --device cpu --models gpt2-124m --dtypes bfloat16 \
+      --num-requests 8 --input-len 16 --output-len 8 --baselines none \
+      --graph examples/graphs/async-scheduling.yaml --json "$OUT/throughput-async.json"
+  fi
+}
+
 summary() {
   echo "gpu_check.sh on ${HOSTNAME:-this machine}, device $DEVICE, $(date -u +%Y-%m-%dT%H:%M:%SZ)," \
     "$(($(date +%s) - STARTED))s of a ${BUDGET}s budget"
   local name
   for name in "${PARTS[@]}"; do
-    printf '  %-10s %-28s %4ss\n' "$name" "${STATUS[$name]}" "${SECONDS_TAKEN[$name]}"
+    printf '  %-11s %-28s %4ss\n' "$name" "${STATUS[$name]}" "${SECONDS_TAKEN[$name]}"
   done
   local tests
   tests=$(grep -E '[0-9]+ (passed|failed|error)' "$OUT/kernels.log" 2>/dev/null | tail -n 1)
@@ -198,16 +213,23 @@ try:
               f"greedy vs transformers: {r['greedy_match']}")
 except (OSError, ValueError, KeyError, TypeError) as exc:
     print(f"  throughput: no figures ({type(exc).__name__}: {exc})")
+try:
+    for r in json.loads((out / "throughput-async.json").read_text()):
+        print(f"  async_steps (two steps in flight): flowllm {r['flowllm_tok_s']:.0f} tok/s "
+              f"in {r['steps']} steps")
+except (OSError, ValueError, KeyError, TypeError) as exc:
+    print(f"  async_steps: no figures ({type(exc).__name__}: {exc})")
 EOF
 }
 
 # `timeout` runs programs, not functions: each part is a function a child bash runs.
 export REPO WHEELS SITE PY OUT DEVICE
-export -f setup kernels serving throughput
+export -f setup kernels serving throughput async_steps
 run_part setup 60 bash -c setup
 run_part kernels 150 bash -c kernels
 run_part serving 170 bash -c serving
 run_part throughput 120 bash -c throughput
+run_part async_steps 60 bash -c async_steps
 echo
 summary | tee "$OUT/summary.txt"
 for name in "${PARTS[@]}"; do

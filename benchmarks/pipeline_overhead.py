@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_fixtures import write_gpt2_tokenizer_files
 
 from flowllm.config import engine_config
-from flowllm.engine import DEFAULT_GRAPH
 from flowllm.graph.stage import NoParams
 from flowllm.llm import LLM
 from flowllm.messages import SamplingParams, StepLogits, TokenizedRequest
@@ -96,6 +95,7 @@ def services(
 
 
 STAGES = ("schedule", "execute", "sample", "detokenize", "deliver")
+ASYNC_GRAPH = Path(__file__).resolve().parents[1] / "examples" / "graphs" / "async-scheduling.yaml"
 
 # --sampling: each request's parameters (i: its index) besides max_tokens and ignore_eos
 SAMPLING: dict[str, Callable[[int], dict[str, Any]]] = {
@@ -117,19 +117,13 @@ SAMPLING: dict[str, Callable[[int], dict[str, Any]]] = {
 
 
 def graph_file(name: str) -> Path | None:
-    """`default` (None: the LLM's own), or `lockstep`: the default graph with one step in
-    flight and no async scheduling, written to a temporary file."""
+    """`default` (None: the LLM's own) or `async`: examples/graphs/async-scheduling.yaml,
+    two steps in flight."""
     if name == "default":
         return None
-    if name != "lockstep":
-        raise SystemExit(f"unknown graph {name!r}: default or lockstep")
-    text = DEFAULT_GRAPH.read_text()
-    async_schedule = "max_inflight_steps: 2, async_scheduling: true"
-    if async_schedule not in text:
-        raise SystemExit(f"{DEFAULT_GRAPH} does not schedule with {async_schedule!r}")
-    path = Path(tempfile.mkdtemp()) / "lockstep.yaml"
-    path.write_text(text.replace(async_schedule, "max_inflight_steps: 1"))
-    return path
+    if name != "async":
+        raise SystemExit(f"unknown graph {name!r}: default or async")
+    return ASYNC_GRAPH
 
 
 def sampling_params(kind: str, i: int, max_tokens: int) -> SamplingParams:
@@ -278,8 +272,8 @@ def main() -> None:
     parser.add_argument(
         "--graphs",
         default="default",
-        help="comma-separated: default, lockstep (the default graph with one step in flight "
-        "and no async scheduling); several run alternately",
+        help="comma-separated: default, async (examples/graphs/async-scheduling.yaml: two "
+        "steps in flight); several run alternately",
     )
     parser.add_argument(
         "--stage-bench",

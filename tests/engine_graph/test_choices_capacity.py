@@ -35,36 +35,28 @@ def choices_line() -> int:
 
 
 def test_the_default_graph_refuses_choices_below_detokenize_in_plus_the_credit_plus_one() -> None:
-    # Across processes each side holds a channel's capacity: detokenize.in holds 2 x 8,
-    # and choices needs that + the credit bound 2 + 1 = 19, so a capacity of 10; in one
-    # process (the offline LLM) it needs 8 + 2 + 1 = 11.
     with pytest.raises(GraphValidationError) as info:
         validate(with_choices(9))
     (problem,) = info.value.problems
     assert str(problem) == (
         f"g.yaml:{choices_line()}: cycle schedule -> detokenize -> schedule: channel "
-        "'detokenize.choices' holds 18 across processes, below the 19 it needs: "
-        "schedule.choices sends up to one message per step, and stage 'schedule' stops "
-        "starting steps only once 'detokenize.in' is full (it holds 16); give it capacity >= 10"
+        "'detokenize.choices' has capacity 9, below the 10 it needs: schedule.choices sends "
+        "up to one message per step, and stage 'schedule' stops starting steps only once "
+        "'detokenize.in' is full; give it capacity >= 10 (capacity 8 of 'detokenize.in' + "
+        "the credit bound 1 of stage 'schedule' (max_inflight_steps) + 1)"
     )
-    with pytest.raises(GraphValidationError, match="has capacity 10, below the 11 it needs"):
-        validate(with_choices(10))
-    assert validate(with_choices(11)).channels["detokenize.choices"].capacity == 11
+    assert validate(with_choices(10)).channels["detokenize.choices"].capacity == 10
 
 
 def test_the_bound_follows_max_inflight_steps() -> None:
-    def four_steps(capacity: int) -> str:
+    def two_steps(capacity: int) -> str:
         text = with_choices(capacity)
-        assert "max_inflight_steps: 2," in text
-        return text.replace("max_inflight_steps: 2,", "max_inflight_steps: 4,").replace(
-            "capacity: 2}", "capacity: 4}"
-        )
+        assert "max_inflight_steps: 1" in text
+        return text.replace("max_inflight_steps: 1", "max_inflight_steps: 2")
 
-    with pytest.raises(GraphValidationError, match="holds 20 across processes, below the 21"):
-        validate(four_steps(10))
-    with pytest.raises(GraphValidationError, match="capacity 12, below the 13 it needs"):
-        validate(four_steps(12))
-    assert validate(four_steps(13)).stages["schedule"].credit_bound == 4
+    with pytest.raises(GraphValidationError, match="capacity 10, below the 11 it needs"):
+        validate(two_steps(10))
+    assert validate(two_steps(11)).stages["schedule"].credit_bound == 2
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.name)
@@ -93,5 +85,5 @@ def test_graph_validate_prints_the_problem(tmp_path: Path) -> None:
     assert err.getvalue().startswith("1 problem in the graph:\n")
     assert (
         f"{path}:{choices_line()}: cycle schedule -> detokenize -> schedule: channel "
-        "'detokenize.choices' holds 18 across processes, below the 19 it needs" in err.getvalue()
+        "'detokenize.choices' has capacity 9, below the 10 it needs" in err.getvalue()
     )

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from flowllm import LLM, SamplingParams
-from flowllm.engine import DEFAULT_GRAPH
 from flowllm.llm import RequestOutput
 
 VOCAB = 50257
+ASYNC_GRAPH = Path(__file__).parents[2] / "examples" / "graphs" / "async-scheduling.yaml"
 TINY_BLOCK_BYTES = 2 * 2 * 16 * 4 * 16 * 4  # K+V, 2 layers, 16 slots, 4 heads x 16, fp32
 
 
@@ -102,24 +102,19 @@ def test_shared_prefix_hits_the_cache_and_keeps_results_exact(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def lockstep_llm(gpt2_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    """The default graph with one step in flight and no async scheduling."""
-    text = DEFAULT_GRAPH.read_text()
-    async_schedule = "max_inflight_steps: 2, async_scheduling: true"
-    assert async_schedule in text
-    graph = tmp_path_factory.mktemp("lockstep") / "lockstep.yaml"
-    graph.write_text(text.replace(async_schedule, "max_inflight_steps: 1"))
+def async_llm(gpt2_tiny_dir: Path) -> LLM:
+    """Two steps in flight with async scheduling (examples/graphs/async-scheduling.yaml)."""
     return LLM(
         str(gpt2_tiny_dir),
         dtype="float32",
         max_model_len=512,
         max_num_batched_tokens=256,
         kv_cache_memory=4096 * TINY_BLOCK_BYTES,
-        graph=graph,
+        graph=ASYNC_GRAPH,
     )
 
 
-def test_two_steps_in_flight_give_the_tokens_of_one(llm: LLM, lockstep_llm: LLM) -> None:
+def test_two_steps_in_flight_give_the_tokens_of_one(llm: LLM, async_llm: LLM) -> None:
     """Async scheduling (placeholder rows read the ids sampled by the step ahead, stops seen
     a step late) changes no token, logprob or finish: greedy and seeded, penalties, EOS and
     stop ids ending sequences early, max_tokens of 1, n > 1 and a stop string."""
@@ -143,9 +138,9 @@ def test_two_steps_in_flight_give_the_tokens_of_one(llm: LLM, lockstep_llm: LLM)
                 logprobs=2 if kind == 1 else None,
             )
         )
-    async_out = llm.generate(prompts, params)
-    lockstep_out = lockstep_llm.generate(prompts, params)
-    assert metric(llm, "flowllm:num_preemptions_total") == 0
+    async_out = async_llm.generate(prompts, params)
+    lockstep_out = llm.generate(prompts, params)
+    assert metric(async_llm, "flowllm:num_preemptions_total") == 0
     for a, b in zip(async_out, lockstep_out, strict=True):
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (

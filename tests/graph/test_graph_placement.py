@@ -183,10 +183,10 @@ def test_a_tensor_message_cannot_cross_processes() -> None:
 
 def test_a_per_step_channel_across_processes_is_sized_for_both_sides() -> None:
     text = (Path(__file__).parents[2] / "flowllm/engine/default.yaml").read_text()
-    # detokenize.in holds 2 x 8 across processes: choices needs 16 + 2 + 1; 2 x 8 is short.
+    # detokenize.in holds 2 x 8 across processes: choices needs 16 + 1 + 1; 2 x 8 is short.
     text = text.replace(
         "{from: schedule.choices, to: detokenize.choices, capacity: 64}",
         "{from: schedule.choices, to: detokenize.choices, capacity: 8}",
     )
-    with pytest.raises(GraphValidationError, match="holds 16 across processes, below the 19"):
+    with pytest.raises(GraphValidationError, match="holds 16 across processes, below the 18"):
         GraphSpec.from_yaml(text, source="<test>").validate()

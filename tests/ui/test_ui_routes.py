@@ -89,8 +89,7 @@ def test_graph_shape_is_the_yaml(ui_server: ServerProcess) -> None:
     assert ("schedule", "out", "guide", "in", 2) in edges  # fan-out beside execute
     assert ("guide", "out", "sample", "masks", 2) in edges  # joined in sample
     assert ("schedule", "choices", "detokenize", "choices", 64) in edges  # beside the loop
-    assert ("sample", "ids", "execute", "sampled", 2) in edges  # async scheduling's ids
-    assert len(edges) == 16
+    assert len(edges) == 15
 
 
 def test_feed_numbers_follow_the_work(ui_server: ServerProcess) -> None:
