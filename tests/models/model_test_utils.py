@@ -1,5 +1,6 @@
 """Helpers for the model tests: a tiny block allocator and step bookkeeping that drive
-`ModelRunner` the way the scheduler does, and random-weight transformers references."""
+`ModelRunner` the way the scheduler does, random-weight transformers references, and the
+small random GPT-2 and Llama that the replayed-step tests run."""
 
 from __future__ import annotations
 
@@ -7,10 +8,48 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GPT2Config, LlamaConfig
 
 from flowllm.messages import ScheduledSeq
+from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec
+from flowllm.models.layers import pack_linears
+from flowllm.models.llama import LlamaModel
 from flowllm.models.runner import ModelRunner
+
+STEP_VOCAB = 300  # the vocabulary of `step_gpt2` and `step_llama`
+
+
+def random_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """Fill a model with seeded random weights (norms near 1) and pack its linears."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else 0.2 * torch.randn(p.shape, generator=g))  # fmt: skip
+    pack_linears(model)
+    return model
+
+
+def step_gpt2(
+    dtype: torch.dtype, device: str = "cpu", positions: int = 128, activation: str = "gelu_new"
+) -> GPT2Model:
+    """A 2-layer GPT-2, 128 wide, with random weights."""
+    cfg = GPT2Config(
+        n_layer=2, n_embd=128, n_head=4, vocab_size=STEP_VOCAB, n_positions=positions,
+        activation_function=activation,
+    )  # fmt: skip
+    return random_weights(GPT2Model(cfg, dtype, device))  # type: ignore[return-value]
+
+
+def step_llama(dtype: torch.dtype, device: str = "cpu", positions: int = 128) -> LlamaModel:
+    """A 3-layer Llama, 128 wide with grouped KV heads, with random weights."""
+    cfg = LlamaConfig(
+        num_hidden_layers=3, hidden_size=128, intermediate_size=160, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=STEP_VOCAB, max_position_embeddings=positions,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return random_weights(LlamaModel(cfg, dtype, device))  # type: ignore[return-value]
 
 
 @dataclass

@@ -16,8 +16,16 @@ from typing import Any
 
 import pytest
 import torch
-from model_test_utils import Blocks, PagedSeq, schedule
-from transformers import GPT2Config, LlamaConfig, Qwen3MoeConfig
+from model_test_utils import (
+    STEP_VOCAB,
+    Blocks,
+    PagedSeq,
+    random_weights,
+    schedule,
+    step_gpt2,
+    step_llama,
+)
+from transformers import Qwen3MoeConfig
 
 from flowllm.config import engine_config
 from flowllm.engine.args import add_engine_arguments, config_from_args
@@ -26,7 +34,6 @@ from flowllm.models.cuda_graphs import GraphBackend
 from flowllm.models.decode_buckets import DecodeBuckets, capture_sizes
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec
-from flowllm.models.layers import pack_linears
 from flowllm.models.llama import LlamaModel
 from flowllm.models.moe import Qwen3MoeModel
 from flowllm.models.runner import ModelRunner
@@ -36,35 +43,19 @@ from flowllm.stages.execute import Execute
 from flowllm.stages.services import EngineServices
 
 BLOCK = 4
-VOCAB = 300
+VOCAB = STEP_VOCAB
 NUM_BLOCKS = 64
 PAD_BLOCK = NUM_BLOCKS - 1  # never handed out: the padding rows' K/V go there on CPU
 MAX_MODEL_LEN = 128
 SIZES = (1, 2, 4, 8)
 
 
-def random_weights(model: torch.nn.Module) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else 0.2 * torch.randn(p.shape, generator=g))  # fmt: skip
-    pack_linears(model)
-    return model
-
-
 def gpt2(dtype: torch.dtype, device: str = "cpu", positions: int = MAX_MODEL_LEN) -> GPT2Model:
-    cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=positions)
-    return random_weights(GPT2Model(cfg, dtype, device))  # type: ignore[return-value]
+    return step_gpt2(dtype, device, positions)
 
 
 def llama(dtype: torch.dtype, device: str = "cpu", positions: int = MAX_MODEL_LEN) -> LlamaModel:
-    cfg = LlamaConfig(
-        num_hidden_layers=3, hidden_size=128, intermediate_size=160, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=positions,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    return random_weights(LlamaModel(cfg, dtype, device))  # type: ignore[return-value]
+    return step_llama(dtype, device, positions)
 
 
 class Rerun:

@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from model_test_utils import Blocks, PagedSeq, schedule
-from transformers import GPT2Config, LlamaConfig
+from model_test_utils import STEP_VOCAB, Blocks, PagedSeq, schedule, step_gpt2, step_llama
 
 from flowllm.config import engine_config
 from flowllm.engine.args import add_engine_arguments, config_from_args
@@ -21,7 +20,6 @@ from flowllm.kernels.reference import KernelInputError
 from flowllm.messages import ScheduledSeq
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec
-from flowllm.models.layers import pack_linears
 from flowllm.models.llama import LlamaModel
 from flowllm.models.runner import ModelRunner
 from flowllm.stages.execute import Execute
@@ -29,35 +27,16 @@ from flowllm.stages.services import EngineServices
 
 pytestmark = pytest.mark.usefixtures("native_build")  # each build in turn
 BLOCK = 4
-VOCAB = 300
+VOCAB = STEP_VOCAB
 NUM_BLOCKS = 64
 
 
-def random_weights(model: torch.nn.Module) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else 0.2 * torch.randn(p.shape, generator=g))  # fmt: skip
-    pack_linears(model)
-    return model
-
-
 def gpt2(dtype: torch.dtype, activation: str = "gelu_new") -> GPT2Model:
-    cfg = GPT2Config(
-        n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=128,
-        activation_function=activation,
-    )  # fmt: skip
-    return random_weights(GPT2Model(cfg, dtype, "cpu"))  # type: ignore[return-value]
+    return step_gpt2(dtype, activation=activation)
 
 
 def llama(dtype: torch.dtype) -> LlamaModel:
-    cfg = LlamaConfig(
-        num_hidden_layers=3, hidden_size=128, intermediate_size=160, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    return random_weights(LlamaModel(cfg, dtype, "cpu"))  # type: ignore[return-value]
+    return step_llama(dtype)
 
 
 def runners(model: torch.nn.Module) -> tuple[ModelRunner, ModelRunner]:
