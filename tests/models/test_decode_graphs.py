@@ -29,7 +29,7 @@ from transformers import Qwen3MoeConfig
 
 from flowllm.config import engine_config
 from flowllm.engine.args import add_engine_arguments, config_from_args
-from flowllm.kernels import cpu_linear
+from flowllm.kernels import cpu_linear, native
 from flowllm.models.cuda_graphs import GraphBackend
 from flowllm.models.decode_buckets import DecodeBuckets, capture_sizes
 from flowllm.models.gpt2 import GPT2Model
@@ -48,6 +48,11 @@ NUM_BLOCKS = 64
 PAD_BLOCK = NUM_BLOCKS - 1  # never handed out: the padding rows' K/V go there on CPU
 MAX_MODEL_LEN = 128
 SIZES = (1, 2, 4, 8)
+# The CPU stand-in for a graph sits where the native call plans do: without native kernels
+# (FLOWLLM_NATIVE_KERNELS=0) the runner keeps no plans at all.
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason="the CPU step plans need the native kernels"
+)
 
 
 def gpt2(dtype: torch.dtype, device: str = "cpu", positions: int = MAX_MODEL_LEN) -> GPT2Model:
@@ -168,6 +173,7 @@ def test_padding_rows_are_one_token_at_the_pad_slot_and_real_rows_are_copied() -
     assert inp.max_query_len == 1
 
 
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("build", [llama, gpt2])
 def test_replayed_padded_decode_steps_match_eager_ones(
@@ -221,6 +227,7 @@ def test_a_model_that_routes_on_values_stays_eager() -> None:
     assert plans.refused == "it reads values into Python (Tensor.tolist)"
 
 
+@needs_native
 def test_enforce_eager_and_the_cpu_keep_their_own_plans() -> None:
     model = llama(torch.float32)
     kv = KVCacheSpec.for_model(model, BLOCK).allocate(NUM_BLOCKS, "cpu")
