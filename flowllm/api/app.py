@@ -431,23 +431,27 @@ async def create_chat_completion(request: Request[Any, Any, Any]) -> Response[An
     return await _respond(request, generation, stream, lambda results: fmt.response(results[0]))
 
 
-async def _pool_all(
+async def _pooled_response(
     request: Request[Any, Any, Any],
     api: ApiState,
     requests: list[GenerateRequest],
+    build: Callable[[list[Chunk]], object],
     *,
     operation: str,
     response_id: str,
-) -> list[Chunk]:
-    """Run pooling requests to their vectors (each one chunk); raises ClientDisconnected
-    when the client goes first, and aborts what is left however it ends."""
+) -> Response[Any]:
+    """Run pooling requests to their vectors (each one chunk) and answer `build(chunks)`;
+    a client that goes first gets nothing (499), and what is left is aborted however it
+    ends."""
     generation = api.submit(request, requests, operation=operation, response_id=response_id)
     try:
         await until_disconnect(request, generation.prime)
         results = await until_disconnect(request, generation.collect)
+    except ClientDisconnected:
+        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
     finally:
         generation.close()
-    return [merged[0] for merged in results]
+    return Response(build([merged[0] for merged in results]))
 
 
 @post(
@@ -471,20 +475,19 @@ async def create_embedding(request: Request[Any, Any, Any]) -> Response[Any]:
         arrival_time=arrival,
         limits=api.engine.limits,
     )
-    try:
-        chunks = await _pool_all(
-            request, api, requests, operation="embeddings", response_id=response_id
-        )
-    except ClientDisconnected:
-        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
-    return Response(
-        embedding_response(
+    return await _pooled_response(
+        request,
+        api,
+        requests,
+        lambda chunks: embedding_response(
             chunks,
             encode_base64=body.encoding_format == "base64",
             response_id=response_id,
             created=created,
             model=body.model or api.served_model_name,
-        )
+        ),
+        operation="embeddings",
+        response_id=response_id,
     )
 
 
@@ -512,15 +515,16 @@ async def create_score(request: Request[Any, Any, Any]) -> Response[Any]:
         arrival_time=arrival,
         limits=api.engine.limits,
     )
-    try:
-        chunks = await _pool_all(
-            request, api, plan.requests, operation="score", response_id=response_id
-        )
-    except ClientDisconnected:
-        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
     model = body.model or api.served_model_name
-    return Response(
-        score_response(plan, chunks, response_id=response_id, created=created, model=model)
+    return await _pooled_response(
+        request,
+        api,
+        plan.requests,
+        lambda chunks: score_response(
+            plan, chunks, response_id=response_id, created=created, model=model
+        ),
+        operation="score",
+        response_id=response_id,
     )
 
 
@@ -548,15 +552,16 @@ async def create_rerank(request: Request[Any, Any, Any]) -> Response[Any]:
         limits=api.engine.limits,
         names=("query", "documents"),
     )
-    try:
-        chunks = await _pool_all(
-            request, api, plan.requests, operation="rerank", response_id=response_id
-        )
-    except ClientDisconnected:
-        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
     model = body.model or api.served_model_name
-    return Response(
-        rerank_response(body, documents, plan, chunks, response_id=response_id, model=model)
+    return await _pooled_response(
+        request,
+        api,
+        plan.requests,
+        lambda chunks: rerank_response(
+            body, documents, plan, chunks, response_id=response_id, model=model
+        ),
+        operation="rerank",
+        response_id=response_id,
     )
 
 

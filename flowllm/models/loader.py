@@ -283,7 +283,8 @@ def _hub_snapshot(name: str) -> Path:
 # Tensors
 
 
-def _read_json(path: Path, what: str) -> Any:
+def read_json(path: Path, what: str) -> Any:
+    """A checkpoint's JSON file; `what` names it in the errors."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
@@ -302,7 +303,7 @@ def safetensors_files(path: Path) -> list[Path]:
     path = Path(path)
     index = path / SAFETENSORS_INDEX
     if index.is_file():
-        data = _read_json(index, "safetensors index")
+        data = read_json(index, "safetensors index")
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CorruptCheckpointError(f"safetensors index {index} has no weight_map")
@@ -369,7 +370,7 @@ def load_hf_config(path: Path | str) -> ModelConfig:
     from flowllm.models.registry import ARCHITECTURES, MODEL_TYPES
 
     path = Path(path)
-    raw = _read_json(path / "config.json", "model config")
+    raw = read_json(path / "config.json", "model config")
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"model config {path / 'config.json'} is not an object")
     model_type = raw.get("model_type")
@@ -391,7 +392,7 @@ def load_generation_config(path: Path | str) -> dict[str, Any]:
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return {}
-    data = _read_json(file, "generation config")
+    data = read_json(file, "generation config")
     if not isinstance(data, dict):
         raise CorruptCheckpointError(f"generation config {file} is not an object")
     return data

@@ -17,14 +17,13 @@ mean and lasttoken, are refused by name.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-from flowllm.models.loader import CorruptCheckpointError, MissingFileError, ModelLoadError
+from flowllm.models.loader import CorruptCheckpointError, ModelLoadError, read_json
 
 Task = Literal["generate", "embed", "score"]
 PoolingType = Literal["cls", "mean", "last"]
@@ -76,21 +75,12 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.pooling != "last"
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise MissingFileError(f"{path} is missing") from e
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"cannot read {path}: {e}") from e
-
-
 def checkpoint_config(path: Path) -> dict[str, Any]:
     """config.json of a model directory as a dict ({} when there is none)."""
     file = path / "config.json"
     if not file.is_file():
         return {}
-    config = _read_json(file)
+    config = read_json(file, "model config")
     if not isinstance(config, dict):
         raise CorruptCheckpointError(f"model config {file} is not an object")
     return config
@@ -183,7 +173,7 @@ def _sentence_transformers(path: Path) -> tuple[PoolingType | None, bool]:
     modules_file = path / "modules.json"
     if not modules_file.is_file():
         return None, False
-    modules = _read_json(modules_file)
+    modules = read_json(modules_file, "sentence-transformers modules")
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise CorruptCheckpointError(f"{modules_file} is not a list of modules")
     for entry in modules:
@@ -196,7 +186,7 @@ def _sentence_transformers(path: Path) -> tuple[PoolingType | None, bool]:
     for entry in modules:
         if _module_type(entry) == "Pooling":
             where = path / str(entry.get("path", "")) / "config.json"
-            pooling_config = _read_json(where)
+            pooling_config = read_json(where, "pooling config")
             if not isinstance(pooling_config, dict):
                 raise CorruptCheckpointError(f"{where} is not an object")
             pooling = _pooling_mode(pooling_config, where)
@@ -207,7 +197,7 @@ def _max_seq_length(path: Path) -> int | None:
     file = path / "sentence_bert_config.json"
     if not file.is_file():
         return None
-    value = _read_json(file)
+    value = read_json(file, "sentence-transformers config")
     length = value.get("max_seq_length") if isinstance(value, dict) else None
     return int(length) if isinstance(length, int) and length > 0 else None
 

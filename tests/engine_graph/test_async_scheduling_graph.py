@@ -1,0 +1,50 @@
+"""examples/graphs/async-scheduling.yaml at load time and execute without its ids edge: the
+execute -> sample -> execute cycle takes the step loop's credit bound, `sample.ids` is an
+optional output, and a batch that reads ids nobody sends fails with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from server_process import REPO
+
+from flowllm import LLM
+from flowllm.graph.problems import GraphValidationError
+from flowllm.graph.spec import GraphSpec
+from flowllm.graph.stage import NoParams
+from flowllm.messages import PLACEHOLDER_TOKEN, ScheduledSeq, StepBatch
+from flowllm.stages.execute import Execute, MissingSampledIdsError
+
+ASYNC_GRAPH = REPO / "examples" / "graphs" / "async-scheduling.yaml"
+IDS_EDGE = "  - {from: sample.ids, to: execute.sampled, capacity: 2}\n"
+
+
+def validate(text: str) -> None:
+    GraphSpec.from_yaml(text, source="g.yaml", base_dir=ASYNC_GRAPH.parent).validate()
+
+
+def test_the_ids_channel_needs_the_step_loops_credit_bound() -> None:
+    text = ASYNC_GRAPH.read_text()
+    assert IDS_EDGE in text
+    validate(text)
+    with pytest.raises(GraphValidationError) as info:
+        validate(text.replace(IDS_EDGE, IDS_EDGE.replace("capacity: 2", "capacity: 1")))
+    (problem,) = info.value.problems
+    assert "cycle execute -> sample -> execute: channel 'execute.sampled' has capacity 1, " \
+        "below the credit bound 2 of stage 'schedule'" in str(problem)  # fmt: skip
+
+
+def test_without_the_ids_edge_the_graph_is_valid_and_execute_says_what_is_missing(
+    gpt2_tiny_dir: Path,
+) -> None:
+    validate(ASYNC_GRAPH.read_text().replace(IDS_EDGE, ""))  # both ports are optional
+    llm = LLM(str(gpt2_tiny_dir), dtype="float32", max_model_len=64)
+    execute = Execute(NoParams(), llm.services)
+    row = ScheduledSeq(seq_id=0, token_ids=(PLACEHOLDER_TOKEN,), num_computed_tokens=3,
+                       block_table=(0,), sample=True, num_output_tokens=1,
+                       input_from=(4, 0))  # fmt: skip
+    batch = StepBatch(step_id=5, seqs=(row,), reads_sampled=(4,), inflight_from=4)
+    with pytest.raises(MissingSampledIdsError, match=r"connect sample\.ids to execute\.sampled"):
+        asyncio.run(execute.handle(batch, None))  # type: ignore[arg-type]
