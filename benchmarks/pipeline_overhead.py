@@ -42,7 +42,7 @@ from flowllm.stages.detokenize import Detokenize
 from flowllm.stages.execute import Execute
 from flowllm.stages.sample import Sample
 from flowllm.stages.schedule import Schedule, ScheduleParams
-from flowllm.stages.services import EngineServices
+from flowllm.stages.services import EngineServices, already_loaded
 
 
 class InstantModel:
@@ -85,7 +85,7 @@ def services(
     return EngineServices(
         config=config,
         model=InstantModel(vocab_size, fresh_logits, model_seconds),
-        tokenizer=tokenizer,
+        tokenizer_loader=already_loaded(tokenizer),
         kv_caches=[],
         num_blocks=256 * 64,
         max_model_len=4096,

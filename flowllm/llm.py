@@ -32,7 +32,7 @@ from flowllm.engine import graph_for_task
 from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.core import CoreSpec, placement_of, start_core
 from flowllm.engine.front import FrontEngine
-from flowllm.engine.loading import build_services, tokenizer_source
+from flowllm.engine.loading import build_services
 from flowllm.engine.scoring import pair_texts, plan_scores, pooling_request, vector_of
 from flowllm.graph.validator import ValidGraph, load_graph
 from flowllm.mailbox import Mailbox
@@ -48,7 +48,7 @@ from flowllm.messages import (
 )
 from flowllm.models.loader import resolve_model
 from flowllm.models.pooler_config import resolve_task
-from flowllm.models.tokenizer import load_tokenizer
+from flowllm.models.tokenizer import load_tokenizer, tokenizer_source
 from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:

@@ -116,6 +116,18 @@ class ServerProcess:
             args, cwd=cwd or REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
         )
 
+    def processes_named(self, prefix: str) -> list[int]:
+        """The server's processes whose name starts with `prefix` (flowllm-core,
+        flowllm-front)."""
+        found = []
+        for pid in process_tree(self.process.pid):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().startswith(prefix):
+                    found.append(pid)
+            except OSError:
+                continue
+        return found
+
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 

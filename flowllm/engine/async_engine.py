@@ -18,7 +18,6 @@ import anyio.to_thread
 
 from flowllm.config import EngineConfig, RequestLimits
 from flowllm.engine import DEFAULT_GRAPH as DEFAULT_GRAPH  # where its users import it from
-from flowllm.engine.loading import build_services
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSink
 from flowllm.graph.validator import ValidGraph
@@ -63,6 +62,8 @@ class AsyncEngine:
         `recorder` to record the run's channel traffic (closed when the graph has ended),
         `span_sinks` to hand every stage span to (OpenTelemetry export)."""
         if services is None:
+            from flowllm.engine.loading import build_services  # torch: a front passes its own
+
             services = build_services(config or EngineConfig())
         runtime = Graph(
             graph or DEFAULT_GRAPH,

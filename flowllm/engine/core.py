@@ -136,7 +136,7 @@ def run_core(spec: CoreSpec) -> None:
     from flowllm.engine.loading import build_services
 
     graph = load_graph_or_exit(spec.graph_file)
-    services = build_services(spec.config)
+    services = build_services(spec.config, tokenizer_on_first_use=True)
     services.small_step_threads = small_step_threads(
         torch.get_num_threads(), spec.fronts, os.cpu_count()
     )

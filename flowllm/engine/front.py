@@ -27,7 +27,6 @@ import anyio
 import anyio.to_thread
 import msgspec
 import structlog
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from flowllm.config import EngineConfig
@@ -56,7 +55,7 @@ from flowllm.graph.validator import ValidGraph
 from flowllm.graph.wire import channel_codecs, wiring_digest
 from flowllm.messages import ChoiceEvents, RequestError, request_ids_of
 from flowllm.metrics import MergedMetrics
-from flowllm.stages.services import EngineServices
+from flowllm.stages.services import EngineServices, already_loaded
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -292,8 +291,7 @@ class FrontEngine(AsyncEngine):
         `core_lost`: what requests in flight get when the core goes away (their ids
         replaced); `tokenizer`: one already loaded, else loaded here while the core
         starts."""
-        from flowllm.engine.loading import tokenizer_source
-        from flowllm.models.tokenizer import load_tokenizer
+        from flowllm.models.tokenizer import load_tokenizer, tokenizer_source
 
         link = CoreLink(graph, address, index, token=token, core_lost=core_lost)
         async with anyio.create_task_group() as tg:
@@ -307,12 +305,12 @@ class FrontEngine(AsyncEngine):
             services = EngineServices(
                 config=config,
                 model=ModelFacts(link.ready),
-                tokenizer=tokenizer,
+                tokenizer_loader=already_loaded(tokenizer),
                 kv_caches=[],
                 num_blocks=link.ready.num_blocks,
                 max_model_len=link.ready.max_model_len,
                 eos_token_ids=link.ready.eos_token_ids,
-                device=torch.device("cpu"),
+                device=None,
                 pooler=link.ready.pooler,
             )
             link.services = services

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -16,11 +17,11 @@ from flowllm.kernels import native
 from flowllm.models.causal_lm import PagedCausalLM
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
 from flowllm.models.layers import Linear
-from flowllm.models.loader import LoadedModel, load_model, resolve_model
+from flowllm.models.loader import LoadedModel, load_model
 from flowllm.models.pooler_config import PoolerConfig
-from flowllm.models.tokenizer import load_tokenizer
+from flowllm.models.tokenizer import load_tokenizer, tokenizer_source
 from flowllm.stages.execute import model_runner
-from flowllm.stages.services import EngineServices
+from flowllm.stages.services import EngineServices, already_loaded
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -28,14 +29,18 @@ if TYPE_CHECKING:
     from flowllm.models.bert import BertModel
 
 
-def eos_token_ids(loaded: LoadedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The generation config's EOS ids (an int or a list), else the tokenizer's."""
+def eos_token_ids(
+    loaded: LoadedModel, tokenizer: Callable[[], PreTrainedTokenizerBase]
+) -> tuple[int, ...]:
+    """The generation config's EOS ids (an int or a list), else the tokenizer's (loaded
+    only then)."""
     eos = loaded.generation_config.get("eos_token_id")
     if eos is None:
         eos = getattr(loaded.hf_config, "eos_token_id", None)
     ids = [eos] if isinstance(eos, int) else list(eos or [])
-    if not ids and tokenizer.eos_token_id is not None:
-        ids = [tokenizer.eos_token_id]
+    if not ids:
+        fallback = tokenizer().eos_token_id
+        ids = [] if fallback is None else [fallback]
     return tuple(int(i) for i in ids)
 
 
@@ -64,49 +69,51 @@ def report_native_kernels(loaded: LoadedModel) -> None:
     )
 
 
-def tokenizer_source(config: EngineConfig) -> tuple[Path, str | None, Path | None]:
-    """`load_tokenizer`'s arguments for `config`. Resolving converts the bundled model
-    if needed."""
-    if config.model.tokenizer is not None:
-        return resolve_model(config.model.tokenizer).path, config.model.chat_template, None
-    resolved = resolve_model(config.model.model, config.model.quantization)
-    gguf = resolved.gguf if resolved.config_from_gguf else None
-    return resolved.path, config.model.chat_template, gguf
-
-
-def build_services(config: EngineConfig) -> EngineServices:
+def build_services(config: EngineConfig, *, tokenizer_on_first_use: bool = False) -> EngineServices:
     """Load the model and tokenizer and allocate the KV cache for `config`.
 
     The tokenizer loads in a thread while the weights load: most of its time is importing
     transformers, which overlaps with reading and packing weights (native code that
-    releases the GIL)."""
+    releases the GIL). `tokenizer_on_first_use`: load it only when a stage first needs
+    it (the engine core, whose stages need it only for grammars, then serves without
+    importing transformers)."""
     tokenizer_args = tokenizer_source(config)
-    with ThreadPoolExecutor(1, thread_name_prefix="flowllm-tokenizer") as pool:
-        tokenizer_loading = pool.submit(load_tokenizer, *tokenizer_args)
-        try:
-            loaded = load_model(
-                config.model.model,
-                config.model.dtype,
-                config.model.device,
-                config.model.quantization,
-                config.model.task,
-            )
-        except BaseException:
-            tokenizer_loading.cancel()
-            raise
-        tokenizer = tokenizer_loading.result()
+    tokenizer_loader: Callable[[], PreTrainedTokenizerBase]
+    if tokenizer_on_first_use:
+        loaded = _load_model(config)
+        tokenizer_loader = functools.cache(functools.partial(load_tokenizer, *tokenizer_args))
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="flowllm-tokenizer") as pool:
+            tokenizer_loading = pool.submit(load_tokenizer, *tokenizer_args)
+            try:
+                loaded = _load_model(config)
+            except BaseException:
+                tokenizer_loading.cancel()
+                raise
+            tokenizer = tokenizer_loading.result()
+        tokenizer_loader = already_loaded(tokenizer)
     report_native_kernels(loaded)
     services = services_for_model(
         config,
         loaded.model,
-        tokenizer,
-        eos_token_ids(loaded, tokenizer),
+        tokenizer_loader,
+        eos_token_ids(loaded, tokenizer_loader),
         loaded.device,
         loaded.pooler,
     )
     if loaded.device.type == "cuda":  # kernels compiled, graphs captured: before serving
         model_runner(services)
     return services
+
+
+def _load_model(config: EngineConfig) -> LoadedModel:
+    return load_model(
+        config.model.model,
+        config.model.dtype,
+        config.model.device,
+        config.model.quantization,
+        config.model.task,
+    )
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -127,7 +134,7 @@ def model_bytes(model: torch.nn.Module) -> int:
 def services_for_model(
     config: EngineConfig,
     model: PagedCausalLM | BertModel,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer_loader: Callable[[], PreTrainedTokenizerBase],
     eos_token_ids: tuple[int, ...],
     device: torch.device,
     pooler: PoolerConfig | None = None,
@@ -163,7 +170,7 @@ def services_for_model(
     return EngineServices(
         config=config,
         model=model,
-        tokenizer=tokenizer,
+        tokenizer_loader=tokenizer_loader,
         kv_caches=kv_caches,
         num_blocks=num_blocks,
         max_model_len=max_model_len,

@@ -12,10 +12,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowllm.models.bundled import SOURCE_FILE
-from flowllm.models.loader import MissingFileError, ModelLoadError, load_hf_config, one_line
+from flowllm.models.loader import (
+    MissingFileError,
+    ModelLoadError,
+    load_hf_config,
+    one_line,
+    resolve_model,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from flowllm.config import EngineConfig
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -94,3 +102,13 @@ def load_tokenizer(
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def tokenizer_source(config: EngineConfig) -> tuple[Path, str | None, Path | None]:
+    """`load_tokenizer`'s arguments for `config`. Resolving converts the bundled model
+    if needed."""
+    if config.model.tokenizer is not None:
+        return resolve_model(config.model.tokenizer).path, config.model.chat_template, None
+    resolved = resolve_model(config.model.model, config.model.quantization)
+    gguf = resolved.gguf if resolved.config_from_gguf else None
+    return resolved.path, config.model.chat_template, gguf

@@ -22,13 +22,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from flowllm.messages import StructuredOutputs
-from flowllm.sampling.transfer import moved, to_device
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerBase
 
@@ -183,22 +180,3 @@ def allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
     word, bit = divmod(token_id, 32)
     value = int(bitmask[row, word]) | (1 << bit)
     bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
-
-
-_NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """-inf on the logits of `rows` (one bitmask row each, in order) whose bit is clear.
-
-    The bits are unpacked by numpy (little-endian words: bit j of word w is token 32w + j)
-    into an additive bias of 0.0 or -inf, made from -inf's float32 bit pattern without a
-    branch: a masked fill branches on every token, and grammar masks mispredict often
-    (benchmarks/README.md, "Structured outputs").
-    """
-    vocab = logits.shape[1]
-    words = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
-    bits = np.unpackbits(words, axis=1, bitorder="little")[:, :vocab]  # [R, V] 0/1
-    blocked = (1 - bits).astype(np.uint32) * _NEG_INF_BITS  # 0 or -inf's bit pattern
-    bias = moved(torch.from_numpy(blocked.view(np.float32)), logits.device)
-    logits.index_add_(0, to_device(rows, torch.int64, logits.device), bias)

@@ -1,4 +1,5 @@
-"""Logits processors: min_tokens, logit_bias and the penalties, applied in place.
+"""Logits processors: min_tokens, logit_bias, the penalties and grammar masks, applied
+in place.
 
 Steps 2-4 of the sampler's order (flowllm.sampling.sampler), each batched over the rows
 that use it: min_tokens puts -inf on EOS and stop_token_ids while too few outputs exist;
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from flowllm.sampling.sequence_state import SeqSamplingState, TokenHistory
-from flowllm.sampling.transfer import moved
+from flowllm.sampling.transfer import moved, to_device
 
 
 def needs_processing(states: list[SeqSamplingState], num_output_tokens: Sequence[int]) -> bool:
@@ -125,3 +126,23 @@ def _flatten_rows(
     if bool(keep.all()):
         return r, c, None
     return r[keep], c[keep], keep
+
+
+_NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """A grammar's mask (flowllm.sampling.grammar): -inf on the logits of `rows` (one
+    packed bitmask row each, in order) whose bit is clear.
+
+    The bits are unpacked by numpy (little-endian words: bit j of word w is token 32w + j)
+    into an additive bias of 0.0 or -inf, made from -inf's float32 bit pattern without a
+    branch: a masked fill branches on every token, and grammar masks mispredict often
+    (benchmarks/README.md, "Structured outputs").
+    """
+    vocab = logits.shape[1]
+    words = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
+    bits = np.unpackbits(words, axis=1, bitorder="little")[:, :vocab]  # [R, V] 0/1
+    blocked = (1 - bits).astype(np.uint32) * _NEG_INF_BITS  # 0 or -inf's bit pattern
+    bias = moved(torch.from_numpy(blocked.view(np.float32)), logits.device)
+    logits.index_add_(0, to_device(rows, torch.int64, logits.device), bias)

@@ -46,9 +46,12 @@ import torch
 
 from flowllm.kernels.argmax import argmax_rows
 from flowllm.messages import SampledToken, SeqStart, TokenLogprobs
-from flowllm.sampling.grammar import apply_bitmask
 from flowllm.sampling.inverse_cdf import inverse_cdf
-from flowllm.sampling.logits_processors import apply_processors, needs_processing
+from flowllm.sampling.logits_processors import (
+    apply_bitmask,
+    apply_processors,
+    needs_processing,
+)
 from flowllm.sampling.logprobs import logprob_columns, logprob_entries, prompt_logprobs
 from flowllm.sampling.seeded_uniforms import SeededUniforms
 from flowllm.sampling.sequence_state import SeqSamplingState

@@ -62,10 +62,9 @@ class Ingress:
         from flowllm.cli.serve import auto_tool_parser, cors_config, resolve_api_key
         from flowllm.engine import graph_for_task
         from flowllm.engine.args import config_from_args
-        from flowllm.engine.loading import tokenizer_source
         from flowllm.graph.validator import load_graph
         from flowllm.logging_config import configure_logging
-        from flowllm.models.tokenizer import load_tokenizer
+        from flowllm.models.tokenizer import load_tokenizer, tokenizer_source
 
         args = self._args
         configure_logging(fmt=args.log_format, level=args.log_level, force=True)

@@ -8,23 +8,28 @@ sample sends back on `sampled` (kept, on the model's device, while a later batch
 read them). `ExecuteHidden`, a pooling graph's execute, returns the last hidden states of
 every row instead of logits, for pool; it keeps only where each cross-encoder pair's second
 text starts (its token types), from the step it starts to its release.
+
+A front process imports this module to check the graph's edges, and loads no torch: the
+model's modules are imported where a runner is built, in the process that runs execute.
 """
 
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import torch
 
 from flowllm.graph.channel import ChannelReceiver
 from flowllm.graph.stage import CLOSED, NoParams, PerMessageStage, StageContext
 from flowllm.messages import SampledIds, StepBatch, StepHidden, StepLogits
-from flowllm.models.decode_buckets import DecodeBuckets, capture_sizes
-from flowllm.models.runner import ModelRunner
-from flowllm.models.warm_up import warm_up
 from flowllm.stages.services import EngineServices
+
+if TYPE_CHECKING:
+    import torch
+
+    from flowllm.models.decode_buckets import DecodeBuckets
+    from flowllm.models.runner import ModelRunner
 
 
 class MissingSampledIdsError(RuntimeError):
@@ -37,18 +42,20 @@ def model_runner(services: EngineServices) -> ModelRunner:
     the graph (the offline API starts one per call), built with every kernel compiled and
     every decode graph captured (flowllm/models/warm_up.py); otherwise a new one per run,
     whose CPU plans are recorded as steps come."""
-    if services.pooler is not None or services.device.type != "cuda":
+    if services.pooler is not None or services.model_device().type != "cuda":
         return _runner(services, None)
     return services.shared("model_runner", lambda: _warmed_up_runner(services))
 
 
 def _runner(services: EngineServices, decode_buckets: DecodeBuckets | None) -> ModelRunner:
+    from flowllm.models.runner import ModelRunner
+
     config = services.config
     return ModelRunner(
         services.model,
         services.kv_caches,
         config.cache.block_size,
-        services.device,
+        services.model_device(),
         enforce_eager=config.model.enforce_eager,
         small_step_threads=services.small_step_threads,
         decode_buckets=decode_buckets,
@@ -56,6 +63,9 @@ def _runner(services: EngineServices, decode_buckets: DecodeBuckets | None) -> M
 
 
 def _warmed_up_runner(services: EngineServices) -> ModelRunner:
+    from flowllm.models.decode_buckets import DecodeBuckets, capture_sizes
+    from flowllm.models.warm_up import warm_up
+
     config = services.config
     sizes = capture_sizes(
         config.scheduler.max_num_seqs,

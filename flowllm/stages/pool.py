@@ -6,7 +6,9 @@ choice is known before its rows arrive) and forgets it once pooled, or on `ended
 (aborted). Each step it sends one `StepTokens` to schedule, a finishing entry for every
 prompt it pooled (a pooling request generates nothing: its one entry ends it), and the
 vectors to deliver as chunks (`Chunk.pooled`, float32 little-endian), which cross to the
-front without a tensor. The pooling itself is `flowllm.models.pooling`.
+front without a tensor. The pooling itself is `flowllm.models.pooling`, imported where
+the stage is built: a front process imports this module to check the graph's edges, and
+loads no torch.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from flowllm.messages import (
     StepTokens,
     TextDeltas,
 )
-from flowllm.models.pooling import Pooler
 from flowllm.stages.services import EngineServices
 
 # The token id of a pooled prompt's finishing entry: schedule ends the sequence on it and
@@ -41,6 +42,8 @@ class Pool(PerMessageStage):
     outputs = {"out": StepTokens, "chunks": TextDeltas}
 
     def __init__(self, params: NoParams, services: EngineServices) -> None:
+        from flowllm.models.pooling import Pooler
+
         super().__init__(params, services)
         config = services.pooler
         if config is None:

@@ -10,14 +10,17 @@ next step's placeholder rows read them (async scheduling).
 With the guide stage connected to `masks`, it joins each step's logits with the step's
 `StepMasks` (both come from one `StepBatch`, in step order) and samples constrained rows
 from the tokens their grammar allows. Without it, it samples from the logits alone.
+
+A front process imports this module to check the graph's edges, and loads no torch: the
+sampler (torch) is imported where the stage is built, in the process that runs it.
 """
 
 from __future__ import annotations
 
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 import anyio
-import torch
 
 from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
@@ -28,8 +31,10 @@ from flowllm.messages import (
     StepTokens,
     TokenLogprobs,
 )
-from flowllm.sampling.sampler import Sampler
 from flowllm.stages.services import EngineServices
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SampleError(RuntimeError):
@@ -43,11 +48,13 @@ class Sample(PerMessageStage):
     optional_outputs = frozenset({"ids"})
 
     def __init__(self, params: NoParams, services: EngineServices) -> None:
+        from flowllm.sampling.sampler import Sampler
+
         super().__init__(params, services)
         self.sampler = Sampler(
             seed=services.config.model.seed,
             max_model_len=services.max_model_len,
-            device=services.device,
+            device=services.model_device(),
         )
         self._worker = services.worker_thread("sample")
 

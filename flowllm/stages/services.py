@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry
 from flowllm.config import EngineConfig
 from flowllm.mailbox import Mailboxes
 from flowllm.metrics import EngineMetrics
-from flowllm.models.kv_cache import KVCaches
 from flowllm.models.pooler_config import PoolerConfig
 from flowllm.sampling.grammar import Grammars
 from flowllm.stages.worker import WorkerThread
@@ -26,6 +25,8 @@ from flowllm.text.detokenizer import ByteVocab
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
+
+    from flowllm.models.kv_cache import KVCaches
 
 T = TypeVar("T")
 
@@ -36,12 +37,15 @@ class EngineServices:
 
     config: EngineConfig
     model: Any  # a flowllm model (forward over a flattened batch + paged KV), or a stand-in
-    tokenizer: PreTrainedTokenizerBase  # a fast (Rust-backed) one
+    # Returns the model's fast (Rust-backed) tokenizer; called on the first use of
+    # `tokenizer`, so a process whose stages need none (the engine core without grammars)
+    # never loads it.
+    tokenizer_loader: Callable[[], PreTrainedTokenizerBase]
     kv_caches: KVCaches
     num_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    device: torch.device
+    device: torch.device | None  # the model's; None in a front process, which runs none
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     mailboxes: Mailboxes = field(default_factory=Mailboxes)
     # Whether the graph has a guide stage, which constrained requests need (set by the
@@ -63,6 +67,17 @@ class EngineServices:
     def __post_init__(self) -> None:
         self.metrics = EngineMetrics(self.registry, self.max_model_len)
         self.metrics.live_mailboxes.set_function(lambda: len(self.mailboxes))
+
+    def model_device(self) -> torch.device:
+        """The model's device, for the stages that run the model."""
+        if self.device is None:
+            raise RuntimeError("this process holds no model (a front): its stages cannot run here")
+        return self.device
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        tokenizer: PreTrainedTokenizerBase = self.shared("tokenizer", self.tokenizer_loader)
+        return tokenizer
 
     def byte_vocab(self) -> ByteVocab | None:
         """The tokenizer's byte table for fast decoding (None: not a byte-level tokenizer).
@@ -121,7 +136,7 @@ class EngineServices:
         return EngineServices(
             config=self.config,
             model=self.model,
-            tokenizer=self.tokenizer,
+            tokenizer_loader=self.tokenizer_loader,
             kv_caches=self.kv_caches,
             num_blocks=self.num_blocks,
             max_model_len=self.max_model_len,
@@ -133,3 +148,8 @@ class EngineServices:
             _derived=self._derived,
             _workers=self._workers,
         )
+
+
+def already_loaded(tokenizer: PreTrainedTokenizerBase) -> Callable[[], PreTrainedTokenizerBase]:
+    """The `tokenizer_loader` of a tokenizer in hand."""
+    return lambda: tokenizer

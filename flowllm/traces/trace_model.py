@@ -96,7 +96,12 @@ def build_replay_services(trace: Trace, model_path: str, base: Any = None) -> An
     )
     if same_model:
         services = services_for_model(
-            config, base.model, base.tokenizer, base.eos_token_ids, base.device, base.pooler
+            config,
+            base.model,
+            base.tokenizer_loader,
+            base.eos_token_ids,
+            base.model_device(),
+            base.pooler,
         )
     else:
         services = build_services(config)

@@ -18,7 +18,7 @@ from time import perf_counter
 from typing import Any
 
 from flowllm.graph.spans import InputClosed, message_fields
-from flowllm.traces.timeline import span_slice, stage_tracks
+from flowllm.traces.trace_events import span_slice, stage_tracks
 
 MAX_REQUESTS = 64
 MAX_SPANS = 8192  # per request: a few spans per generated token

@@ -56,6 +56,30 @@ def test_readme_chat_knows_berlin(bundled_server: ServerProcess) -> None:
     assert answer.usage is not None and answer.usage.completion_tokens < 32
 
 
+def test_the_front_serves_without_torch(bundled_server: ServerProcess) -> None:
+    """A front tokenizes, detokenizes and speaks HTTP, and never loads torch (the largest
+    import of a start): the engine core alone does. A constrained request would (the
+    grammar engine imports it), so none is sent here."""
+    client = bundled_server.client()
+    for stream in (False, True):
+        client.chat.completions.create(
+            model=BUNDLED,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=4,
+            logprobs=True,
+            top_logprobs=2,
+            stream=stream,
+        )
+
+    def loads_torch(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    fronts = bundled_server.processes_named("flowllm-front")
+    cores = bundled_server.processes_named("flowllm-core")
+    assert fronts and not any(loads_torch(pid) for pid in fronts)
+    assert cores and all(loads_torch(pid) for pid in cores)
+
+
 def test_the_bundled_gguf_file_served_quantized_knows_berlin(smollm2_dir: Path) -> None:
     """`flowllm serve <the bundled Q4_1 file>`: weights kept quantized, tokenizer and chat
     template from the file's metadata, and the startup log says which kernels run."""

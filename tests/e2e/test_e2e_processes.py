@@ -22,18 +22,6 @@ from server_process import DEFAULT_GRAPH, TINY_FLAGS, ServerProcess, process_tre
 PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time", "In the beginning"]
 
 
-def named(server: ServerProcess, prefix: str) -> list[int]:
-    """The server's processes whose name starts with `prefix` (flowllm-core, flowllm-front)."""
-    found = []
-    for pid in process_tree(server.process.pid):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().startswith(prefix):
-                found.append(pid)
-        except OSError:
-            continue
-    return found
-
-
 def complete(url: str, prompt: str, max_tokens: int = 8) -> httpx.Response:
     return httpx.post(
         f"{url}/v1/completions",
@@ -82,8 +70,8 @@ def two_fronts(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
 def test_two_fronts_share_the_port_and_one_core(
     two_fronts: ServerProcess, server: ServerProcess
 ) -> None:
-    assert len(named(two_fronts, "flowllm-front")) == 2
-    assert len(named(two_fronts, "flowllm-core")) == 1
+    assert len(two_fronts.processes_named("flowllm-front")) == 2
+    assert len(two_fronts.processes_named("flowllm-core")) == 1
     expected = {p: complete(server.url, p).json()["choices"][0]["text"] for p in PROMPTS}
     client = two_fronts.client()
     results: dict[str, str] = {}
@@ -132,12 +120,12 @@ def test_every_front_reports_every_fronts_requests(two_fronts: ServerProcess) ->
 
 
 def test_killing_a_front_leaves_the_other_serving(two_fronts: ServerProcess) -> None:
-    victim = named(two_fronts, "flowllm-front")[0]
+    victim = two_fronts.processes_named("flowllm-front")[0]
     os.kill(victim, signal.SIGKILL)
     answered = [complete(two_fronts.url, "Hello there").status_code for _ in range(10)]
     assert answered == [200] * 10  # the survivor took every connection
-    assert wait_until(lambda: len(named(two_fronts, "flowllm-front")) == 2, timeout=60)
-    assert victim not in named(two_fronts, "flowllm-front")
+    assert wait_until(lambda: len(two_fronts.processes_named("flowllm-front")) == 2, timeout=60)
+    assert victim not in two_fronts.processes_named("flowllm-front")
     assert "a front exited; starting it again" in two_fronts.output()
     # Every request of the dead front had finished: the core held nothing to abort for it.
     aborted = re.findall(r'"aborted": (\d+), "event": "front disconnected"', two_fronts.output())
@@ -154,13 +142,13 @@ def test_killing_the_core_answers_in_flight_requests_and_a_new_core_serves(
         # A lone front's finished requests are forgotten by the core: killed, it leaves
         # nothing to abort there, and its replacement serves.
         assert complete(server.url, "Hello there").status_code == 200
-        (front,) = named(server, "flowllm-front")
+        (front,) = server.processes_named("flowllm-front")
         os.kill(front, signal.SIGKILL)
         assert wait_until(lambda: "front disconnected" in server.output(), 30)
         aborted = re.findall(r'"aborted": (\d+), "event": "front disconnected"', server.output())
         assert aborted == ["0"], aborted
         assert wait_until(lambda: healthy(server), 60)
-        (core,) = named(server, "flowllm-core")
+        (core,) = server.processes_named("flowllm-core")
         answers: list[tuple[float, httpx.Response | BaseException]] = []
 
         def long_request() -> None:
@@ -187,7 +175,7 @@ def test_killing_the_core_answers_in_flight_requests_and_a_new_core_serves(
             assert "engine core" in response.json()["error"]["message"]
         assert httpx.get(f"{server.url}/health").status_code == 503
         assert wait_until(lambda: healthy(server), 60)
-        (new_core,) = named(server, "flowllm-core")
+        (new_core,) = server.processes_named("flowllm-core")
         assert new_core != core
         assert complete(server.url, "Hello there").status_code == 200
         assert "the engine core exited; starting it again" in server.output()
@@ -207,10 +195,10 @@ def test_a_core_failing_past_its_restart_intensity_exits_70(
     )
     server = start_server(str(gpt2_tiny_dir), TINY_FLAGS, graph=graph)
     try:
-        (first,) = named(server, "flowllm-core")
+        (first,) = server.processes_named("flowllm-core")
         os.kill(first, signal.SIGKILL)  # restarted: one restart is allowed
-        assert wait_until(lambda: named(server, "flowllm-core") not in ([], [first]), 60)
-        (second,) = named(server, "flowllm-core")
+        assert wait_until(lambda: server.processes_named("flowllm-core") not in ([], [first]), 60)
+        (second,) = server.processes_named("flowllm-core")
         os.kill(second, signal.SIGKILL)  # past the intensity: the server escalates
         assert wait_until(lambda: server.process.poll() is not None, 30), server.output()
         assert server.process.returncode == 70, server.output()

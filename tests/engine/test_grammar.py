@@ -22,7 +22,8 @@ from flowllm.messages import (
     StepBatch,
     StructuredOutputs,
 )
-from flowllm.sampling.grammar import GrammarError, Grammars, apply_bitmask
+from flowllm.sampling.grammar import GrammarError, Grammars
+from flowllm.sampling.logits_processors import apply_bitmask
 from flowllm.sampling.sampler import Sampler
 from flowllm.stages.guide import Guide, GuideError
 from flowllm.stages.services import EngineServices

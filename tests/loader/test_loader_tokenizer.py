@@ -4,6 +4,8 @@ replacing the model's; clear errors for missing files."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,23 @@ def test_broken_tokenizer_json(gpt2_tiny_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError) as e:
         load_tokenizer(d)
     assert "\n" not in str(e.value) and str(d) in str(e.value)
+
+
+def test_the_engine_core_loads_its_tokenizer_on_first_use(gpt2_tiny_dir: Path) -> None:
+    """The core's stages need the tokenizer only for grammars: it serves without loading
+    it (nor importing transformers), and loads it once, for every run, when asked."""
+    script = f"""
+import sys
+from flowllm.config import engine_config
+from flowllm.engine.loading import build_services
+
+config = engine_config({str(gpt2_tiny_dir)!r}, dtype="float32", kv_cache_memory=1 << 20)
+services = build_services(config, tokenizer_on_first_use=True)
+assert "transformers" not in sys.modules, "loaded with the weights"
+assert services.eos_token_ids == (50256,)
+tokenizer = services.tokenizer
+assert tokenizer("Hello")["input_ids"] == [15496]
+assert services.fresh().tokenizer is tokenizer
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()

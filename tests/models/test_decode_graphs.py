@@ -40,7 +40,7 @@ from flowllm.models.runner import ModelRunner
 from flowllm.models.step_plans import Outputs, StepPlans
 from flowllm.models.warm_up import warm_up
 from flowllm.stages.execute import Execute
-from flowllm.stages.services import EngineServices
+from flowllm.stages.services import EngineServices, already_loaded
 
 BLOCK = 4
 VOCAB = STEP_VOCAB
@@ -238,7 +238,8 @@ def test_enforce_eager_and_the_cpu_keep_their_own_plans() -> None:
     assert cpu.plans is None or cpu.plans.buckets is None  # exact shapes, as they come
     for eager_flag in (True, False):
         services = EngineServices(
-            config=engine_config("tiny", enforce_eager=eager_flag), model=model, tokenizer=None,
+            config=engine_config("tiny", enforce_eager=eager_flag), model=model,
+            tokenizer_loader=already_loaded(None),
             kv_caches=kv, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
             eos_token_ids=(0,), device=torch.device("cpu"),
         )  # fmt: skip
@@ -302,7 +303,8 @@ def test_on_cuda_every_run_of_the_graph_shares_one_warmed_up_runner() -> None:
     model = llama(torch.float32, "cuda")
     kv = KVCacheSpec.for_model(model, BLOCK).allocate(NUM_BLOCKS, "cuda")
     services = EngineServices(
-        config=engine_config("tiny", max_num_seqs=12), model=model, tokenizer=None,
+        config=engine_config("tiny", max_num_seqs=12), model=model,
+        tokenizer_loader=already_loaded(None),
         kv_caches=kv, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
         eos_token_ids=(0,), device=torch.device("cuda"),
     )  # fmt: skip

@@ -23,7 +23,7 @@ from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.llama import LlamaModel
 from flowllm.models.runner import ModelRunner
 from flowllm.stages.execute import Execute
-from flowllm.stages.services import EngineServices
+from flowllm.stages.services import EngineServices, already_loaded
 
 pytestmark = pytest.mark.usefixtures("native_build")  # each build in turn
 BLOCK = 4
@@ -162,7 +162,8 @@ def test_enforce_eager_reaches_the_runner() -> None:
     model = llama(torch.float32)
     for eager in (True, False):
         services = EngineServices(
-            config=engine_config("tiny", enforce_eager=eager), model=model, tokenizer=None,
+            config=engine_config("tiny", enforce_eager=eager), model=model,
+            tokenizer_loader=already_loaded(None),
             kv_caches=[], num_blocks=1, max_model_len=64, eos_token_ids=(0,),
             device=torch.device("cpu"),
         )  # fmt: skip

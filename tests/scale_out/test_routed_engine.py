@@ -21,11 +21,10 @@ from server_process import TINY_FLAGS, small_pending_graph
 from flowllm.cli import build_parser
 from flowllm.engine.args import config_from_args
 from flowllm.engine.async_engine import DEFAULT_GRAPH
-from flowllm.engine.loading import tokenizer_source
 from flowllm.graph.validator import load_graph
 from flowllm.mailbox import Mailbox, Overloaded, RequestFailed
 from flowllm.messages import GenerateRequest, SamplingParams
-from flowllm.models.tokenizer import load_tokenizer
+from flowllm.models.tokenizer import load_tokenizer, tokenizer_source
 from flowllm.scale_out.replica import EngineReplica
 from flowllm.scale_out.routed_engine import RoutedEngine
 
