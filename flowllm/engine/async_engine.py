@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from flowllm.traces.recorder import TraceRecorder
 
+
 class AsyncEngine:
     """A started graph seen from outside (implements flowllm.engine.client.EngineClient)."""
 
