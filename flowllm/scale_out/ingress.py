@@ -56,6 +56,13 @@ class Ingress:
     def __init__(self, args: argparse.Namespace, replicas: Sequence[tuple[str, Any, str]]) -> None:
         self._args = args
         self._replicas = list(replicas)
+        self._engine: RoutedEngine | None = None  # while the app's lifespan runs it
+
+    async def drain(self) -> None:
+        """The launcher's first step of a stop (`RoutedEngine.drain`, for up to
+        --shutdown-timeout), before it deletes the application."""
+        if self._engine is not None:
+            await self._engine.drain(self._args.shutdown_timeout)
 
     def __serve_build_asgi_app__(self) -> WithoutEchoedRequestId:
         from flowllm.api.app import create_app
@@ -84,7 +91,11 @@ class Ingress:
                 tokenizer=tokenizer,
                 stop_timeout=args.shutdown_timeout,
             ) as routed:
-                yield routed
+                self._engine = routed
+                try:
+                    yield routed
+                finally:
+                    self._engine = None
 
         app = create_app(
             engine,

@@ -7,8 +7,8 @@ and a Serve deployment of its own, so that the ingress's front for it finds it (
 labels its metrics with it). Each replica gets a token of its own, which its front's
 greeting must carry: the core's TCP port serves that front and nobody else. SIGINT or
 SIGTERM stops the application (the requests in flight finish for up to
---shutdown-timeout, through the proxy), then Serve and Ray: a cluster this command
-started leaves no process behind.
+--shutdown-timeout, through the proxy; those still running then get a 503, as on a single
+server), then Serve and Ray: a cluster this command started leaves no process behind.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ INGRESS_NAME = "ingress"
 # Requests Serve lets a deployment hold at once; flowllm's admission (503s) is the bound
 # that matters, so Serve's own must be above it and never queue what admission would take.
 MAX_ONGOING_REQUESTS = 4096
+# Ray CPUs the ingress reserves: it is the front of every replica (HTTP, tokenization,
+# detokenization), so a cluster must not pack replicas onto the core it works on.
+INGRESS_CPUS = 1.0
 HEALTH_CHECK_PERIOD_S = 2.0
 # How often a stopping replica looks for requests still running (Serve's default: 2 s).
 # Serve sleeps this long before its first look even when none runs, and an idle server
@@ -40,6 +43,8 @@ SHUTDOWN_POLL_S = 0.2
 # Past the replicas' drains, time for Serve to stop them before `serve.shutdown` takes
 # what is left.
 SHUTDOWN_GRACE_S = 10.0
+# Past --shutdown-timeout, time for the ingress to write the 503s of its drain.
+ANSWER_GRACE_S = 2.0
 # Serve's direct-ingress mode keeps a stopping ingress reachable this long so that a load
 # balancer can deregister it (30 s by default, plus 5 s Serve adds to the ingress's
 # timeout). `flowllm serve` stops the whole application: no replica is left to take
@@ -103,6 +108,13 @@ def replica_threads(args: argparse.Namespace) -> int:
     return max(1, threads)
 
 
+def local_cluster_cpus(args: argparse.Namespace) -> int:
+    """Ray CPUs of a cluster started here: the machine's cores, or what the replicas and
+    the ingress reserve if that is more (Ray's CPUs are counts, not cores)."""
+    needed: float = args.data_parallel_size * args.cpus_per_replica + INGRESS_CPUS
+    return max(os.cpu_count() or 1, math.ceil(needed))
+
+
 def build_application(args: argparse.Namespace) -> Any:
     """The Serve application: the ingress bound to its engine replicas."""
     from ray import serve
@@ -113,7 +125,8 @@ def build_application(args: argparse.Namespace) -> Any:
     common: dict[str, Any] = {
         "num_replicas": 1,
         "max_ongoing_requests": MAX_ONGOING_REQUESTS,
-        "graceful_shutdown_timeout_s": args.shutdown_timeout,
+        # Past the ingress's drain (stop_application), time to write the last answers.
+        "graceful_shutdown_timeout_s": args.shutdown_timeout + ANSWER_GRACE_S,
         "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
         # Serve's line per call would log every probe; --log-requests is flowllm's own.
         "logging_config": {"enable_access_log": False},
@@ -137,21 +150,27 @@ def build_application(args: argparse.Namespace) -> Any:
         )
         for i in range(args.data_parallel_size)
     ]
-    # The ingress waits on the replicas and the network: it reserves no CPU of its own.
     # Ray annotates `deployment` as the decorator its keyword form returns (see above).
     ingress = serve.deployment(Ingress).options(  # type: ignore[attr-defined]
-        name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}, **common
+        name=INGRESS_NAME, ray_actor_options={"num_cpus": INGRESS_CPUS}, **common
     )
     return ingress.bind(args, replicas)
 
 
 def stop_application(shutdown_timeout: float) -> None:
-    """Delete the application while Serve's HTTP proxy still runs, so that the requests in
-    flight finish through it: the ingress and the engines stop together, each once its
-    requests are done (an engine's are the ingress's calls), for up to `shutdown_timeout`.
-    `serve.shutdown` alone would stop the proxy at once and cut them."""
+    """Drain the ingress (flowllm's drain: requests in flight finish for up to
+    `shutdown_timeout`, then those still running get a 503 event), then delete the
+    application while Serve's HTTP proxy still runs, so that every answer is written
+    through it. Serve's own drain alone would cut a stream still running at its deadline
+    without a word, and `serve.shutdown` would stop the proxy at once."""
     from ray import serve
 
+    try:
+        serve.get_app_handle(APP_NAME).drain.remote().result(
+            timeout_s=shutdown_timeout + SHUTDOWN_GRACE_S
+        )
+    except Exception as e:  # an ingress that failed or never started: Serve's drain still runs
+        print(f"warning: the ingress did not drain: {e}", file=sys.stderr)
     serve.delete(APP_NAME, _blocking=False)
     deadline = time.monotonic() + shutdown_timeout + SHUTDOWN_GRACE_S
     while APP_NAME in serve.status().applications and time.monotonic() < deadline:
@@ -223,14 +242,13 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     # Serve runs: the application may be serving (its proxy answers before serve.run
     # returns), so it is stopped with its requests drained.
     serve_started = False
-    needed = args.data_parallel_size * args.cpus_per_replica
     if started_here:  # read by the Serve processes of the cluster ray.init starts
         os.environ.setdefault(DIRECT_INGRESS_DRAIN_ENV, "0")
     try:
         ray.init(
             # "local": a new cluster, never one some other program started here
             address=args.ray_address if not started_here else "local",
-            num_cpus=max(os.cpu_count() or 1, math.ceil(needed)) if started_here else None,
+            num_cpus=local_cluster_cpus(args) if started_here else None,
             include_dashboard=False,
             logging_level=logging.WARNING,
         )

@@ -150,6 +150,15 @@ class RoutedEngine:
         self._routing.observe(route)
         return self._links[route.replica.index].front.submit_all(requests)
 
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting (503), let the requests in flight finish for up to `timeout`
+        seconds, then answer those still running with a 503 (an error event on a
+        stream): a single server's drain, run before Serve's own, which cuts streams."""
+        self._stopping = True
+        async with anyio.create_task_group() as tg:
+            for link in self._links:
+                tg.start_soon(link.front.graph.stop, timeout)
+
     def abort(self, request_id: str) -> None:
         for link in self._links:
             if link.front.services.mailboxes.get(request_id) is not None:

@@ -30,7 +30,7 @@ RAY_FLAGS = (
 )  # fmt: skip
 
 
-CLUSTER_CPUS = 2  # logical CPUs: one per replica; the ingress reserves none
+CLUSTER_CPUS = 3  # logical CPUs: one per replica, one for the ingress
 # Ray kills workers when the machine's memory is 95 % used, which a machine shared with
 # other test runs reaches without any danger to these small replicas: the kernel decides.
 NO_RAY_OOM_KILLER = {"RAY_memory_monitor_refresh_ms": "0"}

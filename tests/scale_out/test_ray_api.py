@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import anyio
 import httpx
+import ray
 from ray import serve
 from ray_helpers import REPLICAS, labelled
 from server_process import ServerProcess, wait_until
@@ -41,6 +42,13 @@ def _complete(server: ServerProcess, prompt: str, max_tokens: int = 4) -> dict:
     )
     assert response.status_code == 200, response.text
     return response.json()  # type: ignore[no-any-return]
+
+
+def test_the_ingress_and_each_replica_reserve_their_cpus(server: ServerProcess) -> None:
+    """Two replicas at --cpus-per-replica 1, and the ingress, the front of both, one
+    more: Ray places nothing else on the cores they work on."""
+    used = ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0.0)
+    assert used == 3.0
 
 
 def test_metrics_label_every_replica_and_count_routing(server: ServerProcess) -> None:

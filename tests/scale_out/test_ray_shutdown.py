@@ -1,6 +1,7 @@
 """SIGTERM to a Ray server: an idle one exits 0 within seconds, with Serve's HTTP proxy or
 its direct ingress, and leaves no process behind; a stream in flight at the signal
-finishes first, as on a single server (tests/e2e/test_e2e_shutdown.py)."""
+finishes first, and one that outlasts --shutdown-timeout ends with a 503 event, as on a
+single server (tests/e2e/test_e2e_shutdown.py)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def test_an_idle_server_exits_promptly_leaving_nothing(
     assert code == 0, f"exit {code} after {took:.1f} s"
 
 
-def test_a_stream_in_flight_finishes_before_the_exit(start_own_cluster_server: StartServer) -> None:
-    proc = start_own_cluster_server({}, ("--shutdown-timeout", str(DRAIN_S)))
-    # Done well within the server's --shutdown-timeout of the signal.
+def stream_then_stop(proc: ServerProcess, bound: float) -> tuple[int | None, dict[str, Any]]:
+    """Start a 400-token stream, SIGTERM the server at its first event; the exit code and
+    what the stream got."""
     body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
     first = threading.Event()
     result: dict[str, Any] = {"finished": 0, "error": None, "done": False}
@@ -53,7 +54,7 @@ def test_a_stream_in_flight_finishes_before_the_exit(start_own_cluster_server: S
                         elif event["choices"][0]["finish_reason"] == "length":
                             result["finished"] += 1
         except httpx.HTTPError as exc:
-            result["error"] = repr(exc)
+            result["cut"] = repr(exc)
         finally:
             first.set()
 
@@ -62,10 +63,31 @@ def test_a_stream_in_flight_finishes_before_the_exit(start_own_cluster_server: S
     try:
         assert first.wait(60)
         assert result["error"] is None and not result["done"], result  # still running
-        # The drain waits for the stream (at most --shutdown-timeout) on top.
-        code, took = stop_within(proc, STOP_BOUND_S + DRAIN_S)
+        code, took = stop_within(proc, bound)
     finally:
         client.join(60)
-    assert code == 0, f"exit {code} after {took:.1f} s"
-    assert result["status"] == 200 and result["error"] is None, result
+    result["took"] = took
+    return code, result
+
+
+def test_a_stream_in_flight_finishes_before_the_exit(start_own_cluster_server: StartServer) -> None:
+    proc = start_own_cluster_server({}, ("--shutdown-timeout", str(DRAIN_S)))
+    # The drain waits for the stream (at most --shutdown-timeout) on top.
+    code, result = stream_then_stop(proc, STOP_BOUND_S + DRAIN_S)
+    assert code == 0, f"exit {code} after {result['took']:.1f} s"
+    assert result["status"] == 200 and result["error"] is None and "cut" not in result, result
     assert result["finished"] == 1 and result["done"], result  # to its end, not cut
+
+
+def test_a_stream_outlasting_the_drain_ends_with_an_error_event(
+    start_own_cluster_server: StartServer,
+) -> None:
+    """The drain period over, a stream still running gets the 503 a single server sends
+    (an error event), not a cut connection."""
+    proc = start_own_cluster_server({}, ("--shutdown-timeout", "0"))
+    code, result = stream_then_stop(proc, STOP_BOUND_S)
+    assert code == 0, f"exit {code} after {result['took']:.1f} s"
+    assert result["status"] == 200 and "cut" not in result, result
+    assert result["error"] is not None, result
+    assert result["error"]["type"] == "ServiceUnavailableError", result
+    assert result["finished"] == 0, result
