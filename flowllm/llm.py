@@ -182,15 +182,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order."""
         prompt_list = _prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = (
-            [sampling_params] * len(prompt_list)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params_list) != len(prompt_list):
-            raise ValueError("give one SamplingParams, or one per prompt")
+        params_list = _params_per_input(sampling_params, len(prompt_list), "prompt")
         requests = [self._request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
         return anyio.run(self._run, requests, _collect)
 
@@ -221,15 +213,7 @@ class LLM:
             if messages and isinstance(messages[0], dict)
             else list(cast(Sequence[Conversation], messages))
         )
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = (
-            [sampling_params] * len(conversations)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params_list) != len(conversations):
-            raise ValueError("give one SamplingParams, or one per conversation")
+        params_list = _params_per_input(sampling_params, len(conversations), "conversation")
         requests = [
             GenerateRequest(
                 request_id=f"offline-{next(self._ids)}",
@@ -412,6 +396,28 @@ def _stop_core(process: Any, folder: str) -> None:
         if process.is_alive():
             process.kill()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _params_per_input(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int, what: str
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt or conversation, each checked against its declared
+    field types (a list where a tuple is declared becomes one). A SamplingParams is not
+    checked when built: a wrong type (`stop=None`) would fail inside the graph, for every
+    request of the call."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    params_list = (
+        [sampling_params] * count
+        if isinstance(sampling_params, SamplingParams)
+        else list(sampling_params)
+    )
+    if len(params_list) != count:
+        raise ValueError(f"give one SamplingParams, or one per {what}")
+    try:
+        return [msgspec.convert(msgspec.to_builtins(p), SamplingParams) for p in params_list]
+    except (msgspec.ValidationError, TypeError) as e:
+        raise TypeError(f"invalid SamplingParams: {e}") from None
 
 
 def chat_message(message: dict[str, Any]) -> ChatMessage:

@@ -4,6 +4,7 @@ on what else runs beside it, through chunked prefill, preemption and prefix-cach
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,31 @@ def test_two_steps_in_flight_give_the_tokens_of_one(llm: LLM, async_llm: LLM) ->
             assert x.logprobs == y.logprobs
     finishes = {o.finish_reason for out in async_out for o in out.outputs}
     assert finishes == {"stop", "length"}  # sequences ended early, as well as at max_tokens
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(stop=None), "$.stop"),  # type: ignore[arg-type]
+        (SamplingParams(max_tokens="5"), "$.max_tokens"),  # type: ignore[arg-type]
+        (SamplingParams(seed=1.5), "$.seed"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_mistyped_sampling_params_is_refused_and_the_engine_serves_on(
+    llm: LLM, params: SamplingParams, field: str
+) -> None:
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    before = llm.generate("The quick brown", greedy)[0].outputs[0].token_ids
+    with pytest.raises(TypeError, match=re.escape(field)):
+        llm.generate(["The quick brown", "Hello"], [greedy, params])
+    with pytest.raises(TypeError, match=re.escape(field)):
+        llm.chat([{"role": "user", "content": "Hi"}], params)
+    assert llm.generate("The quick brown", greedy)[0].outputs[0].token_ids == before
+
+
+def test_lists_where_tuples_are_declared_are_accepted(llm: LLM) -> None:
+    as_list = SamplingParams(max_tokens=8, temperature=0.0, stop=[" the"], stop_token_ids=[13])  # type: ignore[arg-type]
+    as_tuple = SamplingParams(max_tokens=8, temperature=0.0, stop=(" the",), stop_token_ids=(13,))
+    assert llm.generate("Hello", as_list)[0].outputs[0].text == (
+        llm.generate("Hello", as_tuple)[0].outputs[0].text
+    )
