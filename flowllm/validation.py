@@ -406,9 +406,7 @@ def check_task(request: GenerateRequest, pooler: PoolerConfig | None) -> None:
             "unsupported_task",
         )
     if request.text_pair is not None and (pooler is None or pooler.task != "score"):
-        raise _Invalid(
-            "Only a cross-encoder (--task score) reads a pair of texts.", "text_pair"
-        )
+        raise _Invalid("Only a cross-encoder (--task score) reads a pair of texts.", "text_pair")
 
 
 def check_pooling(params: PoolingParams, pooler: PoolerConfig) -> None:
@@ -441,6 +439,11 @@ def model_not_found(request_id: str, model: str) -> RequestError:
         param="model",
         code="model_not_found",
     )
+
+
+def constraint_error(request_id: str, message: str, param: str) -> RequestError:
+    """The 400 of a constraint the grammar engine cannot compile (`message` is why)."""
+    return RequestError(request_id=request_id, message=message, param=param, code="invalid_value")
 
 
 def validate_request(

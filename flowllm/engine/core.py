@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.process
 import os
 import signal
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +36,10 @@ from flowllm.engine.core_protocol import (
     CONTROL_DECODER,
     HEARTBEAT_INTERVAL_S,
     SIBLING_METRICS_TIMEOUT_S,
+    CheckGrammar,
     CoreReady,
     FailRequest,
+    GrammarChecked,
     Heartbeat,
     Hello,
     MetricsQuery,
@@ -61,6 +64,8 @@ from flowllm.graph.wire import (
 )
 from flowllm.logging_config import configure_logging
 from flowllm.messages import Abort, RequestError
+from flowllm.sampling.grammar import GrammarError
+from flowllm.stages.guide import has_guide
 
 if TYPE_CHECKING:  # the supervisor imports this module, and needs no torch
     from flowllm.graph.spec import GraphSpec
@@ -253,6 +258,9 @@ class Core:
                 replies.append(message.text)
                 if len(replies) == expected:
                     all_in.set()
+        elif isinstance(message, CheckGrammar):
+            if self._tasks is not None:
+                self._tasks.start_soon(self._check_grammar, peer, message)
         elif isinstance(message, WantSpans):
             if message.want:
                 self._span_wanted.add(peer.index)
@@ -279,6 +287,31 @@ class Core:
             self._fronts_asked.pop(sibling_query, None)
         text = generate_latest(self.services.registry)
         asker.send_control(MetricsReply(query=query, text=text, fronts=tuple(replies)))
+
+    def _load_grammar_engine(self) -> None:
+        """Load the tokenizer and the grammar engine in a thread once serving, so that the
+        first constrained request (its fronts' validate asks the core) does not wait for
+        their imports; the core is ready without them."""
+
+        def load() -> None:
+            try:
+                self.services.grammars()
+            except Exception:  # the first constraint to compile meets it again, and says so
+                self.log.exception("the grammar engine did not load")
+
+        threading.Thread(target=load, name="flowllm-grammars", daemon=True).start()
+
+    async def _check_grammar(self, front: Peer, message: CheckGrammar) -> None:
+        """Compile a front's constraint (a thread; its grammar cache is the guide's)."""
+        grammars = self.services.grammars
+        try:
+            await anyio.to_thread.run_sync(lambda: grammars().compile(message.spec))
+        except GrammarError as exc:
+            reply = GrammarChecked(query=message.query, message=exc.message, param=exc.param)
+        else:
+            reply = GrammarChecked(query=message.query)
+        if front.attached:
+            front.send_control(reply)
 
     def _send_spans(self, spans: Spans) -> None:
         for front in self._span_wanted:
@@ -324,6 +357,8 @@ class Core:
                 small_step_threads=self.services.small_step_threads,
             )
             task_status.started(address)
+            if has_guide(self.graph.spec):
+                self._load_grammar_engine()
             with anyio.CancelScope() as waiting:
                 tg.start_soon(self._end_with_graph, waiting)
                 await self._stop.wait()

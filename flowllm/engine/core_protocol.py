@@ -7,7 +7,10 @@ with what the front's stages need to know of the model (`CoreReady`), then sends
 fronts the core first asks the others for theirs (the same query, the other way) and
 sends them along, so that whichever front a scrape reaches counts every front's requests.
 A request the core fails outside a channel (a step-loop stage without an `errors` port)
-travels as `FailRequest`. All are control frames (flowllm/graph/wire.py).
+travels as `FailRequest`. A front's validate stage has the core compile a request's
+constraint (`CheckGrammar`, answered by `GrammarChecked`): the core holds the grammar
+engine, whose import (torch) a front never pays, and keeps what it compiled for its guide
+stage. All are control frames (flowllm/graph/wire.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import msgspec
 
 from flowllm.engine.span_relay import Spans, WantSpans
-from flowllm.messages import RequestError
+from flowllm.messages import RequestError, StructuredOutputs
 from flowllm.models.pooler_config import PoolerConfig
 
 HEARTBEAT_INTERVAL_S = 0.1
@@ -24,6 +27,9 @@ SIBLING_METRICS_TIMEOUT_S = 0.5  # a front this slow to answer the core: left ou
 # A front whose core has not beaten for this long answers /health with 503: a core
 # stuck (its event loop or a step) is as unavailable as a dead one.
 HEARTBEAT_STALE_S = 1.0
+# A constraint the core has not compiled in this long gets a 503: under the validate
+# stage's watchdog (10 s in the default graph), which would otherwise restart the stage.
+GRAMMAR_CHECK_TIMEOUT_S = 8.0
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True):
@@ -69,6 +75,17 @@ class FailRequest(msgspec.Struct, frozen=True, tag=True):
     error: RequestError
 
 
+class CheckGrammar(msgspec.Struct, frozen=True, tag=True):
+    query: int
+    spec: StructuredOutputs
+
+
+class GrammarChecked(msgspec.Struct, frozen=True, tag=True):
+    query: int
+    message: str | None = None  # why the constraint does not compile; None: it does
+    param: str = ""  # the request field it came from
+
+
 Control = (
     Hello
     | CoreReady
@@ -77,6 +94,8 @@ Control = (
     | MetricsQuery
     | MetricsReply
     | FailRequest
+    | CheckGrammar
+    | GrammarChecked
     | Spans
     | WantSpans
 )

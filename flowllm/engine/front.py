@@ -34,10 +34,13 @@ from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.core import placement_of
 from flowllm.engine.core_protocol import (
     CONTROL_DECODER,
+    GRAMMAR_CHECK_TIMEOUT_S,
     HEARTBEAT_STALE_S,
     METRICS_TIMEOUT_S,
+    CheckGrammar,
     CoreReady,
     FailRequest,
+    GrammarChecked,
     Heartbeat,
     Hello,
     MetricsQuery,
@@ -53,9 +56,10 @@ from flowllm.graph.spans import SpanSink
 from flowllm.graph.transport import connect
 from flowllm.graph.validator import ValidGraph
 from flowllm.graph.wire import channel_codecs, wiring_digest
-from flowllm.messages import ChoiceEvents, RequestError, request_ids_of
+from flowllm.messages import ChoiceEvents, RequestError, StructuredOutputs, request_ids_of
 from flowllm.metrics import MergedMetrics
 from flowllm.stages.services import EngineServices, already_loaded
+from flowllm.validation import constraint_error
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -107,6 +111,8 @@ class CoreLink:
         self.core_metrics: bytes = b""  # the latest the core sent
         self.sibling_metrics: tuple[bytes, ...] = ()  # the other fronts', sent with it
         self._metrics_asked: dict[int, anyio.Event] = {}
+        # constraints sent to the core to compile: query -> its answer, once it comes
+        self._grammars_asked: dict[int, tuple[anyio.Event, list[GrammarChecked]]] = {}
         self._queries = itertools.count()
         self.ownership = Ownership()  # the sequences the core runs for this front
         self.services: EngineServices | None = None
@@ -140,6 +146,25 @@ class CoreLink:
                 await answered.wait()
             self._metrics_asked.pop(query, None)
         return self.core_metrics.decode()
+
+    async def check_constraint(
+        self, request_id: str, spec: StructuredOutputs
+    ) -> RequestError | None:
+        """validate's check of a request's constraint, compiled by the core; the error
+        of a constraint that does not compile, or the 503 of a core gone or too slow."""
+        if not self.peer.attached:
+            return self._lost(request_id)
+        query = next(self._queries)
+        answered, answer = self._grammars_asked[query] = (anyio.Event(), [])
+        self.peer.send_control(CheckGrammar(query=query, spec=spec))
+        with anyio.move_on_after(GRAMMAR_CHECK_TIMEOUT_S):
+            await answered.wait()
+        self._grammars_asked.pop(query, None)
+        if not answer:
+            return self._lost(request_id)
+        if answer[0].message is None:
+            return None
+        return constraint_error(request_id, answer[0].message, answer[0].param)
 
     def elsewhere_metrics(self) -> list[str]:
         """The latest metrics of the core and of the other fronts, as Prometheus text."""
@@ -187,6 +212,11 @@ class CoreLink:
                     self.graph.relay_span(
                         span.stage, decode_span(span), span.started, span.duration, span.queue_wait
                     )
+        elif isinstance(message, GrammarChecked):
+            asked = self._grammars_asked.pop(message.query, None)
+            if asked is not None:
+                asked[1].append(message)
+                asked[0].set()
         elif isinstance(message, FailRequest):
             if self.services is not None:
                 self.services.mailboxes.fail(message.error)
@@ -238,6 +268,9 @@ class CoreLink:
             self.services.mailboxes.fail_all(self._lost)
         ended = tuple(self.ownership.live_seqs_of(0))
         self.ownership = Ownership()
+        for answered, _ in self._grammars_asked.values():  # unanswered: the core is gone
+            answered.set()
+        self._grammars_asked.clear()
         if ended:
             for name in self._choice_channels:
                 self.peer.inject(name, ChoiceEvents(step_id=-1, ended=ended))
@@ -312,6 +345,7 @@ class FrontEngine(AsyncEngine):
                 eos_token_ids=link.ready.eos_token_ids,
                 device=None,
                 pooler=link.ready.pooler,
+                check_constraint=link.check_constraint,
             )
             link.services = services
             tg.start_soon(link.peer.pump_overflow)

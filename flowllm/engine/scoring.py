@@ -31,9 +31,7 @@ class PairError(ValueError):
         self.param = param
 
 
-def pair_texts(
-    text_1: str | Sequence[str], text_2: str | Sequence[str]
-) -> list[tuple[str, str]]:
+def pair_texts(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
     """vLLM's pairing: 1 to 1, 1 to N, or N to N index by index."""
     firsts = [text_1] if isinstance(text_1, str) else list(text_1)
     seconds = [text_2] if isinstance(text_2, str) else list(text_2)

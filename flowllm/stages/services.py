@@ -8,7 +8,8 @@ cache tensors to execute; the rest is read-only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from flowllm.config import EngineConfig
 from flowllm.mailbox import Mailboxes
+from flowllm.messages import RequestError, StructuredOutputs
 from flowllm.metrics import EngineMetrics
 from flowllm.models.pooler_config import PoolerConfig
 from flowllm.sampling.grammar import Grammars
@@ -57,10 +59,17 @@ class EngineServices:
     # A model served for pooling (--task embed or score): how its vectors are made and
     # what requests may ask of them; None: a model served for generation.
     pooler: PoolerConfig | None = None
+    # Where validate has a request's constraint compiled, (request id, constraint) -> its
+    # error or None; None: here, with `grammars()`. A front asks its engine core.
+    check_constraint: Callable[[str, StructuredOutputs], Awaitable[RequestError | None]] | None = (
+        None
+    )
     metrics: EngineMetrics = field(init=False)
     # Read-only data derived from the model or tokenizer, built on first use: one dict
-    # shared by every `fresh` copy, so whichever copy builds an entry, all reuse it.
+    # shared by every `fresh` copy, so whichever copy builds an entry, all reuse it; one
+    # build at a time (stages build from their threads).
     _derived: dict[str, Any] = field(default_factory=dict, repr=False)
+    _derived_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     # The stages' worker threads by name, shared by every `fresh` copy likewise.
     _workers: dict[str, WorkerThread] = field(default_factory=dict, repr=False)
 
@@ -82,26 +91,22 @@ class EngineServices:
     def byte_vocab(self) -> ByteVocab | None:
         """The tokenizer's byte table for fast decoding (None: not a byte-level tokenizer).
         ~0.1 s to build for a 50k vocabulary, so built once for all runs."""
-        if "byte_vocab" not in self._derived:
-            self._derived["byte_vocab"] = ByteVocab.of(self.tokenizer)
-        vocab: ByteVocab | None = self._derived["byte_vocab"]
+        vocab: ByteVocab | None = self.shared("byte_vocab", lambda: ByteVocab.of(self.tokenizer))
         return vocab
 
     def grammars(self) -> Grammars:
         """The grammar compiler and cache for this tokenizer (~0.15 s to build the
-        tokenizer's tables, so built on the first constrained request)."""
-        grammars = self._derived.get("grammars")
-        if grammars is None:
-            grammars = self._derived["grammars"] = Grammars(
-                self.tokenizer, self.logits_size, self.eos_token_ids
-            )
-        return grammars
+        tokenizer's tables, so built on first use)."""
+        return self.shared(
+            "grammars", lambda: Grammars(self.tokenizer, self.logits_size, self.eos_token_ids)
+        )
 
     def shared(self, name: str, build: Callable[[], T]) -> T:
         """The entry `name` that every `fresh` copy shares, built by `build` on first use."""
-        if name not in self._derived:
-            self._derived[name] = build()
-        entry: T = self._derived[name]
+        with self._derived_lock:
+            if name not in self._derived:
+                self._derived[name] = build()
+            entry: T = self._derived[name]
         return entry
 
     @property
@@ -146,6 +151,7 @@ class EngineServices:
             small_step_threads=self.small_step_threads,
             pooler=self.pooler,
             _derived=self._derived,
+            _derived_lock=self._derived_lock,
             _workers=self._workers,
         )
 

@@ -1,8 +1,9 @@
 """validate: reject bad parameters before any work is spent on them.
 
-A structured output constraint is compiled here (in a thread, into the grammar cache the
-guide stage reads), so an invalid schema, regex or grammar is a 400 naming its field;
-without a guide stage in the graph, constrained requests are refused.
+A structured output constraint is compiled before the request goes on (in a thread, into
+the grammar cache the guide stage reads; in a front process, by the engine core, which
+holds the grammar engine and the guide), so an invalid schema, regex or grammar is a 400
+naming its field; without a guide stage in the graph, constrained requests are refused.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import Abort, GenerateRequest, RequestError, StructuredOutputs, ValidRequest
 from flowllm.sampling.grammar import GrammarError
 from flowllm.stages.services import EngineServices
-from flowllm.validation import validate_request
+from flowllm.validation import constraint_error, validate_request
 
 
 class Validate(PerMessageStage):
@@ -51,11 +52,13 @@ class Validate(PerMessageStage):
                 param=spec.param,
                 code="unsupported_parameter",
             )
+        check = self._services.check_constraint or self._compile_here
+        return await check(request_id, spec)
+
+    async def _compile_here(self, request_id: str, spec: StructuredOutputs) -> RequestError | None:
         grammars = self._services.grammars
         try:
             await anyio.to_thread.run_sync(lambda: grammars().compile(spec))
         except GrammarError as exc:
-            return RequestError(
-                request_id=request_id, message=exc.message, param=exc.param, code="invalid_value"
-            )
+            return constraint_error(request_id, exc.message, exc.param)
         return None

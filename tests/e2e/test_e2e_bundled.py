@@ -58,8 +58,8 @@ def test_readme_chat_knows_berlin(bundled_server: ServerProcess) -> None:
 
 def test_the_front_serves_without_torch(bundled_server: ServerProcess) -> None:
     """A front tokenizes, detokenizes and speaks HTTP, and never loads torch (the largest
-    import of a start): the engine core alone does. A constrained request would (the
-    grammar engine imports it), so none is sent here."""
+    import of a start): the engine core alone does, and compiles the constraints the
+    front's validate stage checks (its grammar engine imports torch)."""
     client = bundled_server.client()
     for stream in (False, True):
         client.chat.completions.create(
@@ -70,6 +70,13 @@ def test_the_front_serves_without_torch(bundled_server: ServerProcess) -> None:
             top_logprobs=2,
             stream=stream,
         )
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+    answer = _post(bundled_server, "/v1/completions", {"prompt": "Yes or no?", **choice})
+    assert answer["choices"][0]["text"] in ("yes", "no")
+    bad = {"prompt": "Hi", "structured_outputs": {"regex": "("}}
+    refused = httpx.post(f"{bundled_server.url}/v1/completions", json=bad, timeout=60)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "structured_outputs"
 
     def loads_torch(pid: int) -> bool:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
