@@ -1,5 +1,5 @@
 """How `flowllm serve` starts its processes: the supervisor reads the graph's file and
-starts the engine core and the fronts without importing torch (they import it, at once);
+starts the engine core and the fronts without importing torch (the core imports it);
 a graph whose stages do not validate is still one error and exit 1, said by the
 supervisor once its processes have found it out, with nothing restarted; the step loop's
 restart intensity read from the file is the validated graph's."""
@@ -45,6 +45,16 @@ def serve(*args: str, script: str | None = None) -> subprocess.CompletedProcess[
         env=env,
         cwd=REPO,
     )
+
+
+def test_version_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    from flowllm.cli import main
+    from flowllm.version import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"flowllm {__version__}\n"
 
 
 def test_the_supervisor_starts_the_processes_without_importing_torch(

@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from flowllm.version import __version__
+
 
 def _serve(args: argparse.Namespace) -> int:
     from flowllm.cli.serve import serve_command
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flowllm",
         description="An OpenAI-compatible LLM server built as a dataflow graph of stages.",
     )
+    parser.add_argument("--version", action="version", version=f"flowllm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from flowllm.cli.serve import add_generate_arguments, add_serve_arguments
