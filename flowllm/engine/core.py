@@ -21,7 +21,6 @@ import multiprocessing
 import multiprocessing.process
 import os
 import signal
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +64,6 @@ from flowllm.graph.wire import (
 from flowllm.logging_config import configure_logging
 from flowllm.messages import Abort, RequestError
 from flowllm.sampling.grammar import GrammarError
-from flowllm.stages.guide import has_guide
 
 if TYPE_CHECKING:  # the supervisor imports this module, and needs no torch
     from flowllm.graph.spec import GraphSpec
@@ -141,7 +139,7 @@ def run_core(spec: CoreSpec) -> None:
     from flowllm.engine.loading import build_services
 
     graph = load_graph_or_exit(spec.graph_file)
-    services = build_services(spec.config, tokenizer_on_first_use=True)
+    services = build_services(spec.config, wait_for_tokenizer=False)
     services.small_step_threads = small_step_threads(
         torch.get_num_threads(), spec.fronts, os.cpu_count()
     )
@@ -288,19 +286,6 @@ class Core:
         text = generate_latest(self.services.registry)
         asker.send_control(MetricsReply(query=query, text=text, fronts=tuple(replies)))
 
-    def _load_grammar_engine(self) -> None:
-        """Load the tokenizer and the grammar engine in a thread once serving, so that the
-        first constrained request (its fronts' validate asks the core) does not wait for
-        their imports; the core is ready without them."""
-
-        def load() -> None:
-            try:
-                self.services.grammars()
-            except Exception:  # the first constraint to compile meets it again, and says so
-                self.log.exception("the grammar engine did not load")
-
-        threading.Thread(target=load, name="flowllm-grammars", daemon=True).start()
-
     async def _check_grammar(self, front: Peer, message: CheckGrammar) -> None:
         """Compile a front's constraint (a thread; its grammar cache is the guide's)."""
         grammars = self.services.grammars
@@ -357,8 +342,6 @@ class Core:
                 small_step_threads=self.services.small_step_threads,
             )
             task_status.started(address)
-            if has_guide(self.graph.spec):
-                self._load_grammar_engine()
             with anyio.CancelScope() as waiting:
                 tg.start_soon(self._end_with_graph, waiting)
                 await self._stop.wait()

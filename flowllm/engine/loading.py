@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 import structlog
@@ -21,12 +22,14 @@ from flowllm.models.loader import LoadedModel, load_model
 from flowllm.models.pooler_config import PoolerConfig
 from flowllm.models.tokenizer import load_tokenizer, tokenizer_source
 from flowllm.stages.execute import model_runner
-from flowllm.stages.services import EngineServices, already_loaded
+from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from flowllm.models.bert import BertModel
+
+T = TypeVar("T")
 
 
 def eos_token_ids(
@@ -69,29 +72,18 @@ def report_native_kernels(loaded: LoadedModel) -> None:
     )
 
 
-def build_services(config: EngineConfig, *, tokenizer_on_first_use: bool = False) -> EngineServices:
+def build_services(config: EngineConfig, *, wait_for_tokenizer: bool = True) -> EngineServices:
     """Load the model and tokenizer and allocate the KV cache for `config`.
 
     The tokenizer loads in a thread while the weights load: most of its time is importing
     transformers, which overlaps with reading and packing weights (native code that
-    releases the GIL). `tokenizer_on_first_use`: load it only when a stage first needs
-    it (the engine core, whose stages need it only for grammars, then serves without
-    importing transformers)."""
-    tokenizer_args = tokenizer_source(config)
-    tokenizer_loader: Callable[[], PreTrainedTokenizerBase]
-    if tokenizer_on_first_use:
-        loaded = _load_model(config)
-        tokenizer_loader = functools.cache(functools.partial(load_tokenizer, *tokenizer_args))
-    else:
-        with ThreadPoolExecutor(1, thread_name_prefix="flowllm-tokenizer") as pool:
-            tokenizer_loading = pool.submit(load_tokenizer, *tokenizer_args)
-            try:
-                loaded = _load_model(config)
-            except BaseException:
-                tokenizer_loading.cancel()
-                raise
-            tokenizer = tokenizer_loading.result()
-        tokenizer_loader = already_loaded(tokenizer)
+    releases the GIL). `wait_for_tokenizer` False: return without waiting for it (the
+    engine core, whose stages need it only for grammars, then serves sooner); its first
+    use waits."""
+    tokenizer_loader = _in_background(functools.partial(load_tokenizer, *tokenizer_source(config)))
+    loaded = _load_model(config)
+    if wait_for_tokenizer:
+        tokenizer_loader()
     report_native_kernels(loaded)
     services = services_for_model(
         config,
@@ -104,6 +96,20 @@ def build_services(config: EngineConfig, *, tokenizer_on_first_use: bool = False
     if loaded.device.type == "cuda":  # kernels compiled, graphs captured: before serving
         model_runner(services)
     return services
+
+
+def _in_background(load: Callable[[], T]) -> Callable[[], T]:
+    """Start `load` in a thread; its result (or its exception), waited for, when called."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(load())
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="flowllm-tokenizer", daemon=True).start()
+    return future.result
 
 
 def _load_model(config: EngineConfig) -> LoadedModel:

@@ -4,8 +4,7 @@ replacing the model's; clear errors for missing files."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -72,21 +71,27 @@ def test_broken_tokenizer_json(gpt2_tiny_dir: Path, tmp_path: Path) -> None:
     assert "\n" not in str(e.value) and str(d) in str(e.value)
 
 
-def test_the_engine_core_loads_its_tokenizer_on_first_use(gpt2_tiny_dir: Path) -> None:
-    """The core's stages need the tokenizer only for grammars: it serves without loading
-    it (nor importing transformers), and loads it once, for every run, when asked."""
-    script = f"""
-import sys
-from flowllm.config import engine_config
-from flowllm.engine.loading import build_services
+def test_the_engine_core_does_not_wait_for_its_tokenizer(
+    gpt2_tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The core's stages need the tokenizer only for grammars: its services are built
+    while the tokenizer still loads, and its first use waits for it, once for every run."""
+    from flowllm.config import engine_config
+    from flowllm.engine import loading
 
-config = engine_config({str(gpt2_tiny_dir)!r}, dtype="float32", kv_cache_memory=1 << 20)
-services = build_services(config, tokenizer_on_first_use=True)
-assert "transformers" not in sys.modules, "loaded with the weights"
-assert services.eos_token_ids == (50256,)
-tokenizer = services.tokenizer
-assert tokenizer("Hello")["input_ids"] == [15496]
-assert services.fresh().tokenizer is tokenizer
-"""
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr.decode()
+    may_finish = threading.Event()
+    loads = []
+
+    def slow_load(*args: object) -> PreTrainedTokenizerFast:
+        assert may_finish.wait(60)
+        loads.append(args)
+        return load_tokenizer(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loading, "load_tokenizer", slow_load)
+    config = engine_config(str(gpt2_tiny_dir), dtype="float32", kv_cache_memory=1 << 20)
+    services = loading.build_services(config, wait_for_tokenizer=False)
+    assert not loads and services.eos_token_ids == (50256,)
+    may_finish.set()
+    tokenizer = services.tokenizer
+    assert tokenizer("Hello")["input_ids"] == [15496]
+    assert services.fresh().tokenizer is tokenizer and len(loads) == 1
