@@ -3,8 +3,9 @@
 Every sequence contributes the tokens it computes this step (a prefill chunk or one
 decode token); token k of a sequence sits at position `num_computed_tokens + k`, and its
 K/V go to slot `block_table[pos // block_size] * block_size + pos % block_size`.
-Logits come back for the last row of each sequence that samples, and for every row of the
-sequences whose prompt logprobs were asked. A placeholder row (a token sampled by a step
+Logits come back for the last row of each sequence that samples (its last
+`num_draft_tokens + 1` rows when it verifies drafts), and for every row of the sequences
+whose prompt logprobs were asked. A placeholder row (a token sampled by a step
 still in flight when the batch was built) reads its id from that step's sampled ids, which
 stay on the device.
 """
@@ -112,6 +113,7 @@ SMALL_STEP_ROWS = 8
 
 _num_computed_tokens = attrgetter("num_computed_tokens")
 _samples = attrgetter("sample")
+_num_draft_tokens = attrgetter("num_draft_tokens")
 
 
 class StepInputError(ModelError):
@@ -186,6 +188,13 @@ class StepInputs:
                     self.prompt_rows[s.seq_id] = (start, len(rows))
         samples = np.fromiter(map(_samples, seqs), dtype=bool, count=n_seqs)
         sample_rows = qsl[1:][samples] - 1  # each sampling sequence's last row
+        drafts = np.fromiter(map(_num_draft_tokens, seqs), dtype=np.int64, count=n_seqs)[samples]
+        if drafts.any():  # a verifying sequence samples its last num_draft_tokens + 1 rows
+            counts = drafts + 1
+            firsts = np.cumsum(counts) - counts
+            sample_rows = np.repeat(sample_rows - drafts - firsts, counts) + np.arange(
+                int(counts.sum())
+            )
         self.sample_at = list(range(len(rows), len(rows) + len(sample_rows)))
         self.logits_indices = np.concatenate(
             [np.asarray(rows, dtype=np.int64), sample_rows.astype(np.int64)]
