@@ -454,16 +454,10 @@ class Scheduler:
             if seq.draft_token_ids:
                 drafts, seq.draft_token_ids = seq.draft_token_ids, ()
                 if speculate and num_new == 1 and not pending and seq.runs_ahead:
-                    # its last token and d drafts: no position at max_model_len, no output
-                    # past its limit
-                    d = int(
-                        min(
-                            len(drafts),
-                            room - 1,
-                            max_model_len - num_tokens,
-                            seq.output_limit - (num_tokens - seq.num_prompt_tokens) - 1,
-                        )
-                    )
+                    # its last token and d drafts, whose d + 1 outputs stay within its
+                    # length limit (and so every position below max_model_len)
+                    limit = seq.output_limit - (num_tokens - seq.num_prompt_tokens) - 1
+                    d = int(min(len(drafts), room - 1, limit))
                     if d > 0:
                         seq.draft_token_ids = drafts[:d]
                         num_new += d
