@@ -23,12 +23,11 @@ Per step, for a batch of rows (one per sequence), in this order (vLLM's):
 Verifying drafts (speculative decoding, `verify`), a sequence's rows are sampled position
 by position, each position by the steps above with the sequence's state as if its earlier
 positions' tokens had been generated one by one (penalties, min_tokens, the stop rule,
-logprobs), so every accepted token is the one sampling would have given. A greedy row
-accepts its draft when the draft is the argmax. A random row uses its one uniform u of the
-position for the rejection sampling of a point-mass proposal: it keeps the draft x when
-u < p(x), else draws from p without x, renormalised, with (u - p(x)) / (1 - p(x)) (uniform
-again given the rejection), so each token has exactly the target's probability and a
-seeded sequence's draws follow its stream in a fixed order.
+logprobs), and its drafts are kept while each equals the token its position draws. That
+is the rejection sampling of a point-mass proposal: a draft x is kept with probability
+p(x), and when not, the token drawn follows p without x, renormalised. Coupled to the
+sampler's own draw (one uniform of the sequence's stream per position, as without drafts),
+it gives the very tokens sampling without drafts gives, seeded or greedy.
 
 Every step is skipped when no row of the batch uses it, so an all-greedy or all-plain batch
 costs little more than one pass (argmax) or a softmax plus one summing pass. The logits
@@ -58,7 +57,7 @@ import torch
 from flowllm.kernels.argmax import argmax_rows
 from flowllm.messages import SampledToken, SeqStart, TokenLogprobs
 from flowllm.sampling.grammar import apply_bitmask
-from flowllm.sampling.inverse_cdf import block_sums, inverse_cdf
+from flowllm.sampling.inverse_cdf import inverse_cdf
 from flowllm.sampling.logits_processors import apply_processors, needs_processing
 from flowllm.sampling.logprobs import logprob_columns, logprob_entries, prompt_logprobs
 from flowllm.sampling.seeded_uniforms import SeededUniforms
@@ -145,7 +144,6 @@ class Sampler:
         logits: torch.Tensor,
         num_output_tokens: Sequence[int],
         allowed: tuple[Sequence[int], torch.Tensor] | None = None,
-        drafts: Sequence[int] | None = None,
     ) -> tuple[list[SampledToken], torch.Tensor]:
         """Sample one token per row, record it, and say whether it ends its sequence; also
         the chosen ids as a [B] int64 tensor on the device, one per row.
@@ -159,8 +157,7 @@ class Sampler:
         costs one argmax and no copy. num_output_tokens[i]: outputs of seq_ids[i] before
         this token. allowed: (rows, bitmask), the grammar masks of constrained rows
         (flowllm.sampling.grammar): their other tokens get -inf before anything else, so
-        logprobs are those of the masked distribution. drafts[i]: the draft token that row i
-        verifies (a random row keeps it with its probability, module docstring), or -1.
+        logprobs are those of the masked distribution.
         """
         if logits.dim() != 2 or logits.shape[0] != len(seq_ids):
             raise SamplerError(
@@ -216,9 +213,8 @@ class Sampler:
                 g = to_device(greedy_rows, torch.int64, dev)
                 tokens[g] = argmax_rows(logits.index_select(0, g))
         if random_rows:
-            row_drafts = [drafts[i] for i in random_rows] if drafts is not None else None
             chosen = self._sample_random(
-                logits, random_rows, [states[i] for i in random_rows], editable, row_drafts
+                logits, random_rows, [states[i] for i in random_rows], editable
             )
             if len(random_rows) == batch:
                 tokens = chosen
@@ -279,9 +275,9 @@ class Sampler:
         num_output_tokens: Sequence[int],
         allowed: tuple[Sequence[int], torch.Tensor] | None = None,
     ) -> list[SampledToken]:
-        """Verify each sequence's drafts: its accepted drafts and one token more (the
-        target's at the first rejection, or after the last draft), each recorded and
-        stopped as `sample_with_ids` does, in sequence order.
+        """Verify each sequence's drafts (module docstring): its accepted drafts and one
+        token more (the one drawn at the first rejection, or after the last draft), each
+        recorded and stopped as `sample_with_ids` does, in sequence order.
 
         logits: [sum(len(drafts[i]) + 1), V], sequence i's `len(drafts[i]) + 1` rows in
         order (row j predicts the token after draft j - 1). A stop ends a sequence's run.
@@ -306,7 +302,6 @@ class Sampler:
                 at,
                 [num_output_tokens[i] + position for i in active],
                 allowed if position == 0 else None,
-                [drafts[i][position] if position < len(drafts[i]) else -1 for i in active],
             )
             got = {token.seq_id: token for token in tokens}
             still = []
@@ -390,17 +385,11 @@ class Sampler:
         return out
 
     def _sample_random(
-        self,
-        logits: torch.Tensor,
-        rows: list[int],
-        states: list[SeqSamplingState],
-        editable: bool,
-        drafts: list[int] | None = None,
+        self, logits: torch.Tensor, rows: list[int], states: list[SeqSamplingState], editable: bool
     ) -> torch.Tensor:
         """Temperature, min_p, top_k, top_p and the draw for the non-greedy rows: [R] int64.
 
-        `editable`: logits is the sampler's own scratch (else it is only read). `drafts`:
-        each row's draft token to verify, or -1."""
+        `editable`: logits is the sampler's own scratch (else it is only read)."""
         vocab = logits.shape[1]
         dev = logits.device
         n = len(rows)
@@ -449,25 +438,4 @@ class Sampler:
                 len(unseeded), generator=self._generator, device=dev
             )
             u[to_device(seeded, torch.int64, dev)] = self._uniforms.draw(seeded_slots)
-        if drafts is not None and max(drafts) >= 0:
-            return _verify_drafts(probs, u, drafts)
         return inverse_cdf(probs, u)
-
-
-def _verify_drafts(probs: torch.Tensor, u: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-    """The draw of rows that verify a draft x (-1: none) by rejection sampling of a point
-    mass: x when u < p(x), else a draw from p without x with (u - p(x)) / (1 - p(x)).
-    probs: [R, V] >= 0, not necessarily normalised; u: [R]. Returns [R] int64."""
-    dev = probs.device
-    chosen = inverse_cdf(probs, u)
-    rows = [i for i, x in enumerate(drafts) if x >= 0]
-    r = to_device(rows, torch.int64, dev)
-    x = to_device([drafts[i] for i in rows], torch.int64, dev).unsqueeze(1)  # [D, 1]
-    p = probs.index_select(0, r)  # [D, V]
-    mass = block_sums(p).cumsum(dim=-1)[:, -1]  # [D], as inverse_cdf sums it
-    px = (p.gather(1, x).squeeze(1) / mass).clamp_(max=1.0)  # [D]
-    ud = u.index_select(0, r)
-    p.scatter_(1, x, 0.0)
-    rest = ((ud - px) / (1.0 - px).clamp_(min=1e-12)).clamp_(0.0, 1.0 - 2**-24)
-    chosen[r] = torch.where(ud < px, x.squeeze(1), inverse_cdf(p, rest))
-    return chosen

@@ -2,7 +2,7 @@
 outputs equal the default graph's token for token, on prompts that repeat themselves (so
 drafts are accepted) and ones that do not, through penalties, stops, logprobs, n > 1 and
 min_tokens, chunked prefill, prefix-cache hits and preemption; seeded sampled requests
-reproduce; a large batch steps aside without changing a token."""
+give the default graph's tokens too; a large batch steps aside without changing a token."""
 
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ def test_greedy_outputs_equal_the_default_graphs_and_drafts_are_accepted(
 
 def test_sampling_parameters_hold_on_the_verified_positions(gpt2: tuple[LLM, LLM]) -> None:
     """Greedy requests with penalties, stop ids and strings, logprobs, min_tokens and
-    n > 1 give the default graph's tokens, logprobs and finishes; seeded sampled requests
-    give the same outputs on every run."""
+    n > 1 give the default graph's tokens, logprobs and finishes; so do seeded sampled
+    requests (each position draws the uniform it would draw without drafts)."""
     base, spec = gpt2
     rng = random.Random(4)
     prompts = prompts_that_repeat(rng, 24)
@@ -124,17 +124,19 @@ def test_sampling_parameters_hold_on_the_verified_positions(gpt2: tuple[LLM, LLM
                 logprobs=2 if kind in (0, 1) else None,
             )
         )
+        # a random tiny model's distributions are nearly flat: only a low temperature keeps
+        # drafts at times (the others reject theirs)
         seeded.append(
-            SamplingParams(temperature=0.9, seed=i, top_k=40 if kind == 2 else 0,
+            SamplingParams(temperature=0.9 if kind else 0.001, seed=i, top_k=40 if kind == 2 else 0,
                            n=2 if kind == 2 else 1, max_tokens=30, logprobs=1)
         )  # fmt: skip
     got = outputs(spec.generate(prompts, greedy))
     assert accepted(spec) > 0
     assert got == outputs(base.generate(prompts, greedy))
     assert {o[2] for r in got for o in r} == {"stop", "length"}
-    first = outputs(spec.generate(prompts, seeded))
+    got = outputs(spec.generate(prompts, seeded))
     assert accepted(spec) > 0
-    assert outputs(spec.generate(prompts, seeded)) == first
+    assert got == outputs(base.generate(prompts, seeded))
 
 
 def test_prefix_cache_hits_and_preemption_keep_greedy_outputs_exact(
