@@ -191,19 +191,19 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         )
 
 
-def speculative_config(value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
-    """A SpeculativeConfig from itself, a dict or JSON text (`--speculative-config`); a bad
-    value raises ConfigError naming it."""
+def speculative_config(
+    value: SpeculativeConfig | dict[str, Any] | str, name: str = "speculative_config"
+) -> SpeculativeConfig:
+    """A SpeculativeConfig from itself, a dict or JSON text; a bad value raises ConfigError
+    naming `name` (the setting, or the CLI flag) and what is wrong."""
     if isinstance(value, SpeculativeConfig):
         return value
     try:
         if isinstance(value, str):
             return msgspec.json.decode(value, type=SpeculativeConfig)
         return msgspec.convert(value, SpeculativeConfig)
-    except ConfigError:
-        raise
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise ConfigError(f"speculative_config: {e}") from None
+        raise ConfigError(f"{name}: {e}") from None
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -37,7 +37,7 @@ def test_the_flag_parses_as_vllms_and_picks_the_speculative_graph() -> None:
         ('{"method": "eagle"}', "speculative method must be one of ('ngram',), got 'eagle'"),
         ('{"num_speculative_tokens": 99}', "num_speculative_tokens must be in [1, 16], got 99"),
         ('{"prompt_lookup_max": 1}', "prompt_lookup_max (1) must be >= prompt_lookup_min (2)"),
-        ("ngram", "speculative_config: JSON is malformed"),
+        ("ngram", "JSON is malformed"),
     ],
 )
 def test_bad_values_are_one_error_before_the_model_loads(
@@ -50,5 +50,5 @@ def test_bad_values_are_one_error_before_the_model_loads(
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
-    assert f"error: {said}" in done.stderr, done.stderr
+    assert f"error: --speculative-config: {said}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr

@@ -17,6 +17,7 @@ from flowllm.config import (
     RequestLimits,
     SchedulerConfig,
     engine_config,
+    speculative_config,
 )
 
 # The flags' defaults are the configs' own (flowllm/config.py), written once there.
@@ -215,6 +216,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "seed": args.seed,
         **{name: getattr(args, name) for name in _LIMIT_HELP},
         "chat_template": args.chat_template,
-        "speculative_config": args.speculative_config,
+        "speculative_config": (
+            None
+            if args.speculative_config is None
+            else speculative_config(args.speculative_config, "--speculative-config")
+        ),
     }
     return engine_config(args.model, **settings)
