@@ -38,6 +38,9 @@ class Propose(Stage):
         self._k = config.num_speculative_tokens
         self._min_n = config.prompt_lookup_min
         self._max_n = config.prompt_lookup_max
+        # schedule runs no drafts in a step of more running sequences than this: none are
+        # proposed after a step that sampled more
+        self._up_to = config.disable_by_batch_size
         self._logs: dict[int, TokenLog | None] = {}  # seq id -> its tokens; None: no drafts
 
     def live_sequences(self) -> int:
@@ -78,6 +81,8 @@ class Propose(Stage):
             else:
                 going.pop(token.seq_id, None)
         drafts: dict[int, tuple[int, ...]] = {}
+        if self._up_to is not None and len(going) > self._up_to:
+            return step
         for seq_id, log in going.items():
             proposed = propose(log.ids, self._k, self._min_n, self._max_n)
             if proposed:

@@ -7,6 +7,7 @@ give the default graph's tokens too; a large batch steps aside without changing 
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from model_fixtures import build_tiny_dir
 
 from flowllm import LLM, SamplingParams
 from flowllm.llm import RequestOutput
+from flowllm.messages import StructuredOutputs
 
 VOCAB = 50257
 TINY_BLOCK_BYTES = 2 * 2 * 16 * 4 * 16 * 4  # K+V, 2 layers, 16 slots, 4 heads x 16, fp32
@@ -171,3 +173,23 @@ def test_a_large_batch_steps_aside_and_changes_no_token(
     assert outputs(always.generate(prompts, params)) == want
     # drafts only once the batch has shrunk to 4 sequences
     assert 0 < drafted(adaptive) < drafted(always)
+
+
+def test_constrained_requests_run_without_drafts_beside_speculating_ones(
+    gpt2: tuple[LLM, LLM],
+) -> None:
+    """A grammar's masks advance token by token, so its sequences take no drafts; the
+    others in the same steps still do, and every output is the default graph's."""
+    base, spec = gpt2
+    prompts = prompts_that_repeat(random.Random(6), 8)
+    code = StructuredOutputs(regex="[a-z]{3}-[0-9]{2}")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=not i % 2,
+                       structured_outputs=code if i % 2 else None)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    got = outputs(spec.generate(prompts, params))
+    assert accepted(spec) > 0
+    assert got == outputs(base.generate(prompts, params))
+    for i in range(1, len(prompts), 2):
+        assert re.fullmatch("[a-z]{3}-[0-9]{2}", str(got[i][0][1]))
