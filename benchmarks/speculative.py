@@ -12,6 +12,9 @@ alternated `--pairs` times (the machine is shared: compare within a pair, report
 - concurrency N (`--concurrency`): N prompts submitted at once; output tokens over the
   wall time of the call.
 
+Beside each, the process's CPU time per output token (all its threads): on a machine shared
+with other work, wall times move with the others' load, CPU time much less.
+
 Modes: `none` (the default graph), `ngram` (the speculative graph, drafts at any batch
 size: `disable_by_batch_size` null), `adaptive` (the speculative graph with its default
 `disable_by_batch_size`, at concurrency > 1 only). Acceptance: accepted / drafted tokens.
@@ -57,23 +60,28 @@ class Run:
     output_tokens: int
     tokens_per_s: float
     tpot_ms: float  # mean time per output token of a request (concurrency 1)
+    cpu_ms_per_token: float  # the process's CPU time (every thread) per output token
     drafted: float
     accepted: float
     load_average: float
 
 
 def passages(llm: LLM, count: int, length: int) -> list[str]:
-    """`count` passages of `length` tokens of English prose, distinct from one another."""
+    """`count` distinct passages of `length` tokens: consecutive windows of the standard
+    library's docstrings (each module's, then its members'), joined as prose."""
     tokenizer = llm.tokenizer
-    texts: list[str] = []
+    docs: list[str] = []
     for name in SOURCES:
-        doc = inspect.getdoc(importlib.import_module(name)) or ""
-        ids = tokenizer.encode(" ".join(doc.split()), add_special_tokens=False)
-        if len(ids) >= length:
-            texts.append(tokenizer.decode(ids[:length]))
-        if len(texts) == count:
-            return texts
-    raise SystemExit(f"only {len(texts)} docstrings of {length} tokens; ask fewer --prompts")
+        module = importlib.import_module(name)
+        members = [
+            module,
+            *(getattr(module, m) for m in sorted(vars(module)) if not m.startswith("_")),
+        ]
+        docs += [doc for m in members if (doc := inspect.getdoc(m)) and len(doc) > 200]
+    ids = tokenizer.encode(" ".join(" ".join(docs).split()), add_special_tokens=False)
+    if len(ids) < count * length:
+        raise SystemExit(f"the docstrings hold {len(ids) // length} passages; ask fewer")
+    return [tokenizer.decode(ids[i * length : (i + 1) * length]) for i in range(count)]
 
 
 def conversations(texts: list[str]) -> list[list[dict[str, str]]]:
@@ -94,7 +102,7 @@ def run(
 ) -> tuple[Run, list[list[int]]]:  # fmt: skip
     tokens: list[list[int]] = []
     drafted = accepted = tpot_sum = tpot_count = 0.0
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for at in range(0, len(chats), concurrency):
         outs = llm.chat(chats[at : at + concurrency], params)
         tokens += [out.outputs[0].token_ids for out in outs]
@@ -103,11 +111,13 @@ def run(
         tpot_sum += metric(llm, "flowllm:time_per_output_token_seconds_sum")
         tpot_count += metric(llm, "flowllm:time_per_output_token_seconds_count")
     seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu
     total = sum(map(len, tokens))
     return Run(
         mode=mode, concurrency=concurrency, pair=pair, seconds=round(seconds, 2),
         output_tokens=total, tokens_per_s=round(total / seconds, 1),
-        tpot_ms=round(1000 * tpot_sum / max(tpot_count, 1), 1), drafted=drafted,
+        tpot_ms=round(1000 * tpot_sum / max(tpot_count, 1), 1),
+        cpu_ms_per_token=round(1000 * cpu / total, 1), drafted=drafted,
         accepted=accepted, load_average=round(os.getloadavg()[0], 2),
     ), tokens  # fmt: skip
 
@@ -157,11 +167,13 @@ def main() -> None:
     print(
         f"\nadaptive: disable_by_batch_size={default_threshold}; greedy outputs equal in every mode"
     )
-    print("| concurrency | mode | pair | tok/s | ms per output token | accepted / drafted | load |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| concurrency | mode | pair | tok/s | ms per output token | CPU ms per token "
+          "| accepted / drafted | load |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in runs:
         rate = f"{r.accepted:.0f} / {r.drafted:.0f}" if r.drafted else "–"
-        print(f"| {r.concurrency} | {r.mode} | {r.pair} | {r.tokens_per_s} | {r.tpot_ms} | {rate} "
+        print(f"| {r.concurrency} | {r.mode} | {r.pair} | {r.tokens_per_s} | {r.tpot_ms} "
+              f"| {r.cpu_ms_per_token} | {rate} "
               f"| {r.load_average} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
