@@ -466,8 +466,7 @@ class Scheduler:
                 num_preemptions = self.num_preemptions
                 rec = self._allocate_or_preempt(seq, num_new)
                 preempted |= self.num_preemptions != num_preemptions
-                if rec is None:
-                    seq.draft_token_ids = ()
+                if rec is None:  # preempted itself (which drops its drafts)
                     continue
             rows.append((seq, num_new, rec))
             budget -= num_new

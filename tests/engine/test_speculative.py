@@ -140,6 +140,9 @@ def test_drafts_run_after_the_last_token_and_rejected_ones_roll_back() -> None:
     batch = sched.schedule()
     assert batch is not None
     assert (batch.seqs[0].token_ids, batch.seqs[0].num_computed_tokens) == ((10,), 7)
+    # the block the rejected drafts reached stays the sequence's, for its next tokens
+    assert batch.seqs[0].block_table == row.block_table
+    assert len(row.block_table) == 3
 
 
 def test_drafts_stay_within_the_budget_the_length_limit_and_max_model_len() -> None:
