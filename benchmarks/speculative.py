@@ -22,6 +22,7 @@ Greedy outputs are compared between modes (they must be equal).
 
     .venv/bin/python benchmarks/speculative.py
     .venv/bin/python benchmarks/speculative.py --pairs 1 --prompts 2 --max-tokens 64 --concurrency 8
+    .venv/bin/python benchmarks/speculative.py --prompts 0 --concurrency 16  # where to step aside
 """
 
 from __future__ import annotations
@@ -125,7 +126,9 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=BUNDLED_MODEL)
-    parser.add_argument("--prompts", type=int, default=4, help="prompts at concurrency 1")
+    parser.add_argument(
+        "--prompts", type=int, default=4, help="prompts at concurrency 1 (0: none, skip it)"
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--passage-tokens", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -154,6 +157,8 @@ def main() -> None:
             (1, ("none", "ngram"), chats[: args.prompts]),
             (args.concurrency, ("none", "ngram", "adaptive"), chats[: args.concurrency]),
         ):
+            if not prompts:  # --prompts 0: concurrency N only
+                continue
             outputs: dict[str, list[list[int]]] = {}
             order = modes if pair % 2 == 0 else modes[::-1]
             for mode in order:
