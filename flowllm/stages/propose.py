@@ -80,9 +80,9 @@ class Propose(Stage):
                 going[token.seq_id] = log
             else:
                 going.pop(token.seq_id, None)
-        drafts: dict[int, tuple[int, ...]] = {}
         if self._up_to is not None and len(going) > self._up_to:
             return step
+        drafts: dict[int, tuple[int, ...]] = {}
         for seq_id, log in going.items():
             proposed = propose(log.ids, self._k, self._min_n, self._max_n)
             if proposed:
