@@ -148,6 +148,64 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
 _ZERO_ALLOWED = ("max_logprobs", "max_stop_strings", "max_stop_token_ids", "max_logit_bias")
 
 
+# The speculative methods served (`SpeculativeConfig.method`), and the bound on drafts.
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding, vLLM's `--speculative-config`: `method` proposes up to
+    `num_speculative_tokens` drafts per sequence and step (ngram: prompt lookup over n-grams
+    of `prompt_lookup_min` to `prompt_lookup_max` tokens), which the model verifies exactly.
+    A step with more than `disable_by_batch_size` running sequences runs without drafts
+    (None: never steps aside)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = 8
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+        )
+        _require(
+            1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+            f"got {self.num_speculative_tokens}",
+        )
+        _require(
+            self.prompt_lookup_min >= 1,
+            f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}",
+        )
+        _require(
+            self.prompt_lookup_max >= self.prompt_lookup_min,
+            f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+            f"({self.prompt_lookup_min})",
+        )
+        _require(
+            self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+            f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}",
+        )
+
+
+def speculative_config(
+    value: SpeculativeConfig | dict[str, Any] | str, name: str = "speculative_config"
+) -> SpeculativeConfig:
+    """A SpeculativeConfig from itself, a dict or JSON text; a bad value raises ConfigError
+    naming `name` (the setting, or the CLI flag) and what is wrong."""
+    if isinstance(value, SpeculativeConfig):
+        return value
+    try:
+        if isinstance(value, str):
+            return msgspec.json.decode(value, type=SpeculativeConfig)
+        return msgspec.convert(value, SpeculativeConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the engine stages need, built once from CLI flags or LLM(...) arguments."""
 
@@ -155,6 +213,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
@@ -175,10 +234,14 @@ def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
             sections[section][key] = value
         elif key in EngineConfig.__struct_fields__ and key not in _SECTIONS:
             top[key] = value
+        elif key == "speculative_config":  # vLLM's name (LLM(speculative_config=...))
+            top["speculative"] = value
         else:
             raise TypeError(f"unknown engine setting {key!r}")
     if model is not None:
         sections["model"]["model"] = model
+    if top.get("speculative") is not None:
+        top["speculative"] = speculative_config(top["speculative"])
     return EngineConfig(
         model=ModelConfig(**sections["model"]),
         cache=CacheConfig(**sections["cache"]),

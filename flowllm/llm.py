@@ -149,7 +149,7 @@ class LLM:
             elif model is not None or settings:
                 raise TypeError("pass either config or model and settings, not both")
             config = _with_served_task(config)
-            graph = graph or graph_for_task(config.model.task)
+            graph = graph or graph_for_task(config.model.task, config.speculative is not None)
             self._core = CoreRun.start(config, graph)
             services = self._core.front_services()
         elif services is not None:
@@ -163,7 +163,7 @@ class LLM:
             services = build_services(config)
         self.config = services.config
         task = services.pooler.task if services.pooler is not None else "generate"
-        self.graph = graph or graph_for_task(task)
+        self.graph = graph or graph_for_task(task, self.config.speculative is not None)
         self.services = services
         self.trace_dir = trace_dir
         self.trace_channels = trace_channels

@@ -7,6 +7,7 @@ the same at batch 1 and batch 256.
     ingest ─GenerateRequest─▶ validate ─ValidRequest─▶ tokenize ─TokenizedRequest─▶ schedule
     schedule ─StepBatch─▶ execute ─StepLogits─▶ sample ─StepTokens─▶ schedule, detokenize
     schedule ─StepBatch─▶ guide ─StepMasks─▶ sample   (beside execute: constrained outputs)
+    sample ─StepTokens─▶ propose ─StepTokens─▶ schedule  (speculative: drafts added)
     schedule ─StepBatch─▶ execute ─StepHidden─▶ pool ─StepTokens─▶ schedule
                               (the pooling graph: pool ─TextDeltas─▶ deliver, vectors as chunks)
     schedule ─ChoiceEvents─▶ detokenize       (a choice starts, or ends unseen by detokenize)
@@ -242,6 +243,8 @@ class ScheduledSeq(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     Scheduled ahead of its last token (async scheduling), a sequence computes that token
     as one placeholder row: `token_ids == (PLACEHOLDER_TOKEN,)`, and `input_from` names the
     (step id, row among that step's sampling rows) whose sampled id execute reads instead.
+    Verifying drafts (speculative decoding), it computes its last token and then its
+    `num_draft_tokens` drafts, the last tokens of `token_ids`; each of those rows samples.
     """
 
     seq_id: int
@@ -251,6 +254,7 @@ class ScheduledSeq(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     sample: bool  # does this step end at the sequence's last token (so it samples)?
     num_output_tokens: int  # tokens generated so far, in flight included (min/max_tokens)
     input_from: tuple[int, int] | None = None
+    num_draft_tokens: int = 0  # drafts at the end of token_ids, verified this step
 
 
 class StepBatch(msgspec.Struct, kw_only=True):
@@ -266,10 +270,11 @@ class StepBatch(msgspec.Struct, kw_only=True):
 
 
 class StepLogits(msgspec.Struct, kw_only=True):
-    """The model's logits for the rows that sample, in the order of the sampling seqs."""
+    """The model's logits for the rows that sample, in the order of the sampling seqs: one
+    row each, or `num_draft_tokens + 1` consecutive rows for a sequence verifying drafts."""
 
     batch: StepBatch
-    logits: Any  # torch.Tensor [num_sampling_seqs, vocab_size], float32
+    logits: Any  # torch.Tensor [num_sampling_rows, vocab_size], float32
     prompt_logits: dict[int, Any] = {}  # seq_id -> [num_prompt_tokens_this_step, vocab]
 
 
@@ -320,11 +325,16 @@ class SampledToken(msgspec.Struct, frozen=True, gc=False, kw_only=True):
 
 
 class StepTokens(msgspec.Struct, kw_only=True):
-    """One step's sampled tokens; schedule appends them, detokenize turns them into text."""
+    """One step's sampled tokens; schedule appends them, detokenize turns them into text.
+
+    A sequence that verified drafts has one token per accepted draft and one more, in
+    order. `drafts` (added by propose): each sequence's draft tokens for its next step.
+    """
 
     step_id: int
     tokens: tuple[SampledToken, ...]
     prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
+    drafts: dict[int, tuple[int, ...]] = {}
 
 
 class ChoiceStart(msgspec.Struct, frozen=True, kw_only=True):

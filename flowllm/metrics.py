@@ -98,6 +98,9 @@ VLLM_NAMES = frozenset({
     "request_prompt_tokens",
     "request_generation_tokens",
     "iteration_tokens_total",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
 })  # fmt: skip
 
 
@@ -180,7 +183,35 @@ class EngineMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens computed in one model step.", _ITERATION_BUCKETS
         )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding)."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding)."
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a step's drafts (0 first).",
+            ["position"],
+            registry=registry,
+        )
+        self._accepted_at: list[Counter] = []  # the per-position children, by position
         self._last: SchedulerCounts = _NoCounts()
+
+    def observe_verified(self, verified: Iterable[tuple[int, int]]) -> None:
+        """Count one step's verified drafts: (drafts, accepted) of each sequence; a
+        sequence accepts a prefix of its drafts, so its first `accepted` positions count."""
+        at = self._accepted_at
+        num_drafts = num_accepted = 0
+        for drafts, accepted in verified:
+            num_drafts += drafts
+            num_accepted += accepted
+            while len(at) < accepted:
+                at.append(self.spec_decode_num_accepted_tokens_per_pos.labels(str(len(at))))
+            for position in range(accepted):
+                at[position].inc()
+        self.spec_decode_num_draft_tokens.inc(num_drafts)
+        self.spec_decode_num_accepted_tokens.inc(num_accepted)
 
     def observe_scheduler(self, stats: SchedulerCounts) -> None:
         """Set the gauges and advance the counters by what changed since the last call."""

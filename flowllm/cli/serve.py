@@ -266,7 +266,7 @@ def serve_command(args: argparse.Namespace) -> int:
         task = resolve_served_task(args)
         config = config_from_args(args)
         # a bad graph fails before the model
-        spec = GraphSpec.load(args.graph or graph_for_task(task))
+        spec = GraphSpec.load(args.graph or graph_for_task(task, config.speculative is not None))
         if spec.problems:
             spec.validate()  # raises, naming every problem (its stages' too)
         # A recording runs the graph in one process: a trace's entries and spans are
@@ -356,7 +356,8 @@ def serve_front(args: argparse.Namespace, listener: Any, index: int, core_addres
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
     structlog.contextvars.bind_contextvars(front=index)
     config = config_from_args(args)
-    graph = load_graph_or_exit(str(args.graph or graph_for_task(args.task)))
+    speculative = config.speculative is not None
+    graph = load_graph_or_exit(str(args.graph or graph_for_task(args.task, speculative)))
 
     def engine(recorder: Any, span_sinks: Any) -> Any:
         return FrontEngine.connect(

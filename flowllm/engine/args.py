@@ -17,6 +17,7 @@ from flowllm.config import (
     RequestLimits,
     SchedulerConfig,
     engine_config,
+    speculative_config,
 )
 
 # The flags' defaults are the configs' own (flowllm/config.py), written once there.
@@ -167,6 +168,13 @@ def add_engine_arguments(
     parser.add_argument("--chat-template", help="a Jinja chat template file")
     parser.add_argument("--graph", help="run this graph YAML instead of the default one")
     parser.add_argument(
+        "--speculative-config",
+        help="speculative decoding, as JSON (vLLM's): method ngram, num_speculative_tokens "
+        "(1 to 16), prompt_lookup_max, prompt_lookup_min, disable_by_batch_size (more running "
+        "sequences than this and a step runs without drafts; null: never); without --graph, "
+        "runs the speculative graph (flowllm/engine/speculative.yaml)",
+    )
+    parser.add_argument(
         "--trace-dir", help="record every channel's messages and the spans into this directory"
     )
     parser.add_argument(
@@ -208,5 +216,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "seed": args.seed,
         **{name: getattr(args, name) for name in _LIMIT_HELP},
         "chat_template": args.chat_template,
+        "speculative_config": (
+            None
+            if args.speculative_config is None
+            else speculative_config(args.speculative_config, "--speculative-config")
+        ),
     }
     return engine_config(args.model, **settings)

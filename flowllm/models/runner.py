@@ -4,7 +4,10 @@ Every sequence contributes the tokens it computes this step (a prefill chunk or 
 decode token); token k of a sequence sits at position `num_computed_tokens + k`, and its
 K/V go to slot `block_table[pos // block_size] * block_size + pos % block_size`.
 Logits come back for the last row of each sequence that samples, and for every row of the
-sequences whose prompt logprobs were asked. A placeholder row (a token sampled by a step
+sequences whose prompt logprobs were asked. A sequence verifying drafts runs as one row
+per token, each a decode over the keys up to its position (every row's K/V is stored
+before a layer attends), so its step has a decode step's shape and replays as one
+(`step_plans`), and each of its rows samples. A placeholder row (a token sampled by a step
 still in flight when the batch was built) reads its id from that step's sampled ids, which
 stay on the device.
 """
@@ -16,6 +19,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 import torch
 
@@ -192,6 +196,24 @@ class StepInputs:
         )
 
 
+def one_row_per_token(seqs: Sequence[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The step with each sequence that verifies drafts split into one sampling row per
+    token (its last token, then each draft), each at its own position."""
+    rows: list[ScheduledSeq] = []
+    for s in seqs:
+        if not s.num_draft_tokens:
+            rows.append(s)
+            continue
+        start = s.num_computed_tokens
+        rows.extend(
+            msgspec.structs.replace(
+                s, token_ids=(t,), num_computed_tokens=start + j, num_draft_tokens=0
+            )
+            for j, t in enumerate(s.token_ids)
+        )
+    return rows
+
+
 class ModelRunner:
     """Runs a model over one step's sequences against its paged KV cache."""
 
@@ -237,6 +259,8 @@ class ModelRunner:
     ) -> tuple[StepInputs, torch.Tensor, torch.Tensor, AttentionContext]:
         """The host inputs, token ids, positions and attention context of one step;
         `sampled`: step id -> its sampled ids, which the placeholder rows read."""
+        if any(s.num_draft_tokens for s in seqs):
+            seqs = one_row_per_token(seqs)
         inp = StepInputs(seqs, self.block_size, prompt_logits_for)
         ctx = AttentionContext(
             slot_mapping=self._tensor(inp.slot_mapping),

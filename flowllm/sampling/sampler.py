@@ -20,6 +20,15 @@ Per step, for a batch of rows (one per sequence), in this order (vLLM's):
    smallest set of top tokens whose mass reaches top_p (ties kept), and draw one token by
    inverse CDF with a uniform number per row.
 
+Verifying drafts (speculative decoding, `verify`), a sequence's rows are sampled position
+by position, each position by the steps above with the sequence's state as if its earlier
+positions' tokens had been generated one by one (penalties, min_tokens, the stop rule,
+logprobs), and its drafts are kept while each equals the token its position draws. That
+is the rejection sampling of a point-mass proposal: a draft x is kept with probability
+p(x), and when not, the token drawn follows p without x, renormalised. Coupled to the
+sampler's own draw (one uniform of the sequence's stream per position, as without drafts),
+it gives the very tokens sampling without drafts gives, seeded or greedy.
+
 Every step is skipped when no row of the batch uses it, so an all-greedy or all-plain batch
 costs little more than one pass (argmax) or a softmax plus one summing pass. The logits
 given are only read: steps 2-4 and the temperature work on copies in scratch buffers reused
@@ -41,6 +50,7 @@ of rows per feature, the stop rule, the result structs).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
@@ -259,6 +269,59 @@ class Sampler:
                     )
                 )
         return out, tokens
+
+    def verify(
+        self,
+        seq_ids: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        logits: torch.Tensor,
+        num_output_tokens: Sequence[int],
+        allowed: tuple[Sequence[int], torch.Tensor] | None = None,
+    ) -> list[SampledToken]:
+        """Verify each sequence's drafts (module docstring): its accepted drafts and one
+        token more (the one drawn at the first rejection, or after the last draft), each
+        recorded and stopped as `sample_with_ids` does, in sequence order.
+
+        logits: [sum(len(drafts[i]) + 1), V], sequence i's `len(drafts[i]) + 1` rows in
+        order (row j predicts the token after draft j - 1). A stop ends a sequence's run.
+        allowed: as in `sample_with_ids`, for rows of sequences without drafts.
+        """
+        counts = [len(d) + 1 for d in drafts]
+        if logits.dim() != 2 or logits.shape[0] != sum(counts):
+            raise SamplerError(
+                f"logits must be [{sum(counts)}, V] for these drafts, got {tuple(logits.shape)}"
+            )
+        firsts = list(accumulate(counts, initial=0))
+        runs: list[list[SampledToken]] = [[] for _ in seq_ids]
+        active = list(range(len(seq_ids)))
+        position = 0
+        while active:
+            rows = [firsts[i] + position for i in active]
+            at = logits
+            if len(rows) != logits.shape[0]:
+                at = logits.index_select(0, to_device(rows, torch.int64, logits.device))
+            tokens, _ = self.sample_with_ids(
+                [seq_ids[i] for i in active],
+                at,
+                [num_output_tokens[i] + position for i in active],
+                allowed if position == 0 else None,
+            )
+            got = {token.seq_id: token for token in tokens}
+            still = []
+            for i in active:
+                token = got.get(seq_ids[i])
+                if token is None:
+                    continue
+                runs[i].append(token)
+                if (
+                    position < len(drafts[i])
+                    and token.token_id == drafts[i][position]
+                    and token.finish_reason is None
+                ):
+                    still.append(i)
+            active = still
+            position += 1
+        return [token for run in runs for token in run]
 
     def prompt_logprobs(
         self, seq_id: int, num_computed_tokens: int, logits: torch.Tensor

@@ -76,7 +76,9 @@ class Ingress:
         args = self._args
         configure_logging(fmt=args.log_format, level=args.log_level, force=True)
         config = config_from_args(args)
-        graph = load_graph(args.graph or graph_for_task(args.task))
+        graph = load_graph(
+            args.graph or graph_for_task(args.task, args.speculative_config is not None)
+        )
         tokenizer = load_tokenizer(*tokenizer_source(config))
         replicas = self._replicas
 

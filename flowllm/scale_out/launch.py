@@ -201,7 +201,10 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         cors_config(args)
         auto_tool_parser(args)
         default_template_kwargs(args, config_from_args(args).limits)
-        graph = load_graph(args.graph or graph_for_task(resolve_served_task(args)))
+        graph = load_graph(
+            args.graph
+            or graph_for_task(resolve_served_task(args), args.speculative_config is not None)
+        )
         if not graph.placement:
             raise ScaleOutError(
                 "--distributed-executor-backend ray needs a graph placed in a front and a "

@@ -42,7 +42,9 @@ class EngineReplica:
 
         configure_logging(fmt=args.log_format, level=args.log_level, force=True)
         torch.set_num_threads(threads)
-        graph = load_graph(args.graph or graph_for_task(args.task))
+        graph = load_graph(
+            args.graph or graph_for_task(args.task, args.speculative_config is not None)
+        )
         config = config_from_args(args)
         services = await anyio.to_thread.run_sync(build_services, config)
         spec = CoreSpec(

@@ -26,6 +26,16 @@ runs). Its stop is then known one step late: a step may compute a row for a sequ
 previous token ended, which sample drops. Sequences under a grammar (whose masks need each
 token) and those whose in-flight tokens reach their length limit wait for their tokens.
 
+Speculative decoding (`speculative`, with one step in flight): `apply` keeps the drafts
+that propose attached to each sequence's tokens, and a decoding sequence computes its last
+token and then up to that many drafts, which sample verifies. The drafts cost their share
+of the budget (the sequence still leaves one token for every later running sequence) and
+never reach past its length limit or max_model_len. `apply` takes the accepted drafts and
+the one token after them, and rolls `num_computed_tokens` back over the rejected ones:
+their blocks stay the sequence's, rewritten by its next steps. Drafts are never hashed into
+the prefix cache (only tokens in `token_ids` are). A step with more than
+`disable_by_batch_size` running sequences schedules no drafts.
+
 `apply` appends each step's sampled tokens and finishes sequences whose `SampledToken`
 carries a finish reason: the stop rule (flowllm.stopping) is applied once, by the
 sample stage. The scheduler only guards its own invariant with the rule's length limit
@@ -43,7 +53,7 @@ from collections import deque
 
 import msgspec
 
-from flowllm.config import CacheConfig, ConfigError, SchedulerConfig
+from flowllm.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
 from flowllm.messages import (
     PLACEHOLDER_TOKEN,
     ChoiceEvents,
@@ -116,6 +126,7 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         async_scheduling: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -138,6 +149,15 @@ class Scheduler:
         self.max_num_seqs = min(scheduler_config.max_num_seqs, self.max_num_batched_tokens)
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.async_scheduling = async_scheduling
+        if speculative is not None and async_scheduling:
+            raise ConfigError("speculative decoding runs with one step in flight, not async")
+        self.speculative = speculative is not None
+        # A step with more running sequences than this schedules no drafts.
+        self.speculate_up_to = (
+            self.max_num_seqs
+            if speculative is None or speculative.disable_by_batch_size is None
+            else speculative.disable_by_batch_size
+        )
         self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_prefix_caching)
 
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences at the front
@@ -161,6 +181,9 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
         self.num_generated = 0  # tokens appended by `apply` (cumulative, this instance)
+        # (drafts verified, drafts accepted) of each sequence that verified drafts in the
+        # step the last `apply` took (for the metrics)
+        self.verified: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ input messages
     def add_request(self, request: TokenizedRequest) -> list[int]:
@@ -254,7 +277,9 @@ class Scheduler:
         sampled = self._inflight.pop(step_id, None)
         if not sampled:
             return []
-        got = {token.seq_id: token for token in step.tokens}
+        got = {token.seq_id: token for token in step.tokens}  # with drafts: each run's last
+        runs = _runs(step) if self.speculative else {}
+        self.verified = []
         finished: list[FinishedSeq] = []
         finished_waiting = False  # preempted while its token was in flight (overlap only)
         for seq in sampled:
@@ -272,6 +297,16 @@ class Scheduler:
                 seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
                 continue
             tokens = seq.token_ids
+            if seq.num_draft_tokens:
+                accepted = runs[seq.seq_id][:-1]
+                self.verified.append((seq.num_draft_tokens, len(accepted)))
+                seq.num_draft_tokens = 0
+                tokens.extend(accepted)
+                self.num_generated += len(accepted)
+                # the rejected drafts' K/V are wrong: compute from the first of them again
+                seq.num_computed_tokens = min(seq.num_computed_tokens, len(tokens))
+            if self.speculative:
+                seq.draft_token_ids = step.drafts.get(seq.seq_id, ())
             if seq.pooling is None:
                 tokens.append(token.token_id)
                 self.num_generated += 1
@@ -392,6 +427,7 @@ class Scheduler:
         blocks_of = self.kv.seq_blocks
         max_model_len = self.max_model_len
         ahead = self.async_scheduling
+        speculate = len(running) <= self.speculate_up_to
         preempted = False
         i = 0
         while i < len(running):
@@ -411,15 +447,26 @@ class Scheduler:
             if num_tokens > max_model_len:
                 num_tokens = max_model_len
             # Every later running sequence keeps one token of the budget.
-            num_new = min(num_tokens - seq.num_computed_tokens, budget - (len(running) - i))
+            room = budget - (len(running) - i)
+            num_new = min(num_tokens - seq.num_computed_tokens, room)
             if num_new <= 0:
                 continue
+            if seq.draft_token_ids:
+                drafts, seq.draft_token_ids = seq.draft_token_ids, ()
+                if speculate and num_new == 1 and not pending and seq.runs_ahead:
+                    # its last token and d drafts, whose d + 1 outputs stay within its
+                    # length limit (and so every position below max_model_len)
+                    limit = seq.output_limit - (num_tokens - seq.num_prompt_tokens) - 1
+                    d = int(min(len(drafts), room - 1, limit))
+                    if d > 0:
+                        seq.draft_token_ids = drafts[:d]
+                        num_new += d
             rec = blocks_of(seq.seq_id)
             if rec is None or seq.num_computed_tokens + num_new > rec.fast_limit:
                 num_preemptions = self.num_preemptions
                 rec = self._allocate_or_preempt(seq, num_new)
                 preempted |= self.num_preemptions != num_preemptions
-                if rec is None:
+                if rec is None:  # preempted itself (which drops its drafts)
                     continue
             rows.append((seq, num_new, rec))
             budget -= num_new
@@ -489,12 +536,16 @@ class Scheduler:
             num_tokens = len(tokens) + seq.num_pending
             start = seq.num_computed_tokens
             end = start + num_new
-            sample = end == num_tokens
+            drafts = seq.draft_token_ids
+            sample = end == num_tokens + len(drafts)
             input_from = None
-            if seq.num_pending:  # the token in flight, as a placeholder (one row)
+            if drafts:  # its last token, then the drafts to verify
+                token_ids: tuple[int, ...] = (tokens[-1], *drafts)
+                seq.draft_token_ids, seq.num_draft_tokens = (), len(drafts)
+            elif seq.num_pending:  # the token in flight, as a placeholder (one row)
                 input_from = seq.sampled_at
                 reads_sampled.add(input_from[0])
-                token_ids: tuple[int, ...] = (PLACEHOLDER_TOKEN,)
+                token_ids = (PLACEHOLDER_TOKEN,)
             elif num_new == 1 and sample:
                 token_ids = (tokens[-1],)
             else:
@@ -508,6 +559,7 @@ class Scheduler:
                     sample=sample,
                     num_output_tokens=num_tokens - seq.num_prompt_tokens,
                     input_from=input_from,
+                    num_draft_tokens=len(drafts),
                 )
             )
             seq.num_computed_tokens = end
@@ -543,6 +595,7 @@ class Scheduler:
         """Preemption by recompute: free every block; recompute all tokens on readmission
         (prefix-cache hits make that cheap). Not `started` again downstream."""
         self.kv.free(seq.seq_id)
+        seq.draft_token_ids = ()
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -573,3 +626,11 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         return seq.to_finished()
+
+
+def _runs(step: StepTokens) -> dict[int, list[int]]:
+    """Each sequence's token ids in a step, in order (several for one that verified drafts)."""
+    runs: dict[int, list[int]] = {}
+    for token in step.tokens:
+        runs.setdefault(token.seq_id, []).append(token.token_id)
+    return runs

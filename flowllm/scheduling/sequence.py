@@ -69,10 +69,12 @@ class Sequence:
     __slots__ = (
         "arrival_time",
         "cache_salt",
+        "draft_token_ids",
         "eos_token_ids",
         "index",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_draft_tokens",
         "num_dropped",
         "num_pending",
         "num_prompt_tokens",
@@ -141,8 +143,13 @@ class Sequence:
         self.sampled_at = (-1, -1)
         # In-flight tokens that `apply` drops: ones computed from a token that never came.
         self.num_dropped = 0
-        # May it take placeholders? Not under a grammar, which advances with each token.
+        # May it take placeholders, or drafts? Not under a grammar, which advances with
+        # each token.
         self.runs_ahead = params.structured_outputs is None
+        # Speculative decoding: the drafts proposed for its next step (from `apply`, those
+        # the step has room for once scheduled), and how many the step in flight verifies.
+        self.draft_token_ids: tuple[int, ...] = ()
+        self.num_draft_tokens = 0
 
     @property
     def num_tokens(self) -> int:

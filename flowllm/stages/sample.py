@@ -7,6 +7,10 @@ them) and detokenize (which turns them into text). With `ids` connected it first
 the step's sampled ids, still on the model's device, to execute (`SampledIds`), where the
 next step's placeholder rows read them (async scheduling).
 
+A step whose batch verifies drafts (speculative decoding) is sampled position by position
+(`Sampler.verify`): each verifying sequence sends its accepted drafts and one token more.
+Such a step sends no ids (speculative decoding runs with one step in flight).
+
 With the guide stage connected to `masks`, it joins each step's logits with the step's
 `StepMasks` (both come from one `StepBatch`, in step order) and samples constrained rows
 from the tokens their grammar allows. Without it, it samples from the logits alone.
@@ -110,17 +114,21 @@ class Sample(PerMessageStage):
             sampler.start(start)
         seq_ids: list[int] = []
         num_output_tokens: list[int] = []
+        drafts: list[tuple[int, ...]] = []
         for s in batch.seqs:
             if s.sample:
                 seq_ids.append(s.seq_id)
                 num_output_tokens.append(s.num_output_tokens)
+                drafts.append(s.token_ids[len(s.token_ids) - s.num_draft_tokens :])
         allowed = None
         if masks is not None and masks.seq_ids:
             row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
             allowed = ([row_of[seq_id] for seq_id in masks.seq_ids], masks.bitmask)
         tokens: list[SampledToken] = []
         ids = None
-        if seq_ids:
+        if any(drafts):
+            tokens = sampler.verify(seq_ids, drafts, step.logits, num_output_tokens, allowed)
+        elif seq_ids:
             tokens, ids = sampler.sample_with_ids(seq_ids, step.logits, num_output_tokens, allowed)
         prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         if step.prompt_logits:

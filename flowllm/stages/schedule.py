@@ -68,6 +68,7 @@ class Schedule(Stage):
             services.num_blocks,
             services.max_model_len,
             async_scheduling=params.async_scheduling,
+            speculative=config.speculative,
         )
         self._metrics = services.metrics
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
@@ -151,6 +152,8 @@ class Schedule(Stage):
                 scheduler.apply(message)
                 inflight -= 1
                 self._metrics.generation_tokens.inc(scheduler.num_generated - generated)
+                if scheduler.verified:
+                    self._metrics.observe_verified(scheduler.verified)
             elif isinstance(message, Finish):
                 scheduler.finish_sequence(message.seq_id, message.stop_reason)
             elif isinstance(message, Abort):

@@ -1,0 +1,97 @@
+"""propose: draft tokens for each sequence's next step (speculative decoding).
+
+It sits between sample and schedule on the step loop: each step's `StepTokens` passes
+through it with `drafts` added, one tuple per sequence that goes on, proposed from the
+sequence's prompt and outputs so far by the method of the engine's speculative config
+(ngram: prompt lookup, flowllm.sampling.ngram). It learns each sequence's prompt from the
+`StepBatch` of the step (`batches`, a tap of schedule.out: batches and tokens come one to
+one, in step order), and forgets it on release. schedule decides which drafts a step runs;
+execute computes them after the sequence's last token, and sample verifies them.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+import anyio
+
+from flowllm.config import ConfigError
+from flowllm.graph.stage import NoParams, Stage, StageContext
+from flowllm.messages import StepBatch, StepTokens
+from flowllm.sampling.ngram import TokenLog, propose
+from flowllm.stages.services import EngineServices
+
+
+class ProposeError(RuntimeError):
+    """A step's tokens met another step's batch (a bug upstream)."""
+
+
+class Propose(Stage):
+    inputs = {"in": StepTokens, "batches": StepBatch}
+    outputs = {"out": StepTokens}
+
+    def __init__(self, params: NoParams, services: EngineServices) -> None:
+        super().__init__(params, services)
+        config = services.config.speculative
+        if config is None:
+            raise ConfigError("the propose stage needs a speculative config (--speculative-config)")
+        self._k = config.num_speculative_tokens
+        self._min_n = config.prompt_lookup_min
+        self._max_n = config.prompt_lookup_max
+        # schedule runs no drafts in a step of more running sequences than this: none are
+        # proposed after a step that sampled more
+        self._up_to = config.disable_by_batch_size
+        self._logs: dict[int, TokenLog | None] = {}  # seq id -> its tokens; None: no drafts
+
+    def live_sequences(self) -> int:
+        return len(self._logs)
+
+    async def run(self, ctx: StageContext) -> None:
+        batches, tokens_in = ctx.inbox("batches"), ctx.inbox("in")
+        while True:
+            try:
+                batch = await batches.receive()
+                step = await tokens_in.receive()
+            except anyio.EndOfStream:
+                return
+            started = perf_counter()
+            ctx.begin(step, started)
+            if batch.step_id != step.step_id:
+                raise ProposeError(f"step {step.step_id}'s tokens met step {batch.step_id}")
+            await ctx.emit("out", self._propose(batch, step))
+            ctx.end()
+            ctx.spans.record(step, started, tokens_in.last_wait)
+
+    def _propose(self, batch: StepBatch, step: StepTokens) -> StepTokens:
+        logs = self._logs
+        for seq_id in batch.released:
+            logs.pop(seq_id, None)
+        for start in batch.started:
+            # a sequence under a grammar takes no drafts (its masks advance token by token)
+            constrained = start.params.structured_outputs is not None
+            logs[start.seq_id] = None if constrained else TokenLog(start.prompt_token_ids)
+        going: dict[int, TokenLog] = {}
+        for token in step.tokens:
+            log = logs.get(token.seq_id)
+            if log is None:
+                continue
+            log.append(token.token_id)
+            if token.finish_reason is None:
+                going[token.seq_id] = log
+            else:
+                going.pop(token.seq_id, None)
+        if self._up_to is not None and len(going) > self._up_to:
+            return step
+        drafts: dict[int, tuple[int, ...]] = {}
+        for seq_id, log in going.items():
+            proposed = propose(log.ids, self._k, self._min_n, self._max_n)
+            if proposed:
+                drafts[seq_id] = proposed
+        if not drafts:
+            return step
+        return StepTokens(
+            step_id=step.step_id,
+            tokens=step.tokens,
+            prompt_logprobs=step.prompt_logprobs,
+            drafts=drafts,
+        )
