@@ -11,8 +11,10 @@ The rules, in order:
 1. Before `min_tokens` outputs exist, only the length limits can end a sequence.
    (The sampler also masks EOS and stop_token_ids out of the logits while
    `num_output_tokens < min_tokens`, so in practice such tokens are not sampled then.)
-2. EOS (unless `ignore_eos`) ends it with ("stop", None): the model chose to stop, so it
-   wins over a length limit reached by the same token.
+2. EOS ends it with ("stop", None): the model chose to stop, so it wins over a length
+   limit reached by the same token. `ignore_eos` lets it go on, unless the sequence has a
+   structured-output constraint: the grammar decides where such an output ends, and once
+   complete allows nothing but EOS.
 3. A token in `stop_token_ids` ends it with ("stop", token_id).
 4. `max_tokens` outputs, or a total length (prompt + outputs) of `max_model_len`, end it
    with ("length", None): there is no room or no budget for another token.
@@ -58,7 +60,8 @@ class StopRule:
         num_prompt_tokens: int,
         max_model_len: int | None,
     ) -> None:
-        self.eos = frozenset(()) if params.ignore_eos else frozenset(eos_token_ids)
+        ignored = params.ignore_eos and params.structured_outputs is None
+        self.eos = frozenset(()) if ignored else frozenset(eos_token_ids)
         self.stopping_ids = self.eos | frozenset(params.stop_token_ids)  # EOS and stop ids
         self.min_tokens = params.min_tokens
         self.length_limit = output_limit(params, num_prompt_tokens, max_model_len)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from flowllm.messages import SamplingParams
+from flowllm.messages import SamplingParams, StructuredOutputs
 from flowllm.stopping import StopRule, StopStrings, output_limit
 
 EOS = (50256,)
@@ -93,7 +95,8 @@ def reference_rule(
         max_len is not None and total_len >= max_len
     )
     if n_out >= params.min_tokens:
-        if not params.ignore_eos and token in eos:
+        eos_ends = not params.ignore_eos or params.structured_outputs is not None
+        if eos_ends and token in eos:
             return "stop", None
         if token in params.stop_token_ids:
             return "stop", token
@@ -108,13 +111,14 @@ def test_stop_rule_equals_the_stated_rules_everywhere() -> None:
     tokens = (11, 13, 198, 2, 50256)
     for max_tokens in (None, 1, 4):
         for min_tokens in (0, 2, 5):
-            for ignore_eos in (False, True):
+            for ignore_eos, constrained in itertools.product((False, True), repeat=2):
                 for stop_ids in ((), (13,), (198, 50256)):
                     params = SamplingParams(
                         max_tokens=max_tokens,
                         min_tokens=min_tokens,
                         ignore_eos=ignore_eos,
                         stop_token_ids=stop_ids,
+                        structured_outputs=StructuredOutputs(regex="a") if constrained else None,
                     )
                     for max_len in (None, 8, 12):
                         for prompt_len in (1, 6):

@@ -47,6 +47,23 @@ def test_generate_under_a_schema_and_a_regex(llm: LLM) -> None:
     assert re.fullmatch("[A-Z]{2}[0-9]{3}", outputs[1].outputs[0].text)
 
 
+def test_a_constraint_ends_its_output_even_with_ignore_eos(llm: LLM) -> None:
+    """The grammar decides where a constrained output ends: complete, it allows only EOS,
+    which ends the sequence whatever ignore_eos says (and no stage fails on it)."""
+    choice = StructuredOutputs(choice=("yes", "no"))
+    outputs = llm.generate(
+        ["Yes or no?", "Tell me a story."],
+        [
+            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                           structured_outputs=choice),
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        ],
+    )  # fmt: skip
+    constrained, free = outputs[0].outputs[0], outputs[1].outputs[0]
+    assert constrained.text in ("yes", "no") and constrained.finish_reason == "stop"
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+
+
 def test_chat_with_tools_and_a_tool_turn(llm: LLM) -> None:
     ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
     forced = SamplingParams(temperature=0.0, max_tokens=40,
