@@ -616,7 +616,8 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     vector formula for every value (`vectorwise`)."""
     if fused.serves(x) and x.is_contiguous():
         return fused.gelu_tanh(x)
-    return vectorwise(partial(F.gelu, approximate="tanh"), x)
+    # torch splits a tanh GELU of more than 6144 values among threads
+    return vectorwise(partial(F.gelu, approximate="tanh"), x, serial_values=6144)
 
 
 # Each value's activation is one formula whatever tensor holds it, so a row's does not

@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowllm.kernels.vectorwise import SPAN, vectorwise
+from flowllm.kernels.vectorwise import GRAIN, SPAN, vectorwise
 
-FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+# each function with the most values torch runs a call of it with on one thread
+FUNCTIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
+    "silu": (F.silu, GRAIN - 1),
+    "gelu_tanh": (partial(F.gelu, approximate="tanh"), 6144),
 }
 
 
@@ -31,18 +32,17 @@ def by_single_steps(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
 @pytest.mark.parametrize("name", list(FUNCTIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_value_takes_the_vector_formula(name: str, dtype: torch.dtype) -> None:
-    fn = FUNCTIONS[name]
+    fn, serial_values = FUNCTIONS[name]
     generator = torch.Generator().manual_seed(5)
-    # sizes below one span, between pieces, past the tanh GELU's threading threshold (6144
-    # values) and torch's grain (32768)
+    # sizes below one span, within one piece, over several pieces of either size
     for shape in [(1, 37), (3, 48), (64, 64), (1, 4097), (7, 1000), (90, 80), (2, 40001)]:
         x = (4 * torch.randn(shape, generator=generator)).to(dtype)
-        got = vectorwise(fn, x)
+        got = vectorwise(fn, x, serial_values)
         assert got.shape == x.shape and got.dtype == dtype
         assert torch.equal(got, by_single_steps(fn, x)), shape
         # a strided view gives the values of its contiguous copy
         wide = torch.cat((x, x), dim=-1)[:, : shape[1]]
-        assert torch.equal(vectorwise(fn, wide), got)
+        assert torch.equal(vectorwise(fn, wide, serial_values), got)
 
 
 def test_a_row_is_the_same_among_any_rows() -> None:
