@@ -21,7 +21,7 @@ import structlog
 # the real environment whatever order tests run in.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kernel_builds import use_kernel_build
+from kernel_builds import KERNEL_BUILDS, use_kernel_build
 from model_fixtures import (
     GPT2_REPO_ID,
     build_gpt2_dir,
@@ -43,6 +43,15 @@ def native_build(request: pytest.FixtureRequest) -> Iterator[native.NativeLibrar
     with use_kernel_build(request.param) as lib:
         assert lib is not None
         yield lib
+
+
+@pytest.fixture(params=KERNEL_BUILDS)
+def kernel_build(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each kernel build in turn, the torch paths included, for the whole process, so a test
+    checks every product path whatever the environment forces; skipped where the CPU cannot
+    run a build or the kernels are off."""
+    with use_kernel_build(request.param):
+        yield request.param
 
 
 @pytest.fixture(autouse=True)

@@ -11,10 +11,11 @@ transformers adds them in, so a bf16 model rounds its sums where transformers do
 
 Batch invariance: the router and the experts are `Linear` layers, whose products give a
 row the same result at any number of rows (the native kernels' fixed summation order,
-quantized or not); softmax and top-k work row by row; the sum over a token's experts has
-a fixed order. So a token's output depends on its own row only, never on which other
-tokens share its experts in the step. A step reads the weights of the experts its tokens
-use and no others.
+quantized or not); an expert's activation gives every value one formula at any number of
+rows (`layers.ACTIVATIONS`); softmax and top-k work row by row; the sum over a token's
+experts has a fixed order. So a token's output depends on its own row only, never on which
+other tokens share its experts in the step. A step reads the weights of the experts its
+tokens use and no others.
 
 Weights: every expert is its own pair of Linear layers (gate/up fused, down), so it packs
 for the native kernels or keeps a GGUF file's quantized blocks (each expert's slice of

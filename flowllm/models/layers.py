@@ -44,6 +44,7 @@ import abc
 import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -53,6 +54,7 @@ from torch import nn
 from flowllm import kernels
 from flowllm.kernels import cpu_linear, fused
 from flowllm.kernels.quant_linear import QuantizedLinear, QuantizedWeight, int8_per_channel
+from flowllm.kernels.vectorwise import vectorwise
 from flowllm.models import onednn_caches
 from flowllm.models.context import AttentionContext
 from flowllm.models.errors import UnsupportedModelError, WeightLoadError
@@ -603,16 +605,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU by torch's vector formula for every value (`vectorwise`); gated, the native
+    kernel fuses it with its product where the kernels serve (`GatedActivation`)."""
+    return vectorwise(F.silu, x)
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU, tanh approximation: one native call where the kernels serve."""
+    """GELU, tanh approximation: one native call where the kernels serve, else torch's
+    vector formula for every value (`vectorwise`)."""
     if fused.serves(x) and x.is_contiguous():
         return fused.gelu_tanh(x)
-    return F.gelu(x, approximate="tanh")
+    # torch splits a tanh GELU of more than 6144 values among threads
+    return vectorwise(partial(F.gelu, approximate="tanh"), x, serial_values=6144)
 
 
+# Each value's activation is one formula whatever tensor holds it, so a row's does not
+# depend on the rows beside it: SiLU and the tanh GELU by `vectorwise` where the native
+# kernel does not run them; the erf GELU by oneDNN's kernel, which torch runs on contiguous
+# float32 and bf16 tensors (pieces by size would only recompile it); ReLU exact.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
+    "silu": silu,
+    "swish": silu,
     "gelu": F.gelu,
     "gelu_new": gelu_tanh,
     "gelu_pytorch_tanh": gelu_tanh,
@@ -637,16 +651,15 @@ class GatedActivation(nn.Module):
     def __init__(self, act: str, model: str) -> None:
         super().__init__()
         self.act = activation(act, model)
-        self.is_silu = self.act is F.silu
+        self.is_silu = self.act is silu
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [n, 2 * inter] -> [n, inter]
         if self.is_silu and fused.serves(gate_up) and gate_up.is_contiguous():
             return fused.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        # A contiguous gate takes the native activation, one vector formula for every
-        # element; torch's on a strided view mixes vector and scalar tanh by the tensor's
-        # shape, so a row's values would depend on the rows beside it.
+        # A contiguous gate takes the native activation where it has one; the activations
+        # give every value one formula either way (see ACTIVATIONS).
         return self.act(gate.contiguous()) * up
 
 

@@ -5,12 +5,10 @@ through a preemption and through a prefix-cache hit."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from kernel_builds import KERNEL_BUILDS, use_kernel_build
 
 from flowllm import LLM, SamplingParams
 
@@ -60,11 +58,10 @@ def metric(llm: LLM, name: str) -> float:
     return value
 
 
-@pytest.fixture(params=KERNEL_BUILDS)
-def build(request: pytest.FixtureRequest, flowllm_cache_with_smollm2: Path) -> Iterator[str]:
-    """Each kernel build in turn, for the whole process (skipped where it cannot run)."""
-    with use_kernel_build(request.param):
-        yield request.param
+@pytest.fixture
+def build(flowllm_cache_with_smollm2: Path, kernel_build: str) -> str:
+    """Each kernel build in turn (`kernel_build`), the bundled model in its cache first."""
+    return kernel_build
 
 
 def test_quantized_outputs_do_not_depend_on_the_batch(build: str) -> None:

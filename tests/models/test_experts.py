@@ -122,10 +122,10 @@ def test_one_grouped_product_per_expert_the_step_uses(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("quantize", [None, "int8"])
 @pytest.mark.parametrize("dtype", dtypes())
 def test_a_row_does_not_depend_on_the_rows_beside_it(
-    family: str, quantize: str | None, dtype: torch.dtype
+    family: str, quantize: str | None, dtype: torch.dtype, kernel_build: str
 ) -> None:
-    """The same rows alone, in pairs and among 63 others give the same bits: each expert's
-    product runs over groups of 1 to dozens of rows."""
+    """The same rows alone, in pairs and among 63 others give the same bits, on each kernel
+    build: each expert's product runs over groups of 1 to dozens of rows."""
     moe = ours(family, reference_block(family, dtype), dtype, quantize)
     if quantize:
         assert moe.gate.quantized is None  # the router stays float

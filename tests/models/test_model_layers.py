@@ -1,6 +1,7 @@
 """The model layers against independent references: RMSNorm against transformers' own
-(bit for bit, fp32 and bf16), RoPE against the rotate-half formula, and packed linear
-layers against `F.linear` in float64."""
+(bit for bit, fp32 and bf16), RoPE against the rotate-half formula, packed linear
+layers against `F.linear` in float64, and each activation the same bits for a row among
+any rows, on every kernel build."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from flowllm.kernels import cpu_linear
 from flowllm.models import layers
-from flowllm.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from flowllm.models.layers import (
+    ACTIVATIONS,
+    GatedActivation,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
 
 CPU = torch.device("cpu")
 
@@ -133,3 +141,23 @@ def test_linear_layout_follows_the_machine() -> None:
         want = want or ("onednn" if layers.onednn_packs(dtype, CPU) else "plain")
         assert Linear(8, 8, False, dtype, CPU).layout == want
     assert not cpu_linear.serves(torch.float16)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_activation_gives_a_row_the_same_bits_among_any_rows(
+    name: str, dtype: torch.dtype, kernel_build: str
+) -> None:
+    """Every row alone, and groups whose values run on one thread and on several, against
+    all 160 rows at once, at widths no multiple of a vector: torch's scalar tails, placed by
+    a call's size, would move a row's values with its company."""
+    act, gated = ACTIVATIONS[name], GatedActivation(name, "test")
+    for width in (37, 48, 1000):
+        gen = torch.Generator().manual_seed(width)
+        x = (4 * torch.randn(160, 2 * width, generator=gen)).to(dtype)
+        plain, both = act(x), gated(x)
+        groups = [(row, 1) for row in range(160)] + [(3, 2), (10, 7), (40, 120)]
+        for start, rows in groups:
+            part, end = x[start : start + rows], start + rows
+            assert torch.equal(act(part), plain[start:end]), (width, start, rows)
+            assert torch.equal(gated(part), both[start:end]), (width, start, rows)
