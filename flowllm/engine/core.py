@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.process
 import os
 import signal
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -139,7 +140,7 @@ def run_core(spec: CoreSpec) -> None:
     from flowllm.engine.loading import build_services
 
     graph = load_graph_or_exit(spec.graph_file)
-    services = build_services(spec.config, wait_for_tokenizer=False)
+    services = build_services(spec.config, tokenizer_now=False)
     services.small_step_threads = small_step_threads(
         torch.get_num_threads(), spec.fronts, os.cpu_count()
     )
@@ -342,6 +343,11 @@ class Core:
                 small_step_threads=self.services.small_step_threads,
             )
             task_status.started(address)
+            # Ready first; the tokenizer (which grammars need) then loads in a thread, so
+            # that the first constrained request does not wait for transformers' import.
+            threading.Thread(
+                target=lambda: self.services.tokenizer, name="flowllm-tokenizer", daemon=True
+            ).start()
             with anyio.CancelScope() as waiting:
                 tg.start_soon(self._end_with_graph, waiting)
                 await self._stop.wait()

@@ -72,18 +72,23 @@ def report_native_kernels(loaded: LoadedModel) -> None:
     )
 
 
-def build_services(config: EngineConfig, *, wait_for_tokenizer: bool = True) -> EngineServices:
+def build_services(config: EngineConfig, *, tokenizer_now: bool = True) -> EngineServices:
     """Load the model and tokenizer and allocate the KV cache for `config`.
 
     The tokenizer loads in a thread while the weights load: most of its time is importing
     transformers, which overlaps with reading and packing weights (native code that
-    releases the GIL). `wait_for_tokenizer` False: return without waiting for it (the
-    engine core, whose stages need it only for grammars, then serves sooner); its first
-    use waits."""
-    tokenizer_loader = _in_background(functools.partial(load_tokenizer, *tokenizer_source(config)))
-    loaded = _load_model(config)
-    if wait_for_tokenizer:
+    releases the GIL). `tokenizer_now` False: it loads on first use instead (the engine
+    core, whose stages need it only for grammars: a thread beside the weights would slow
+    their loading by its share of the interpreter)."""
+    load = functools.partial(load_tokenizer, *tokenizer_source(config))
+    tokenizer_loader: Callable[[], PreTrainedTokenizerBase]
+    if tokenizer_now:
+        tokenizer_loader = _in_background(load)
+        loaded = _load_model(config)
         tokenizer_loader()
+    else:
+        tokenizer_loader = functools.cache(load)
+        loaded = _load_model(config)
     report_native_kernels(loaded)
     services = services_for_model(
         config,

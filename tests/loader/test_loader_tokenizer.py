@@ -71,11 +71,11 @@ def test_broken_tokenizer_json(gpt2_tiny_dir: Path, tmp_path: Path) -> None:
     assert "\n" not in str(e.value) and str(d) in str(e.value)
 
 
-def test_the_engine_core_does_not_wait_for_its_tokenizer(
+def test_the_engine_core_loads_its_tokenizer_on_first_use(
     gpt2_tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The core's stages need the tokenizer only for grammars: its services are built
-    while the tokenizer still loads, and its first use waits for it, once for every run."""
+    without it, and its first use loads it, once for every run."""
     from flowllm.config import engine_config
     from flowllm.engine import loading
 
@@ -89,7 +89,7 @@ def test_the_engine_core_does_not_wait_for_its_tokenizer(
 
     monkeypatch.setattr(loading, "load_tokenizer", slow_load)
     config = engine_config(str(gpt2_tiny_dir), dtype="float32", kv_cache_memory=1 << 20)
-    services = loading.build_services(config, wait_for_tokenizer=False)
+    services = loading.build_services(config, tokenizer_now=False)
     assert not loads and services.eos_token_ids == (50256,)
     may_finish.set()
     tokenizer = services.tokenizer
