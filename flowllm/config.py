@@ -151,6 +151,9 @@ _ZERO_ALLOWED = ("max_logprobs", "max_stop_strings", "max_stop_token_ids", "max_
 # The speculative methods served (`SpeculativeConfig.method`), and the bound on drafts.
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
+# The longest n-gram prompt lookup matches: each step tries every length down to the
+# shortest, for every drafting sequence.
+MAX_PROMPT_LOOKUP = 64
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -179,6 +182,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         _require(
             self.prompt_lookup_min >= 1,
             f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}",
+        )
+        _require(
+            self.prompt_lookup_max <= MAX_PROMPT_LOOKUP,
+            f"prompt_lookup_max must be <= {MAX_PROMPT_LOOKUP}, got {self.prompt_lookup_max}",
         )
         _require(
             self.prompt_lookup_max >= self.prompt_lookup_min,
