@@ -38,7 +38,7 @@ from flowllm.api.convert import (
     prepare_completion,
     template_kwargs,
 )
-from flowllm.api.errors import EXCEPTION_HANDLERS, ApiError
+from flowllm.api.errors import EXCEPTION_HANDLERS, ApiError, send_overloaded
 from flowllm.api.json_depth import maybe_too_deep, nesting_depth
 from flowllm.api.logprobs import TokenTexts
 from flowllm.api.openapi import OPENAPI_OPT, OpenApi, openapi_document
@@ -104,6 +104,19 @@ PUBLIC_PREFIXES = ("/docs/",)  # the docs UI's own assets, should it serve any
 UI_PUBLIC_PATHS = frozenset({"/", AUTH_PATH})
 UI_PUBLIC_PREFIXES = (STATIC_PREFIX,)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Routes whose requests enter the engine's admission: refused at the door while it is full.
+ADMITTED_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/score",
+        "/score",
+        "/v1/rerank",
+        "/rerank",
+        "/v2/rerank",
+    }
+)
 _SCOPE_REQUEST_ID = "flowllm.request_id"  # the id echoed in X-Request-Id
 _SCOPE_REQUEST_ID_GIVEN = "flowllm.request_id_given"  # did the client send it?
 _REQUEST_LOG = structlog.get_logger("flowllm.requests")  # --enable-log-requests
@@ -247,7 +260,10 @@ def is_json(content_type: bytes) -> bool:
 
 class HttpBoundary(ASGIMiddleware):
     """Request ids (honour and echo X-Request-Id), the Bearer API key on every route but
-    `PUBLIC_PATHS` (and CORS preflights), and JSON-only bodies (415 otherwise)."""
+    `PUBLIC_PATHS` (and CORS preflights), JSON-only bodies (415 otherwise), and the 503
+    of a request the engine's admission would refuse, sent before its body is read: in a
+    burst, a probe's connection waits behind those accepted before it, so each refusal
+    must cost little."""
 
     scopes = (ScopeType.HTTP,)
 
@@ -300,7 +316,15 @@ class HttpBoundary(ASGIMiddleware):
                 code="unsupported_media_type",
                 headers={"X-Request-Id": request_id},
             )
+        if method == "POST" and scope["path"] in ADMITTED_PATHS and _engine_full(scope):
+            await send_overloaded(send_with_id)
+            return
         await next_app(scope, receive, send_with_id)
+
+
+def _engine_full(scope: Scope) -> bool:
+    api: ApiState | None = scope["litestar_app"].state.get("api")
+    return api is not None and api.engine.full
 
 
 def _too_deep(max_depth: int) -> ApiError:

@@ -7,6 +7,7 @@ a client never sees a framework default page.
 
 from __future__ import annotations
 
+import math
 import re
 from http import HTTPStatus
 from typing import Any
@@ -15,7 +16,7 @@ import msgspec
 import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
-from litestar.types import ExceptionHandlersMap
+from litestar.types import ExceptionHandlersMap, Send
 
 from flowllm.api.protocol import UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
 from flowllm.messages import ErrorKind, RequestError
@@ -125,6 +126,33 @@ def error_type(status_code: int) -> str:
     if status_code in _TYPES:
         return _TYPES[status_code]
     return "InternalServerError" if status_code >= 500 else "BadRequestError"
+
+
+def overloaded(retry_after: float = 1.0) -> ApiError:
+    """Admission is full now: 503, come back in `retry_after` seconds (at least one)."""
+    return ApiError(
+        "The server is overloaded; retry later.",
+        status_code=503,
+        code="server_overloaded",
+        headers={"Retry-After": str(max(1, math.ceil(retry_after)))},
+    )
+
+
+_OVERLOADED = overloaded()
+_OVERLOADED_BODY = msgspec.json.encode(ErrorResponse(error=_OVERLOADED.info()))
+_OVERLOADED_HEADERS = [
+    (b"content-type", b"application/json"),
+    (b"content-length", str(len(_OVERLOADED_BODY)).encode()),
+    *((name.lower().encode(), value.encode()) for name, value in _OVERLOADED.headers.items()),
+]
+
+
+async def send_overloaded(send: Send) -> None:
+    """`overloaded()`'s response, sent as raw ASGI messages: the cheapest refusal there is."""
+    await send(
+        {"type": "http.response.start", "status": 503, "headers": list(_OVERLOADED_HEADERS)}
+    )
+    await send({"type": "http.response.body", "body": _OVERLOADED_BODY, "more_body": False})
 
 
 def error_response(error: ApiError) -> Response[ErrorResponse]:

@@ -10,7 +10,6 @@ coroutine in the same task that closes the generation, so the abort cannot be sk
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -24,7 +23,7 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
-from flowllm.api.errors import ApiError
+from flowllm.api.errors import ApiError, overloaded
 from flowllm.api.logprobs import TokenTexts
 from flowllm.engine.client import EngineClient
 from flowllm.mailbox import Mailbox, Overloaded, RequestFailed
@@ -90,13 +89,7 @@ class Generation:
         except RequestFailed as failed:
             raise ApiError.from_request_error(failed.error) from failed
         except Overloaded as exc:
-            retry = max(1, math.ceil(exc.retry_after))
-            raise ApiError(
-                "The server is overloaded; retry later.",
-                status_code=503,
-                code="server_overloaded",
-                headers={"Retry-After": str(retry)},
-            ) from exc
+            raise overloaded(exc.retry_after) from exc
         generation.first_chunks = [None] * len(generation.mailboxes)
         return generation
 

@@ -110,6 +110,10 @@ class AsyncEngine:
         return self.graph.running and not self.graph.failed
 
     @property
+    def full(self) -> bool:
+        return self._ingest.full
+
+    @property
     def metrics_registry(self) -> CollectorRegistry:
         return self.services.registry
 

@@ -33,6 +33,9 @@ class EngineClient(Protocol):
     def accepting(self) -> bool: ...  # false once the engine failed for good or stopped
 
     @property
+    def full(self) -> bool: ...  # admission is full: any request now would be refused (503)
+
+    @property
     def limits(self) -> RequestLimits: ...
 
     @property

@@ -123,6 +123,11 @@ class RoutedEngine:
         return not self._stopping and self.healthy
 
     @property
+    def full(self) -> bool:
+        """Every replica that serves is full (or none serves): `submit_all` would refuse."""
+        return self._stopping or all(link.front.full for link in self._links if link.healthy)
+
+    @property
     def limits(self) -> RequestLimits:
         return self._first.limits
 

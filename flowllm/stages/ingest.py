@@ -43,6 +43,15 @@ class Ingest(SourceStage):
         self._abort_ready = anyio.Event()
         self._accepting = True
 
+    @property
+    def full(self) -> bool:
+        """No request, whatever it asks, could be admitted now."""
+        return (
+            not self._accepting
+            or self._mailboxes.num_pending_choices >= self.params.max_pending
+            or self.context.outbox("out").room() == 0
+        )
+
     def submit(self, request: GenerateRequest) -> Mailbox:
         """Admit one request: its mailbox (see `submit_all`)."""
         return self.submit_all((request,))[0]

@@ -108,6 +108,10 @@ class FakeEngine:
         return self.is_healthy
 
     @property
+    def full(self) -> bool:
+        return self.max_pending is not None and len(self._running) >= self.max_pending
+
+    @property
     def limits(self) -> RequestLimits:
         return self.config.limits
 

@@ -113,16 +113,48 @@ def test_error_mid_stream_reaches_the_sdk(tokenizer: Any) -> None:
 
 
 def test_overload_503_with_retry_after(tokenizer: Any) -> None:
-    engine = FakeEngine(tokenizer, max_pending=1, token_delay=0.05)
-    with Server(engine) as running, httpx.Client(base_url=running.url, timeout=10) as http:
-        body = {"prompt": "slow", "max_tokens": 40, "stream": True}
-        with http.stream("POST", "/v1/completions", json=body) as first:
-            lines = first.iter_lines()  # kept: dropping the iterator closes the connection
-            assert next(lines).startswith("data: ")  # admitted and generating
-            refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-            assert refused.status_code == 503
-            assert refused.headers["retry-after"] == "3"
-            assert refused.json()["error"]["code"] == "server_overloaded"
+    engine = FakeEngine(tokenizer, max_pending=2, token_delay=0.05)
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "slow", "max_tokens": 40, "stream": True}
+    with (
+        Server(engine, api_key=API_KEY) as running,
+        httpx.Client(base_url=running.url, timeout=10, headers=auth) as http,
+        http.stream("POST", "/v1/completions", json=body) as first,
+    ):
+        first_lines = first.iter_lines()  # kept: dropping the iterator closes the connection
+        assert next(first_lines).startswith("data: ")  # admitted and generating
+        # Room for one more prompt, not two: admission refuses, its hint rounded up.
+        refused = http.post("/v1/completions", json={"prompt": ["x", "y"], "max_tokens": 1})
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "3"
+        assert refused.json()["error"]["code"] == "server_overloaded"
+        with http.stream("POST", "/v1/completions", json=body) as second:
+            second_lines = second.iter_lines()
+            assert next(second_lines).startswith("data: ")
+            # Full: any request is refused at the door, before its body is read.
+            door = http.post(
+                "/v1/chat/completions",
+                content=b"{not json",
+                headers={"content-type": "application/json", "x-request-id": "door-1"},
+            )
+            assert door.status_code == 503, door.text
+            assert door.headers["retry-after"] == "1"
+            assert door.headers["x-request-id"] == "door-1"
+            assert door.json() == {
+                "error": {
+                    "message": "The server is overloaded; retry later.",
+                    "type": "ServiceUnavailableError",
+                    "param": None,
+                    "code": "server_overloaded",
+                }
+            }
+            # The key and the media type are still checked first; other routes still answer.
+            keyless = httpx.post(running.url + "/v1/completions", json={"prompt": "x"})
+            assert keyless.status_code == 401
+            assert http.post("/v1/completions", content=b"x").status_code == 415
+            assert http.get("/health").status_code == 200
+            assert http.post("/tokenize", json={"prompt": "x"}).status_code == 200
+        assert len(engine.submitted) == 2  # nothing refused reached the engine
 
 
 def test_streaming_client_disconnect_aborts(tokenizer: Any) -> None:

@@ -65,8 +65,12 @@ async def test_pending_choices_not_requests_are_bounded() -> None:
     stage.submit_all(prompts(1, n=6, prefix="a"))
     with pytest.raises(Overloaded):  # 6 + 4 > 8: refused now, may fit later
         stage.submit_all(prompts(1, n=4, prefix="b"))
+    assert not stage.full  # room for 2 choices
     stage.submit_all(prompts(1, n=2, prefix="c"))
     assert channel.depth() == 2
+    assert stage.full  # no request, however small, fits now
+    with pytest.raises(Overloaded):
+        stage.submit_all(prompts(1, prefix="d"))
 
 
 @pytest.mark.anyio
@@ -76,6 +80,9 @@ async def test_a_multi_prompt_request_is_admitted_whole_or_not_at_all() -> None:
     with pytest.raises(Overloaded):  # 3 prompts, room for 2 in the channel
         stage.submit_all(prompts(3, prefix="b"))
     assert channel.depth() == 2 and len(stage.services.mailboxes) == 2
+    assert not stage.full
+    stage.submit_all(prompts(2, prefix="c"))
+    assert stage.full  # the channel has no room left
 
 
 @pytest.mark.anyio

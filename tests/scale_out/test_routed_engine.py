@@ -136,7 +136,9 @@ async def test_requests_go_round_the_replicas_and_come_back(gpt2_tiny_dir: Path)
 async def test_admission_refuses_as_a_single_server(gpt2_tiny_dir: Path, tmp_path: Path) -> None:
     graph = small_pending_graph(tmp_path / "one-pending.yaml", 1)
     async with routed(gpt2_tiny_dir, 1, graph) as (engine, _, _):
+        assert not engine.full
         box = engine.submit(request(engine))
+        assert engine.full  # the API refuses at the door
         with pytest.raises(Overloaded):  # the front's ingest: 503 with Retry-After
             engine.submit(request(engine))
         with pytest.raises(RequestFailed) as never:  # more choices than it ever admits: 400
