@@ -9,6 +9,10 @@ this machine's noise; each run prints the load average it started at.
 `--quiet` waits before each run until the CPUs were 90 % idle for a second (other work on a
 shared machine comes and goes; the load average lags it by a minute), and prints how idle.
 
+`--first-requests` also times, once healthy, the first two completions (16 greedy tokens):
+work a server leaves to its first request (an import, a compile) shows as the first one
+taking longer than the second.
+
 `--breakdown` starts each checkout once more under `python -X importtime` with every
 process's stderr (its log and its import times) in a file of its own, and prints, per
 process (the supervisor, the engine core, the front): when it started, its imports by
@@ -18,6 +22,7 @@ package, and its log lines, in seconds from the launch.
     .venv/bin/python benchmarks/startup.py --baseline ../other    # alternate with another
     .venv/bin/python benchmarks/startup.py --runs 0 --breakdown   # only the breakdown
     .venv/bin/python benchmarks/startup.py --quiet --baseline ../other
+    .venv/bin/python benchmarks/startup.py --quiet --first-requests --baseline ../other
 """
 
 from __future__ import annotations
@@ -103,6 +108,21 @@ def cpu_seconds(root: int) -> dict[int, float]:
     return {pid: used[pid] for pid in tree if pid in used}
 
 
+def completion_seconds(port: int) -> float:
+    """Seconds one completion of 16 greedy tokens takes."""
+    body = json.dumps({"prompt": "The history of the printing press", "max_tokens": 16,
+                       "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"content-type": "application/json"},
+    )
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=120) as response:
+        response.read()
+    return time.perf_counter() - started
+
+
 def time_to_healthy(
     checkout: Path,
     extra: list[str],
@@ -110,9 +130,11 @@ def time_to_healthy(
     python_flags: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     cpu: dict[int, float] | None = None,
+    requests: list[float] | None = None,
 ) -> float:
     """Launch, poll /health every 10 ms, stop; seconds until the first 200 (and into `cpu`,
-    the CPU time each process had used by then)."""
+    the CPU time each process had used by then; into `requests`, when given, the seconds
+    of the first two completions after it)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(checkout), **(env or {})}
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, after the process
@@ -132,6 +154,8 @@ def time_to_healthy(
                         healthy = time.perf_counter() - started
                         if cpu is not None:
                             cpu.update(cpu_seconds(process.pid))
+                        if requests is not None:
+                            requests += [completion_seconds(port), completion_seconds(port)]
                         return healthy
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
@@ -231,6 +255,9 @@ def main() -> None:
     parser.add_argument(
         "--quiet", action="store_true", help="before each run, wait for a second of idle CPUs"
     )
+    parser.add_argument(
+        "--first-requests", action="store_true", help="time the first two completions too"
+    )
     parser.add_argument("serve_args", nargs="*", help="extra `flowllm serve` arguments")
     args = parser.parse_args()
     checkouts = {"this": REPO}
@@ -243,9 +270,18 @@ def main() -> None:
         for name, checkout in checkouts.items():
             idle = f", {wait_until_quiet():.0%} idle before" if args.quiet else ""
             load = os.getloadavg()[0]
-            seconds = time_to_healthy(checkout, args.serve_args)
+            requests: list[float] | None = [] if args.first_requests else None
+            seconds = time_to_healthy(checkout, args.serve_args, requests=requests)
             times[name].append(seconds)
-            print(f"run {run + 1} {name:9s} {seconds:.2f} s  (load average {load:.2f}{idle})")
+            answers = (
+                f"; first two completions {requests[0]:.2f} s, {requests[1]:.2f} s"
+                if requests
+                else ""
+            )
+            print(
+                f"run {run + 1} {name:9s} {seconds:.2f} s{answers}  "
+                f"(load average {load:.2f}{idle})"
+            )
     for name, values in times.items():
         if values:
             shown = ", ".join(f"{v:.2f}" for v in values)

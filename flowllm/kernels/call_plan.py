@@ -77,6 +77,13 @@ class _OnlyViewsAndAllocations(TorchDispatchMode):
         self.refused: str | None = None
         self.allocated = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No: nothing here is compiled. torch would otherwise wrap `__torch_dispatch__`
+        to keep the compiler out, importing the compiler (over a second) at the first
+        recording, in the middle of a request."""
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:

@@ -6,6 +6,8 @@ hands back to the caller."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import weakref
 
@@ -171,3 +173,21 @@ def test_recording_belongs_to_one_thread() -> None:
     assert library.record_stop() == b""
     with pytest.raises(RuntimeError, match="not recording"):
         library.record_stop()
+
+
+def test_recording_does_not_import_the_compiler() -> None:
+    """A first recording happens while serving: it must not import torch._dynamo (over a
+    second), which torch's dispatch modes pull in unless told nothing is compiled."""
+    script = (
+        "import sys, torch\n"
+        "from flowllm.kernels import call_plan, fused, native\n"
+        "lib = native.library()\n"
+        "w = torch.ones(8)\n"
+        "r = call_plan.record(lib, lambda x: (fused.rms_norm(x, w, 1e-5),), (torch.randn(2, 8),))\n"
+        "assert r.plan is not None, r.refused\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
