@@ -41,7 +41,15 @@ def implementation_for(device: torch.device) -> ModuleType:
     """The kernel module serving tensors on `device`: Triton on CUDA, else the reference
     (whose work the native kernels take where they serve it)."""
     if device.type == "cuda":
-        return importlib.import_module("flowllm.kernels.triton_attention")
+        try:
+            return importlib.import_module("flowllm.kernels.triton_attention")
+        except ModuleNotFoundError as exc:
+            if exc.name != "triton":
+                raise
+            raise RuntimeError(
+                "attention on CUDA needs Triton, which is not installed: "
+                "pip install 'flowllm[cuda]'"
+            ) from exc
     return reference
 
 

@@ -59,7 +59,8 @@ def test_readme_chat_knows_berlin(bundled_server: ServerProcess) -> None:
 def test_the_front_serves_without_torch(bundled_server: ServerProcess) -> None:
     """A front tokenizes, detokenizes and speaks HTTP, and never loads torch (the largest
     import of a start): the engine core alone does, and compiles the constraints the
-    front's validate stage checks (its grammar engine imports torch)."""
+    front's validate stage checks (its grammar engine imports torch). Neither loads
+    Triton, which only CUDA attention needs."""
     client = bundled_server.client()
     for stream in (False, True):
         client.chat.completions.create(
@@ -78,13 +79,15 @@ def test_the_front_serves_without_torch(bundled_server: ServerProcess) -> None:
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "structured_outputs"
 
-    def loads_torch(pid: int) -> bool:
-        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    def loads(pid: int, library: str) -> bool:
+        return library in Path(f"/proc/{pid}/maps").read_text()
 
     fronts = bundled_server.processes_named("flowllm-front")
     cores = bundled_server.processes_named("flowllm-core")
-    assert fronts and not any(loads_torch(pid) for pid in fronts)
-    assert cores and all(loads_torch(pid) for pid in cores)
+    assert fronts and not any(loads(pid, "libtorch") for pid in fronts)
+    assert cores and all(loads(pid, "libtorch") for pid in cores)
+    # Triton serves CUDA only (the `cuda` extra): a CPU server never loads it.
+    assert not any(loads(pid, "libtriton") for pid in fronts + cores)
 
 
 def test_the_bundled_gguf_file_served_quantized_knows_berlin(smollm2_dir: Path) -> None:

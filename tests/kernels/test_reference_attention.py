@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -87,6 +88,16 @@ def test_dispatch_picks_reference_on_cpu() -> None:
     torch.testing.assert_close(
         kernels.paged_attention(*case, 0.5, 2, 5), reference.paged_attention(*case, 0.5, 2, 5)
     )
+
+
+def test_cuda_without_triton_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton is an extra (`flowllm[cuda]`): a CPU install runs without it, and CUDA
+    attention without it is one clear error."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "flowllm.kernels.triton_attention", raising=False)
+    assert kernels.implementation_for(torch.device("cpu")) is reference
+    with pytest.raises(RuntimeError, match=r"pip install 'flowllm\[cuda\]'"):
+        kernels.implementation_for(torch.device("cuda"))
 
 
 def test_bad_shapes_raise_typed_errors() -> None:
