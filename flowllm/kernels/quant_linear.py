@@ -167,11 +167,29 @@ class QuantizedWeight:
         if self.interleaved:
             return self.in_rows().dequantize()
         n, k = self.shape
-        q = self.int_codes().to(torch.float32).view(n, k // self.group, self.group)
-        w = q * self.scales.to(torch.float32).unsqueeze(-1)
+        w = torch.empty(n, k // self.group, self.group, dtype=torch.float32)
+        if self.kind == "q8":
+            w.view(n, k).copy_(self.codes)
+        else:  # each 64 values: the low nibbles of 32 bytes, then their high nibbles
+            codes, halves = self.codes.view(n, k // 64, 32), w.view(n, k // 64, 2, 32)
+            halves[:, :, 0] = codes & 15
+            halves[:, :, 1] = codes >> 4
+        w.mul_(self.scales.to(torch.float32).unsqueeze(-1))
         if self.mins is not None:
-            w += self.mins.to(torch.float32).unsqueeze(-1)
+            w.add_(self.mins.to(torch.float32).unsqueeze(-1))
         return w.view(n, k)
+
+    def row_range(self, row0: int, count: int) -> QuantizedWeight:
+        """Rows row0 .. row0 + count - 1, in rows: views of these where they are in rows."""
+        if self.interleaved:
+            return self.take_rows(torch.arange(row0, row0 + count))
+        end = row0 + count
+        return replace(
+            self,
+            codes=self.codes[row0:end],
+            scales=self.scales[row0:end],
+            mins=None if self.mins is None else self.mins[row0:end],
+        )
 
     def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows `index` (a permutation or selection), in that order, in rows."""
@@ -477,11 +495,7 @@ class QuantizedLinear:
             raise QuantError(f"rows {row0}:{row0 + count} are outside [0, {n})")
         if self.lib is None or self._dequant is None:
             w = self.weight
-            part = (
-                w.take_rows(ids)
-                if ids is not None
-                else w.take_rows(torch.arange(row0, row0 + count))
-            )
+            part = w.take_rows(ids) if ids is not None else w.row_range(row0, count)
             return part.dequantize()
         out = torch.empty(count, k, dtype=torch.float32)
         w = self.weight
