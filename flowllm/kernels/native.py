@@ -16,8 +16,8 @@ holds what compiles: sources, flags, the compiler's command). Which library runs
 - prebuilt: a wheel (`make wheel`, setup.py) holds every variant, compiled when it was
   built, in `kernels/prebuilt/<variant>/` beside a digest of the sources and flags it was
   built from; the CPU's variant loads from there when that digest is this checkout's, so
-  a server needs no compiler, and an editable checkout whose C changed since its libraries
-  were built in place compiles instead;
+  a server needs no compiler, and a checkout whose libraries were built in place
+  (`setup.py build_ext --inplace`) and whose C changed since compiles instead;
 - compiled: otherwise the sources are compiled with the system C compiler (`$CC`, else
   `cc`/`gcc`) into `$FLOWLLM_CACHE/kernels/<hash>/`, the hash covering the sources, the
   flags and the compiler's version, written atomically (a crash leaves no half library).
@@ -41,11 +41,14 @@ Binding compares the library's layout of the struct with the Python declaration,
 library and a Python side that disagree fail there, not in a kernel. A thread's calls can
 also be recorded into a call list and replayed in one call (`flowllm.kernels.call_plan`).
 
-Parallel loops use OpenMP. torch is imported first and has loaded its own `libgomp.so.1`,
-which the library's `libgomp.so.1` dependency resolves to, so the kernels share torch's
-thread pool. OpenMP keeps the pool size per thread and torch sets it in a thread only at
-that thread's first parallel op, so whoever runs kernels on a worker thread calls
-`follow_torch_threads()` there first (the model runner does, every step).
+Parallel loops use OpenMP, without an OpenMP runtime of the library's own: it is linked
+without libgomp, and its OpenMP calls bind when it loads to the runtime torch has loaded
+(imported first; torch loads its `libgomp.so.1` into the global namespace), so the kernels
+share torch's thread pool, and a wheel's libraries need nothing beyond glibc (auditwheel
+finds it manylinux-consistent; a vendored libgomp would be a second pool). OpenMP keeps the
+pool size per thread and torch sets it in a thread only at that thread's first parallel op,
+so whoever runs kernels on a worker thread calls `follow_torch_threads()` there first (the
+model runner does, every step).
 """
 
 from __future__ import annotations
@@ -99,7 +102,10 @@ class NativeLibrary:
         if spec is None or spec.loader is None:
             raise OSError(f"cannot load {path} as a Python extension")
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except ImportError as e:  # an OpenMP symbol no loaded runtime provides, say
+            raise OSError(f"cannot load {path}: {e}") from e
         self.call: Callable[[int, bytes], int] = module.call
         # this thread's calls also go to a call list, between these two (see call_plan)
         self.record_start: Callable[[], None] = module.record_start

@@ -30,7 +30,10 @@ PREBUILT_DIR = Path(__file__).with_name("prebuilt")
 MODULE_NAME = "flowllm_cpu_kernels"
 LIBRARY_NAME = MODULE_NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 DIGEST_NAME = "sources.sha256"
-COMMON_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
+COMMON_FLAGS = ("-O3", "-std=c11", "-fPIC", "-fopenmp", "-fno-math-errno")
+# Linked without -fopenmp, so without libgomp: the OpenMP calls bind when the library loads
+# to the runtime torch has loaded (native.py's docstring says why).
+LINK_FLAGS = ("-shared", "-lm")
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class Variant:
 
     def digest(self) -> str:
         """What the library is built from: the flags and every source and header."""
-        digest = hashlib.sha256(" ".join(self.flags).encode())
+        digest = hashlib.sha256(" ".join((*self.flags, *LINK_FLAGS)).encode())
         for src in sorted([*SOURCE_DIR.glob("*.c"), *SOURCE_DIR.glob("*.h")]):
             digest.update(src.name.encode())
             digest.update(src.read_bytes())
@@ -112,20 +115,25 @@ def python_include() -> str:
 
 
 def compile_library(compiler: str, variant: Variant, target: Path) -> None:
-    """Compile `variant` into `target`, written whole or not at all (a crash leaves no half
-    library). Raises CalledProcessError with the compiler's output on failure."""
+    """Compile `variant` into `target`, each source on its own core, then link; the library
+    is written whole or not at all (a crash leaves no half library). Raises
+    CalledProcessError with the compiler's output on failure."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        sources = sorted(SOURCE_DIR.glob("*.c"))
-        includes = ["-I", str(SOURCE_DIR), "-I", python_include()]
-        cmd = [compiler, *variant.flags, *includes, *map(str, sources), "-o", tmp, "-lm"]
+    includes = ("-I", str(SOURCE_DIR), "-I", python_include())
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+
+        def compile_one(source: Path) -> str:
+            obj = f"{tmp}/{source.stem}.o"
+            cmd = [compiler, *variant.flags, *includes, "-c", str(source), "-o", obj]
+            subprocess.run(cmd, capture_output=True, text=True, check=True)
+            return obj
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            objects = list(pool.map(compile_one, sorted(SOURCE_DIR.glob("*.c"))))
+        library = f"{tmp}/{target.name}"
+        cmd = [compiler, *objects, "-o", library, *LINK_FLAGS]
         subprocess.run(cmd, capture_output=True, text=True, check=True)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.replace(library, target)
 
 
 def prebuilt_library(root: Path, variant: Variant) -> Path | None:
@@ -140,14 +148,12 @@ def prebuilt_library(root: Path, variant: Variant) -> Path | None:
 
 
 def build_prebuilt(root: Path, compiler: str) -> list[Path]:
-    """Compile every variant into `root/<variant>/`, each beside its digest, the variants
-    side by side (one compiler process each); returns the libraries."""
-
-    def build(variant: Variant) -> Path:
+    """Compile every variant into `root/<variant>/`, each beside its digest; returns the
+    libraries."""
+    built = []
+    for variant in variants():
         target = root / variant.name / LIBRARY_NAME
         compile_library(compiler, variant, target)
         (target.parent / DIGEST_NAME).write_text(variant.digest() + "\n")
-        return target
-
-    with ThreadPoolExecutor(max_workers=len(variants())) as pool:
-        return list(pool.map(build, variants()))
+        built.append(target)
+    return built
