@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from model_fixtures import greedy_continuation
 from server_process import REPO, TINY_FLAGS, ServerProcess
 
 from flowllm.kernels import native, native_build
@@ -44,6 +44,7 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel `make wheel` builds, built from a copy of the checkout."""
     source = tmp_path_factory.mktemp("wheel-source")
     for name in BUILD_INPUTS:
         if (REPO / name).is_dir():
@@ -71,8 +72,8 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()  # fmt: skip
-    borrowed = sysconfig.get_paths()["purelib"]  # a plain path: its own .pth files (this
-    (Path(site) / "borrowed.pth").write_text(borrowed + "\n")  # checkout's) stay unread
+    # A plain path: the .pth files there (this checkout's editable install) are not read.
+    (Path(site) / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
         [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed",
          str(wheel)],
@@ -109,22 +110,11 @@ def test_the_wheel_needs_no_library_beyond_glibc(wheel: Path) -> None:
     assert "libgomp" not in verdict
 
 
-def greedy_continuation(model_dir: Path, tokenizer: Any) -> str:
-    """transformers' greedy continuation of PROMPT, each step computed from scratch."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = tokenizer.encode(PROMPT)
-    prompt_len = len(ids)
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return str(tokenizer.decode(ids[prompt_len:]))
-
-
 @pytest.fixture(scope="module")
 def oracle(gpt2_tiny_dir: Path, gpt2_tokenizer: Any) -> str:
-    return greedy_continuation(gpt2_tiny_dir, gpt2_tokenizer)
+    """transformers' greedy continuation of PROMPT on the tiny GPT-2."""
+    prompt_ids = gpt2_tokenizer.encode(PROMPT)
+    return str(gpt2_tokenizer.decode(greedy_continuation(gpt2_tiny_dir, prompt_ids, NEW_TOKENS)))
 
 
 @pytest.mark.parametrize("isa", ["auto", "avx2"])
