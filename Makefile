@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flowllm-installed
 
-.PHONY: serve test test-avx2 test-torch lint typecheck setup system-packages bench-channel traces reliability ui-screenshots
+.PHONY: serve test test-avx2 test-torch lint typecheck setup system-packages bench-channel traces reliability ui-screenshots wheel
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
@@ -47,6 +47,13 @@ system-packages:
 # The screenshots in docs/ (docs/ui.md): the bundled model's server, the page in Chromium.
 ui-screenshots: $(STAMP) system-packages
 	$(PY) docs/ui_screenshots.py docs/images
+
+# A platform wheel in dist/ with the CPU kernels compiled for every x86-64 variant (setup.py),
+# so that a server installs it after a CPU torch and needs no C compiler. build/ is cleared
+# first: setuptools would otherwise ship what an earlier build left there.
+wheel: $(STAMP)
+	rm -rf build
+	$(PY) -m pip wheel --no-build-isolation --no-deps -w dist .
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -12,6 +12,8 @@ fixtures in conftest.py wrap them with the right scope.
   real GPT-2 tokenizer, as transformers saves it; each with the options that set it apart
   (a window shorter than the e2e prompts, layers without RoPE, LongRoPE, score caps,
   experts and a dense layer among sparse ones).
+- `greedy_continuation`: transformers' greedy tokens on a checkpoint, the oracle of a
+  served greedy completion.
 - `populate_hf_cache`: lays a directory out as huggingface_hub's cache does
   (`models--org--name/{blobs,snapshots/<commit>,refs/main,trees/<commit>.json}`), so that
   `snapshot_download` finds it offline through its real code path.
@@ -54,6 +56,7 @@ __all__ = [
     "gpt2_config",
     "gpt2_state_dict",
     "gpt2_vocab_files",
+    "greedy_continuation",
     "populate_hf_cache",
     "write_gpt2_tokenizer_files",
 ]
@@ -174,6 +177,20 @@ def build_tiny_dir(dest: Path, architecture: str, seed: int = 0) -> Path:
     model.save_pretrained(dest)
     write_gpt2_tokenizer_files(dest)
     return dest
+
+
+def greedy_continuation(model_dir: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy tokens after `prompt_ids`, each step computed from scratch (no
+    cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids) :]
 
 
 def _git_blob_sha1(data: bytes) -> str:

@@ -72,8 +72,12 @@ class ServerProcess:
         cwd: Path | None = None,
         log_dir: Path | None = None,
         tls: ssl.SSLContext | None = None,
+        python: Path | None = None,
     ) -> None:
         """`model` None: no model argument, so the server's default (the bundled model).
+
+        `python`: the interpreter of another environment, which serves its installed flowllm
+        (not this checkout) in exactly the environment `env`.
 
         `tls`: the server runs HTTPS (its --ssl-* flags are in `flags`); this client
         context, which trusts its CA (and holds a client certificate if it asks for one),
@@ -98,7 +102,8 @@ class ServerProcess:
         else:
             self.log_path = log_dir / f"server-{self.port}.log"
         args = [
-            sys.executable, "-m", "flowllm", "serve", *([str(model)] if model is not None else []),
+            str(python or sys.executable), "-m", "flowllm", "serve",
+            *([str(model)] if model is not None else []),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--log-level", "warning", "--shutdown-timeout", "5", *flags,
         ]  # fmt: skip
@@ -106,11 +111,15 @@ class ServerProcess:
             args += ["--served-model-name", served_model_name]
         if graph is not None:
             args += ["--graph", str(graph)]
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        # The repository first on the path, so the server imports this checkout from any cwd.
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(REPO), full_env.get("PYTHONPATH")])
-        )
+        if python is not None:
+            full_env = {"PYTHONUNBUFFERED": "1", **(env or {})}
+        else:
+            full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+            # The repository first on the path, so the server imports this checkout from
+            # any cwd.
+            full_env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(REPO), full_env.get("PYTHONPATH")])
+            )
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             args, cwd=cwd or REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT

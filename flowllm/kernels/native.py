@@ -1,5 +1,5 @@
-"""CPU kernels in C (`flowllm/kernels/csrc/*.c`), compiled once per machine into one Python
-extension module.
+"""CPU kernels in C (`flowllm/kernels/csrc/*.c`), in one Python extension module:
+prebuilt in a wheel, or compiled once per machine.
 
 Why C: at small batches a decode step is bound by how fast weights and K/V stream from
 memory, and by the fixed cost of each torch call. A product over a weight stored in the
@@ -7,19 +7,29 @@ order the kernel reads it streams near the machine's copy rate from one thread, 
 oneDNN and `F.linear` read it, and one C call costs a fraction of a torch op's fixed cost
 (benchmarks/README.md "Linear step" and "Kernel design figures").
 
-The sources are compiled with the system C compiler (`$CC`, else `cc`/`gcc`) into
-`$FLOWLLM_CACHE/kernels/<hash>/`, the hash covering the sources, the flags and the
-compiler's version, and written atomically (a crash leaves no half library). Two builds
-exist (`ISAS`), AVX-512 (F, BW, VL, DQ) and AVX2 + FMA + F16C, each of every source: the
-kernels are written once over the vector layer of `csrc/isa.h`, which the build's target
-flags resolve to 16 or 8 float32 lanes. `FLOWLLM_NATIVE_ISA=avx2` forces the AVX2 build on
-an AVX-512 machine (the tests run both); `auto` (the default) takes the widest the CPU
-runs. The bf16 linear product needs AVX512-BF16: the AVX-512 build compiles it for that by
-its own target attribute, it is called only where the CPU has it (`has_bf16`), and the
-AVX2 build leaves it out (`has_bf16` False). Elsewhere — another architecture, no compiler,
-`FLOWLLM_NATIVE_KERNELS=0` — `library()` returns None and the callers keep their torch
-paths; `status()` says which build runs or why none does, and the server prints it at
-startup.
+Two builds exist (`ISAS`), AVX-512 (F, BW, VL, DQ) and AVX2 + FMA + F16C, each of every
+source: the kernels are written once over the vector layer of `csrc/isa.h`, which the
+build's target flags resolve to 16 or 8 float32 lanes. The AVX-512 build adds
+`-mavx512vnni` where the CPU has VNNI, so three variants exist (`native_build`, which
+holds what compiles: sources, flags, the compiler's command). Which library runs:
+
+- prebuilt: a wheel (`make wheel`, setup.py) holds every variant, compiled when it was
+  built, in `kernels/prebuilt/<variant>/` beside a digest of the sources and flags it was
+  built from; the CPU's variant loads from there when that digest is this checkout's, so
+  a server needs no compiler, and a checkout whose libraries were built in place
+  (`setup.py build_ext --inplace`) and whose C changed since compiles instead;
+- compiled: otherwise the sources are compiled with the system C compiler (`$CC`, else
+  `cc`/`gcc`) into `$FLOWLLM_CACHE/kernels/<hash>/`, the hash covering the sources, the
+  flags and the compiler's version, written atomically (a crash leaves no half library).
+
+`FLOWLLM_NATIVE_ISA=avx2` forces the AVX2 build on an AVX-512 machine (the tests run
+both); `auto` (the default) takes the widest the CPU runs. The bf16 linear product needs
+AVX512-BF16: the AVX-512 build compiles it for that by its own target attribute, it is
+called only where the CPU has it (`has_bf16`), and the AVX2 build leaves it out
+(`has_bf16` False). Elsewhere — another architecture, no prebuilt library and no
+compiler, `FLOWLLM_NATIVE_KERNELS=0` — `library()` returns None and the callers keep
+their torch paths; `status()` says which build runs, prebuilt or compiled, or why none
+does, and the server prints it at startup.
 
 Calling convention: every kernel `flowllm_<name>` takes one argument struct,
 `int64_t flowllm_<name>(const struct flowllm_<name>_args *)` (`csrc/kernel_args.h`), and
@@ -31,11 +41,14 @@ Binding compares the library's layout of the struct with the Python declaration,
 library and a Python side that disagree fail there, not in a kernel. A thread's calls can
 also be recorded into a call list and replayed in one call (`flowllm.kernels.call_plan`).
 
-Parallel loops use OpenMP. torch is imported first and has loaded its own `libgomp.so.1`,
-which the library's `libgomp.so.1` dependency resolves to, so the kernels share torch's
-thread pool. OpenMP keeps the pool size per thread and torch sets it in a thread only at
-that thread's first parallel op, so whoever runs kernels on a worker thread calls
-`follow_torch_threads()` there first (the model runner does, every step).
+Parallel loops use OpenMP, without an OpenMP runtime of the library's own: it is linked
+without libgomp, and its OpenMP calls bind when it loads to the runtime torch has loaded
+(imported first; torch loads its `libgomp.so.1` into the global namespace), so the kernels
+share torch's thread pool, and a wheel's libraries need nothing beyond glibc (auditwheel
+finds it manylinux-consistent; a vendored libgomp would be a second pool). OpenMP keeps the
+pool size per thread and torch sets it in a thread only at that thread's first parallel op,
+so whoever runs kernels on a worker thread calls `follow_torch_threads()` there first (the
+model runner does, every step).
 """
 
 from __future__ import annotations
@@ -46,10 +59,7 @@ import hashlib
 import importlib.util
 import os
 import platform
-import shutil
 import subprocess
-import sysconfig
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,43 +69,13 @@ import structlog
 import torch  # loaded before the library: its libgomp is the one the kernels use
 
 from flowllm.cache_dir import flowllm_cache_dir
+from flowllm.kernels import native_build
 from flowllm.kernels.kernel_args import ARGS, c_layout
+from flowllm.kernels.native_build import ISAS, LIBRARY_NAME, MODULE_NAME, Variant
 
-SOURCE_DIR = Path(__file__).with_name("csrc")
-MODULE_NAME = "flowllm_cpu_kernels"
-LIBRARY_NAME = MODULE_NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
-COMMON_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 DISABLE_ENV = "FLOWLLM_NATIVE_KERNELS"
 ISA_ENV = "FLOWLLM_NATIVE_ISA"
-
-
-@dataclass(frozen=True)
-class Isa:
-    """One build of the library: its target flags, the CPU flags it needs, and target flags
-    added where the CPU has a feature (the library is built on the machine that runs it)."""
-
-    name: str
-    flags: tuple[str, ...]
-    cpu_flags: frozenset[str]
-    optional: tuple[tuple[str, str], ...] = ()
-
-    def target_flags(self, cpu: frozenset[str]) -> tuple[str, ...]:
-        return (*self.flags, *(flag for feature, flag in self.optional if feature in cpu))
-
-
-ISAS = {
-    "avx512": Isa(
-        "avx512",
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"),
-        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}),
-        (("avx512_vnni", "-mavx512vnni"),),  # one instruction for quant.c's byte dots
-    ),
-    "avx2": Isa(
-        "avx2",
-        ("-mavx2", "-mfma", "-mf16c"),
-        frozenset({"avx2", "fma", "f16c"}),
-    ),
-}
+NO_COMPILER = "no C compiler (cc, gcc or $CC)"
 
 _log = structlog.get_logger("flowllm.kernels")
 
@@ -117,12 +97,15 @@ class Kernel:
 class NativeLibrary:
     """The loaded library and what this CPU lets it run."""
 
-    def __init__(self, path: Path, has_bf16: bool, isa: str = "avx512") -> None:
+    def __init__(self, path: Path, has_bf16: bool, isa: str, build_id: str, origin: str) -> None:
         spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
         if spec is None or spec.loader is None:
             raise OSError(f"cannot load {path} as a Python extension")
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except ImportError as e:  # an OpenMP symbol no loaded runtime provides, say
+            raise OSError(f"cannot load {path}: {e}") from e
         self.call: Callable[[int, bytes], int] = module.call
         # this thread's calls also go to a call list, between these two (see call_plan)
         self.record_start: Callable[[], None] = module.record_start
@@ -130,6 +113,9 @@ class NativeLibrary:
         self._symbols = ctypes.CDLL(str(path))  # the same loaded file, for kernel addresses
         self.path = path
         self.isa = isa
+        # what the weights cached in the kernels' layouts are keyed by (weight_cache)
+        self.build_id = build_id
+        self.origin = origin  # "prebuilt" (from the wheel) or "compiled" (on this machine)
         self.has_bf16 = has_bf16 and isa == "avx512"
         self.layouts = c_layout(self._symbols)
         self._omp_max_threads = ctypes.CFUNCTYPE(ctypes.c_int)(
@@ -137,12 +123,6 @@ class NativeLibrary:
         )
         self._set_threads = self.kernel("flowllm_omp_set_threads")
         self.run_calls = self.kernel("flowllm_run_calls")
-
-    @property
-    def build_id(self) -> str:
-        """Which build this is: its ISA and its directory's digest of the sources, flags and
-        compiler (what the weights cached in the kernels' layouts are keyed by)."""
-        return f"{self.isa}-{self.path.parent.name}"
 
     def address(self, name: str) -> int:
         """A function's address."""
@@ -193,20 +173,22 @@ def enabled() -> bool:
 
 @dataclass(frozen=True)
 class NativeStatus:
-    """Which build of the kernels runs (isa None: none), and why not the widest."""
+    """Which build of the kernels runs (isa None: none), prebuilt or compiled, and why not
+    the widest."""
 
     isa: str | None
     reason: str = ""
+    origin: str = ""
 
     def describe(self) -> str:
         """One line for the startup log."""
         if self.isa == "avx512":
-            return "native CPU kernels: AVX-512 build, every kernel on"
+            return f"native CPU kernels: {self.origin} AVX-512 build, every kernel on"
         if self.isa == "avx2":
             why = f" ({self.reason})" if self.reason else ""
             return (
-                f"native CPU kernels: AVX2 build{why}: every kernel on but the bf16 linear "
-                "product (AVX512-BF16), whose layers run on torch"
+                f"native CPU kernels: {self.origin} AVX2 build{why}: every kernel on but the "
+                "bf16 linear product (AVX512-BF16), whose layers run on torch"
             )
         return f"native CPU kernels off ({self.reason}): every kernel on torch"
 
@@ -236,9 +218,9 @@ def _load() -> tuple[NativeLibrary | None, NativeStatus]:
     if not runnable:
         what = "AVX-512 or AVX2+FMA+F16C" if wanted == "auto" else ISAS[wanted].name
         return None, NativeStatus(None, f"the CPU lacks {what}")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, NativeStatus(None, "no C compiler (cc, gcc or $CC)")
+    compiler = native_build.find_compiler()
+    if compiler is None and not any(_prebuilt(isa.variant(flags)) for isa in runnable):
+        return None, NativeStatus(None, NO_COMPILER)
     failures: list[str] = []
     for isa in runnable:
         try:
@@ -252,7 +234,7 @@ def _load() -> tuple[NativeLibrary | None, NativeStatus]:
         reason = "; ".join(failures) or ("forced by " + ISA_ENV if wanted != "auto" else "")
         if not failures and wanted == "auto" and isa.name != "avx512":
             reason = "the CPU lacks AVX-512"
-        return lib, NativeStatus(isa.name, reason)
+        return lib, NativeStatus(isa.name, reason, lib.origin)
     return None, NativeStatus(None, "; ".join(failures))
 
 
@@ -260,20 +242,28 @@ def _load() -> tuple[NativeLibrary | None, NativeStatus]:
 def isa_library(
     isa: str, compiler: str | None = None, without: frozenset[str] = frozenset()
 ) -> NativeLibrary:
-    """The library built for `isa` (a key of ISAS), whatever the environment asks: the tests
+    """The library of build `isa` (a key of ISAS), whatever the environment asks: the tests
     run the AVX2 build beside the AVX-512 one, and that one `without` an optional feature
-    (avx512_vnni) as a CPU lacking it builds it. Raises OSError or CalledProcessError when
-    it cannot be built."""
-    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    (avx512_vnni) as a CPU lacking it runs it. The prebuilt variant when it is current,
+    else compiled (by `compiler`, else the system's). Raises OSError or
+    CalledProcessError when neither can be had."""
+    variant = ISAS[isa].variant(cpu_flags() - without)
+    has_bf16 = "avx512_bf16" in cpu_flags()
+    path = _prebuilt(variant)
+    if path is not None:
+        build_id = f"{variant.name}-prebuilt-{variant.digest()[:16]}"
+        return NativeLibrary(path, has_bf16, isa, build_id, "prebuilt")
+    compiler = compiler or native_build.find_compiler()
     if compiler is None:
-        raise OSError("no C compiler (cc, gcc or $CC)")
-    path = _build(compiler, flowllm_cache_dir() / "kernels", ISAS[isa], cpu_flags() - without)
-    return NativeLibrary(path, has_bf16="avx512_bf16" in cpu_flags(), isa=isa)
+        raise OSError(NO_COMPILER)
+    path = _build(compiler, flowllm_cache_dir() / "kernels", variant)
+    return NativeLibrary(path, has_bf16, isa, f"{isa}-{path.parent.name}", "compiled")
 
 
 def library() -> NativeLibrary | None:
-    """The compiled kernels of the widest build this CPU runs (or the one `FLOWLLM_NATIVE_ISA`
-    forces), built on first use; None where none can run (see the module docstring)."""
+    """The kernels of the widest build this CPU runs (or the one `FLOWLLM_NATIVE_ISA`
+    forces), prebuilt or built on first use; None where none can run (see the module
+    docstring)."""
     return _load()[0]
 
 
@@ -289,44 +279,29 @@ def status() -> NativeStatus:
     return _load()[1]
 
 
-def _python_include() -> str:
-    return sysconfig.get_paths()["include"]
+def _prebuilt(variant: Variant) -> Path | None:
+    return native_build.prebuilt_library(native_build.PREBUILT_DIR, variant)
 
 
-def _build(compiler: str, root: Path, isa: Isa, cpu: frozenset[str]) -> Path:
-    """Compile the sources for `isa` and the optional features of `cpu` into `root/<hash>/`
-    unless that library exists already."""
+def _build(compiler: str, root: Path, variant: Variant) -> Path:
+    """Compile `variant` into `root/<hash>/` unless that library exists already."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     digest = hashlib.sha256()
-    sources = sorted(SOURCE_DIR.glob("*.c"))
-    flags = (*COMMON_FLAGS, *isa.target_flags(cpu))
-    for part in (compiler, version, " ".join(flags), LIBRARY_NAME, _python_include()):
+    for part in (compiler, version, LIBRARY_NAME, native_build.python_include()):
         digest.update(part.encode())
-    for src in [*sources, *sorted(SOURCE_DIR.glob("*.h"))]:
-        digest.update(src.name.encode())
-        digest.update(src.read_bytes())
+    digest.update(variant.digest().encode())
     target = root / digest.hexdigest()[:16] / LIBRARY_NAME
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        includes = ["-I", str(SOURCE_DIR), "-I", _python_include()]
-        cmd = [compiler, *flags, *includes, *map(str, sources), "-o", tmp, "-lm"]
-        _log.info(
-            "compiling the native kernels (once)",
-            compiler=compiler,
-            isa=isa.name,
-            target=str(target),
-        )
-        started = time.perf_counter()
-        subprocess.run(cmd, capture_output=True, text=True, check=True)
-        os.replace(tmp, target)
-        _log.info("native kernels ready", seconds=round(time.perf_counter() - started, 1))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _log.info(
+        "compiling the native kernels (once)",
+        compiler=compiler,
+        isa=variant.name,
+        target=str(target),
+    )
+    started = time.perf_counter()
+    native_build.compile_library(compiler, variant, target)
+    _log.info("native kernels ready", seconds=round(time.perf_counter() - started, 1))
     return target

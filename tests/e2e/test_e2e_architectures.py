@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from e2e_helpers import start_server
-from model_fixtures import TINY_ARCHITECTURES, build_tiny_dir
+from model_fixtures import TINY_ARCHITECTURES, build_tiny_dir, greedy_continuation
 from server_process import TINY_FLAGS, ServerProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the dog"
@@ -35,18 +34,6 @@ def arch_server(
         proc.stop()
 
 
-def greedy_continuation(model_dir: Path, prompt_ids: list[int]) -> list[int]:
-    """transformers' greedy tokens, each step computed from scratch (no cache)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt_ids) :]
-
-
 def test_greedy_completion_is_transformers(
     arch_server: tuple[Path, ServerProcess], gpt2_tokenizer: Any
 ) -> None:
@@ -62,7 +49,7 @@ def test_greedy_completion_is_transformers(
     prompt_ids = gpt2_tokenizer.encode(PROMPT)
     assert whole.usage is not None and whole.usage.completion_tokens == NEW_TOKENS
     assert whole.usage.prompt_tokens == len(prompt_ids)
-    want = gpt2_tokenizer.decode(greedy_continuation(model_dir, prompt_ids))
+    want = gpt2_tokenizer.decode(greedy_continuation(model_dir, prompt_ids, NEW_TOKENS))
     assert whole.choices[0].text == want
 
 

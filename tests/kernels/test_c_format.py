@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flowllm.kernels.native import SOURCE_DIR
+from flowllm.kernels.native_build import SOURCE_DIR
 
 
 def _clang_format() -> str:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowllm.kernels import native
+from flowllm.cache_dir import flowllm_cache_dir
+from flowllm.kernels import native, native_build
 
 needs_native = pytest.mark.skipif(
     native.library() is None, reason="no AVX-512 or AVX2 CPU, or no C compiler here"
@@ -151,3 +152,45 @@ def test_a_failed_build_is_reported_with_the_reason(tmp_path: Path) -> None:
 def test_an_unknown_isa_is_refused(tmp_path: Path) -> None:
     out = _run(STATUS, tmp_path, FLOWLLM_NATIVE_ISA="sse2").splitlines()
     assert out[-1] == "None False" and "FLOWLLM_NATIVE_ISA must be" in out[-2]
+
+
+def test_a_prebuilt_library_serves_only_while_its_sources_are_current(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prebuilt library loads when the digest beside it is that of the sources and flags
+    this checkout holds; built from other sources (the C changed since), it is stale and the
+    library is compiled instead, or, without a compiler, none is had."""
+    if not native.cpu_flags() >= native.ISAS["avx2"].cpu_flags or native.library() is None:
+        pytest.skip("this machine cannot run the AVX2 build")
+    variant = native.ISAS["avx2"].variant(native.cpu_flags())
+    root = tmp_path / "prebuilt"
+    (root / "avx2").mkdir(parents=True)
+    shutil.copy2(native.isa_library("avx2").path, root / "avx2" / native_build.LIBRARY_NAME)
+    digest = root / "avx2" / native_build.DIGEST_NAME
+    monkeypatch.setattr(native_build, "PREBUILT_DIR", root)
+    load = native.isa_library.__wrapped__  # not the process's cached libraries
+    compiled_root = flowllm_cache_dir() / "kernels"
+
+    lib = load("avx2")  # no digest beside it: not trusted
+    assert lib.origin == "compiled" and lib.path.is_relative_to(compiled_root)
+
+    digest.write_text(variant.digest() + "\n")
+    lib = load("avx2")
+    assert (lib.origin, lib.path) == ("prebuilt", root / "avx2" / native_build.LIBRARY_NAME)
+    assert lib.build_id == f"avx2-prebuilt-{variant.digest()[:16]}"
+    assert lib.omp_max_threads() == torch.get_num_threads()
+
+    other = tmp_path / "csrc"  # the sources before their last change
+    shutil.copytree(native_build.SOURCE_DIR, other)
+    with (other / "linear.c").open("a") as f:
+        f.write("/* another version */\n")
+    with monkeypatch.context() as m:
+        m.setattr(native_build, "SOURCE_DIR", other)
+        digest.write_text(variant.digest() + "\n")
+    lib = load("avx2")
+    assert lib.origin == "compiled" and lib.path.is_relative_to(compiled_root)
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # and no compiler: no library
+    with pytest.raises(OSError, match="no C compiler"):
+        load("avx2")
