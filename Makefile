@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flowllm-installed
 
-.PHONY: serve test test-avx2 test-torch lint typecheck setup system-packages bench-channel traces reliability ui-screenshots wheel
+.PHONY: serve test test-avx2 test-torch lint typecheck setup system-packages bench-channel traces reliability ui-screenshots wheel wheel-check
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
@@ -13,7 +13,13 @@ test: $(STAMP) system-packages
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not wheel"
+
+# The wheel built as `make wheel` builds it, installed into a fresh environment and served
+# from there with no C compiler on the PATH (tests/test_wheel_install.py); CI runs it after
+# `make test`.
+wheel-check: $(STAMP)
+	$(PY) -m pytest -q -m wheel tests/test_wheel_install.py
 
 # The whole suite on the AVX2 build (as on a CPU without AVX-512), and with the native
 # kernels off (the torch paths); the kernel tests still run each build the CPU can run.

@@ -28,12 +28,12 @@ from server_process import REPO, TINY_FLAGS, ServerProcess
 
 from flowllm.kernels import native, native_build
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.wheel, pytest.mark.skipif(
     platform.machine().lower() not in {"x86_64", "amd64"}
     or native_build.find_compiler() is None
     or not native.cpu_flags() >= native.ISAS["avx2"].cpu_flags,
     reason="the wheel's kernels are built and run on x86-64 with a C compiler and AVX2",
-)
+)]
 
 # What the wheel is built from (pyproject.toml names README.md as the long description).
 BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "flowllm")
