@@ -34,7 +34,7 @@ def test_the_flag_parses_as_vllms_and_picks_the_speculative_graph() -> None:
 @pytest.mark.parametrize(
     ("value", "said"),
     [
-        ('{"method": "eagle"}', "speculative method must be one of ('ngram',), got 'eagle'"),
+        ('{"method": "eagle"}', "speculative method must be one of ('ngram', 'draft_model'), got 'eagle'"),
         ('{"num_speculative_tokens": 99}', "num_speculative_tokens must be in [1, 16], got 99"),
         ('{"prompt_lookup_max": 1}', "prompt_lookup_max (1) must be >= prompt_lookup_min (2)"),
         (f'{{"prompt_lookup_max": {2**63}}}', f"prompt_lookup_max must be <= 64, got {2**63}"),
