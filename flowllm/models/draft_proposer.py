@@ -144,26 +144,36 @@ class DraftProposer:
 
     def _catch_up(self, todo: list[tuple[int, TokenIds, _DraftSeq, int]]) -> dict[int, list[int]]:
         """Compute each sequence's tokens from `computed` to its last, in passes of at most
-        `max_batch_tokens` tokens; each sequence's first draft, from its last row."""
+        `max_batch_tokens` tokens; each sequence's first draft, from its last row. What one
+        step's acceptance leaves (at most k + 1 tokens) runs as one decode row per token,
+        so that such a pass has a decode step's shape and replays as one
+        (flowllm.models.step_plans); a longer run (a prompt) as prefill chunks."""
         drafts: dict[int, list[int]] = {}
         start = {seq_id: seq.computed for seq_id, _, seq, _ in todo}
         while len(drafts) < len(todo):
             budget = self.max_batch_tokens
             batch: list[ScheduledSeq] = []
             for seq_id, tokens, seq, _ in todo:
-                at = start[seq_id]
-                take = min(len(tokens) - at, budget)
+                at, n = start[seq_id], len(tokens)
+                take = min(n - at, budget)
                 if seq_id in drafts or take < 1:
                     continue
-                batch.append(
+                ids = tokens[at : at + take].tolist()
+                table = tuple(seq.blocks)
+                if at + take == n and take <= self.k + 1:
+                    rows = [(at + j, (t,)) for j, t in enumerate(ids)]
+                else:
+                    rows = [(at, tuple(ids))]
+                batch.extend(
                     ScheduledSeq(
                         seq_id=seq_id,
-                        token_ids=tuple(tokens[at : at + take].tolist()),
-                        num_computed_tokens=at,
-                        block_table=tuple(seq.blocks),
-                        sample=at + take == len(tokens),
+                        token_ids=row,
+                        num_computed_tokens=position,
+                        block_table=table,
+                        sample=position + len(row) == n,
                         num_output_tokens=0,
                     )
+                    for position, row in rows
                 )
                 start[seq_id] = at + take
                 budget -= take
