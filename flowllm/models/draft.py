@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from flowllm.config import ConfigError, EngineConfig, SpeculativeConfig
 from flowllm.models.loader import ModelLoadError, one_line, resolve_model
 from flowllm.models.tokenizer import tokenizer_source
@@ -147,4 +149,12 @@ def load_draft(
         kv_caches = spec.allocate(num_blocks, loaded.device)
     except KVCacheError as e:
         raise ConfigError(f"{_FIELD}: {one_line(e)}") from None
+    structlog.get_logger("flowllm.models").info(
+        "draft model",
+        model=name,
+        layers=model.num_layers,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        kv_blocks=num_blocks,
+        max_len=max_len,
+    )
     return DraftModel(model, kv_caches, num_blocks, block_size, max_len, loaded.device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from flowllm.engine.loading import build_services
 from flowllm.graph.spec import GraphSpec
 from flowllm.llm import RequestOutput
 from flowllm.mailbox import Mailbox, RequestFailed
-from flowllm.messages import GenerateRequest
+from flowllm.messages import GenerateRequest, StructuredOutputs
 from flowllm.messages import SamplingParams as Params
 from flowllm.stages.propose import Propose
 from flowllm.stages.services import EngineServices
@@ -140,13 +141,33 @@ def test_seeded_sampled_requests_reproduce_and_equal_the_default_graphs(
         assert accepted(spec) > 0
 
 
+def test_a_large_batch_steps_aside_and_a_grammar_takes_no_drafts(
+    base: LLM, itself: LLM, gpt2_tiny_dir: Path
+) -> None:
+    adaptive = speculating(gpt2_tiny_dir, gpt2_tiny_dir, disable_by_batch_size=4)
+    batch = prompts(9, 10)
+    code = StructuredOutputs(regex="[a-z]{3}-[0-9]{2}")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=i != 3,
+                       structured_outputs=code if i == 3 else None)
+        for i in range(len(batch))
+    ]  # fmt: skip
+    want = outputs(base.generate(batch, params))
+    assert outputs(adaptive.generate(batch, params)) == want
+    assert outputs(itself.generate(batch, params)) == want
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", str(want[3][0][1]))
+    # drafts only once the batch has shrunk to 4 sequences
+    assert 0 < drafted(adaptive) < drafted(itself)
+    assert accepted(adaptive) == drafted(adaptive)
+
+
 def test_a_draft_cache_too_small_for_the_batch_evicts_and_recomputes(
     base: LLM, gpt2_tiny_dir: Path
 ) -> None:
-    """Room for about two sequences' K/V: the others take the blocks of those idle
-    longest, which catch up from their first token when they draft again; a sequence too
-    long for the whole cache drafts nothing. Every draft made is still accepted."""
-    spec = speculating(gpt2_tiny_dir, gpt2_tiny_dir, draft_kv_cache_memory=20 * TINY_BLOCK_BYTES)
+    """12 blocks of 16 tokens: the sequences take the blocks of those idle longest, which
+    catch up from their first token when they draft again, and the one of 200 prompt
+    tokens, too long for the whole cache, drafts nothing. Every draft made is accepted."""
+    spec = speculating(gpt2_tiny_dir, gpt2_tiny_dir, draft_kv_cache_memory=12 * TINY_BLOCK_BYTES)
     batch = prompts(4, 10)
     want = outputs(base.generate(batch, GREEDY))
     assert outputs(spec.generate(batch, GREEDY)) == want
