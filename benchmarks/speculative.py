@@ -18,15 +18,16 @@ with other work, wall times move with the others' load, CPU time much less.
 
 Modes: `none` (the default graph), `ngram` (the speculative graph, drafts at any batch
 size: `disable_by_batch_size` null), `adaptive` (the speculative graph with its default
-`disable_by_batch_size`, at concurrency > 1 only), and with `--draft PATH` `draft_model`
-(the speculative graph drafting with that model, at any batch size). Acceptance: accepted /
+`disable_by_batch_size`, at concurrency > 1 only), and for each `--draft PATH` a mode
+`draft:NAME` (method draft_model with that model, at any batch size). Acceptance: accepted /
 drafted tokens. Greedy outputs are compared between modes (they must be equal).
 
     .venv/bin/python benchmarks/speculative.py
     .venv/bin/python benchmarks/speculative.py --pairs 1 --prompts 2 --max-tokens 64 --concurrency 8
     .venv/bin/python benchmarks/speculative.py --prompts 0 --concurrency 16  # where to step aside
     .venv/bin/python benchmarks/truncated_draft.py --layers 4 --out /tmp/smollm2-draft-4
-    .venv/bin/python benchmarks/speculative.py --draft /tmp/smollm2-draft-4 --concurrency 0
+    .venv/bin/python benchmarks/speculative.py --concurrency 0 \
+        --draft /tmp/smollm2-draft-4 --draft smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -141,7 +142,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument(
-        "--draft", help="also run mode draft_model with this draft (a path or Hub id)"
+        "--draft",
+        action="append",
+        default=[],
+        help="also run mode draft:NAME drafting with this model (a path or Hub id; repeatable)",
     )
     parser.add_argument("--json", help="also write the runs here")
     args = parser.parse_args()
@@ -152,11 +156,11 @@ def main() -> None:
         "ngram": LLM(args.model, speculative_config={**spec, "disable_by_batch_size": None}),
         "adaptive": LLM(args.model, speculative_config=spec),
     }
-    drafting: tuple[str, ...] = ()
-    if args.draft:
-        config = {**spec, "model": args.draft, "disable_by_batch_size": None}
-        engines["draft_model"] = LLM(args.model, speculative_config=config)
-        drafting = ("draft_model",)
+    drafting: list[str] = []
+    for draft in args.draft:
+        config = {**spec, "model": draft, "disable_by_batch_size": None}
+        drafting.append(f"draft:{os.path.basename(draft.rstrip('/'))}")
+        engines[drafting[-1]] = LLM(args.model, speculative_config=config)
     texts = passages(engines["none"], max(args.prompts, args.concurrency), args.passage_tokens)
     chats = conversations(texts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
