@@ -1,4 +1,5 @@
-"""Speculative decoding with n-gram prompt lookup against none, on the bundled model.
+"""Speculative decoding (n-gram prompt lookup, a draft model) against none, on the bundled
+model.
 
 Workload (grounded, greedy): chat prompts that give a passage of `--passage-tokens` tokens
 (English prose: the docstrings of Python's standard library, cut on a token boundary) and
@@ -17,12 +18,16 @@ with other work, wall times move with the others' load, CPU time much less.
 
 Modes: `none` (the default graph), `ngram` (the speculative graph, drafts at any batch
 size: `disable_by_batch_size` null), `adaptive` (the speculative graph with its default
-`disable_by_batch_size`, at concurrency > 1 only). Acceptance: accepted / drafted tokens.
-Greedy outputs are compared between modes (they must be equal).
+`disable_by_batch_size`, at concurrency > 1 only), and for each `--draft PATH` a mode
+`draft:NAME` (method draft_model with that model, at any batch size). Acceptance: accepted /
+drafted tokens. Greedy outputs are compared between modes (they must be equal).
 
     .venv/bin/python benchmarks/speculative.py
     .venv/bin/python benchmarks/speculative.py --pairs 1 --prompts 2 --max-tokens 64 --concurrency 8
     .venv/bin/python benchmarks/speculative.py --prompts 0 --concurrency 16  # where to step aside
+    .venv/bin/python benchmarks/truncated_draft.py --layers 4 --out /tmp/smollm2-draft-4
+    .venv/bin/python benchmarks/speculative.py --concurrency 0 \
+        --draft /tmp/smollm2-draft-4 --draft smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -129,11 +134,19 @@ def main() -> None:
     parser.add_argument(
         "--prompts", type=int, default=4, help="prompts at concurrency 1 (0: none, skip it)"
     )
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--concurrency", type=int, default=32, help="the batch of the second run (0: skip it)"
+    )
     parser.add_argument("--passage-tokens", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        help="also run mode draft:NAME drafting with this model (a path or Hub id; repeatable)",
+    )
     parser.add_argument("--json", help="also write the runs here")
     args = parser.parse_args()
 
@@ -143,6 +156,11 @@ def main() -> None:
         "ngram": LLM(args.model, speculative_config={**spec, "disable_by_batch_size": None}),
         "adaptive": LLM(args.model, speculative_config=spec),
     }
+    drafting: list[str] = []
+    for draft in args.draft:
+        config = {**spec, "model": draft, "disable_by_batch_size": None}
+        drafting.append(f"draft:{os.path.basename(draft.rstrip('/'))}")
+        engines[drafting[-1]] = LLM(args.model, speculative_config=config)
     texts = passages(engines["none"], max(args.prompts, args.concurrency), args.passage_tokens)
     chats = conversations(texts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -154,10 +172,14 @@ def main() -> None:
     runs: list[Run] = []
     for pair in range(args.pairs):
         for concurrency, modes, prompts in (
-            (1, ("none", "ngram"), chats[: args.prompts]),
-            (args.concurrency, ("none", "ngram", "adaptive"), chats[: args.concurrency]),
+            (1, ("none", "ngram", *drafting), chats[: args.prompts]),
+            (
+                args.concurrency,
+                ("none", "ngram", "adaptive", *drafting),
+                chats[: args.concurrency],
+            ),
         ):
-            if not prompts:  # --prompts 0: concurrency N only
+            if not prompts:  # --prompts 0 (--concurrency 0): concurrency N (1) only
                 continue
             outputs: dict[str, list[list[int]]] = {}
             order = modes if pair % 2 == 0 else modes[::-1]

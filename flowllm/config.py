@@ -149,30 +149,60 @@ _ZERO_ALLOWED = ("max_logprobs", "max_stop_strings", "max_stop_token_ids", "max_
 
 
 # The speculative methods served (`SpeculativeConfig.method`), and the bound on drafts.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # The longest n-gram prompt lookup matches: each step tries every length down to the
 # shortest, for every drafting sequence.
 MAX_PROMPT_LOOKUP = 64
+# What a draft model's KV cache may take by default, in bytes on its device: a small
+# draft's K/V for tens of thousands of tokens.
+DRAFT_KV_CACHE_MEMORY = 256 * 1024**2
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Speculative decoding, vLLM's `--speculative-config`: `method` proposes up to
-    `num_speculative_tokens` drafts per sequence and step (ngram: prompt lookup over n-grams
-    of `prompt_lookup_min` to `prompt_lookup_max` tokens), which the model verifies exactly.
-    A step with more than `disable_by_batch_size` running sequences runs without drafts
-    (None: never steps aside)."""
+    `num_speculative_tokens` drafts per sequence and step, which the model verifies exactly.
+    ngram: prompt lookup over n-grams of `prompt_lookup_min` to `prompt_lookup_max` tokens.
+    draft_model: the greedy continuation of `model`, a smaller checkpoint with the target's
+    vocabulary, run in `dtype` (None: the target's) with a KV cache of at most
+    `draft_kv_cache_memory` bytes. The method defaults to draft_model when `model` is given,
+    as vLLM infers it, else to ngram. A step with more than `disable_by_batch_size` running
+    sequences runs without drafts (None: never steps aside)."""
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = 8
+    model: str | None = None
+    dtype: str | None = None
+    draft_kv_cache_memory: int = DRAFT_KV_CACHE_MEMORY
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            inferred = "ngram" if self.model is None else "draft_model"
+            msgspec.structs.force_setattr(self, "method", inferred)
         _require(
             self.method in SPECULATIVE_METHODS,
             f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+        )
+        drafting = self.method == "draft_model"
+        _require(
+            not drafting or bool(self.model),
+            "model must name the draft model (a path or a Hugging Face Hub id) for method "
+            "'draft_model'",
+        )
+        _require(
+            drafting or (self.model is None and self.dtype is None),
+            f"model and dtype name a draft model, which method {self.method!r} does not run",
+        )
+        _require(
+            self.dtype is None or self.dtype in DTYPES,
+            f"dtype must be one of {DTYPES}, got {self.dtype!r}",
+        )
+        _require(
+            self.draft_kv_cache_memory > 0,
+            f"draft_kv_cache_memory must be > 0, got {self.draft_kv_cache_memory}",
         )
         _require(
             1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,

@@ -34,14 +34,16 @@ def test_the_flag_parses_as_vllms_and_picks_the_speculative_graph() -> None:
 @pytest.mark.parametrize(
     ("value", "said"),
     [
-        ('{"method": "eagle"}', "speculative method must be one of ('ngram',), got 'eagle'"),
+        ('{"method": "eagle"}',
+         "speculative method must be one of ('ngram', 'draft_model'), got 'eagle'"),
+        ('{"method": "draft_model"}', "model must name the draft model"),
         ('{"num_speculative_tokens": 99}', "num_speculative_tokens must be in [1, 16], got 99"),
         ('{"prompt_lookup_max": 1}', "prompt_lookup_max (1) must be >= prompt_lookup_min (2)"),
         (f'{{"prompt_lookup_max": {2**63}}}', f"prompt_lookup_max must be <= 64, got {2**63}"),
         ('{"num_speculative_tokens": ' + "9" * 400 + "}", "num_speculative_tokens"),
         ("ngram", "JSON is malformed"),
     ],
-)
+)  # fmt: skip
 def test_bad_values_are_one_error_before_the_model_loads(
     tmp_path: Path, value: str, said: str
 ) -> None:
@@ -53,4 +55,21 @@ def test_bad_values_are_one_error_before_the_model_loads(
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
     assert f"error: --speculative-config: {said}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_draft_model_that_does_not_resolve_is_one_error_before_anything_starts(
+    tmp_path: Path, gpt2_tiny_dir: Path
+) -> None:
+    """The supervisor checks the draft (without torch) before it starts the engine core."""
+    missing = tmp_path / "no-draft-here"
+    done = subprocess.run(
+        [sys.executable, "-m", "flowllm", "serve", str(gpt2_tiny_dir),
+         "--speculative-config", f'{{"model": "{missing}"}}', "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    said = f"error: --speculative-config: model: model {str(missing)!r} does not exist"
+    assert said in done.stderr, done.stderr
     assert "Traceback" not in done.stderr

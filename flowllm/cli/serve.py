@@ -256,6 +256,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from flowllm.engine.args import config_from_args
     from flowllm.engine.core import placement_of
     from flowllm.graph.spec import GraphSpec
+    from flowllm.models.draft import check_draft
     from flowllm.models.loader import ModelLoadError
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
@@ -265,6 +266,7 @@ def serve_command(args: argparse.Namespace) -> int:
         default_template_kwargs(args, config.limits)
         task = resolve_served_task(args)
         config = config_from_args(args)
+        check_draft(config, "--speculative-config")
         # a bad graph fails before the model
         spec = GraphSpec.load(args.graph or graph_for_task(task, config.speculative is not None))
         if spec.problems:

@@ -169,10 +169,13 @@ def add_engine_arguments(
     parser.add_argument("--graph", help="run this graph YAML instead of the default one")
     parser.add_argument(
         "--speculative-config",
-        help="speculative decoding, as JSON (vLLM's): method ngram, num_speculative_tokens "
-        "(1 to 16), prompt_lookup_max, prompt_lookup_min, disable_by_batch_size (more running "
-        "sequences than this and a step runs without drafts; null: never); without --graph, "
-        "runs the speculative graph (flowllm/engine/speculative.yaml)",
+        help="speculative decoding, as JSON (vLLM's): method ngram or draft_model (the "
+        "default when model is given), num_speculative_tokens (1 to 16), "
+        "disable_by_batch_size (more running sequences than this and a step runs without "
+        "drafts; null: never); ngram: prompt_lookup_max, prompt_lookup_min; draft_model: "
+        "model (a path or Hub id of a smaller model with the target's tokenizer), dtype "
+        "(default: the target's), draft_kv_cache_memory (bytes, default 256 MiB); without "
+        "--graph, runs the speculative graph (flowllm/engine/speculative.yaml)",
     )
     parser.add_argument(
         "--trace-dir", help="record every channel's messages and the spans into this directory"

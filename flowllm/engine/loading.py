@@ -16,6 +16,7 @@ import torch
 from flowllm.config import ConfigError, EngineConfig
 from flowllm.kernels import native
 from flowllm.models.causal_lm import PagedCausalLM
+from flowllm.models.draft import DraftModel, check_draft, drafts_with_model, load_draft
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
 from flowllm.models.layers import Linear
 from flowllm.models.loader import LoadedModel, load_model
@@ -80,6 +81,7 @@ def build_services(config: EngineConfig, *, tokenizer_now: bool = True) -> Engin
     releases the GIL). `tokenizer_now` False: it loads on first use instead (the engine
     core, whose stages need it only for grammars: a thread beside the weights would slow
     their loading by its share of the interpreter)."""
+    check_draft(config)  # a bad draft model fails before the target loads
     load = functools.partial(load_tokenizer, *tokenizer_source(config))
     tokenizer_loader: Callable[[], PreTrainedTokenizerBase]
     if tokenizer_now:
@@ -151,9 +153,10 @@ def services_for_model(
     pooler: PoolerConfig | None = None,
 ) -> EngineServices:
     """The services of a loaded model under `config`: its context length checked against
-    `config`'s, and a KV cache of `config`'s size allocated for it (an encoder has none).
-    A model served for pooling (`pooler`) runs with its scheduling adjusted
-    (`pooling_config`)."""
+    `config`'s, and a KV cache of `config`'s size allocated for it (an encoder has none);
+    with a draft model (speculative decoding), the draft loaded beside it, whose weights
+    and cache come out of a GPU's share before the target's cache. A model served for
+    pooling (`pooler`) runs with its scheduling adjusted (`pooling_config`)."""
     max_model_len = model.max_position_embeddings
     if pooler is not None and pooler.max_seq_length is not None:
         max_model_len = min(max_model_len, pooler.max_seq_length)
@@ -165,15 +168,20 @@ def services_for_model(
             )
         max_model_len = config.model.max_model_len
     config = pooling_config(config, pooler, max_model_len)
+    draft: DraftModel | None = None
     if isinstance(model, PagedCausalLM):
         model.limit_context(max_model_len)
+        taken = model_bytes(model)
+        if config.speculative is not None and drafts_with_model(config):
+            draft = load_draft(config.speculative, model, max_model_len, config.cache.block_size)
+            taken += model_bytes(draft.model) + config.speculative.draft_kv_cache_memory
         spec = KVCacheSpec.for_model(model, config.cache.block_size)
         num_blocks, kv_caches = allocate_kv_cache(
             spec,
             device,
             config.cache.kv_cache_memory,
             config.cache.gpu_memory_utilization,
-            model_bytes(model),
+            taken,
         )
     else:
         model.limit_steps(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
@@ -188,6 +196,7 @@ def services_for_model(
         eos_token_ids=eos_token_ids,
         device=device,
         pooler=pooler,
+        draft=draft,
     )
 
 

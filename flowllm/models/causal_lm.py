@@ -29,6 +29,7 @@ class PagedCausalLM(nn.Module, abc.ABC):
     dtype: torch.dtype  # the activations' (and float weights')
     device: torch.device
     max_position_embeddings: int  # the longest context the model was trained for
+    vocab_size: int  # the width of its logits rows
     # "int8": `load_weights` quantizes the float linear layers (see layers.pack_linears)
     quantization: str | None = None
 

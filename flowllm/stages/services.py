@@ -3,7 +3,7 @@ flowllm/engine/loading.py).
 
 The runtime hands this object to every stage constructor. Each piece still has exactly one
 stage that edits it: the mailboxes belong to ingest (open) and deliver, the KV
-cache tensors to execute; the rest is read-only.
+cache tensors to execute, a draft model's KV cache to propose; the rest is read-only.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
+    from flowllm.models.draft import DraftModel
     from flowllm.models.kv_cache import KVCaches
 
 T = TypeVar("T")
@@ -59,6 +60,8 @@ class EngineServices:
     # A model served for pooling (--task embed or score): how its vectors are made and
     # what requests may ask of them; None: a model served for generation.
     pooler: PoolerConfig | None = None
+    # Speculative decoding with a draft model: the draft and its KV cache (propose's)
+    draft: DraftModel | None = None
     # Where validate has a request's constraint compiled, (request id, constraint) -> its
     # error or None; None: here, with `grammars()`. A front asks its engine core.
     check_constraint: Callable[[str, StructuredOutputs], Awaitable[RequestError | None]] | None = (
@@ -150,6 +153,7 @@ class EngineServices:
             guided=self.guided,
             small_step_threads=self.small_step_threads,
             pooler=self.pooler,
+            draft=self.draft,
             _derived=self._derived,
             _derived_lock=self._derived_lock,
             _workers=self._workers,

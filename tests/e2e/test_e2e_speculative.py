@@ -1,8 +1,11 @@
 """`flowllm serve --speculative-config` (tiny GPT-2): completions, whole and streamed, equal
-the default server's token for token, and /metrics counts drafts under vLLM's names."""
+the default server's token for token, and /metrics counts drafts under vLLM's names; with
+a draft model (the target drafting for itself, loaded in the engine core) too, every
+draft accepted."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,3 +74,30 @@ def test_metrics_count_drafts_and_their_acceptance(spec_server: ServerProcess) -
     assert "vllm:spec_decode_num_draft_tokens_total{" in text
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=" in text
     assert 'position="0"' in text
+
+
+@pytest.fixture(scope="module")
+def draft_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
+    config = {"model": str(gpt2_tiny_dir), "num_speculative_tokens": 4}
+    proc = start_server(
+        str(gpt2_tiny_dir), [*TINY_FLAGS, "--speculative-config", json.dumps(config)]
+    )
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_a_draft_models_completions_equal_the_default_servers(
+    draft_server: ServerProcess, server: ServerProcess
+) -> None:
+    for prompt in PROMPTS:
+        got = complete(draft_server, prompt=prompt)["choices"][0]
+        want = complete(server, prompt=prompt)["choices"][0]
+        assert (got["text"], got["logprobs"]["tokens"]) == (
+            want["text"],
+            want["logprobs"]["tokens"],
+        )
+    values = draft_server.metrics()
+    drafts = values["flowllm:spec_decode_num_draft_tokens_total"]
+    assert values["flowllm:spec_decode_num_accepted_tokens_total"] == drafts > 0

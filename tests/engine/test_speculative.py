@@ -347,7 +347,13 @@ def target(row: torch.Tensor, p: SamplingParams) -> list[float]:
 @pytest.mark.parametrize(
     ("value", "said"),
     [
-        ('{"method": "eagle"}', "speculative method must be one of ('ngram',), got 'eagle'"),
+        ('{"method": "eagle"}',
+         "speculative method must be one of ('ngram', 'draft_model'), got 'eagle'"),
+        ('{"method": "draft_model"}', "model must name the draft model"),
+        ('{"method": "ngram", "model": "d"}', "which method 'ngram' does not run"),
+        ('{"model": "d", "dtype": "fp8"}', "dtype must be one of"),
+        ('{"model": "d", "draft_kv_cache_memory": 0}', "draft_kv_cache_memory must be > 0, got 0"),
+        ('{"model": "d", "draft_model": "e"}', "unknown field `draft_model`"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be in [1, 16], got 0"),
         ('{"num_speculative_tokens": 17}', "num_speculative_tokens must be in [1, 16], got 17"),
         ('{"prompt_lookup_min": 5}', "prompt_lookup_max (4) must be >= prompt_lookup_min (5)"),
@@ -357,7 +363,7 @@ def target(row: torch.Tensor, p: SamplingParams) -> list[float]:
         ('{"k": 4}', "unknown field `k`"),
         ("{", "speculative_config:"),
     ],
-)
+)  # fmt: skip
 def test_bad_speculative_configs_say_what_is_wrong(value: str, said: str) -> None:
     with pytest.raises(ConfigError) as raised:
         speculative_config(value)
@@ -377,6 +383,10 @@ def test_speculative_config_from_json_a_dict_or_itself() -> None:
     )
     assert engine_config(speculative=want).speculative == want
     assert engine_config().speculative is None
+    # a model and no method: a draft model, as vLLM infers it
+    drafting = speculative_config('{"model": "small", "num_speculative_tokens": 3}')
+    assert (drafting.method, drafting.model, drafting.dtype) == ("draft_model", "small", None)
+    assert speculative_config("{}").method == "ngram"
     with pytest.raises(ConfigError, match="one step in flight"):
         Scheduler(
             SchedulerConfig(), CacheConfig(), 256, 64, async_scheduling=True, speculative=want

@@ -19,6 +19,7 @@ from flowllm.stages.detokenize import Detokenize
 from flowllm.stages.execute import Execute
 from flowllm.stages.guide import Guide
 from flowllm.stages.ingest import Ingest
+from flowllm.stages.propose import Propose
 from flowllm.stages.sample import Sample
 from flowllm.stages.schedule import Schedule
 from flowllm.stages.tokenize import Tokenize
@@ -113,6 +114,12 @@ class FaultyGuide(Guide):
         await super().handle(message, ctx)
 
 
+class FaultyPropose(Propose):
+    async def _propose(self, batch: Any, step: Any) -> Any:
+        await strike("propose")
+        return await super()._propose(batch, step)
+
+
 class FaultyDetokenize(Detokenize):
     async def handle(self, message: Any, ctx: Any) -> None:
         await strike("detokenize")
@@ -126,11 +133,15 @@ class FaultyDeliver(Deliver):
 
 
 def fault_graph(
-    stage: str, *, timeout_s: float | None = None, max_restarts: int | None = None
+    stage: str,
+    *,
+    timeout_s: float | None = None,
+    max_restarts: int | None = None,
+    base: Path = DEFAULT_GRAPH,
 ) -> str:
-    """The default graph's YAML with `stage` replaced by its faulty twin, its watchdog
-    set to `timeout_s` and its group's intensity to `max_restarts`."""
-    text = DEFAULT_GRAPH.read_text()
+    """The YAML of the `base` graph (the default one) with `stage` replaced by its faulty
+    twin, its watchdog set to `timeout_s` and its group's intensity to `max_restarts`."""
+    text = base.read_text()
     real = f"flowllm.stages.{stage}:{stage.capitalize()}"
     assert real in text, real
     text = text.replace(real, f"{__name__}:Faulty{stage.capitalize()}")  # this module
