@@ -96,6 +96,8 @@ def test_quantized_outputs_do_not_depend_on_the_kernels_thread_count(build: str)
     """A core sharing its cores with fronts runs small steps' kernels on fewer threads
     (`small_step_threads`): a request alone (one thread) and among others (two threads
     once the batch is large) gives the tokens it gives with two threads throughout."""
+    if build == "torch":
+        pytest.skip("small_step_threads sizes the native kernels' pool: no kernels, no change")
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
