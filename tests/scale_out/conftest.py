@@ -138,6 +138,19 @@ def start_own_cluster_server(gpt2_tiny_dir: Path) -> Callable[..., ServerProcess
     return start
 
 
+@pytest.fixture
+def start_shared_cluster_server(
+    gpt2_tiny_dir: Path, ray_address: str
+) -> Callable[..., ServerProcess]:
+    """Starts a server on the session's Ray cluster, with `flags` added to its command
+    line; the test stops it."""
+
+    def start(flags: tuple[str, ...] = ()) -> ServerProcess:
+        return start_ray_server(gpt2_tiny_dir, ("--ray-address", ray_address, *flags))
+
+    return start
+
+
 @pytest.fixture(scope="module")
 def own_cluster_server(gpt2_tiny_dir: Path) -> Iterator[ServerProcess]:
     """Two replicas on a Ray cluster the server starts itself (no `--ray-address`)."""

@@ -1,7 +1,8 @@
-"""SIGTERM to a Ray server: it exits 0 within seconds and leaves no process behind, idle
-with Serve's direct ingress, and with its HTTP proxy while a stream runs (the last test);
-a stream in flight at the signal finishes first, and one that outlasts --shutdown-timeout
-ends with a 503 event, as on a single server (tests/e2e/test_e2e_shutdown.py)."""
+"""SIGTERM to a Ray server: an idle one on a cluster of its own exits 0 within seconds
+and leaves no process behind (Serve's direct ingress; its HTTP proxy exits the same way in
+the last test); a stream in flight at the signal finishes first, and one that outlasts
+--shutdown-timeout ends with a 503 event, as on a single server
+(tests/e2e/test_e2e_shutdown.py). The stream tests run on the session's cluster."""
 
 from __future__ import annotations
 
@@ -68,8 +69,10 @@ def stream_then_stop(proc: ServerProcess, bound: float) -> tuple[int | None, dic
     return code, result
 
 
-def test_a_stream_in_flight_finishes_before_the_exit(start_own_cluster_server: StartServer) -> None:
-    proc = start_own_cluster_server({}, ("--shutdown-timeout", str(DRAIN_S)))
+def test_a_stream_in_flight_finishes_before_the_exit(
+    start_shared_cluster_server: StartServer,
+) -> None:
+    proc = start_shared_cluster_server(("--shutdown-timeout", str(DRAIN_S)))
     # The drain waits for the stream (at most --shutdown-timeout) on top.
     code, result = stream_then_stop(proc, STOP_BOUND_S + DRAIN_S)
     assert code == 0, f"exit {code} after {result['took']:.1f} s"
@@ -78,11 +81,11 @@ def test_a_stream_in_flight_finishes_before_the_exit(start_own_cluster_server: S
 
 
 def test_a_stream_outlasting_the_drain_ends_with_an_error_event(
-    start_own_cluster_server: StartServer,
+    start_shared_cluster_server: StartServer,
 ) -> None:
     """The drain period over, a stream still running gets the 503 a single server sends
     (an error event), not a cut connection."""
-    proc = start_own_cluster_server({}, ("--shutdown-timeout", "0"))
+    proc = start_shared_cluster_server(("--shutdown-timeout", "0"))
     code, result = stream_then_stop(proc, STOP_BOUND_S)
     assert code == 0, f"exit {code} after {result['took']:.1f} s"
     assert result["status"] == 200 and "cut" not in result, result
