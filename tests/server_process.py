@@ -8,6 +8,7 @@ graceful drain) and SIGKILL if it lingers. Shared by tests/e2e and tests/example
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -53,9 +54,22 @@ def process_tree(pid: int) -> list[int]:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on now, below the kernel's ephemeral range: a port the kernel
+    picked (bind to port 0) can be taken by any process's next outgoing connection before
+    the server binds it, and a Ray cluster makes many."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(1000):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class ServerProcess:
