@@ -19,7 +19,6 @@ from flowllm.models.loader import (
     one_line,
     resolve_model,
 )
-from flowllm.models.tokenizer_class import record_class, recorded_class
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -85,9 +84,6 @@ def load_tokenizer(
                 # tokenizer for; AutoTokenizer would pick the same one, after importing its
                 # tables of every model's tokenizer (0.25 s of each process's start).
                 tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
-            elif (recorded := recorded_class(path)) is not None:
-                # AutoTokenizer's choice for these files, made before (it imports torch)
-                tokenizer = recorded.from_pretrained(str(path))
             else:
                 from transformers import AutoTokenizer
 
@@ -97,7 +93,6 @@ def load_tokenizer(
                 tokenizer = AutoTokenizer.from_pretrained(
                     str(path), trust_remote_code=False, config=_model_config(path)
                 )
-                record_class(path, type(tokenizer))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {one_line(e)}") from e
     if not isinstance(tokenizer, PreTrainedTokenizerFast):

@@ -19,8 +19,6 @@ import pytest
 from e2e_helpers import start_server
 from server_process import DEFAULT_GRAPH, TINY_FLAGS, ServerProcess, process_tree, wait_until
 
-from flowllm.models.tokenizer import load_tokenizer
-
 PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time", "In the beginning"]
 
 
@@ -206,20 +204,5 @@ def test_a_core_failing_past_its_restart_intensity_exits_70(
         assert server.process.returncode == 70, server.output()
         assert "failed past its restart intensity" in server.output()
         assert not [p for p in process_tree(server.process.pid) if p != server.process.pid]
-    finally:
-        server.stop()
-
-
-def test_a_front_serves_a_model_directory_without_torch(gpt2_tiny_dir: Path) -> None:
-    """A front needs no torch for any model: the tokenizer class AutoTokenizer chose for
-    these files (AutoTokenizer imports torch) is remembered from their first load."""
-    load_tokenizer(gpt2_tiny_dir)  # the first load, as the first start of these files
-    server = start_server(str(gpt2_tiny_dir), TINY_FLAGS)
-    try:
-        assert complete(server.url, PROMPTS[0]).status_code == 200
-        fronts = server.processes_named("flowllm-front")
-        assert fronts and not any(
-            "libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in fronts
-        )
     finally:
         server.stop()

@@ -3,17 +3,13 @@ replacing the model's; clear errors for missing files."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from flowllm.models import tokenizer_class
 from flowllm.models.loader import MissingFileError, ModelLoadError
 from flowllm.models.tokenizer import TokenizerLoadError, load_tokenizer, read_chat_template
 
@@ -99,40 +95,3 @@ def test_the_engine_core_loads_its_tokenizer_on_first_use(
     tokenizer = services.tokenizer
     assert tokenizer("Hello")["input_ids"] == [15496]
     assert services.fresh().tokenizer is tokenizer and len(loads) == 1
-
-
-def test_autotokenizers_choice_is_remembered_for_the_same_files(
-    gpt2_tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first load asks AutoTokenizer and records its class in the cache; a later load
-    of the same files takes that class without AutoTokenizer (which imports torch), and
-    tokenizes the same. Other files, or a record naming no tokenizer class, ask again."""
-    monkeypatch.setenv("FLOWLLM_CACHE", str(tmp_path / "cache"))
-    model = tmp_path / "model"
-    shutil.copytree(gpt2_tiny_dir, model)
-    assert tokenizer_class.recorded_class(model) is None
-    first = load_tokenizer(model)
-    assert tokenizer_class.recorded_class(model) is type(first)
-    script = (
-        "import sys\n"
-        "from flowllm.models.tokenizer import load_tokenizer\n"
-        f"tok = load_tokenizer({str(model)!r})\n"
-        "print(type(tok).__name__, tok.encode('Hello world'), 'torch' in sys.modules)\n"
-    )
-    env = {**os.environ, "FLOWLLM_CACHE": str(tmp_path / "cache")}
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
-    ).stdout.split(maxsplit=1)
-    assert out == [type(first).__name__, f"{first.encode('Hello world')} False\n"]
-
-    config = model / "tokenizer_config.json"
-    config.write_text(config.read_text().replace("1024", "2048"))  # model_max_length
-    assert tokenizer_class.recorded_class(model) is None
-    load_tokenizer(model)
-    record = next((tmp_path / "cache" / "tokenizer-classes").glob("*"))
-    for bogus in ("NotATokenizer", "os.system", "LlamaConfig"):
-        for path in (tmp_path / "cache" / "tokenizer-classes").iterdir():
-            path.write_text(bogus)
-        assert tokenizer_class.recorded_class(model) is None, bogus
-        assert load_tokenizer(model).encode("Hello") == first.encode("Hello")
-    assert record.is_file()
