@@ -104,19 +104,6 @@ PUBLIC_PREFIXES = ("/docs/",)  # the docs UI's own assets, should it serve any
 UI_PUBLIC_PATHS = frozenset({"/", AUTH_PATH})
 UI_PUBLIC_PREFIXES = (STATIC_PREFIX,)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-# Routes whose requests enter the engine's admission: refused at the door while it is full.
-ADMITTED_PATHS = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/embeddings",
-        "/v1/score",
-        "/score",
-        "/v1/rerank",
-        "/rerank",
-        "/v2/rerank",
-    }
-)
 _SCOPE_REQUEST_ID = "flowllm.request_id"  # the id echoed in X-Request-Id
 _SCOPE_REQUEST_ID_GIVEN = "flowllm.request_id_given"  # did the client send it?
 _REQUEST_LOG = structlog.get_logger("flowllm.requests")  # --enable-log-requests
@@ -587,6 +574,21 @@ async def create_rerank(request: Request[Any, Any, Any]) -> Response[Any]:
         operation="rerank",
         response_id=response_id,
     )
+
+
+# The paths of the routes whose requests enter the engine's admission: refused at the door
+# while it is full (HttpBoundary).
+ADMITTED_PATHS = frozenset(
+    path
+    for handler in (
+        create_completion,
+        create_chat_completion,
+        create_embedding,
+        create_score,
+        create_rerank,
+    )
+    for path in handler.paths
+)
 
 
 @get("/v1/models", opt={OPENAPI_OPT: OpenApi(response=ModelList)})
