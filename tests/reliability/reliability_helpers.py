@@ -200,15 +200,27 @@ class HealthPoller:
             raise RuntimeError(f"health poller failed: {err.decode(errors='replace')}")
         data = json.loads(out)
         return HealthSamples(
-            latencies=data["latencies"], failures=data["failures"], lags=data["lags"]
+            latencies=data["latencies"],
+            sent_at=data["sent_at"],
+            failures=data["failures"],
+            lags=data["lags"],
         )
 
 
 @dataclass
 class HealthSamples:
     latencies: list[float]  # seconds, of the 200s
+    sent_at: list[float]  # when each of those was sent, time.monotonic()
     failures: list[str]  # anything but a 200: status or exception, with its time
     lags: list[float]  # seconds each of the poller's sleeps overran: the machine's delay
+
+    def sent_between(self, start: float, end: float) -> list[float]:
+        """The latencies of the 200s sent from `start` to `end` (time.monotonic())."""
+        return [
+            latency
+            for latency, sent in zip(self.latencies, self.sent_at, strict=True)
+            if start <= sent <= end
+        ]
 
     def summary(self) -> str:
         if not self.latencies:

@@ -1,9 +1,9 @@
 """Overload: thousands of requests at once against a server whose ingest admits only a
 few (`max_pending`). Only 200s and 503s with Retry-After come back; every admitted request
 completes with the text the same prompt gets when served alone (greedy); /health, polled
-from another process throughout, answers every time, 99% of the time within HEALTH_P99
-and always within HEALTH_MAX; RSS stays bounded; and afterwards no per-request state
-remains.
+from another process throughout, answers every time, always within HEALTH_MAX, and the
+probes sent during the burst 90% of the time within HEALTH_BURST_P90; RSS stays bounded;
+and afterwards no per-request state remains.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ REQUESTS = scaled(2000, 5000)
 # itself delayed the poller (its late wake-ups: other work on a shared machine). The front
 # answers probes behind the burst's connections it accepted before them, so the slowest
 # probe waits for a share of the burst (benchmarks/README.md, "Health during an overload").
-HEALTH_P99 = 0.05  # seconds
+# Refused at the door, the burst lasts under a second: some 20 probes fall in it, too few
+# for a 99th percentile, which would be the slowest but one.
+HEALTH_BURST_P90 = 0.1  # seconds
 HEALTH_MAX = 0.5
 RSS_GROWTH_MB = 200.0  # peak over the idle server's RSS
 PROMPTS = [f"Overload {i}: the quick brown fox" for i in range(8)]
@@ -122,6 +124,9 @@ async def test_overload_sheds_with_503_and_serves_the_admitted(
             "statuses": dict(sorted(statuses.items())),
             "health": health.summary(),
             "health_max_ms": round(max(health.latencies, default=float("nan")) * 1000, 1),
+            "health_during_burst_ms": [
+                round(t * 1000, 1) for t in health.sent_between(started, started + duration)
+            ],
             "rss_idle_mb": round(rss_idle, 1),
             "rss_peak_mb": round(peak[0], 1),
             "leftovers": state.nonzero,
@@ -135,8 +140,13 @@ async def test_overload_sheds_with_503_and_serves_the_admitted(
     assert statuses["200"] >= 1, statuses
     assert not health.failures, f"/health failed during the overload: {health.failures[:10]}"
     lag = max(health.lags, default=0.0)
-    p99 = sorted(health.latencies)[int(0.99 * (len(health.latencies) - 1))]
-    assert p99 < HEALTH_P99 + lag, f"/health too slow: {health.summary()}"
+    during = sorted(health.sent_between(started, started + duration))
+    assert during, f"no probe was sent during the burst: {health.summary()}"
+    p90 = during[int(0.9 * (len(during) - 1))]
+    assert p90 < HEALTH_BURST_P90 + lag, (
+        f"/health too slow during the burst: {[round(t * 1000, 1) for t in during]} ms; "
+        f"{health.summary()}"
+    )
     assert max(health.latencies) < HEALTH_MAX + lag, f"/health too slow: {health.summary()}"
     assert peak[0] - rss_idle < RSS_GROWTH_MB, f"RSS from {rss_idle:.0f} to {peak[0]:.0f} MB"
     assert state.clean, f"state left 2 s after the overload: {state.nonzero}"
