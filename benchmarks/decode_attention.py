@@ -21,7 +21,7 @@ from model_step import best_time  # benchmarks/ is on sys.path when run as a scr
 from flowllm.kernels import cpu_attention, reference
 from flowllm.kernels.native import library as native_library
 from flowllm.kernels.workspace import Workspace
-from flowllm.models.runner import keep_freed_memory_mapped
+from flowllm.models.glibc_heap import keep_freed_memory_mapped
 
 BLOCK = 16
 HEAD_DIM = 64

@@ -64,6 +64,7 @@ from flowllm.graph.wire import (
 )
 from flowllm.logging_config import configure_logging
 from flowllm.messages import Abort, RequestError
+from flowllm.models import glibc_heap
 from flowllm.sampling.grammar import GrammarError
 
 if TYPE_CHECKING:  # the supervisor imports this module, and needs no torch
@@ -129,6 +130,7 @@ def start_core(spec: CoreSpec) -> multiprocessing.process.BaseProcess:
 
 def run_core(spec: CoreSpec) -> None:
     """The core process's entry point: load, serve the fronts, exit when told to."""
+    glibc_heap.one_arena()  # before any thread starts
     collector.pause()  # until loaded
     become_child("flowllm-core")
     configure_logging(fmt=spec.log_format, level=spec.log_level, force=True)

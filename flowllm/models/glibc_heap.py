@@ -1,6 +1,6 @@
 """glibc's heap: how much of it is in use, and giving its free pages back to the system.
 
-Why: `runner.keep_freed_memory_mapped` raises glibc's trim and mmap thresholds so that a
+Why: `keep_freed_memory_mapped` raises glibc's trim and mmap thresholds so that a
 step's large temporaries reuse freed heap instead of fresh mappings; glibc then never
 gives back the heap a burst of steps freed, and the process stays as large as its largest
 burst. `trim` (glibc's `malloc_trim(0)`) gives it back: it shrinks the top of the main
@@ -57,6 +57,54 @@ def _function(name: str, restype: Any) -> Callable[..., Any] | None:
         return None
     fn.restype = restype  # type: ignore[attr-defined]
     return fn
+
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
+
+
+def one_arena() -> bool:
+    """Make every thread that allocates from now on share the main heap (M_ARENA_MAX = 1).
+
+    With glibc's default arena per thread, each of the threads a step runs on keeps heap
+    of its own, fragmented as its allocations happened to fall: the core's RSS moved by
+    tens of MB between identical bursts with nothing held, and freed memory on one thread
+    could not serve another. A thread that allocated before keeps its own arena, so a
+    process that runs steps calls this before it starts any thread (the core process,
+    first thing). False where the C library has no mallopt."""
+    return _mallopt(((_M_ARENA_MAX, 1),))
+
+
+def keep_freed_memory_mapped() -> bool:
+    """Let glibc reuse freed heap memory for large tensors instead of unmapping it.
+
+    A CPU step allocates many large temporaries (gathered KV, activations, logits). By
+    default glibc serves each from a fresh mmap, so every step pays page faults and page
+    zeroing on all of them (benchmarks/README.md "Heap reuse for step temporaries" has the
+    figures). Process-wide and idempotent; returns False where the C library has no mallopt.
+
+    The thresholds alone do not reach allocations on worker threads (execute and sample
+    run there): a thread's own arena holds at most 64 MiB a heap, and a larger block is
+    mmapped and unmapped every time whatever the thresholds say. So this also limits the
+    arenas to one (`one_arena`). What the heap keeps this way is given back once the
+    engine goes idle (`trim`).
+    """
+    return _mallopt(
+        (
+            (_M_MMAP_THRESHOLD, 1 << 30),
+            (_M_TRIM_THRESHOLD, 1 << 30),
+            (_M_TOP_PAD, 64 << 20),
+            (_M_ARENA_MAX, 1),
+        )
+    )
+
+
+def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
+    lib = libc()
+    mallopt = getattr(lib, "mallopt", None) if lib is not None else None
+    if mallopt is None:
+        return False
+    return all(mallopt(param, value) for param, value in settings)
 
 
 def in_use() -> int | None:

@@ -17,7 +17,7 @@ cache bound" has its cost). The caches then hold at most `CACHE_ENTRIES` × `ENT
 oneDNN's, and as much again in ideep's per thread that runs products (the step's worker,
 and packing's threads for the weights' reorders). Few entries also keep the heap compact:
 the kept kernels are long-lived blocks among a step's large temporaries, in the heap that
-`runner.keep_freed_memory_mapped` never trims, and the more are kept, the more of it they
+`glibc_heap.keep_freed_memory_mapped` never trims, and the more are kept, the more of it they
 hold apart; 64 entries still let the server grow, 16 did not.
 
 Both caches read their capacity from the environment once: oneDNN at the process's first

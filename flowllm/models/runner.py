@@ -77,40 +77,6 @@ class PoolingModel(Protocol):
     ) -> torch.Tensor: ...
 
 
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
-
-
-def keep_freed_memory_mapped() -> bool:
-    """Let glibc reuse freed heap memory for large tensors instead of unmapping it.
-
-    A CPU step allocates many large temporaries (gathered KV, activations, logits). By
-    default glibc serves each from a fresh mmap, so every step pays page faults and page
-    zeroing on all of them (benchmarks/README.md "Heap reuse for step temporaries" has the
-    figures). Process-wide and idempotent; returns False where the C library has no mallopt.
-
-    The thresholds alone do not reach allocations on worker threads (execute and sample
-    run there): each thread gets its own arena, whose heaps hold at most 64 MiB, and a
-    larger block is mmapped and unmapped every time whatever the thresholds say. So the
-    arenas are limited to one (M_ARENA_MAX = 1) and threads created from now on share the
-    main heap. What the heap keeps this way is given back once the engine goes idle
-    (`glibc_heap.trim`).
-    """
-    libc = glibc_heap.libc()
-    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
-    if mallopt is None:
-        return False
-    return all(
-        mallopt(param, value)
-        for param, value in (
-            (_M_MMAP_THRESHOLD, 1 << 30),
-            (_M_TRIM_THRESHOLD, 1 << 30),
-            (_M_TOP_PAD, 64 << 20),
-            (_M_ARENA_MAX, 1),
-        )
-    )
-
-
 # A step of at most this many rows (tokens) runs the kernels on `small_step_threads`.
 SMALL_STEP_ROWS = 8
 
@@ -242,7 +208,7 @@ class ModelRunner:
             else step_plans.for_device(model, kv_caches, self.device, self.native, decode_buckets)
         )
         if self.device.type == "cpu":
-            keep_freed_memory_mapped()
+            glibc_heap.keep_freed_memory_mapped()
         # the step's threads: torch's when built (the worker thread's own setting changes
         # with each step), or `small_step_threads` for a step of at most SMALL_STEP_ROWS rows
         self.threads = torch.get_num_threads()

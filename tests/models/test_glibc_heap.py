@@ -21,9 +21,8 @@ SCRIPT = textwrap.dedent(
     f"""
     import ctypes, json
     from flowllm.models import glibc_heap
-    from flowllm.models.runner import keep_freed_memory_mapped
 
-    assert keep_freed_memory_mapped()
+    assert glibc_heap.keep_freed_memory_mapped()
     libc = glibc_heap.libc()
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
@@ -63,11 +62,49 @@ def test_trim_gives_back_what_a_burst_freed() -> None:
     assert freed[1] - trimmed[1] >= BURST_MB * 0.9  # given back
 
 
+# Mallocs a block on a new thread and prints whether it lies in the main heap ([heap] in
+# /proc/self/maps), with the arenas limited to one first or not.
+THREAD_BLOCK_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, sys, threading
+    from flowllm.models import glibc_heap
+
+    if sys.argv[1] == "one":
+        assert glibc_heap.one_arena()
+    libc = glibc_heap.libc()
+    libc.malloc.restype = ctypes.c_void_p
+    found = []
+    threading.Thread(target=lambda: found.append(libc.malloc(4096))).start()
+    while not found:
+        pass
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith("[heap]"):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            print(start <= found[0] < end)
+    """
+)
+
+
+@pytest.mark.skipif(not has_glibc(), reason="needs glibc's mallopt")
+@pytest.mark.parametrize(("arenas", "in_main_heap"), [("one", "True"), ("default", "False")])
+def test_one_arena_puts_a_new_threads_blocks_in_the_main_heap(
+    arenas: str, in_main_heap: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", THREAD_BLOCK_SCRIPT, arenas],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [in_main_heap]
+
+
 def test_without_glibc_everything_degrades(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(glibc_heap, "libc", lambda: None)
     glibc_heap._function.cache_clear()
     try:
         assert glibc_heap.in_use() is None
         assert glibc_heap.trim() is False
+        assert glibc_heap.one_arena() is False
+        assert glibc_heap.keep_freed_memory_mapped() is False
     finally:
         glibc_heap._function.cache_clear()

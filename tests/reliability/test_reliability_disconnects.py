@@ -8,11 +8,11 @@ RST. Within 2 s of the last cut no KV block, running or waiting sequence, reques
 or per-sequence state may remain, and the server's RSS (after a warm-up) may drift by less
 than 25 MB. Both RSS readings follow the heap trim the idle server makes a second after
 its last step (`flowllm:heap_trims_total`), which gives back what the steps freed: without
-it the drift held whatever freed heap glibc kept, 0-30 MB. The server runs with one malloc
-arena (`MALLOC_ARENA_MAX=1`): with glibc's arena per thread, how fragmented each thread's
-arena happens to be moved RSS by -7 to +26 MB a round of 1000 streams, up or down, with
-nothing held; with one arena it is 4-6 MB over the round, then 1-2 MB a round
-(docs/reliability.md), so a leak of a few KB a stream stands out.
+it the drift held whatever freed heap glibc kept, 0-30 MB. The core's threads share one
+malloc arena from its start (`glibc_heap.one_arena`): while the threads it started before
+loading the model kept arenas of their own, how each happened to fragment moved RSS by -7
+to +26 MB a round of 1000 streams with nothing held; with one arena the storm's drift is
+4-6 MB, then 1-2 MB a round (docs/reliability.md).
 
 The warm-up is a round of cut streams, then enough long prompts to have used every block
 of the KV cache once. The cache is a mapping whose pages become resident when first
@@ -33,19 +33,16 @@ import random
 import socket
 import struct
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from e2e_helpers import start_server
 from reliability_helpers import (
     HEAP_TRIMS,
     KV_USAGE,
     RUNNING,
-    cap_memory,
     leftovers,
     report,
     rss_mb,
@@ -234,34 +231,19 @@ async def use_every_kv_block(server: ServerProcess, num_blocks: int) -> None:
         await asyncio.gather(*(one(client, i) for i in range(prompts)))
 
 
-@pytest.fixture(scope="module")
-def storm_server(gpt2_tiny_dir: Path, reliability_template: Path) -> Iterator[ServerProcess]:
-    """The reliability suite's tiny server, with one malloc arena (see the module's doc)."""
-    proc = start_server(
-        str(gpt2_tiny_dir),
-        [*TINY_FLAGS, "--chat-template", str(reliability_template)],
-        env={"MALLOC_ARENA_MAX": "1"},
-    )
-    try:
-        cap_memory(proc.process.pid)
-        yield proc
-    finally:
-        proc.stop()
-
-
 @pytest.mark.anyio
 async def test_disconnect_storm_frees_everything(
-    storm_server: ServerProcess, gpt2_tiny_dir: Path
+    tiny_server: ServerProcess, gpt2_tiny_dir: Path
 ) -> None:
     rng = random.Random(20261125)
-    pid = storm_server.process.pid
+    pid = tiny_server.process.pid
     warmup = [make_stream(-i - 1, rng) for i in range(WARMUP)]
-    trims = scrape(storm_server.url).get(HEAP_TRIMS, 0.0)
-    await storm(storm_server, warmup)
-    await use_every_kv_block(storm_server, kv_cache_blocks(gpt2_tiny_dir))
-    settled = await asyncio.to_thread(wait_for_no_leftovers, storm_server.url, 10.0)
+    trims = scrape(tiny_server.url).get(HEAP_TRIMS, 0.0)
+    await storm(tiny_server, warmup)
+    await use_every_kv_block(tiny_server, kv_cache_blocks(gpt2_tiny_dir))
+    settled = await asyncio.to_thread(wait_for_no_leftovers, tiny_server.url, 10.0)
     assert settled.clean, f"state left after the warm-up round: {settled.nonzero}"
-    trims = await asyncio.to_thread(wait_for_heap_trim, storm_server.url, trims)
+    trims = await asyncio.to_thread(wait_for_heap_trim, tiny_server.url, trims)
     rss_before = rss_mb(pid)
 
     streams = [make_stream(i, rng) for i in range(STREAMS)]
@@ -270,23 +252,23 @@ async def test_disconnect_storm_frees_everything(
 
     async def watch() -> None:  # the check below is not vacuous: the storm does hold state
         while not watching.is_set():
-            values = await asyncio.to_thread(scrape, storm_server.url)
+            values = await asyncio.to_thread(scrape, tiny_server.url)
             for name in peaks:
                 peaks[name] = max(peaks[name], values.get(name, 0.0))
             await asyncio.sleep(0.1)
 
     watcher = asyncio.create_task(watch())
     started = time.monotonic()
-    outcomes = await storm(storm_server, streams)
+    outcomes = await storm(tiny_server, streams)
     duration = time.monotonic() - started
     watching.set()
     await watcher
     ended = time.monotonic()
-    state = await asyncio.to_thread(wait_for_no_leftovers, storm_server.url, 2.0)
+    state = await asyncio.to_thread(wait_for_no_leftovers, tiny_server.url, 2.0)
     freed_after = time.monotonic() - ended
-    await asyncio.to_thread(wait_for_heap_trim, storm_server.url, trims)
+    await asyncio.to_thread(wait_for_heap_trim, tiny_server.url, trims)
     rss_after = rss_mb(pid)
-    health = httpx.get(f"{storm_server.url}/health", timeout=5).status_code
+    health = httpx.get(f"{tiny_server.url}/health", timeout=5).status_code
     report(
         "disconnect storm",
         {
@@ -311,9 +293,9 @@ async def test_disconnect_storm_frees_everything(
         f"RSS went from {rss_before:.1f} to {rss_after:.1f} MB over {STREAMS} streams"
     )
     # And the server still answers completely.
-    assert not leftovers(storm_server.url).nonzero
+    assert not leftovers(tiny_server.url).nonzero
     check = httpx.post(
-        f"{storm_server.url}/v1/completions",
+        f"{tiny_server.url}/v1/completions",
         json={"prompt": "After the storm", "max_tokens": 4},
         timeout=30,
     )
