@@ -15,6 +15,7 @@ model's modules are imported where a runner is built, in the process that runs e
 
 from __future__ import annotations
 
+from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 
     from flowllm.models.decode_buckets import DecodeBuckets
     from flowllm.models.runner import ModelRunner
+
+
+_token_ids = attrgetter("token_ids")
 
 
 class MissingSampledIdsError(RuntimeError):
@@ -76,6 +80,13 @@ def _warmed_up_runner(services: EngineServices) -> ModelRunner:
     runner = _runner(services, DecodeBuckets.for_context(sizes, services.max_model_len, block_size))
     warm_up(runner, min(config.scheduler.max_num_batched_tokens, services.max_model_len))
     return runner
+
+
+def step_size(batch: StepBatch) -> tuple[int, int, bool]:
+    """A step's size class, for its worker (a short step runs on the loop): its sequences
+    and tokens to the next power of two, and whether it returns prompt logits."""
+    tokens = sum(map(len, map(_token_ids, batch.seqs)))
+    return len(batch.seqs).bit_length(), tokens.bit_length(), bool(batch.prompt_logits_for)
 
 
 class Execute(PerMessageStage):
@@ -125,7 +136,7 @@ class Execute(PerMessageStage):
     ) -> None:
         """Run one step (its placeholder rows reading `sampled`) and send its logits."""
         logits, prompt_logits = await self._worker.run(
-            self.runner.run, batch.seqs, batch.prompt_logits_for, sampled
+            self.runner.run, batch.seqs, batch.prompt_logits_for, sampled, size=step_size(batch)
         )
         await ctx.emit("out", StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits))
 

@@ -97,7 +97,9 @@ class Sample(PerMessageStage):
         self, step: StepLogits, masks: StepMasks | None, ctx: StageContext
     ) -> None:
         """Sample one step (under its grammar masks, if any) and send its tokens."""
-        tokens, ids = await self._worker.run(self._sample, step, masks)
+        rows, vocab = step.logits.shape
+        size = (rows.bit_length(), vocab, masks is not None, bool(step.prompt_logits))
+        tokens, ids = await self._worker.run(self._sample, step, masks, size=size)
         if ids is not None and "ids" in ctx.output_ports:
             await ctx.emit("ids", SampledIds(step_id=step.batch.step_id, ids=ids))
         await ctx.emit("out", tokens)

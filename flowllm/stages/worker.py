@@ -13,6 +13,15 @@ scope per call (which costs a noticeable share of a step); the call runs to its 
 its result is dropped. The thread runs calls in order, so the next graph run's first step cannot
 touch the KV cache before that call is done. The graph runs on anyio's asyncio backend,
 which this relies on.
+
+A hop to the thread and back costs two thread wake-ups, ~0.1 ms each on a VM, which is
+more than a small step's whole work (an instant model's or a replayed GPU step's host
+work; benchmarks/README.md, "Calls that run on the loop"). So a call that names its size
+class (`size`) runs on the caller's thread instead when the last call of that class took
+at most `INLINE_BUDGET_S` and the thread has nothing queued or running: a short call
+blocks the loop for less than the hop would have cost, and never overlaps a call in the
+thread. A class not seen yet, or slower, goes to the thread, so a long step (a real
+model's on CPU, a prefill) never blocks the loop.
 """
 
 from __future__ import annotations
@@ -23,12 +32,21 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from time import perf_counter
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+_Job = tuple[
+    asyncio.AbstractEventLoop,
+    "asyncio.Future[Any]",
+    Callable[..., Any],
+    tuple[Any, ...],
+    Callable[[float], None],
+]
+
+INLINE_BUDGET_S = 0.0005  # a call this short runs on the caller's thread (see above)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -41,17 +59,33 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 
 
 def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
-    """The thread: run jobs in order until the stop sentinel (None)."""
-    while (job := jobs.get()) is not None:
-        loop, future, fn, args = job
-        result, error = None, None
-        try:
-            result = fn(*args)
-        except BaseException as e:  # handed to the caller, as anyio does
-            error = e
-        # RuntimeError: the loop closed meanwhile, so nobody waits for the result
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_settle, future, result, error)
+    """The thread: run jobs in order until the stop sentinel (None). It holds nothing of a
+    finished job while it waits for the next, so that the job's owner can be collected."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        _run(*job)
+        del job
+
+
+def _run(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    done: Callable[[float], None],
+) -> None:
+    result, error = None, None
+    started = perf_counter()
+    try:
+        result = fn(*args)
+    except BaseException as e:  # handed to the caller, as anyio does
+        error = e
+    done(perf_counter() - started)
+    # RuntimeError: the loop closed meanwhile, so nobody waits for the result
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_settle, future, result, error)
 
 
 # Every started thread and its queue, to stop them at exit: a thread that ran torch work
@@ -74,12 +108,19 @@ def _stop_all() -> None:
 
 class WorkerThread:
     """One thread running calls in order, started at the first call; it stops at `close`
-    or when this object is collected."""
+    or when this object is collected. Short calls run on the caller's thread (see above)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, inline_budget: float = INLINE_BUDGET_S) -> None:
         self.name = name
+        self.inline_budget = inline_budget
         self._jobs: queue.SimpleQueue[_Job | None] | None = None
         self._thread: threading.Thread | None = None
+        self._seconds: dict[Hashable, float] = {}  # size class -> its last call's seconds
+        # Calls handed to the thread, counted by the caller; and finished, counted by the
+        # thread: equal when the thread has nothing queued or running.
+        self._submitted = 0
+        self._finished = 0
+        self.inline_calls = 0  # calls run on the caller's thread, since the start
 
     def _start(self) -> queue.SimpleQueue[_Job | None]:
         jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -90,12 +131,31 @@ class WorkerThread:
         self._jobs = jobs
         return jobs
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in this thread; its result or exception."""
+    async def run(self, fn: Callable[..., T], *args: Any, size: Hashable = None) -> T:
+        """`fn(*args)`, in this thread or (a short call of size class `size`) right here;
+        its result or exception."""
+        if (
+            size is not None
+            and self._submitted == self._finished
+            and self._seconds.get(size, self.inline_budget + 1) <= self.inline_budget
+        ):
+            self.inline_calls += 1
+            started = perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self._seconds[size] = perf_counter() - started
         jobs = self._jobs or self._start()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        jobs.put((loop, future, fn, args))
+
+        def done(seconds: float) -> None:  # in the thread, before the result is handed back
+            if size is not None:
+                self._seconds[size] = seconds
+            self._finished += 1
+
+        self._submitted += 1
+        jobs.put((loop, future, fn, args, done))
         return await future
 
     def close(self) -> None:
