@@ -40,6 +40,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+from transformers import PreTrainedTokenizerBase
+
 from flowllm.config import BUNDLED_MODEL, SpeculativeConfig
 from flowllm.llm import LLM
 from flowllm.messages import SamplingParams
@@ -72,10 +74,9 @@ class Run:
     load_average: float
 
 
-def passages(llm: LLM, count: int, length: int) -> list[str]:
-    """`count` distinct passages of `length` tokens: consecutive windows of the standard
-    library's docstrings (each module's, then its members'), joined as prose."""
-    tokenizer = llm.tokenizer
+def passages(tokenizer: PreTrainedTokenizerBase, count: int, length: int) -> list[str]:
+    """`count` distinct passages of `length` tokens by `tokenizer`: consecutive windows of
+    the standard library's docstrings (each module's, then its members'), joined as prose."""
     docs: list[str] = []
     for name in SOURCES:
         module = importlib.import_module(name)
@@ -161,7 +162,8 @@ def main() -> None:
         config = {**spec, "model": draft, "disable_by_batch_size": None}
         drafting.append(f"draft:{os.path.basename(draft.rstrip('/'))}")
         engines[drafting[-1]] = LLM(args.model, speculative_config=config)
-    texts = passages(engines["none"], max(args.prompts, args.concurrency), args.passage_tokens)
+    count = max(args.prompts, args.concurrency)
+    texts = passages(engines["none"].tokenizer, count, args.passage_tokens)
     chats = conversations(texts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for llm in engines.values():  # warm up: kernels built, step plans recorded

@@ -1,0 +1,168 @@
+"""Speculative decoding over HTTP: flowllm's n-gram prompt lookup against llama.cpp's server
+with its own lookup decoding, on the bundled model's Q4_1 GGUF file, each with and without.
+
+The grounded workload of `speculative.py` (chat prompts that give a passage of
+`--passage-tokens` tokens and ask to repeat or lightly rewrite it), greedy, one request
+at a time, streamed. Four servers, all started first and kept up (an idle one takes no
+CPU), the modes run in turn `--pairs` times so that the machine's other load falls on each
+alike:
+
+- `flowllm`: `flowllm serve FILE` (weights served quantized, the default);
+- `flowllm-ngram`: the same with `--speculative-config` method ngram (its defaults: up to
+  4 drafts from n-grams of 2 to 4 tokens);
+- `llama-server`: `llama-server -m FILE`, one slot;
+- `llama-server-ngram`: the same with `--spec-type ngram-simple` (its defaults, or
+  `--llama-spec-args`).
+
+Per request, the time per output token after the first is (last chunk - first chunk) /
+(completion tokens - 1), the tokens counted by the server's usage; the table gives the
+mean over the requests. Beside it, the weight-reading floor: the file's bytes over the
+machine's read bandwidth (a sum over a 1 GiB tensor, every thread), the time one token
+takes when every weight is read once per token. Greedy texts must be equal with and
+without speculation, server by server.
+
+    .venv/bin/python benchmarks/speculative_serving.py \
+        --llama-server ~/.cache/flowllm-peers/llama/vendor/llama.cpp/build/bin/llama-server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from serve_comparison import Server, _bundled_gguf, _bundled_model_dir, _free_port
+from speculative import conversations, passages
+
+MODES = ("flowllm", "flowllm-ngram", "llama-server", "llama-server-ngram")
+NGRAM = {"method": "ngram", "disable_by_batch_size": None}
+
+
+def command(args: argparse.Namespace, mode: str, port: int) -> list[str]:
+    gguf = str(args.gguf)
+    if mode.startswith("flowllm"):
+        cmd = [
+            sys.executable, "-m", "flowllm", "serve", gguf, "--served-model-name", "model",
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
+            str(args.max_model_len), "--log-level", "warning",
+        ]  # fmt: skip
+        if mode == "flowllm-ngram":
+            cmd += ["--speculative-config", json.dumps(NGRAM)]
+        return cmd
+    cmd = [
+        args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", "1",
+        "-c", str(args.max_model_len), "--log-disable", *args.llama_server_args.split(),
+    ]  # fmt: skip
+    if mode == "llama-server-ngram":
+        cmd += ["--spec-type", "ngram-simple", *args.llama_spec_args.split()]
+    return cmd
+
+
+def stream_one(url: str, chat: list[dict[str, str]], max_tokens: int) -> tuple[str, int, float]:
+    """One streamed greedy chat request: (its text, completion tokens, ms per output token
+    after the first)."""
+    body = {
+        "model": "model", "messages": chat, "max_tokens": max_tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    text, tokens, first, last = [], 0, 0.0, 0.0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {response.read()[:500]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices", ()):
+                if choice.get("delta", {}).get("content"):
+                    last = time.perf_counter()
+                    first = first or last
+                    text.append(choice["delta"]["content"])
+    if tokens < 2:
+        raise RuntimeError(f"{url}: {tokens} completion tokens")
+    return "".join(text), tokens, (last - first) / (tokens - 1) * 1000
+
+
+def read_bandwidth() -> float:
+    """Bytes per second a sum over 1 GiB of float32 reads, best of 5."""
+    data = torch.ones(2**28)
+    data.sum()
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", required=True, help="the llama-server binary")
+    ap.add_argument("--llama-server-args", default="--no-repack", help="flags for both")
+    ap.add_argument("--llama-spec-args", default="", help="more flags for its ngram mode")
+    ap.add_argument("--gguf", type=Path, help="GGUF file (default: the bundled Q4_1 file)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--passage-tokens", type=int, default=500)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    args = ap.parse_args()
+    args.gguf = args.gguf or _bundled_gguf()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(_bundled_model_dir())
+    chats = conversations(passages(tokenizer, args.prompts, args.passage_tokens))
+    floor_ms = args.gguf.stat().st_size / read_bandwidth() * 1000
+    servers: dict[str, tuple[Server, str]] = {}
+    results: dict[str, list[float]] = {mode: [] for mode in MODES}
+    texts: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for mode in MODES:
+                port = _free_port()
+                url = f"http://127.0.0.1:{port}"
+                server = Server(mode, command(args, mode, port), dict(os.environ),
+                                Path(tmp) / f"{mode}.log")  # fmt: skip
+                servers[mode] = (server, url)
+                server.wait_healthy(url, args.startup_timeout)
+                stream_one(url, chats[0], 8)  # warm-up
+            for pair in range(args.pairs):
+                for mode in MODES if pair % 2 == 0 else MODES[::-1]:
+                    url = servers[mode][1]
+                    done = [stream_one(url, chat, args.max_tokens) for chat in chats]
+                    results[mode].append(statistics.fmean(ms for _, _, ms in done))
+                    texts[mode] = [text for text, _, _ in done]
+                    print(f"pair {pair + 1} {mode}: {results[mode][-1]:.2f} ms/token, "
+                          f"{sum(n for _, n, _ in done)} tokens", flush=True)  # fmt: skip
+        finally:
+            for server, _ in servers.values():
+                server.stop()
+    for base in ("flowllm", "llama-server"):
+        same = sum(a == b for a, b in zip(texts[base], texts[f"{base}-ngram"], strict=True))
+        print(f"{base}: {same} of {len(chats)} greedy texts equal with and without lookup")
+    print(f"\nweight-reading floor: {floor_ms:.2f} ms per token "
+          f"({args.gguf.stat().st_size / 2**20:.0f} MiB)\n")  # fmt: skip
+    print("| server | ms per output token, each pair | lookup / without |")
+    print("|---|---|---:|")
+    for mode in MODES:
+        base = mode.removesuffix("-ngram")
+        ratio = statistics.fmean(results[mode]) / statistics.fmean(results[base])
+        runs = ", ".join(f"{ms:.2f}" for ms in results[mode])
+        print(f"| {mode} | {runs} | {ratio:.2f} |")
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
