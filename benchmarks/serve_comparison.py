@@ -76,7 +76,7 @@ class ComparisonError(RuntimeError):
     """A server did not come up or a benchmark run failed; the message says which."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -127,7 +127,7 @@ class Server:
         self._log_file.close()
 
 
-def _bundled_model_dir() -> Path:
+def bundled_model_dir() -> Path:
     sys.path.insert(0, str(REPO))
     from flowllm.models.bundled import ensure_bundled_model, find_bundled_model
 
@@ -135,7 +135,7 @@ def _bundled_model_dir() -> Path:
     return found if found is not None else ensure_bundled_model()
 
 
-def _bundled_gguf() -> Path:
+def bundled_gguf() -> Path:
     sys.path.insert(0, str(REPO))
     from flowllm.models.bundled import bundled_gguf_path
 
@@ -213,7 +213,7 @@ def _bench(
 
 def start(args: argparse.Namespace, name: str, out_dir: Path) -> tuple[Server, str]:
     """Start `name` and wait until it answers; (the server, its URL)."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
     if name == "transformers":
@@ -361,7 +361,7 @@ def main() -> int:
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.model_dir is None:
-        args.model_dir = _bundled_model_dir()
+        args.model_dir = bundled_model_dir()
     args.model_dir = args.model_dir.resolve()
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = sorted(set(servers) - set(SERVERS))
@@ -372,7 +372,7 @@ def main() -> int:
     if "llama-server" in servers and not (args.llama_server and Path(args.llama_server).is_file()):
         ap.error("llama-server needs --llama-server PATH to its binary")
     if args.gguf is None:
-        args.gguf = _bundled_gguf()
+        args.gguf = bundled_gguf()
     args.gguf = args.gguf.resolve()
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="serve-comparison-"))
     out_dir.mkdir(parents=True, exist_ok=True)

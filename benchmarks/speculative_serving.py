@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from serve_comparison import Server, _bundled_gguf, _bundled_model_dir, _free_port
+from serve_comparison import Server, bundled_gguf, bundled_model_dir, free_port
 from speculative import conversations, passages
 
 MODES = ("flowllm", "flowllm-ngram", "llama-server", "llama-server-ngram")
@@ -117,11 +117,11 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     args = ap.parse_args()
-    args.gguf = args.gguf or _bundled_gguf()
+    args.gguf = args.gguf or bundled_gguf()
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(_bundled_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir())
     chats = conversations(passages(tokenizer, args.prompts, args.passage_tokens))
     floor_ms = args.gguf.stat().st_size / read_bandwidth() * 1000
     servers: dict[str, tuple[Server, str]] = {}
@@ -130,7 +130,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for mode in MODES:
-                port = _free_port()
+                port = free_port()
                 url = f"http://127.0.0.1:{port}"
                 server = Server(mode, command(args, mode, port), dict(os.environ),
                                 Path(tmp) / f"{mode}.log")  # fmt: skip

@@ -89,14 +89,12 @@ def keep_freed_memory_mapped() -> bool:
     arenas to one (`one_arena`). What the heap keeps this way is given back once the
     engine goes idle (`trim`).
     """
-    return _mallopt(
-        (
-            (_M_MMAP_THRESHOLD, 1 << 30),
-            (_M_TRIM_THRESHOLD, 1 << 30),
-            (_M_TOP_PAD, 64 << 20),
-            (_M_ARENA_MAX, 1),
-        )
+    thresholds = (
+        (_M_MMAP_THRESHOLD, 1 << 30),
+        (_M_TRIM_THRESHOLD, 1 << 30),
+        (_M_TOP_PAD, 64 << 20),
     )
+    return _mallopt(thresholds) and one_arena()
 
 
 def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
