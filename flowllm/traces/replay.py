@@ -207,6 +207,8 @@ async def _run_harness(
                 break
             if message is INPUT_END:  # the input ended here when recording
                 harness.senders[port].close()
+                # the stage sees the close before the next message, as when recording
+                await anyio.lowlevel.checkpoint()
                 continue
             await harness.senders[port].send(message)
             count += 1
