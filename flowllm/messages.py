@@ -98,6 +98,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # filled in by the guide stage
 
+    @property
+    def takes_drafts(self) -> bool:
+        """May speculative decoding draft for it? Not under a constraint that applies after
+        the reasoning: where the thinking ends is not known ahead of the draws, so guide
+        cannot mask drafted positions."""
+        spec = self.structured_outputs
+        return spec is None or spec.after_reasoning is None
+
 
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a pooling request (an embedding, a score) asks of its prompt's vector, as in
@@ -298,8 +306,10 @@ class StepMasks(msgspec.Struct, kw_only=True):
     """The allowed next tokens of the step's constrained sampling sequences (guide -> sample).
 
     Row i of `bitmask` belongs to `seq_ids[i]`; bit j of a row (int32 word j // 32, bit
-    j % 32) is set when token j may come next. Sequences without a constraint are absent,
-    and a step without constrained sequences sends no bitmask.
+    j % 32) is set when token j may come next. A sequence that verifies d drafts has d + 1
+    consecutive rows, one per position: row j holds what may follow its drafts 0..j-1.
+    Sequences without a constraint are absent, and a step without constrained sequences
+    sends no bitmask.
     """
 
     step_id: int

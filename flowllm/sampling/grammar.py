@@ -92,6 +92,11 @@ class Matcher:
         """Advance by a sampled token; False (state unchanged) when the grammar forbids it."""
         return bool(self._matcher.accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepts (drafts followed tentatively)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row `row` of a packed int32 bitmask."""
         self._matcher.fill_next_token_bitmask(bitmask, row)

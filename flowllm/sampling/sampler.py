@@ -284,7 +284,8 @@ class Sampler:
 
         logits: [sum(len(drafts[i]) + 1), V], sequence i's `len(drafts[i]) + 1` rows in
         order (row j predicts the token after draft j - 1). A stop ends a sequence's run.
-        allowed: as in `sample_with_ids`, for rows of sequences without drafts.
+        allowed: (logits rows, bitmask), the grammar masks of constrained rows: bitmask row
+        k masks logits row `rows[k]` (a verifying sequence has one per position).
         """
         counts = [len(d) + 1 for d in drafts]
         if logits.dim() != 2 or logits.shape[0] != sum(counts):
@@ -292,6 +293,7 @@ class Sampler:
                 f"logits must be [{sum(counts)}, V] for these drafts, got {tuple(logits.shape)}"
             )
         firsts = list(accumulate(counts, initial=0))
+        mask_of = {} if allowed is None else {row: k for k, row in enumerate(allowed[0])}
         runs: list[list[SampledToken]] = [[] for _ in seq_ids]
         active = list(range(len(seq_ids)))
         position = 0
@@ -300,11 +302,16 @@ class Sampler:
             at = logits
             if len(rows) != logits.shape[0]:
                 at = logits.index_select(0, to_device(rows, torch.int64, logits.device))
+            masked = [j for j, row in enumerate(rows) if row in mask_of]
+            here = None
+            if masked and allowed is not None:
+                picks = torch.tensor([mask_of[rows[j]] for j in masked], dtype=torch.int64)
+                here = (masked, allowed[1].index_select(0, picks))
             tokens, _ = self.sample_with_ids(
                 [seq_ids[i] for i in active],
                 at,
                 [num_output_tokens[i] + position for i in active],
-                allowed if position == 0 else None,
+                here,
             )
             got = {token.seq_id: token for token in tokens}
             still = []

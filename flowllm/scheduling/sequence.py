@@ -90,6 +90,7 @@ class Sequence:
         "started",
         "status",
         "stop_reason",
+        "takes_drafts",
         "token_ids",
         "use_prefix_cache",
         "wants_prompt_logits",
@@ -143,9 +144,10 @@ class Sequence:
         self.sampled_at = (-1, -1)
         # In-flight tokens that `apply` drops: ones computed from a token that never came.
         self.num_dropped = 0
-        # May it take placeholders, or drafts? Not under a grammar, which advances with
-        # each token.
+        # May it take placeholders? Not under a grammar, whose masks need each token before
+        # the next step. Drafts are allowed under most (guide masks each drafted position).
         self.runs_ahead = params.structured_outputs is None
+        self.takes_drafts = params.takes_drafts
         # Speculative decoding: the drafts proposed for its next step (from `apply`, those
         # the step has room for once scheduled), and how many the step in flight verifies.
         self.draft_token_ids: tuple[int, ...] = ()

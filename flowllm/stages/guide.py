@@ -9,8 +9,14 @@ sequences costs one empty message.
 The matcher of a sequence has accepted exactly its output tokens so far: a sampling row
 with `num_output_tokens = m` needs output m - 1 accepted, and that token is among the
 row's `token_ids` (the last one for a decode; inside the chunk for a recompute after
-preemption, where the matcher has usually accepted it already). Prefix-cache hits and
-prefill chunks that do not sample change nothing.
+preemption, where the matcher has usually accepted it already), or among the drafts its
+last sampling row verified, those that were accepted. Prefix-cache hits and prefill
+chunks that do not sample change nothing.
+
+A row that verifies d drafts (speculative decoding) gets d + 1 masks, one per position:
+the matcher follows the drafts tentatively, filling the mask after each, and is rolled
+back. From the first draft its grammar forbids, the rows repeat the last mask: that
+draft cannot be drawn, so verification stops there and the later rows are never read.
 
 A constraint with `after_reasoning` (chat on a server with a reasoning parser) applies to
 the answer only: a `ReasoningTracker` (flowllm.text.reasoning) follows the sequence's
@@ -21,12 +27,17 @@ row allows `<think>` besides what the grammar allows.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.graph.validator import ValidGraph
 from flowllm.messages import ScheduledSeq, StepBatch, StepMasks
 from flowllm.sampling.grammar import Grammars, Matcher, allow_token
 from flowllm.stages.services import EngineServices
 from flowllm.text.reasoning import ReasoningTracker
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GuideError(RuntimeError):
@@ -36,7 +47,7 @@ class GuideError(RuntimeError):
 class _Guided:
     """What guide keeps about one constrained sequence."""
 
-    __slots__ = ("matcher", "num_accepted", "num_prompt_tokens", "reasoning")
+    __slots__ = ("last_row", "matcher", "num_accepted", "num_prompt_tokens", "reasoning")
 
     def __init__(
         self, matcher: Matcher, num_prompt_tokens: int, reasoning: ReasoningTracker | None
@@ -45,6 +56,9 @@ class _Guided:
         self.num_prompt_tokens = num_prompt_tokens
         self.reasoning = reasoning  # the thinking part, which the constraint leaves free
         self.num_accepted = 0  # output tokens followed (the matcher accepts the answer's)
+        # the last sampling row seen: the drafts it verified hold the outputs accepted with
+        # them, which the next row's tokens no longer include
+        self.last_row: ScheduledSeq | None = None
 
     @property
     def masked(self) -> bool:
@@ -96,20 +110,25 @@ class Guide(PerMessageStage):
             guided = seqs.get(row.seq_id) if row.sample else None
             if guided is not None:
                 _catch_up(guided, row)
+                guided.last_row = row
                 if guided.masked:
                     rows.append(row)
         if not rows:
             return StepMasks(step_id=batch.step_id)
-        bitmask = self.grammars.allocate_bitmask(len(rows))
-        for i, row in enumerate(rows):
+        bitmask = self.grammars.allocate_bitmask(sum(r.num_draft_tokens + 1 for r in rows))
+        at = 0
+        for row in rows:
             guided = seqs[row.seq_id]
-            guided.matcher.fill(bitmask, i)
+            if row.num_draft_tokens:
+                at = _fill_drafts(guided, row, bitmask, at)
+                continue
+            guided.matcher.fill(bitmask, at)
             reasoning = guided.reasoning
             if reasoning is not None and reasoning.may_open:
-                allow_token(bitmask, i, reasoning.start_token)
-        return StepMasks(
-            step_id=batch.step_id, seq_ids=tuple(s.seq_id for s in rows), bitmask=bitmask
-        )
+                allow_token(bitmask, at, reasoning.start_token)
+            at += 1
+        seq_ids = tuple(s.seq_id for s in rows for _ in range(s.num_draft_tokens + 1))
+        return StepMasks(step_id=batch.step_id, seq_ids=seq_ids, bitmask=bitmask)
 
 
 def has_guide(graph: ValidGraph) -> bool:
@@ -117,18 +136,53 @@ def has_guide(graph: ValidGraph) -> bool:
     return any(issubclass(bound.cls, Guide) for bound in graph.stages.values())
 
 
+def _fill_drafts(guided: _Guided, row: ScheduledSeq, bitmask: torch.Tensor, at: int) -> int:
+    """Fill the masks of a row's d + 1 positions from row `at` on (module docstring); the
+    row after the last."""
+    if guided.reasoning is not None:
+        raise GuideError(f"seq {row.seq_id}: drafts for a constraint that follows reasoning")
+    matcher = guided.matcher
+    drafts = row.token_ids[len(row.token_ids) - row.num_draft_tokens :]
+    followed = 0
+    matcher.fill(bitmask, at)
+    for j, draft in enumerate(drafts, start=1):
+        if followed == j - 1 and not matcher.terminated and matcher.accept(draft):
+            followed = j
+            if not matcher.terminated:  # a stop token ends the sequence at its draw
+                matcher.fill(bitmask, at + j)
+                continue
+        bitmask[at + j] = bitmask[at + j - 1]
+    matcher.rollback(followed)
+    return at + len(drafts) + 1
+
+
+def _token_at(guided: _Guided, row: ScheduledSeq, position: int) -> int | None:
+    """The token at `position` from this row's tokens, or from the drafts the last
+    sampling row verified (those before this row's first position were accepted)."""
+    offset = position - row.num_computed_tokens
+    if 0 <= offset < len(row.token_ids):
+        return row.token_ids[offset]
+    last = guided.last_row
+    if last is not None and offset < 0:
+        offset = position - last.num_computed_tokens
+        if 0 <= offset < len(last.token_ids):
+            return last.token_ids[offset]
+    return None
+
+
 def _catch_up(guided: _Guided, row: ScheduledSeq) -> None:
-    """Accept the outputs sampled since the matcher last moved (found in the row's tokens)."""
+    """Accept the outputs sampled since the matcher last moved (found in the row's tokens,
+    or among the drafts accepted last step)."""
     while guided.num_accepted < row.num_output_tokens:
         position = guided.num_prompt_tokens + guided.num_accepted
-        offset = position - row.num_computed_tokens
-        if not 0 <= offset < len(row.token_ids):
+        token = _token_at(guided, row, position)
+        if token is None:
             raise GuideError(
                 f"seq {row.seq_id}: output token {guided.num_accepted} is not in this step's "
                 f"tokens (positions {row.num_computed_tokens}..."
-                f"{row.num_computed_tokens + len(row.token_ids) - 1})"
+                f"{row.num_computed_tokens + len(row.token_ids) - 1}) nor among the drafts "
+                "accepted last step"
             )
-        token = row.token_ids[offset]
         answer = guided.reasoning is None or guided.reasoning.accept(token)
         if answer and not guided.matcher.accept(token) and not guided.matcher.terminated:
             raise GuideError(f"seq {row.seq_id}: token {token} is not allowed by its grammar")

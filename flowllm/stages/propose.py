@@ -82,9 +82,8 @@ class Propose(Stage):
         if self.drafter is not None:
             self.drafter.release(batch.released)
         for start in batch.started:
-            # a sequence under a grammar takes no drafts (its masks advance token by token)
-            constrained = start.params.structured_outputs is not None
-            logs[start.seq_id] = None if constrained else TokenLog(start.prompt_token_ids)
+            takes = start.params.takes_drafts
+            logs[start.seq_id] = TokenLog(start.prompt_token_ids) if takes else None
         going: dict[int, TokenLog] = {}
         for token in step.tokens:
             log = logs.get(token.seq_id)

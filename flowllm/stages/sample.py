@@ -13,7 +13,8 @@ Such a step sends no ids (speculative decoding runs with one step in flight).
 
 With the guide stage connected to `masks`, it joins each step's logits with the step's
 `StepMasks` (both come from one `StepBatch`, in step order) and samples constrained rows
-from the tokens their grammar allows. Without it, it samples from the logits alone.
+from the tokens their grammar allows, each verified position under its own mask. Without
+it, it samples from the logits alone.
 
 A front process imports this module to check the graph's edges, and loads no torch: the
 sampler (torch) is imported where the stage is built, in the process that runs it.
@@ -124,8 +125,7 @@ class Sample(PerMessageStage):
                 drafts.append(s.token_ids[len(s.token_ids) - s.num_draft_tokens :])
         allowed = None
         if masks is not None and masks.seq_ids:
-            row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
-            allowed = ([row_of[seq_id] for seq_id in masks.seq_ids], masks.bitmask)
+            allowed = (_logits_rows(seq_ids, drafts, masks.seq_ids), masks.bitmask)
         tokens: list[SampledToken] = []
         ids = None
         if any(drafts):
@@ -141,3 +141,22 @@ class Sample(PerMessageStage):
             step_id=batch.step_id, tokens=tuple(tokens), prompt_logprobs=prompt_logprobs
         )
         return step_tokens, ids
+
+
+def _logits_rows(
+    seq_ids: list[int], drafts: list[tuple[int, ...]], masked: tuple[int, ...]
+) -> list[int]:
+    """The logits row of each mask row: a sequence's rows follow one another, one per
+    position it samples (its drafts and one more), and so do its masks."""
+    first_row: dict[int, int] = {}
+    row = 0
+    for seq_id, seq_drafts in zip(seq_ids, drafts, strict=True):
+        first_row[seq_id] = row
+        row += len(seq_drafts) + 1
+    rows: list[int] = []
+    previous, position = None, 0
+    for seq_id in masked:
+        position = position + 1 if seq_id == previous else 0
+        previous = seq_id
+        rows.append(first_row[seq_id] + position)
+    return rows

@@ -65,6 +65,24 @@ def test_completions_equal_the_default_servers(
     assert streamed == complete(server, prompt=PROMPTS[0])["choices"][0]["text"]
 
 
+def test_a_json_schema_verifies_drafts_under_its_grammar(
+    spec_server: ServerProcess, server: ServerProcess
+) -> None:
+    """A JSON array that repeats itself: lookup drafts from the output, the masks of each
+    verified position keep it valid, and the text is the default server's, greedy and
+    seeded."""
+    schema = {"type": "array", "items": {"enum": ["ab", "cd"]}, "minItems": 12, "maxItems": 12}
+    constrained = {"structured_outputs": {"json": schema}, "max_tokens": 80, "logprobs": None}
+    before = spec_server.metrics()["flowllm:spec_decode_num_accepted_tokens_total"]
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 5}):
+        got = complete(spec_server, prompt=PROMPTS[1], **constrained, **sampling)["choices"][0]
+        want = complete(server, prompt=PROMPTS[1], **constrained, **sampling)["choices"][0]
+        assert got["text"] == want["text"]
+        items = json.loads(got["text"])
+        assert len(items) == 12 and set(items) <= {"ab", "cd"}
+    assert spec_server.metrics()["flowllm:spec_decode_num_accepted_tokens_total"] > before
+
+
 def test_metrics_count_drafts_and_their_acceptance(spec_server: ServerProcess) -> None:
     complete(spec_server, prompt=PROMPTS[0])
     values = spec_server.metrics()

@@ -208,6 +208,45 @@ def row_allowed(bitmask: torch.Tensor, i: int) -> set[int]:
     return set(torch.nonzero(logits[0] == 0).flatten().tolist())
 
 
+def test_guide_masks_each_drafted_position_and_catches_up_on_accepted_drafts(
+    services: EngineServices, grammars: Grammars, gpt2_tokenizer: Any
+) -> None:
+    """A row verifying d drafts gets d + 1 masks: each what the grammar allows after the
+    drafts before it, the rows from a forbidden draft on repeating the last mask; the
+    matcher is rolled back. Next step it accepts the drafts that were accepted (from the
+    last row) and the token drawn after them (from this row)."""
+    guide = Guide(None, services)
+    spec = StructuredOutputs(regex="[0-9]{4}")
+    one, two, three, five = (gpt2_tokenizer.encode(d)[0] for d in "1235")
+    x = gpt2_tokenizer.encode("x")[0]
+    prompt = (10, 11, 12)
+
+    def after(*tokens: int) -> set[int]:
+        matcher = grammars.matcher(spec)
+        for token in tokens:
+            assert matcher.accept(token)
+        return allowed(grammars, matcher)
+
+    started = (start(0, SamplingParams(structured_outputs=spec), prompt),)
+    guide._fill(StepBatch(step_id=0, seqs=(row(0, prompt, 0, 0),), started=started))
+    # "1" was sampled; the next step verifies the drafts "2", "x", "3"
+    verify = msgspec.structs.replace(row(0, (one, two, x, three), 3, 1), num_draft_tokens=3)
+    masks = guide._fill(StepBatch(step_id=1, seqs=(verify,)))
+    assert masks.seq_ids == (0, 0, 0, 0)
+    got = [row_allowed(masks.bitmask, i) for i in range(4)]
+    assert got[0] == after(one) and got[1] == after(one, two) and got[0] != got[1]
+    assert got[2] == got[1] and got[3] == got[1]  # "x" is forbidden: verification stops
+    assert guide._seqs[0].num_accepted == 1 and allowed(grammars, guide._seqs[0].matcher) == got[0]
+    # "2" was accepted, "5" drawn where "x" was rejected: the next row starts at "5"
+    masks = guide._fill(StepBatch(step_id=2, seqs=(row(0, (five,), 5, 3),)))
+    assert guide._seqs[0].num_accepted == 3
+    assert masks.seq_ids == (0,) and row_allowed(masks.bitmask, 0) == after(one, two, five)
+    # an output neither in this row nor among the last row's drafts is a bug upstream
+    with pytest.raises(GuideError):
+        guide._fill(StepBatch(step_id=3, seqs=(row(0, (three,), 9, 5),)))
+
+
+
 def test_guide_leaves_the_thinking_part_free(
     services: EngineServices, grammars: Grammars, gpt2_tokenizer: Any
 ) -> None:

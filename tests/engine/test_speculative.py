@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -23,6 +24,7 @@ from flowllm.config import (
     speculative_config,
 )
 from flowllm.messages import (
+    ReasoningTokens,
     SampledToken,
     SamplingParams,
     SeqStart,
@@ -166,7 +168,7 @@ def test_drafts_stay_within_the_budget_the_length_limit_and_max_model_len() -> N
     assert drafts_scheduled(1, 100, 64, 3) == 1  # b keeps its one token of the budget
 
 
-def test_a_large_batch_steps_aside_and_a_grammar_takes_no_drafts() -> None:
+def test_a_large_batch_steps_aside_and_a_constraint_after_reasoning_takes_no_drafts() -> None:
     def drafts_scheduled(sched: Scheduler, **params: object) -> list[int]:
         for request_id in ("a", "b"):
             sched.add_request(
@@ -188,7 +190,10 @@ def test_a_large_batch_steps_aside_and_a_grammar_takes_no_drafts() -> None:
     assert drafts_scheduled(scheduler(disable_by_batch_size=2)) == [1, 1]
     assert drafts_scheduled(scheduler(disable_by_batch_size=1)) == [0, 0]
     regex = StructuredOutputs(regex="[0-9]+")
-    assert drafts_scheduled(scheduler(), structured_outputs=regex) == [0, 0]
+    assert drafts_scheduled(scheduler(), structured_outputs=regex) == [1, 1]
+    tags = ReasoningTokens(start=10, end=11, opens_inside=False)
+    after = msgspec.structs.replace(regex, after_reasoning=tags)
+    assert drafts_scheduled(scheduler(), structured_outputs=after) == [0, 0]
 
 
 # ------------------------------------------------------------------------- sampler
@@ -272,6 +277,32 @@ def test_verification_keeps_each_sequence_in_order_in_a_batch() -> None:
     assert [(t.seq_id, t.token_id) for t in got] == [
         (0, 4), (1, 1), (1, 2), (1, 3), (2, 2), (2, 2),
     ]  # fmt: skip
+
+
+def test_each_verified_position_draws_under_its_own_mask() -> None:
+    """A mask row per position: a draft its position's mask forbids is rejected even where
+    the logits would pick it, and the draw there comes from the allowed tokens; an allowed
+    draft is kept. Rows without a mask row are drawn from the logits alone."""
+    rows = torch.full((5, 8), -5.0)
+    for row, best in enumerate([1, 2, 3, 4, 5]):
+        rows[row, best] = 5.0
+    rows[1, 6] = 4.0  # position 1's best allowed token
+    masks = torch.zeros(3, 1, dtype=torch.int32)
+    masks[0, 0] = 0b11111111  # position 0: anything
+    masks[1, 0] = 0b01000000  # position 1: only token 6, not the logits' 2
+    masks[2, 0] = 0b11111111
+    sampler = Sampler()
+    start(sampler, 0, SamplingParams(temperature=0.0))
+    start(sampler, 1, SamplingParams(temperature=0.0))
+    # seq 0: drafts (1, 2) on rows 0-2, one mask row each; seq 1: draft (4,) on rows 3-4,
+    # unmasked: its draft and the bonus token are the logits' own
+    got = sampler.verify([0, 1], [(1, 2), (4,)], rows, [0, 0], ([0, 1, 2], masks))
+    assert [(t.seq_id, t.token_id) for t in got] == [(0, 1), (0, 6), (1, 4), (1, 5)]
+    # without the masks, seq 0 keeps both drafts
+    sampler = Sampler()
+    start(sampler, 0, SamplingParams(temperature=0.0))
+    got = sampler.verify([0], [(1, 2)], rows[:3], [0])
+    assert [t.token_id for t in got] == [1, 2, 3]
 
 
 def chi_square(counts: Counter[int], expected: list[float], draws: int) -> tuple[float, int]:

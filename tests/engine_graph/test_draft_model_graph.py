@@ -141,7 +141,7 @@ def test_seeded_sampled_requests_reproduce_and_equal_the_default_graphs(
         assert accepted(spec) > 0
 
 
-def test_a_large_batch_steps_aside_and_a_grammar_takes_no_drafts(
+def test_a_large_batch_steps_aside_beside_a_constrained_sequence(
     base: LLM, itself: LLM, gpt2_tiny_dir: Path
 ) -> None:
     adaptive = speculating(gpt2_tiny_dir, gpt2_tiny_dir, disable_by_batch_size=4)
@@ -156,9 +156,11 @@ def test_a_large_batch_steps_aside_and_a_grammar_takes_no_drafts(
     assert outputs(adaptive.generate(batch, params)) == want
     assert outputs(itself.generate(batch, params)) == want
     assert re.fullmatch("[a-z]{3}-[0-9]{2}", str(want[3][0][1]))
-    # drafts only once the batch has shrunk to 4 sequences
+    # drafts only once the batch has shrunk to 4 sequences; the target drafting for itself
+    # drafts what it draws, but for the constrained sequence (when it is still running
+    # then) its unconstrained continuation, which the grammar may forbid
     assert 0 < drafted(adaptive) < drafted(itself)
-    assert accepted(adaptive) == drafted(adaptive)
+    assert 0 < accepted(adaptive) <= drafted(adaptive)
 
 
 def test_a_draft_cache_too_small_for_the_batch_evicts_and_recomputes(

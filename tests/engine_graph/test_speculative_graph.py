@@ -2,7 +2,8 @@
 outputs equal the default graph's token for token, on prompts that repeat themselves (so
 drafts are accepted) and ones that do not, through penalties, stops, logprobs, n > 1 and
 min_tokens, chunked prefill, prefix-cache hits and preemption; seeded sampled requests
-give the default graph's tokens too; a large batch steps aside without changing a token."""
+give the default graph's tokens too, and so do constrained ones, whose drafts verify under
+their grammar's masks; a large batch steps aside without changing a token."""
 
 from __future__ import annotations
 
@@ -175,21 +176,43 @@ def test_a_large_batch_steps_aside_and_changes_no_token(
     assert 0 < drafted(adaptive) < drafted(always)
 
 
-def test_constrained_requests_run_without_drafts_beside_speculating_ones(
+def test_constrained_requests_take_drafts_each_position_under_its_grammar(
     gpt2: tuple[LLM, LLM],
 ) -> None:
-    """A grammar's masks advance token by token, so its sequences take no drafts; the
-    others in the same steps still do, and every output is the default graph's."""
+    """Constrained sequences take drafts too: guide masks each verified position, so a draft
+    the grammar forbids (the prompts' tokens) is rejected where it stands and an allowed one
+    (the output repeating itself) can be accepted. Greedy and seeded outputs equal the
+    default graph's and match their grammar, beside unconstrained sequences."""
     base, spec = gpt2
-    prompts = prompts_that_repeat(random.Random(6), 8)
-    code = StructuredOutputs(regex="[a-z]{3}-[0-9]{2}")
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=not i % 2,
-                       structured_outputs=code if i % 2 else None)
-        for i in range(len(prompts))
+    rng = random.Random(6)
+    prompts = prompts_that_repeat(rng, 12)
+    pattern = "(ab|cd|ef)+-[0-9]{2}"
+    prefix = "(ab|cd|ef)*[ace]?|(ab|cd|ef)+-[0-9]?"  # where max_tokens may cut it
+    code = StructuredOutputs(regex=pattern)
+    for sampled in (False, True):
+        params = [
+            SamplingParams(
+                temperature=0.9 if sampled else 0.0, seed=i if sampled else None, max_tokens=40,
+                ignore_eos=i % 3 == 0, structured_outputs=code if i % 3 else None,
+            )
+            for i in range(len(prompts))
+        ]  # fmt: skip
+        got = outputs(spec.generate(prompts, params))
+        assert got == outputs(base.generate(prompts, params))
+        for i in range(1, len(prompts)):
+            if i % 3:
+                _, text, finish, *_ = got[i][0]
+                assert re.fullmatch(pattern if finish == "stop" else prefix, str(text)), text
+    # constrained sequences alone, on prompts where "ab" twice is followed by tokens the
+    # grammar forbids: once the output says "abab", lookup drafts those (rejected by the
+    # mask), and later the output's own repeats (accepted)
+    ab = spec.tokenizer.encode("ab")
+    crafted = [
+        [*(rng.randrange(VOCAB) for _ in range(8)), *ab, *ab,
+         *(rng.randrange(VOCAB) for _ in range(12))]
+        for _ in range(8)
     ]  # fmt: skip
-    got = outputs(spec.generate(prompts, params))
-    assert accepted(spec) > 0
-    assert got == outputs(base.generate(prompts, params))
-    for i in range(1, len(prompts), 2):
-        assert re.fullmatch("[a-z]{3}-[0-9]{2}", str(got[i][0][1]))
+    constrained = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=code)] * 8
+    got = outputs(spec.generate(crafted, constrained))
+    assert 0 < accepted(spec) < drafted(spec)
+    assert got == outputs(base.generate(crafted, constrained))
