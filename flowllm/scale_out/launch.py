@@ -193,6 +193,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     from flowllm.engine.args import config_from_args
     from flowllm.engine.core import placement_of
     from flowllm.graph.validator import load_graph
+    from flowllm.models.draft import check_draft
     from flowllm.models.loader import ModelLoadError
 
     try:
@@ -200,7 +201,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         args.api_key = resolve_api_key(args.api_key, dict(os.environ))
         cors_config(args)
         auto_tool_parser(args)
-        default_template_kwargs(args, config_from_args(args).limits)
+        config = config_from_args(args)
+        default_template_kwargs(args, config.limits)
+        check_draft(config, "--speculative-config")  # before any Ray process starts
         graph = load_graph(
             args.graph
             or graph_for_task(resolve_served_task(args), args.speculative_config is not None)

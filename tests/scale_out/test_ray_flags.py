@@ -54,3 +54,14 @@ def test_routing_must_be_known(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", *RAY, "--routing", "random"])
     assert "invalid choice: 'random'" in capsys.readouterr().err
+
+
+def test_a_bad_draft_model_is_refused_before_ray_starts(
+    gpt2_tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = f'{{"model": "{tmp_path / "nowhere"}"}}'
+    flags = [str(gpt2_tiny_dir), *RAY, "--speculative-config", spec]
+    assert main(["serve", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --speculative-config: ") and err.count("\n") == 1, err
+    assert "does not exist" in err
