@@ -164,8 +164,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     `num_speculative_tokens` drafts per sequence and step, which the model verifies exactly.
     ngram: prompt lookup over n-grams of `prompt_lookup_min` to `prompt_lookup_max` tokens.
     draft_model: the greedy continuation of `model`, a smaller checkpoint with the target's
-    vocabulary, run in `dtype` (None: the target's) with a KV cache of at most
-    `draft_kv_cache_memory` bytes. The method defaults to draft_model when `model` is given,
+    vocabulary, run in `dtype` (None: the target's), its weights loaded as `quantization`
+    says (as `--quantization`: auto keeps a GGUF file quantized, int8 quantizes a float
+    checkpoint's linear layers) with a KV cache of at most `draft_kv_cache_memory` bytes.
+    The method defaults to draft_model when `model` is given,
     as vLLM infers it, else to ngram. A step with more than `disable_by_batch_size` running
     sequences runs without drafts (None: never steps aside)."""
 
@@ -176,6 +178,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     disable_by_batch_size: int | None = 8
     model: str | None = None
     dtype: str | None = None
+    quantization: str = "auto"
     draft_kv_cache_memory: int = DRAFT_KV_CACHE_MEMORY
 
     def __post_init__(self) -> None:
@@ -195,6 +198,14 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         _require(
             drafting or (self.model is None and self.dtype is None),
             f"model and dtype name a draft model, which method {self.method!r} does not run",
+        )
+        _require(
+            self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        _require(
+            drafting or self.quantization == "auto",
+            f"quantization applies to a draft model, which method {self.method!r} does not run",
         )
         _require(
             self.dtype is None or self.dtype in DTYPES,

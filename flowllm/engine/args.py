@@ -174,7 +174,8 @@ def add_engine_arguments(
         "disable_by_batch_size (more running sequences than this and a step runs without "
         "drafts; null: never); ngram: prompt_lookup_max, prompt_lookup_min; draft_model: "
         "model (a path or Hub id of a smaller model with the target's tokenizer), dtype "
-        "(default: the target's), draft_kv_cache_memory (bytes, default 256 MiB); without "
+        "(default: the target's), quantization (auto, none or int8, as --quantization), "
+        "draft_kv_cache_memory (bytes, default 256 MiB); without "
         "--graph, runs the speculative graph (flowllm/engine/speculative.yaml)",
     )
     parser.add_argument(

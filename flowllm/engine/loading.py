@@ -18,7 +18,7 @@ from flowllm.kernels import native
 from flowllm.models.causal_lm import PagedCausalLM
 from flowllm.models.draft import DraftModel, check_draft, drafts_with_model, load_draft
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
-from flowllm.models.layers import Linear
+from flowllm.models.layers import Linear, quantized_formats
 from flowllm.models.loader import LoadedModel, load_model
 from flowllm.models.pooler_config import PoolerConfig
 from flowllm.models.tokenizer import load_tokenizer, tokenizer_source
@@ -58,17 +58,10 @@ def report_native_kernels(loaded: LoadedModel) -> None:
     emit = log.info if status.isa == "avx512" else log.warning
     emit(status.describe())
     weights = sum(m.weight_bytes for m in loaded.model.modules() if isinstance(m, Linear))
-    quantized = sorted(
-        {
-            m.quantized.weight.source
-            for m in loaded.model.modules()
-            if isinstance(m, Linear) and m.quantized
-        }
-    )
     log.info(
         "model weights",
         linear_mib=round(weights / 2**20, 1),
-        quantized=",".join(quantized) or "none",
+        quantized=",".join(quantized_formats(loaded.model)) or "none",
         dtype=str(loaded.dtype).removeprefix("torch."),
     )
 

@@ -121,19 +121,21 @@ def load_draft(
     block_size: int,
 ) -> DraftModel:
     """Load the draft model of `config` beside `target` (its device, and its dtype unless
-    `config.dtype` names one) and allocate its KV cache of
+    `config.dtype` names one; quantized as `config.quantization` says) and allocate its KV
+    cache of
     `config.draft_kv_cache_memory` bytes. ConfigError, naming the field, for a draft that
     does not load, whose vocabulary size differs from the target's, or whose cache holds
     no block."""
     from flowllm.models.causal_lm import PagedCausalLM
     from flowllm.models.errors import KVCacheError
     from flowllm.models.kv_cache import KVCacheSpec
+    from flowllm.models.layers import quantized_formats
     from flowllm.models.loader import load_model
 
     name = _draft_name(config)
     dtype = target.dtype if config.dtype is None else config.dtype
     try:
-        loaded = load_model(name, dtype, target.device)
+        loaded = load_model(name, dtype, target.device, config.quantization)
     except ModelLoadError as e:
         raise ConfigError(f"{_FIELD}: model: {one_line(e)}") from None
     model = loaded.model
@@ -154,6 +156,7 @@ def load_draft(
         model=name,
         layers=model.num_layers,
         dtype=str(loaded.dtype).removeprefix("torch."),
+        quantized=",".join(quantized_formats(model)) or "none",
         kv_blocks=num_blocks,
         max_len=max_len,
     )

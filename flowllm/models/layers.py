@@ -407,6 +407,17 @@ def pack_linears(model: nn.Module, quantize: str | None = None) -> None:
             pass
 
 
+def quantized_formats(model: nn.Module) -> list[str]:
+    """The formats its quantized linear layers came from (Q4_1, int8...), sorted."""
+    return sorted(
+        {
+            m.quantized.weight.source
+            for m in model.modules()
+            if isinstance(m, Linear) and m.quantized
+        }
+    )
+
+
 class ResidualNorm(nn.Module, abc.ABC):
     """A norm that can take the residual add before it (vLLM's layout: each layer hands its
     output and the residual stream to the next norm, which adds them). Where the native

@@ -36,6 +36,7 @@ from flowllm.llm import RequestOutput
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import GenerateRequest, StructuredOutputs
 from flowllm.messages import SamplingParams as Params
+from flowllm.models.layers import quantized_formats
 from flowllm.stages.propose import Propose
 from flowllm.stages.services import EngineServices
 
@@ -120,6 +121,22 @@ def test_a_random_smaller_draft_changes_no_token(
     assert outputs(spec.generate(batch, params)) == outputs(base.generate(batch, params))
     assert 0 <= accepted(spec) < drafted(spec)
     assert drafted(spec) > 10 * 15
+
+
+def test_a_draft_quantized_to_int8_drafts_and_changes_no_token(
+    base: LLM, itself: LLM, gpt2_tiny_dir: Path
+) -> None:
+    """`quantization: int8` loads the draft's linear layers (but its head) as int8, as
+    `--quantization int8` does the target's: its drafts, the continuation of a quantized
+    copy of the target, are mostly the target's own, and no token changes."""
+    quantized = speculating(gpt2_tiny_dir, gpt2_tiny_dir, quantization="int8")
+    draft, plain = quantized.services.draft, itself.services.draft
+    assert draft is not None and plain is not None
+    assert quantized_formats(draft.model) == ["int8"] and quantized_formats(plain.model) == []
+    assert draft.model.lm_head.quantized is None
+    batch = prompts(5, 8)
+    assert outputs(quantized.generate(batch, GREEDY)) == outputs(base.generate(batch, GREEDY))
+    assert drafted(quantized) > 0 and accepted(quantized) > drafted(quantized) / 2
 
 
 @pytest.mark.parametrize("draft", ["itself", "small"])
@@ -361,5 +378,9 @@ def test_a_bad_draft_is_one_line_naming_the_field(
     shutil.copytree(small_draft_dir, no_weights)
     (no_weights / "model.safetensors").unlink()
     assert "no safetensors weights" in refused({"model": str(no_weights)})
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        LLM(str(gpt2_tiny_dir), speculative_config={"model": "x", "quantization": "q4"}, **COMMON)
+    with pytest.raises(ConfigError, match="quantization applies to a draft model"):
+        LLM(str(gpt2_tiny_dir), speculative_config={"quantization": "int8"}, **COMMON)
     with pytest.raises(ConfigError, match="unknown field `draft_models`"):
         LLM(str(gpt2_tiny_dir), speculative_config={"draft_models": "x"}, **COMMON)
