@@ -19,7 +19,8 @@ with other work, wall times move with the others' load, CPU time much less.
 Modes: `none` (the default graph), `ngram` (the speculative graph, drafts at any batch
 size: `disable_by_batch_size` null), `adaptive` (the speculative graph with its default
 `disable_by_batch_size`, at concurrency > 1 only), and for each `--draft PATH` a mode
-`draft:NAME` (method draft_model with that model, at any batch size). Acceptance: accepted /
+`draft:NAME` (method draft_model with that model, at any batch size; `--draft-quantization
+auto,int8` adds `draft:NAME-int8`, its linear layers loaded as int8). Acceptance: accepted /
 drafted tokens. Greedy outputs are compared between modes (they must be equal).
 
     .venv/bin/python benchmarks/speculative.py
@@ -148,6 +149,12 @@ def main() -> None:
         default=[],
         help="also run mode draft:NAME drafting with this model (a path or Hub id; repeatable)",
     )
+    parser.add_argument(
+        "--draft-quantization",
+        default="auto",
+        help="how each --draft loads its weights, comma-separated (speculative_config's "
+        "quantization: auto, none, int8), a mode per draft and value",
+    )
     parser.add_argument("--json", help="also write the runs here")
     args = parser.parse_args()
 
@@ -159,9 +166,12 @@ def main() -> None:
     }
     drafting: list[str] = []
     for draft in args.draft:
-        config = {**spec, "model": draft, "disable_by_batch_size": None}
-        drafting.append(f"draft:{os.path.basename(draft.rstrip('/'))}")
-        engines[drafting[-1]] = LLM(args.model, speculative_config=config)
+        for quantization in args.draft_quantization.split(","):
+            config = {**spec, "model": draft, "disable_by_batch_size": None,
+                      "quantization": quantization}  # fmt: skip
+            suffix = "" if quantization == "auto" else f"-{quantization}"
+            drafting.append(f"draft:{os.path.basename(draft.rstrip('/'))}{suffix}")
+            engines[drafting[-1]] = LLM(args.model, speculative_config=config)
     count = max(args.prompts, args.concurrency)
     texts = passages(engines["none"].tokenizer, count, args.passage_tokens)
     chats = conversations(texts)
