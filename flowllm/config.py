@@ -167,9 +167,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     vocabulary, run in `dtype` (None: the target's), its weights loaded as `quantization`
     says (as `--quantization`: auto keeps a GGUF file quantized, int8 quantizes a float
     checkpoint's linear layers) with a KV cache of at most `draft_kv_cache_memory` bytes.
-    The method defaults to draft_model when `model` is given,
-    as vLLM infers it, else to ngram. A step with more than `disable_by_batch_size` running
-    sequences runs without drafts (None: never steps aside)."""
+    The method defaults to draft_model when `model` is given, as vLLM infers it, else to
+    ngram. A step with more than `disable_by_batch_size` running sequences runs without
+    drafts (None: never steps aside)."""
 
     method: str | None = None
     num_speculative_tokens: int = 4

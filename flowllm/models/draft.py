@@ -122,10 +122,9 @@ def load_draft(
 ) -> DraftModel:
     """Load the draft model of `config` beside `target` (its device, and its dtype unless
     `config.dtype` names one; quantized as `config.quantization` says) and allocate its KV
-    cache of
-    `config.draft_kv_cache_memory` bytes. ConfigError, naming the field, for a draft that
-    does not load, whose vocabulary size differs from the target's, or whose cache holds
-    no block."""
+    cache of `config.draft_kv_cache_memory` bytes. ConfigError, naming the field, for a
+    draft that does not load, whose vocabulary size differs from the target's, or whose
+    cache holds no block."""
     from flowllm.models.causal_lm import PagedCausalLM
     from flowllm.models.errors import KVCacheError
     from flowllm.models.kv_cache import KVCacheSpec

@@ -453,7 +453,7 @@ class Scheduler:
                 continue
             if seq.draft_token_ids:
                 drafts, seq.draft_token_ids = seq.draft_token_ids, ()
-                if speculate and num_new == 1 and not pending and seq.takes_drafts:
+                if speculate and num_new == 1 and not pending and seq.params.takes_drafts:
                     # its last token and d drafts, whose d + 1 outputs stay within its
                     # length limit (and so every position below max_model_len)
                     limit = seq.output_limit - (num_tokens - seq.num_prompt_tokens) - 1

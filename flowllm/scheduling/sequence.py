@@ -90,7 +90,6 @@ class Sequence:
         "started",
         "status",
         "stop_reason",
-        "takes_drafts",
         "token_ids",
         "use_prefix_cache",
         "wants_prompt_logits",
@@ -145,9 +144,8 @@ class Sequence:
         # In-flight tokens that `apply` drops: ones computed from a token that never came.
         self.num_dropped = 0
         # May it take placeholders? Not under a grammar, whose masks need each token before
-        # the next step. Drafts are allowed under most (guide masks each drafted position).
+        # the next step (drafts are another matter: `params.takes_drafts`).
         self.runs_ahead = params.structured_outputs is None
-        self.takes_drafts = params.takes_drafts
         # Speculative decoding: the drafts proposed for its next step (from `apply`, those
         # the step has room for once scheduled), and how many the step in flight verifies.
         self.draft_token_ids: tuple[int, ...] = ()

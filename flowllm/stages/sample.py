@@ -22,6 +22,7 @@ sampler (torch) is imported where the stage is built, in the process that runs i
 
 from __future__ import annotations
 
+from itertools import accumulate
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -148,11 +149,8 @@ def _logits_rows(
 ) -> list[int]:
     """The logits row of each mask row: a sequence's rows follow one another, one per
     position it samples (its drafts and one more), and so do its masks."""
-    first_row: dict[int, int] = {}
-    row = 0
-    for seq_id, seq_drafts in zip(seq_ids, drafts, strict=True):
-        first_row[seq_id] = row
-        row += len(seq_drafts) + 1
+    starts = accumulate((len(d) + 1 for d in drafts), initial=0)  # one more: the total
+    first_row = dict(zip(seq_ids, starts, strict=False))
     rows: list[int] = []
     previous, position = None, 0
     for seq_id in masked:

@@ -57,6 +57,30 @@ def test_type_check_taps_depth_and_queue_wait() -> None:
     assert seen[0][1] <= seen[1][1] <= seen[2][1]
 
 
+def test_a_send_yields_to_the_loop_only_when_the_channel_is_full() -> None:
+    """With room, `send` returns before any other task runs (no hop through the loop); on
+    a full channel it waits, and the consumer runs, until there is room."""
+    channel: Channel[Item] = Channel("sink.in", Item, 2)
+    sender, receiver = channel.sender(), channel.receiver()
+    channel.close()
+    ran: list[str] = []
+
+    async def consume() -> None:
+        ran.append("consumer")
+        ran.append(f"got {(await receiver.receive()).seq}")
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await sender.send(Item(1))
+            await sender.send(Item(2))
+            assert ran == []  # room both times: the consumer has not run yet
+            await sender.send(Item(3))  # full: waits while the consumer takes one
+            assert ran == ["consumer", "got 1"]
+
+    anyio.run(main)
+
+
 def test_sending_after_every_consumer_left_names_the_channel() -> None:
     channel: Channel[Item] = Channel("sink.in", Item, 1)
     sender, receiver = channel.sender(), channel.receiver()
