@@ -22,7 +22,7 @@ takes when every weight is read once per token. Greedy texts must be equal with 
 without speculation, server by server.
 
     .venv/bin/python benchmarks/speculative_serving.py \
-        --llama-server ~/.cache/flowllm-peers/llama/vendor/llama.cpp/build/bin/llama-server
+        --llama-server /path/to/llama-server
 """
 
 from __future__ import annotations
