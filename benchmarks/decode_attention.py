@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from model_step import best_time  # benchmarks/ is on sys.path when run as a script
 
-from flowllm.kernels import cpu_attention, reference
-from flowllm.kernels.native import library as native_library
+from flowllm.kernels import cpu_attention, openmp, reference
 from flowllm.kernels.workspace import Workspace
 from flowllm.models.glibc_heap import keep_freed_memory_mapped
 
@@ -88,9 +87,7 @@ def native(
 
 def run(repeats: int) -> None:
     workspace = Workspace()
-    lib = native_library()
-    if lib is not None:  # this worker thread's OpenMP pool, sized as torch's (one thread)
-        lib.follow_torch_threads()
+    openmp.size_pool(1)  # this worker thread's kernels and torch ops on one thread
     print("| batch | ctx | heads (q/kv) | dtype | plain ms | reference ms | native ms "
           "| native vs reference | max abs diff (native, reference vs plain) |")  # fmt: skip
     print("|---:|---:|---|---|---:|---:|---:|---:|---|")

@@ -19,7 +19,10 @@ Servers (`--servers`, in order):
   - `llama-server`: the GGUF file, by the binary given with `--llama-server` (built e.g.
     from the llama.cpp sources vendored in the llama-cpp-python sdist), one slot per
     concurrent request;
-  - `transformers`: `transformers serve` on the HF-format directory.
+  - `transformers`: `transformers serve` on the HF-format directory;
+  - any flowllm server's name with `-before` (`flowllm-q4-before`): the same server run
+    from another checkout of flowllm (`--before DIR`), for a change's before and after
+    measured in one run.
 With `--interleave` every server is started first and kept up, and the concurrencies run
 one after another across all of them (idle servers take no CPU), so that the machine's
 other load falls on every server alike; otherwise each server runs alone in turn.
@@ -67,6 +70,7 @@ SERVERS = (
 )
 AVX2_SERVERS = {"flowllm-avx2": "flowllm", "flowllm-q4-avx2": "flowllm-q4"}  # -> AVX-512 twin
 GGUF_SERVERS = frozenset({"flowllm-q4", "flowllm-q4-avx2", "llama-server"})
+BEFORE = "-before"  # a flowllm server run from the checkout given with --before
 # transformers serve's continuous-batching cache sized for this model and these lengths: on
 # CPU its default sizing made each decode step several times slower here.
 TRANSFORMERS_ARGS = "--cb-num-blocks 512 --cb-block-size 32 --cb-max-batch-tokens 1024"
@@ -92,12 +96,14 @@ def _load_average() -> float:
 class Server:
     """One server subprocess with its output in a log file."""
 
-    def __init__(self, name: str, cmd: Sequence[str], env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self, name: str, cmd: Sequence[str], env: dict[str, str], log: Path, cwd: Path = REPO
+    ) -> None:
         self.name = name
         self.log = log
         self._log_file = log.open("wb")
         self.proc = subprocess.Popen(
-            list(cmd), env=env, stdout=self._log_file, stderr=subprocess.STDOUT, cwd=REPO
+            list(cmd), env=env, stdout=self._log_file, stderr=subprocess.STDOUT, cwd=cwd
         )
 
     def wait_healthy(self, url: str, timeout: float) -> None:
@@ -142,7 +148,19 @@ def bundled_gguf() -> Path:
     return bundled_gguf_path()
 
 
+def before_checkout(name: str, before: Path | None, env: dict[str, str]) -> Path:
+    """Where server `name` runs from: this checkout, or for a `-before` name the checkout
+    `before`, which `env` then imports flowllm from."""
+    if not name.endswith(BEFORE):
+        return REPO
+    if before is None:
+        raise ComparisonError(f"{name} runs another checkout: give it with --before DIR")
+    env["PYTHONPATH"] = str(before)
+    return before
+
+
 def _server_command(args: argparse.Namespace, name: str, port: int) -> list[str]:
+    name = name.removesuffix(BEFORE)
     if name.startswith("flowllm"):
         quantized = name in GGUF_SERVERS
         model = args.gguf if quantized else args.model_dir
@@ -220,9 +238,10 @@ def start(args: argparse.Namespace, name: str, out_dir: Path) -> tuple[Server, s
         hub_cache = out_dir / "hf-hub-cache"  # must exist; nothing is downloaded into it
         hub_cache.mkdir(exist_ok=True)
         env.update(HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
-    if name in AVX2_SERVERS:
+    if name.removesuffix(BEFORE) in AVX2_SERVERS:
         env["FLOWLLM_NATIVE_ISA"] = "avx2"
-    server = Server(name, _server_command(args, name, port), env, out_dir / f"{name}.log")
+    cwd = before_checkout(name, args.before, env)
+    server = Server(name, _server_command(args, name, port), env, out_dir / f"{name}.log", cwd)
     try:
         server.wait_healthy(url, args.startup_timeout)
         _warm_up(url, str(args.model_dir))
@@ -291,9 +310,9 @@ def table(results: dict[str, dict[int, dict[str, Any]]]) -> str:
     ]
     concurrencies = sorted({c for by_c in results.values() for c in by_c})
     for concurrency in concurrencies:
-        for name in SERVERS:
-            if concurrency in results.get(name, {}):
-                lines.append(_row(name, concurrency, results[name][concurrency]))
+        for name, by_concurrency in results.items():
+            if concurrency in by_concurrency:
+                lines.append(_row(name, concurrency, by_concurrency[concurrency]))
     for avx2, avx512 in AVX2_SERVERS.items():
         ratios = []
         for concurrency in concurrencies:
@@ -307,25 +326,27 @@ def table(results: dict[str, dict[int, dict[str, Any]]]) -> str:
         if ratios:
             lines.append("")
             lines.append(f"{avx2} / {avx512} median TPOT: " + ", ".join(ratios))
-    for ours_name in ("flowllm", "flowllm-avx2", "flowllm-q4", "flowllm-q4-avx2"):
-        for peer in ("transformers", "llama-server"):
-            ratios = []
-            for concurrency in concurrencies:
-                try:
-                    ours = results[ours_name][concurrency]["metrics"]
-                    theirs = results[peer][concurrency]["metrics"]
-                except KeyError:
-                    continue
-                if theirs["output_throughput"] > 0:
-                    tpot = ""
-                    a, b = ours["tpot"].get("median_ms"), theirs["tpot"].get("median_ms")
-                    if a and b:
-                        tpot = f" (TPOT {a / b:.2f}x)"
-                    ratio = ours["output_throughput"] / theirs["output_throughput"]
-                    ratios.append(f"concurrency {concurrency}: {ratio:.2f}x{tpot}")
-            if ratios:
-                lines.append("")
-                lines.append(f"{ours_name} / {peer} output throughput: " + ", ".join(ratios))
+    pairs = [(ours, peer) for ours in ("flowllm", "flowllm-avx2", "flowllm-q4", "flowllm-q4-avx2")
+             for peer in ("transformers", "llama-server")]  # fmt: skip
+    pairs += [(name.removesuffix(BEFORE), name) for name in results if name.endswith(BEFORE)]
+    for ours_name, peer in pairs:
+        ratios = []
+        for concurrency in concurrencies:
+            try:
+                ours = results[ours_name][concurrency]["metrics"]
+                theirs = results[peer][concurrency]["metrics"]
+            except KeyError:
+                continue
+            if theirs["output_throughput"] > 0:
+                tpot = ""
+                a, b = ours["tpot"].get("median_ms"), theirs["tpot"].get("median_ms")
+                if a and b:
+                    tpot = f" (TPOT {a / b:.2f}x)"
+                ratio = ours["output_throughput"] / theirs["output_throughput"]
+                ratios.append(f"concurrency {concurrency}: {ratio:.2f}x{tpot}")
+        if ratios:
+            lines.append("")
+            lines.append(f"{ours_name} / {peer} output throughput: " + ", ".join(ratios))
     return "\n".join(lines)
 
 
@@ -358,13 +379,14 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--out-dir", type=Path, help="result JSON files (default: a temp dir)")
+    ap.add_argument("--before", type=Path, help="another checkout, for the `-before` servers")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.model_dir is None:
         args.model_dir = bundled_model_dir()
     args.model_dir = args.model_dir.resolve()
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    unknown = sorted(set(servers) - set(SERVERS))
+    unknown = sorted({s.removesuffix(BEFORE) for s in servers} - set(SERVERS))
     if unknown:
         ap.error(f"unknown servers {unknown}; choose from {SERVERS}")
     if "transformers" in servers and not Path(args.transformers).is_file():

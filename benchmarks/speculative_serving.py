@@ -12,7 +12,11 @@ alike:
   4 drafts from n-grams of 2 to 4 tokens);
 - `llama-server`: `llama-server -m FILE`, one slot;
 - `llama-server-ngram`: the same with `--spec-type ngram-simple` (its defaults, or
-  `--llama-spec-args`).
+  `--llama-spec-args`);
+- `flowllm-before`, `flowllm-ngram-before`: flowllm's two modes run from another checkout
+  (`--before DIR`), for a change's before and after measured in one run.
+
+`--modes` picks which run (llama-server's only need `--llama-server`).
 
 Per request, the time per output token after the first is (last chunk - first chunk) /
 (completion tokens - 1), the tokens counted by the server's usage; the table gives the
@@ -38,14 +42,29 @@ from pathlib import Path
 
 import httpx
 import torch
-from serve_comparison import Server, bundled_gguf, bundled_model_dir, free_port
+from serve_comparison import (
+    BEFORE,
+    Server,
+    before_checkout,
+    bundled_gguf,
+    bundled_model_dir,
+    free_port,
+)
 from speculative import conversations, passages
 
 MODES = ("flowllm", "flowllm-ngram", "llama-server", "llama-server-ngram")
+NGRAM_SUFFIX = "-ngram"
 NGRAM = {"method": "ngram", "disable_by_batch_size": None}
 
 
+def without_lookup(mode: str) -> str:
+    """The mode `mode` is measured against: itself without lookup."""
+    before = mode.endswith(BEFORE)
+    return mode.removesuffix(BEFORE).removesuffix(NGRAM_SUFFIX) + (BEFORE if before else "")
+
+
 def command(args: argparse.Namespace, mode: str, port: int) -> list[str]:
+    mode = mode.removesuffix(BEFORE)
     gguf = str(args.gguf)
     if mode.startswith("flowllm"):
         cmd = [
@@ -106,7 +125,7 @@ def read_bandwidth() -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-server", required=True, help="the llama-server binary")
+    ap.add_argument("--llama-server", help="the llama-server binary (for its modes)")
     ap.add_argument("--llama-server-args", default="--no-repack", help="flags for both")
     ap.add_argument("--llama-spec-args", default="", help="more flags for its ngram mode")
     ap.add_argument("--gguf", type=Path, help="GGUF file (default: the bundled Q4_1 file)")
@@ -116,8 +135,16 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--modes", default=",".join(MODES), help="which run, in order")
+    ap.add_argument("--before", type=Path, help="another checkout, for the `-before` modes")
     args = ap.parse_args()
     args.gguf = args.gguf or bundled_gguf()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted({m.removesuffix(BEFORE) for m in modes} - set(MODES))
+    if unknown:
+        ap.error(f"unknown modes {unknown}; choose from {MODES}, each also with {BEFORE}")
+    if any(m.startswith("llama") for m in modes) and not args.llama_server:
+        ap.error("llama-server's modes need --llama-server PATH to its binary")
 
     from transformers import AutoTokenizer
 
@@ -125,20 +152,22 @@ def main() -> int:
     chats = conversations(passages(tokenizer, args.prompts, args.passage_tokens))
     floor_ms = args.gguf.stat().st_size / read_bandwidth() * 1000
     servers: dict[str, tuple[Server, str]] = {}
-    results: dict[str, list[float]] = {mode: [] for mode in MODES}
+    results: dict[str, list[float]] = {mode: [] for mode in modes}
     texts: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            for mode in MODES:
+            for mode in modes:
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
-                server = Server(mode, command(args, mode, port), dict(os.environ),
-                                Path(tmp) / f"{mode}.log")  # fmt: skip
+                env = dict(os.environ)
+                cwd = before_checkout(mode, args.before, env)
+                server = Server(mode, command(args, mode, port), env,
+                                Path(tmp) / f"{mode}.log", cwd)  # fmt: skip
                 servers[mode] = (server, url)
                 server.wait_healthy(url, args.startup_timeout)
                 stream_one(url, chats[0], 8)  # warm-up
             for pair in range(args.pairs):
-                for mode in MODES if pair % 2 == 0 else MODES[::-1]:
+                for mode in modes if pair % 2 == 0 else modes[::-1]:
                     url = servers[mode][1]
                     done = [stream_one(url, chat, args.max_tokens) for chat in chats]
                     results[mode].append(statistics.fmean(ms for _, _, ms in done))
@@ -148,18 +177,22 @@ def main() -> int:
         finally:
             for server, _ in servers.values():
                 server.stop()
-    for base in ("flowllm", "llama-server"):
-        same = sum(a == b for a, b in zip(texts[base], texts[f"{base}-ngram"], strict=True))
-        print(f"{base}: {same} of {len(chats)} greedy texts equal with and without lookup")
+    for mode in modes:
+        base = without_lookup(mode)
+        if base != mode and base in texts:
+            same = sum(a == b for a, b in zip(texts[base], texts[mode], strict=True))
+            print(f"{mode}: {same} of {len(chats)} greedy texts equal to {base}'s")
     print(f"\nweight-reading floor: {floor_ms:.2f} ms per token "
           f"({args.gguf.stat().st_size / 2**20:.0f} MiB)\n")  # fmt: skip
     print("| server | ms per output token, each pair | lookup / without |")
     print("|---|---|---:|")
-    for mode in MODES:
-        base = mode.removesuffix("-ngram")
-        ratio = statistics.fmean(results[mode]) / statistics.fmean(results[base])
+    for mode in modes:
+        base = without_lookup(mode)
+        ratio = ""
+        if base in results:
+            ratio = f"{statistics.fmean(results[mode]) / statistics.fmean(results[base]):.2f}"
         runs = ", ".join(f"{ms:.2f}" for ms in results[mode])
-        print(f"| {mode} | {runs} | {ratio:.2f} |")
+        print(f"| {mode} | {runs} | {ratio} |")
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -9,7 +9,7 @@ cancels. The HTTP lifespan and the offline `LLM` both use it.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from flowllm.engine import DEFAULT_GRAPH as DEFAULT_GRAPH  # where its users imp
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSink
 from flowllm.graph.validator import ValidGraph
+from flowllm.kernels import openmp
 from flowllm.mailbox import Mailbox, Overloaded
 from flowllm.messages import GenerateRequest
 from flowllm.models.pooler_config import PoolerConfig
@@ -61,31 +62,34 @@ class AsyncEngine:
     ) -> AsyncIterator[AsyncEngine]:
         """Run an engine for the body. Pass `services` to reuse an already loaded model,
         `recorder` to record the run's channel traffic (closed when the graph has ended),
-        `span_sinks` to hand every stage span to (OpenTelemetry export)."""
+        `span_sinks` to hand every stage span to (OpenTelemetry export). Where the model
+        runs in this process, the loop's thread runs its torch work on one OpenMP thread for
+        the body (flowllm/kernels/openmp.py)."""
         if services is None:
             from flowllm.engine.loading import build_services  # torch: a front passes its own
 
             services = build_services(config or EngineConfig())
-        runtime = Graph(
-            graph or DEFAULT_GRAPH,
-            services,
-            registry=services.registry,
-            fail_request=services.mailboxes.fail,
-            **graph_options,
-        )
-        services.guided = has_guide(runtime.spec)
-        for sink in span_sinks:
-            runtime.add_span_sink(sink)
-        if recorder is None:
-            async with runtime.serve(stop_timeout) as running:
-                yield cls(running, services)
-            return
-        recorder.attach(runtime, services)
-        try:
-            async with runtime.serve(stop_timeout) as running:
-                yield cls(running, services)
-        finally:
-            await anyio.to_thread.run_sync(recorder.close)
+        with openmp.one_thread() if services.device is not None else nullcontext():
+            runtime = Graph(
+                graph or DEFAULT_GRAPH,
+                services,
+                registry=services.registry,
+                fail_request=services.mailboxes.fail,
+                **graph_options,
+            )
+            services.guided = has_guide(runtime.spec)
+            for sink in span_sinks:
+                runtime.add_span_sink(sink)
+            if recorder is None:
+                async with runtime.serve(stop_timeout) as running:
+                    yield cls(running, services)
+                return
+            recorder.attach(runtime, services)
+            try:
+                async with runtime.serve(stop_timeout) as running:
+                    yield cls(running, services)
+            finally:
+                await anyio.to_thread.run_sync(recorder.close)
 
     # -- EngineClient ---------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ supervises it (flowllm/cli/processes.py) can start it, and start it again.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hmac
 import itertools
 import multiprocessing
@@ -62,10 +63,12 @@ from flowllm.graph.wire import (
     read_one_frame,
     wiring_digest,
 )
+from flowllm.kernels import openmp
 from flowllm.logging_config import configure_logging
 from flowllm.messages import Abort, RequestError
 from flowllm.models import glibc_heap
 from flowllm.sampling.grammar import GrammarError
+from flowllm.stages.worker import name_os_thread
 
 if TYPE_CHECKING:  # the supervisor imports this module, and needs no torch
     from flowllm.graph.spec import GraphSpec
@@ -112,13 +115,6 @@ def placement_of(graph: ValidGraph | GraphSpec) -> tuple[str, str]:
     return front, others[0]
 
 
-def small_step_threads(threads: int, fronts: int, cpu_count: int | None) -> int | None:
-    """The kernels' threads for a small step in a core of `threads` threads: the cores
-    that `fronts` front processes leave, when fewer (None: `threads` for every step)."""
-    small = max(1, (cpu_count or 1) - fronts)
-    return small if small < threads else None
-
-
 def start_core(spec: CoreSpec) -> multiprocessing.process.BaseProcess:
     """Start a core process (spawned: a fresh interpreter, whatever threads this one runs)."""
     process = multiprocessing.get_context("spawn").Process(
@@ -143,9 +139,6 @@ def run_core(spec: CoreSpec) -> None:
 
     graph = load_graph_or_exit(spec.graph_file)
     services = build_services(spec.config, tokenizer_now=False)
-    services.small_step_threads = small_step_threads(
-        torch.get_num_threads(), spec.fronts, os.cpu_count()
-    )
     collector.settle()
     code = anyio.run(_serve_until_sigterm, spec, graph, services)
     os._exit(code)  # no interpreter teardown: the model's memory goes with the process
@@ -166,14 +159,9 @@ def become_child(name: str) -> None:
     model), and leave the terminal's process group, so that Ctrl-C reaches the supervisor
     alone and it stops the children in order."""
     os.setpgid(0, 0)
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        libc.prctl(15, name.encode()[:15])  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    name_os_thread(name)
 
 
 class Core:
@@ -326,41 +314,40 @@ class Core:
         self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED
     ) -> int:
         """Listen and serve the fronts until `stop()` or the graph's end; the exit status.
-        Started with `TaskGroup.start`, it reports the address it listens on."""
-        import torch  # loaded by now: the core has built its services
-
+        Started with `TaskGroup.start`, it reports the address it listens on. The loop's
+        thread runs its torch work on one OpenMP thread meanwhile (flowllm/kernels/openmp.py)."""
         listener, address = await listen(self.spec.address)
-        async with anyio.create_task_group() as tg:
-            self._tasks = tg
-            await tg.start(self.graph.run)
-            for peer in self.fronts:
-                tg.start_soon(peer.pump_overflow)
-            tg.start_soon(self._heartbeat)
-            tg.start_soon(listener.serve, self._connection)
-            self.log.info(
-                "engine core ready",
-                address=address,
-                fronts=len(self.fronts),
-                threads=torch.get_num_threads(),
-                small_step_threads=self.services.small_step_threads,
-            )
-            task_status.started(address)
-            # Ready first; the tokenizer (which grammars need) then loads in a thread, so
-            # that the first constrained request does not wait for transformers' import.
-            threading.Thread(
-                target=lambda: self.services.tokenizer, name="flowllm-tokenizer", daemon=True
-            ).start()
-            with anyio.CancelScope() as waiting:
-                tg.start_soon(self._end_with_graph, waiting)
-                await self._stop.wait()
-            if not self.graph.finished:
-                # Stopping: the fronts have drained; nothing more comes from them.
+        with openmp.one_thread():
+            async with anyio.create_task_group() as tg:
+                self._tasks = tg
+                await tg.start(self.graph.run)
                 for peer in self.fronts:
-                    peer.close_inbound()
-                await self.graph.stop(self.spec.stop_timeout)
-            tg.cancel_scope.cancel()
-        await listener.aclose()
-        return EXIT_ESCALATED if self.graph.failed else 0
+                    tg.start_soon(peer.pump_overflow)
+                tg.start_soon(self._heartbeat)
+                tg.start_soon(listener.serve, self._connection)
+                self.log.info(
+                    "engine core ready",
+                    address=address,
+                    fronts=len(self.fronts),
+                    threads=self.services.model_threads,
+                )
+                task_status.started(address)
+                # Ready first; the tokenizer (which grammars need) then loads in a thread, so
+                # that the first constrained request does not wait for transformers' import.
+                threading.Thread(
+                    target=lambda: self.services.tokenizer, name="flowllm-tokenizer", daemon=True
+                ).start()
+                with anyio.CancelScope() as waiting:
+                    tg.start_soon(self._end_with_graph, waiting)
+                    await self._stop.wait()
+                if not self.graph.finished:
+                    # Stopping: the fronts have drained; nothing more comes from them.
+                    for peer in self.fronts:
+                        peer.close_inbound()
+                    await self.graph.stop(self.spec.stop_timeout)
+                tg.cancel_scope.cancel()
+            await listener.aclose()
+            return EXIT_ESCALATED if self.graph.failed else 0
 
     async def _end_with_graph(self, waiting: anyio.CancelScope) -> None:
         await self.graph.wait_finished()

@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from flowllm.config import ConfigError, EngineConfig
-from flowllm.kernels import native
+from flowllm.kernels import native, openmp
 from flowllm.models.causal_lm import PagedCausalLM
 from flowllm.models.draft import DraftModel, check_draft, drafts_with_model, load_draft
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -69,12 +69,22 @@ def report_native_kernels(loaded: LoadedModel) -> None:
 def build_services(config: EngineConfig, *, tokenizer_now: bool = True) -> EngineServices:
     """Load the model and tokenizer and allocate the KV cache for `config`.
 
-    The tokenizer loads in a thread while the weights load: most of its time is importing
-    transformers, which overlaps with reading and packing weights (native code that
-    releases the GIL). `tokenizer_now` False: it loads on first use instead (the engine
-    core, whose stages need it only for grammars: a thread beside the weights would slow
-    their loading by its share of the interpreter)."""
+    The load runs in a thread of its own that ends with it: its parallel regions open an
+    OpenMP pool that goes with that thread, so the caller's thread (an event loop's, or a
+    user's) keeps none, and the model's thread has the process's one pool
+    (flowllm/kernels/openmp.py). The tokenizer loads in another thread while the weights
+    load: most of its time is importing transformers, which overlaps with reading and
+    packing weights (native code that releases the GIL). `tokenizer_now` False: it loads
+    on first use instead (the engine core, whose stages need it only for grammars: a
+    thread beside the weights would slow their loading by its share of the interpreter)."""
     check_draft(config)  # a bad draft model fails before the target loads
+    services = openmp.in_passing_thread(_loaded_services, config, tokenizer_now)
+    if services.device is not None and services.device.type == "cuda":
+        model_runner(services)  # kernels compiled, graphs captured: before serving
+    return services
+
+
+def _loaded_services(config: EngineConfig, tokenizer_now: bool) -> EngineServices:
     load = functools.partial(load_tokenizer, *tokenizer_source(config))
     tokenizer_loader: Callable[[], PreTrainedTokenizerBase]
     if tokenizer_now:
@@ -85,7 +95,7 @@ def build_services(config: EngineConfig, *, tokenizer_now: bool = True) -> Engin
         tokenizer_loader = functools.cache(load)
         loaded = _load_model(config)
     report_native_kernels(loaded)
-    services = services_for_model(
+    return services_for_model(
         config,
         loaded.model,
         tokenizer_loader,
@@ -93,9 +103,6 @@ def build_services(config: EngineConfig, *, tokenizer_now: bool = True) -> Engin
         loaded.device,
         loaded.pooler,
     )
-    if loaded.device.type == "cuda":  # kernels compiled, graphs captured: before serving
-        model_runner(services)
-    return services
 
 
 def _in_background(load: Callable[[], T]) -> Callable[[], T]:
@@ -149,7 +156,8 @@ def services_for_model(
     `config`'s, and a KV cache of `config`'s size allocated for it (an encoder has none);
     with a draft model (speculative decoding), the draft loaded beside it, whose weights
     and cache come out of a GPU's share before the target's cache. A model served for
-    pooling (`pooler`) runs with its scheduling adjusted (`pooling_config`)."""
+    pooling (`pooler`) runs with its scheduling adjusted (`pooling_config`). The model's
+    steps run on as many OpenMP threads as the calling thread's parallel regions do."""
     max_model_len = model.max_position_embeddings
     if pooler is not None and pooler.max_seq_length is not None:
         max_model_len = min(max_model_len, pooler.max_seq_length)
@@ -190,6 +198,7 @@ def services_for_model(
         device=device,
         pooler=pooler,
         draft=draft,
+        model_threads=openmp.pool_size(),
     )
 
 

@@ -21,10 +21,10 @@ BLOCKED_FROM = 1 << 15  # torch fallback: from this many logits on, argmax by bl
 _BLOCK = 64  # torch fallback: block length
 
 
-def _kernel() -> tuple[native.NativeLibrary, native.Kernel] | None:
-    """The loaded library and its kernel; None without one."""
+def _kernel() -> native.Kernel | None:
+    """The loaded library's kernel; None without one."""
     lib = native.library()
-    return None if lib is None else (lib, _bind(lib))
+    return None if lib is None else _bind(lib)
 
 
 @functools.cache
@@ -36,13 +36,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=1)` of [R, V] float32 logits, as int64 [R]."""
     if not x.is_cpu:  # a GPU's own argmax is one parallel pass
         return x.argmax(dim=1)
-    kernel = _kernel()
-    if kernel is not None and x.dtype is torch.float32 and x.stride(1) == 1:
-        lib, argmax = kernel
+    argmax = _kernel()
+    if argmax is not None and x.dtype is torch.float32 and x.stride(1) == 1:
         rows, vocab = x.shape
         out = torch.empty(rows, dtype=torch.int64)
         if rows and vocab:
-            lib.follow_torch_threads()
             argmax(x=x, rows=rows, cols=vocab, row_stride=x.stride(0), out=out)
             return out
     return blocked_argmax_rows(x)

@@ -328,7 +328,6 @@ def _all() -> Iterator[type[KernelArgs]]:
     for codes in _CODES:
         for scales in _SCALES:
             yield from _quantized(codes, scales)
-    yield _args("omp_set_threads", ("threads", INT64))
     yield _args("run_calls", ("calls", Tensor("int64_t", I64)), ("len", INT64))
 
 

@@ -45,10 +45,8 @@ Parallel loops use OpenMP, without an OpenMP runtime of the library's own: it is
 without libgomp, and its OpenMP calls bind when it loads to the runtime torch has loaded
 (imported first; torch loads its `libgomp.so.1` into the global namespace), so the kernels
 share torch's thread pool, and a wheel's libraries need nothing beyond glibc (auditwheel
-finds it manylinux-consistent; a vendored libgomp would be a second pool). OpenMP keeps the
-pool size per thread and torch sets it in a thread only at that thread's first parallel op,
-so whoever runs kernels on a worker thread calls `follow_torch_threads()` there first (the
-model runner does, every step).
+finds it manylinux-consistent; a vendored libgomp would be a second pool). Which thread
+runs them on how many threads is `flowllm.kernels.openmp`'s rule.
 """
 
 from __future__ import annotations
@@ -66,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
-import torch  # loaded before the library: its libgomp is the one the kernels use
+import torch  # noqa: F401  (loaded before the library: its libgomp is the one the kernels use)
 
 from flowllm.cache_dir import flowllm_cache_dir
 from flowllm.kernels import native_build
@@ -121,7 +119,6 @@ class NativeLibrary:
         self._omp_max_threads = ctypes.CFUNCTYPE(ctypes.c_int)(
             self.address("flowllm_omp_max_threads")
         )
-        self._set_threads = self.kernel("flowllm_omp_set_threads")
         self.run_calls = self.kernel("flowllm_run_calls")
 
     def address(self, name: str) -> int:
@@ -139,15 +136,6 @@ class NativeLibrary:
                 f"the Python side declares {declared}"
             )
         return Kernel(self, symbol)
-
-    def follow_torch_threads(self) -> None:
-        """Size the calling thread's OpenMP pool as torch's (`torch.get_num_threads()`)."""
-        self.set_threads(torch.get_num_threads())
-
-    def set_threads(self, threads: int) -> None:
-        """Size the calling thread's OpenMP pool: the kernels' threads, and those of
-        torch's operators in this thread (they share the runtime)."""
-        self._set_threads(threads=threads)
 
     def omp_max_threads(self) -> int:
         """The OpenMP pool size the kernels see (torch's, when they share its runtime)."""

@@ -55,7 +55,6 @@ class DraftProposer:
         k: int,
         max_batch_tokens: int,
         enforce_eager: bool = False,
-        small_step_threads: int | None = None,
     ) -> None:
         self.draft = draft
         self.k = k
@@ -66,7 +65,6 @@ class DraftProposer:
             draft.block_size,
             draft.device,
             enforce_eager=enforce_eager,
-            small_step_threads=small_step_threads,
         )
         self._free = list(range(draft.num_blocks - 1, -1, -1))  # a stack: low ids first
         self._seqs: dict[int, _DraftSeq] = {}

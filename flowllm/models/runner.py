@@ -77,9 +77,6 @@ class PoolingModel(Protocol):
     ) -> torch.Tensor: ...
 
 
-# A step of at most this many rows (tokens) runs the kernels on `small_step_threads`.
-SMALL_STEP_ROWS = 8
-
 _num_computed_tokens = attrgetter("num_computed_tokens")
 _samples = attrgetter("sample")
 
@@ -190,7 +187,6 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str,
         enforce_eager: bool = False,
-        small_step_threads: int | None = None,
         decode_buckets: DecodeBuckets | None = None,
     ) -> None:
         self.model = model
@@ -198,21 +194,20 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.workspace = Workspace()  # the attention's scratch buffers, kept across steps
-        # the CPU kernels, whose thread pool must be sized in each thread that runs a step
-        self.native = native.library() if self.device.type == "cpu" else None
         # decode steps' layers, replayed from recorded kernel calls (CPU) or from the CUDA
         # graphs of `decode_buckets`' sizes
+        lib = native.library() if self.device.type == "cpu" else None
         self.plans = (
             None
             if enforce_eager
-            else step_plans.for_device(model, kv_caches, self.device, self.native, decode_buckets)
+            else step_plans.for_device(model, kv_caches, self.device, lib, decode_buckets)
         )
         if self.device.type == "cpu":
             glibc_heap.keep_freed_memory_mapped()
-        # the step's threads: torch's when built (the worker thread's own setting changes
-        # with each step), or `small_step_threads` for a step of at most SMALL_STEP_ROWS rows
-        self.threads = torch.get_num_threads()
-        self.small_step_threads = small_step_threads
+        # whether a step gives the same results on any OpenMP thread count: on a GPU, and
+        # on CPU with the native kernels, which split no sum between threads (torch's own
+        # CPU products can), so a short step may run on the loop's one thread
+        self.exact_on_any_threads = self.device.type != "cpu" or lib is not None
 
     def _tensor(self, a: np.ndarray[Any, Any]) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -287,8 +282,6 @@ class ModelRunner:
             empty = torch.empty(0, self.model.vocab_size, dtype=torch.float32, device=self.device)
             return empty, {}
         inp, input_ids, positions, ctx = self.build_context(seqs, prompt_logits_for, sampled)
-        if self.native is not None:
-            self.native.set_threads(self.kernel_threads(len(inp.input_ids)))
         with torch.no_grad():
             h = self.model.embed(input_ids, positions)
             if self.plans is not None:
@@ -319,18 +312,5 @@ class ModelRunner:
             )
             row_start = np.repeat(starts, np.diff(inp.query_start_loc))  # [num_tokens]
             token_types = self._tensor((inp.positions >= row_start).astype(np.int64))
-        if self.native is not None:
-            # all threads at any size: an encoder's oneDNN products split their sums by
-            # the thread count too (flowllm.models.step_rows)
-            self.native.set_threads(self.threads)
         with torch.no_grad():
             return model.hidden_states(input_ids, positions, self.kv_caches, ctx, token_types)
-
-    def kernel_threads(self, rows: int) -> int:
-        """The threads of a step of `rows` rows: all, or fewer for a small step when other
-        processes share the cores (`small_step_threads`). Such a step gains less from
-        another thread than it loses each time that thread is preempted, and every kernel
-        parallelizes over outputs, so the thread count never changes a result."""
-        if self.small_step_threads is not None and rows <= SMALL_STEP_ROWS:
-            return self.small_step_threads
-        return self.threads

@@ -61,7 +61,6 @@ def _runner(services: EngineServices, decode_buckets: DecodeBuckets | None) -> M
         config.cache.block_size,
         services.model_device(),
         enforce_eager=config.model.enforce_eager,
-        small_step_threads=services.small_step_threads,
         decode_buckets=decode_buckets,
     )
 
@@ -97,7 +96,7 @@ class Execute(PerMessageStage):
     def __init__(self, params: NoParams, services: EngineServices) -> None:
         super().__init__(params, services)
         self.runner = model_runner(services)
-        self._worker = services.worker_thread("execute")
+        self._worker = services.model_thread()
         self._sampled: dict[int, torch.Tensor] = {}  # step id -> its sampled ids
 
     async def run(self, ctx: StageContext) -> None:
@@ -134,9 +133,11 @@ class Execute(PerMessageStage):
     async def execute_step(
         self, batch: StepBatch, sampled: dict[int, torch.Tensor] | None, ctx: StageContext
     ) -> None:
-        """Run one step (its placeholder rows reading `sampled`) and send its logits."""
+        """Run one step (its placeholder rows reading `sampled`) and send its logits; a
+        short one may run on the loop, where its results do not depend on the thread."""
+        size = step_size(batch) if self.runner.exact_on_any_threads else None
         logits, prompt_logits = await self._worker.run(
-            self.runner.run, batch.seqs, batch.prompt_logits_for, sampled, size=step_size(batch)
+            self.runner.run, batch.seqs, batch.prompt_logits_for, sampled, size=size
         )
         await ctx.emit("out", StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits))
 

@@ -54,7 +54,7 @@ class Propose(Stage):
         self.drafter: DraftProposer | None = None
         if config.method == "draft_model":
             self.drafter = _drafter(services, self._k)
-            self._worker = services.worker_thread("propose")
+            self._worker = services.model_thread()
 
     def live_sequences(self) -> int:
         return len(self._logs)
@@ -128,5 +128,4 @@ def _drafter(services: EngineServices, k: int) -> DraftProposer:
         k,
         config.scheduler.max_num_batched_tokens,
         enforce_eager=config.model.enforce_eager,
-        small_step_threads=services.small_step_threads,
     )

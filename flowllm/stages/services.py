@@ -54,9 +54,9 @@ class EngineServices:
     # Whether the graph has a guide stage, which constrained requests need (set by the
     # engine that builds the graph; validate refuses them without one).
     guided: bool = False
-    # The native kernels' threads for small steps, where other processes (the fronts)
-    # share the cores (set by the engine core; None: torch's threads for every step).
-    small_step_threads: int | None = None
+    # The OpenMP threads of the model's steps, in the one thread that runs them
+    # (`model_thread`); every other thread runs torch work on one (flowllm/kernels/openmp.py)
+    model_threads: int = 1
     # A model served for pooling (--task embed or score): how its vectors are made and
     # what requests may ask of them; None: a model served for generation.
     pooler: PoolerConfig | None = None
@@ -119,11 +119,20 @@ class EngineServices:
         return len(self.tokenizer) if size is None else int(size)
 
     def worker_thread(self, name: str) -> WorkerThread:
-        """The thread the stage called `name` runs its per-step torch work in, kept for
-        these services' lifetime (flowllm/stages/worker.py). Replicas of a stage share it."""
+        """The thread the stage called `name` runs its per-step torch work in, on one OpenMP
+        thread, kept for these services' lifetime (flowllm/stages/worker.py). Replicas of a
+        stage share it."""
+        return self._worker(name, 1)
+
+    def model_thread(self) -> WorkerThread:
+        """The one thread that runs the model's steps, the target's and a draft's, on the
+        process's one OpenMP pool of `model_threads`."""
+        return self._worker("model", self.model_threads)
+
+    def _worker(self, name: str, pool_threads: int) -> WorkerThread:
         worker = self._workers.get(name)
         if worker is None:
-            worker = self._workers[name] = WorkerThread(f"flowllm-{name}")
+            worker = self._workers[name] = WorkerThread(f"flowllm-{name}", pool_threads)
         return worker
 
     @property
@@ -151,7 +160,7 @@ class EngineServices:
             eos_token_ids=self.eos_token_ids,
             device=self.device,
             guided=self.guided,
-            small_step_threads=self.small_step_threads,
+            model_threads=self.model_threads,
             pooler=self.pooler,
             draft=self.draft,
             _derived=self._derived,

@@ -22,6 +22,10 @@ at most `INLINE_BUDGET_S` and the thread has nothing queued or running: a short 
 blocks the loop for less than the hop would have cost, and never overlaps a call in the
 thread. A class not seen yet, or slower, goes to the thread, so a long step (a real
 model's on CPU, a prefill) never blocks the loop.
+
+Each thread sizes its OpenMP pool at its start (`pool_threads`): one thread, except for the
+thread that runs the model's steps (flowllm/kernels/openmp.py). It gives itself its name in
+the OS too, which the pool's threads inherit, so `top -H` shows whose they are.
 """
 
 from __future__ import annotations
@@ -29,12 +33,15 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import ctypes
 import queue
 import threading
 import weakref
 from collections.abc import Callable, Hashable
 from time import perf_counter
 from typing import Any, TypeVar
+
+from flowllm.kernels import openmp
 
 T = TypeVar("T")
 
@@ -58,9 +65,18 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
 
 
-def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
+def name_os_thread(name: str) -> None:
+    """Give the calling thread `name` in the OS (what /proc/PID/task/*/comm and `ps` show,
+    15 bytes), where Linux has it; the threads it starts take the name with them."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME
+
+
+def _serve(jobs: queue.SimpleQueue[_Job | None], name: str, pool_threads: int) -> None:
     """The thread: run jobs in order until the stop sentinel (None). It holds nothing of a
     finished job while it waits for the next, so that the job's owner can be collected."""
+    name_os_thread(name)
+    openmp.size_pool(pool_threads)
     while True:
         job = jobs.get()
         if job is None:
@@ -107,11 +123,15 @@ def _stop_all() -> None:
 
 
 class WorkerThread:
-    """One thread running calls in order, started at the first call; it stops at `close`
-    or when this object is collected. Short calls run on the caller's thread (see above)."""
+    """One thread running calls in order, started at the first call, its parallel regions
+    on `pool_threads`; it stops at `close` or when this object is collected. Short calls
+    run on the caller's thread (see above)."""
 
-    def __init__(self, name: str, inline_budget: float = INLINE_BUDGET_S) -> None:
+    def __init__(
+        self, name: str, pool_threads: int = 1, inline_budget: float = INLINE_BUDGET_S
+    ) -> None:
         self.name = name
+        self.pool_threads = pool_threads
         self.inline_budget = inline_budget
         self._jobs: queue.SimpleQueue[_Job | None] | None = None
         self._thread: threading.Thread | None = None
@@ -124,7 +144,9 @@ class WorkerThread:
 
     def _start(self) -> queue.SimpleQueue[_Job | None]:
         jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=_serve, args=(jobs,), name=self.name, daemon=True)
+        self._thread = threading.Thread(
+            target=_serve, args=(jobs, self.name, self.pool_threads), name=self.name, daemon=True
+        )
         self._thread.start()
         weakref.finalize(self, jobs.put, None)
         _running[self._thread] = jobs

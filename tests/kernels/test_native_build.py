@@ -84,29 +84,6 @@ def test_a_failed_build_falls_back_to_none(tmp_path: Path) -> None:
 
 
 @needs_native
-def test_a_worker_thread_follows_torchs_thread_count() -> None:
-    """OpenMP sizes its pool per thread; a new thread sees OpenMP's default until it calls
-    `follow_torch_threads` (as the model runner does every step)."""
-    lib = native.library()
-    assert lib is not None
-    before = torch.get_num_threads()
-    seen: list[int] = []
-
-    def worker() -> None:
-        lib.follow_torch_threads()
-        seen.append(lib.omp_max_threads())
-
-    try:
-        torch.set_num_threads(1)
-        thread = threading.Thread(target=worker)
-        thread.start()
-        thread.join()
-        assert seen == [1]
-    finally:
-        torch.set_num_threads(before)
-
-
-@needs_native
 def test_kernels_share_torchs_thread_pool() -> None:
     lib = native.library()
     assert lib is not None

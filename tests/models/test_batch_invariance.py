@@ -93,21 +93,25 @@ def test_quantized_outputs_do_not_depend_on_the_batch(build: str) -> None:
 
 
 def test_quantized_outputs_do_not_depend_on_the_kernels_thread_count(build: str) -> None:
-    """A core sharing its cores with fronts runs small steps' kernels on fewer threads
-    (`small_step_threads`): a request alone (one thread) and among others (two threads
-    once the batch is large) gives the tokens it gives with two threads throughout."""
+    """The native kernels split no sum between threads, so a step gives the same tokens on
+    the model thread's pool of two and on the loop's one thread (where a short step may
+    run): a model served on one thread gives the tokens it gives on two, alone and among
+    7 others."""
     if build == "torch":
-        pytest.skip("small_step_threads sizes the native kernels' pool: no kernels, no change")
+        pytest.skip("torch's own CPU products may split sums by the thread count")
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    runs = []
     try:
-        llm = LLM("smollm2-135m-instruct", max_model_len=MAX_MODEL_LEN)
-        two_threads = [tokens(llm, [p], [sp])[0] for p, sp in PROBES]
-        llm.services.small_step_threads = 1
-        alone = [tokens(llm, [p], [sp])[0] for p, sp in PROBES]
-        prompts, params, at = batch_of_8()
-        together = tokens(llm, prompts, params)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            llm = LLM("smollm2-135m-instruct", max_model_len=MAX_MODEL_LEN)
+            assert llm.services.model_threads == threads
+            alone = [tokens(llm, [p], [sp])[0] for p, sp in PROBES]
+            prompts, params, at = batch_of_8()
+            together = tokens(llm, prompts, params)
+            runs.append((alone, [together[i] for i in at]))
     finally:
         torch.set_num_threads(before)
-    assert alone == two_threads, "alone, every step on one thread"
-    assert [together[i] for i in at] == two_threads, "among 7 others, on one and two threads"
+    (one_alone, one_together), (two_alone, two_together) = runs
+    assert one_alone == two_alone, "alone"
+    assert one_together == two_together == two_alone, "among 7 others"

@@ -6,16 +6,9 @@
 
 #include "kernel_args.h"
 
-/* Plain C, for ctypes: the calling thread's pool size. */
+/* Plain C, for ctypes: the calling thread's pool size, as the kernels see it (a check that
+ * they run on the OpenMP runtime torch loaded, flowllm/kernels/openmp.py). */
 int flowllm_omp_max_threads(void) { return omp_get_max_threads(); }
-
-/* OpenMP keeps the pool size per thread, and torch sets it in a thread only at that
- * thread's first parallel op, so a worker thread that calls a kernel first would run it on
- * OpenMP's default (every core) instead of torch's count. */
-int64_t flowllm_omp_set_threads(const struct flowllm_omp_set_threads_args *a) {
-  omp_set_num_threads((int)a->threads);
-  return 0;
-}
 
 #define LAYOUT_FIELD(S, type, name) \
   {"flowllm_" #S "_args", #name, #type, offsetof(struct flowllm_##S##_args, name), sizeof(type)},

@@ -168,8 +168,6 @@ typedef uint16_t f16_t;
   F(S, int64_t, group)                    \
   F(S, int64_t, interleaved)
 
-#define FLOWLLM_OMP_SET_THREADS_ARGS(F, S, ...) F(S, int64_t, threads)
-
 /* a call list of `len` int64 words (module.c) */
 #define FLOWLLM_RUN_CALLS_ARGS(F, S, ...) \
   F(S, const int64_t *, calls)            \
@@ -200,7 +198,6 @@ typedef uint16_t f16_t;
   K(argmax_rows_f32, FLOWLLM_ARGMAX_ARGS)                       \
   FLOWLLM_QUANT_KERNELS(K, qlinear, FLOWLLM_QLINEAR_ARGS)       \
   FLOWLLM_QUANT_KERNELS(K, dequant, FLOWLLM_DEQUANT_ARGS)       \
-  K(omp_set_threads, FLOWLLM_OMP_SET_THREADS_ARGS)              \
   K(run_calls, FLOWLLM_RUN_CALLS_ARGS)
 
 #define FLOWLLM_ARG_FIELD(S, type, name) type name;
