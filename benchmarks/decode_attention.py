@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from model_step import best_time  # benchmarks/ is on sys.path when run as a script
 
-from flowllm.kernels import cpu_attention, openmp, reference
+from flowllm import openmp
+from flowllm.kernels import cpu_attention, reference
 from flowllm.kernels.workspace import Workspace
 from flowllm.models.glibc_heap import keep_freed_memory_mapped
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
+from flowllm import openmp
 from flowllm.config import EngineConfig, RequestLimits
 from flowllm.engine import DEFAULT_GRAPH as DEFAULT_GRAPH  # where its users import it from
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSink
 from flowllm.graph.validator import ValidGraph
-from flowllm.kernels import openmp
 from flowllm.mailbox import Mailbox, Overloaded
 from flowllm.messages import GenerateRequest
 from flowllm.models.pooler_config import PoolerConfig
@@ -64,7 +64,7 @@ class AsyncEngine:
         `recorder` to record the run's channel traffic (closed when the graph has ended),
         `span_sinks` to hand every stage span to (OpenTelemetry export). Where the model
         runs in this process, the loop's thread runs its torch work on one OpenMP thread for
-        the body (flowllm/kernels/openmp.py)."""
+        the body (flowllm/openmp.py)."""
         if services is None:
             from flowllm.engine.loading import build_services  # torch: a front passes its own
 

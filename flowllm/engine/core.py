@@ -31,7 +31,7 @@ import anyio.abc
 import structlog
 from prometheus_client import generate_latest
 
-from flowllm import collector
+from flowllm import collector, openmp
 from flowllm.config import EngineConfig
 from flowllm.engine.core_protocol import (
     CONTROL_DECODER,
@@ -63,7 +63,6 @@ from flowllm.graph.wire import (
     read_one_frame,
     wiring_digest,
 )
-from flowllm.kernels import openmp
 from flowllm.logging_config import configure_logging
 from flowllm.messages import Abort, RequestError
 from flowllm.models import glibc_heap
@@ -315,7 +314,7 @@ class Core:
     ) -> int:
         """Listen and serve the fronts until `stop()` or the graph's end; the exit status.
         Started with `TaskGroup.start`, it reports the address it listens on. The loop's
-        thread runs its torch work on one OpenMP thread meanwhile (flowllm/kernels/openmp.py)."""
+        thread runs its torch work on one OpenMP thread meanwhile (flowllm/openmp.py)."""
         listener, address = await listen(self.spec.address)
         with openmp.one_thread():
             async with anyio.create_task_group() as tg:

@@ -13,8 +13,9 @@ import msgspec
 import structlog
 import torch
 
+from flowllm import openmp
 from flowllm.config import ConfigError, EngineConfig
-from flowllm.kernels import native, openmp
+from flowllm.kernels import native
 from flowllm.models.causal_lm import PagedCausalLM
 from flowllm.models.draft import DraftModel, check_draft, drafts_with_model, load_draft
 from flowllm.models.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -72,7 +73,7 @@ def build_services(config: EngineConfig, *, tokenizer_now: bool = True) -> Engin
     The load runs in a thread of its own that ends with it: its parallel regions open an
     OpenMP pool that goes with that thread, so the caller's thread (an event loop's, or a
     user's) keeps none, and the model's thread has the process's one pool
-    (flowllm/kernels/openmp.py). The tokenizer loads in another thread while the weights
+    (flowllm/openmp.py). The tokenizer loads in another thread while the weights
     load: most of its time is importing transformers, which overlaps with reading and
     packing weights (native code that releases the GIL). `tokenizer_now` False: it loads
     on first use instead (the engine core, whose stages need it only for grammars: a

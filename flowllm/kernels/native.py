@@ -46,7 +46,7 @@ without libgomp, and its OpenMP calls bind when it loads to the runtime torch ha
 (imported first; torch loads its `libgomp.so.1` into the global namespace), so the kernels
 share torch's thread pool, and a wheel's libraries need nothing beyond glibc (auditwheel
 finds it manylinux-consistent; a vendored libgomp would be a second pool). Which thread
-runs them on how many threads is `flowllm.kernels.openmp`'s rule.
+runs them on how many threads is `flowllm.openmp`'s rule.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class EngineServices:
     # engine that builds the graph; validate refuses them without one).
     guided: bool = False
     # The OpenMP threads of the model's steps, in the one thread that runs them
-    # (`model_thread`); every other thread runs torch work on one (flowllm/kernels/openmp.py)
+    # (`model_thread`); every other thread runs torch work on one (flowllm/openmp.py)
     model_threads: int = 1
     # A model served for pooling (--task embed or score): how its vectors are made and
     # what requests may ask of them; None: a model served for generation.

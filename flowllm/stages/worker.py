@@ -24,7 +24,7 @@ thread. A class not seen yet, or slower, goes to the thread, so a long step (a r
 model's on CPU, a prefill) never blocks the loop.
 
 Each thread sizes its OpenMP pool at its start (`pool_threads`): one thread, except for the
-thread that runs the model's steps (flowllm/kernels/openmp.py). It gives itself its name in
+thread that runs the model's steps (flowllm/openmp.py). It gives itself its name in
 the OS too, which the pool's threads inherit, so `top -H` shows whose they are.
 """
 
@@ -41,7 +41,7 @@ from collections.abc import Callable, Hashable
 from time import perf_counter
 from typing import Any, TypeVar
 
-from flowllm.kernels import openmp
+from flowllm import openmp
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """Only the model's thread opens an OpenMP pool: the load's pool ends with its thread, and
 the event loop's thread and the other stages' threads run their torch work on one thread
-(flowllm/kernels/openmp.py). A pool's threads take the OS name of the thread that opened
+(flowllm/openmp.py). A pool's threads take the OS name of the thread that opened
 it, so the threads that are not Python's, by name, say whose pools exist."""
 
 from __future__ import annotations

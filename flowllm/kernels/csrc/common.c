@@ -7,7 +7,7 @@
 #include "kernel_args.h"
 
 /* Plain C, for ctypes: the calling thread's pool size, as the kernels see it (a check that
- * they run on the OpenMP runtime torch loaded, flowllm/kernels/openmp.py). */
+ * they run on the OpenMP runtime torch loaded, flowllm/openmp.py). */
 int flowllm_omp_max_threads(void) { return omp_get_max_threads(); }
 
 #define LAYOUT_FIELD(S, type, name) \

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from flowllm.kernels import native, openmp
+from flowllm import openmp
+from flowllm.kernels import native
 
 
 def _in_new_thread(fn: object) -> object:
