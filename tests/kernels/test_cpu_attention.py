@@ -76,6 +76,29 @@ def test_mixed_prefill_and_decode_step(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_of_one_sequence_read_its_keys_together_and_exactly(dtype):
+    """Decode rows at a sequence's successive positions (drafts being verified, each row
+    with its own copy of the block table) are attended in one walk over its keys, up to 8
+    rows a walk; each row equals the row alone and the float64 oracle. A row of another
+    sequence whose table shares the first block but not the rest, at the next position,
+    gets its own keys."""
+    bs, base = 16, 40
+    prefill = make_case([11], [base + 10], 9, 3, 64, bs, seed=3)
+    query, k_cache, v_cache, table, _, _ = as_dtype(prefill, dtype)
+    shared = table.clone()
+    shared[0, 1:] = torch.tensor([int(b) for b in range(k_cache.shape[0])
+                                  if b not in table[0].tolist()][: table.shape[1] - 1])  # fmt: skip
+    lens = [base + j for j in range(10)] + [base + 10]
+    tables = torch.cat([table.expand(10, -1), shared])
+    one = torch.arange(12, dtype=torch.int32)
+    case = (query, k_cache, v_cache, tables, one, torch.tensor(lens, dtype=torch.int32))
+    out = torch.empty_like(query)
+    cpu_attention.decode_attention(query, k_cache, v_cache, tables, case[-1], SCALE, out)
+    assert torch.equal(out, rows_alone(case, SCALE, kernels.paged_attention))
+    close(out, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("window", "softcap"), [(20, 0.0), (1, 0.0), (0, 3.0), (9, 2.5)])
 def test_window_and_softcap(dtype, window, softcap):
     """A sliding window (starting inside a block, past several, and the query alone) and a

@@ -7,11 +7,15 @@ float32 or bfloat16; the math is float32 (bf16 widened by a shift or a mask, so 
 on any CPU the library is built for; the output is rounded to nearest even). D must be a
 multiple of 16 (float32) or 32 (bfloat16), whole vectors (or pairs) of either build.
 
-One work item is one (decode sequence, kv head): its `group` query heads are scored
-against the sequence's keys LANES tokens at a time (LANES dot products, then one
-transposing reduction), the scores go to a per-thread scratch (capped there by
-softcap * tanh(score / softcap) when a softcap is given), a softmax runs over them in
-place, and a second walk over the blocks sums the values weighted by the probabilities.
+One work item is one (run of queries, kv head): a run is up to ROWS_PER_RUN consecutive
+queries of one sequence at successive positions (a prefill chunk's rows, or a sequence's
+drafts being verified), whose keys are read once for all of them; its queries' `group`
+heads each are scored against the sequence's keys LANES tokens at a time (LANES dot
+products, then one transposing reduction), the scores go to a per-thread scratch (capped
+there by softcap * tanh(score / softcap) when a softcap is given), a softmax runs over
+each query's own keys in place, and a second walk over the blocks sums the values
+weighted by the probabilities. A query's result does not depend on its run: every sum
+is over the same terms in the same order as for the query alone.
 A sliding window (`window` > 0) starts both walks at the first of the last `window`
 positions: keys before it are never read. (An
 online softmax in one walk measured 5-40% slower: benchmarks/README.md.)
@@ -25,7 +29,7 @@ online softmax in one walk measured 5-40% slower: benchmarks/README.md.)
 
 #define INLINE static inline __attribute__((always_inline))
 
-enum { LANES = VL, HEADS_PER_PASS = 4, VECS_PER_PASS = 4, PREFETCH_ROWS = 32 };
+enum { LANES = VL, HEADS_PER_PASS = 4, VECS_PER_PASS = 4, PREFETCH_ROWS = 32, ROWS_PER_RUN = 8 };
 enum { OK = 0, BAD_SEQ_LEN = 1, BAD_BLOCK = 2, BAD_INDEX = 3, NO_MEMORY = 4 };
 
 /* The LANES float32 lanes of a row's elements [p + LANES half, p + LANES (half + 1)), p a
@@ -216,31 +220,47 @@ INLINE void weigh_values_any(const float *p, int64_t stride, const float *inv, C
   }
 }
 
-/* One (sequence, kv head): q and out point at its group's [group, D] heads; keys and
-   values walk its rows. */
-INLINE void attend(const void *q, Cursor keys, Cursor values, int64_t n, int64_t group, int64_t D,
-                   float scale, float softcap, float *scratch, int64_t stride, void *out,
-                   const int bf16) {
-  float *qf = scratch;         /* [group, D] */
-  float *inv = qf + group * D; /* [group] */
-  float *scores = inv + group; /* [group, stride] */
-  for (int64_t i = 0; i < group * D; i += LANES) {
-    const vf x = i & LANES ? load_lanes(q, i - LANES, 1, bf16) : load_lanes(q, i, 0, bf16);
-    vf_store(qf + i, vf_mul(x, vf_set1(scale)));
-  }
-  score(qf, group, D, keys, n, scores, stride, bf16);
-  if (softcap > 0.0f)
-    for (int64_t h = 0; h < group; h++) cap_scores(scores + h * stride, n, softcap);
-  for (int64_t h = 0; h < group; h++) inv[h] = 1.0f / softmax_numerators(scores + h * stride, n);
-  for (int64_t h0 = 0; h0 < group; h0 += HEADS_PER_PASS) {
-    const int hn = group - h0 < HEADS_PER_PASS ? (int)(group - h0) : HEADS_PER_PASS;
-    for (int64_t c0 = 0; c0 < D; c0 += VECS_PER_PASS * LANES) {
-      const int64_t left = (D - c0) / LANES;
-      const int cn = left < VECS_PER_PASS ? (int)left : VECS_PER_PASS;
-      weigh_values_any(scores + h0 * stride, stride, inv + h0, values, n, c0,
-                       (char *)out + h0 * D * (bf16 ? 2 : 4), D, hn, cn, bf16);
+/* One (run of queries, kv head): q[j] and out[j] point at query j's group's [group, D]
+   heads, which see the first lens[j] of the n keys and values the cursors walk. */
+INLINE void attend(const char *const *q, char *const *out, const int64_t *lens, int64_t rows,
+                   Cursor keys, Cursor values, int64_t n, int64_t group, int64_t D, float scale,
+                   float softcap, float *scratch, int64_t stride, const int bf16) {
+  const int64_t heads = rows * group;
+  float *qf = scratch;         /* [heads, D] */
+  float *inv = qf + heads * D; /* [heads] */
+  float *scores = inv + heads; /* [heads, stride] */
+  for (int64_t j = 0; j < rows; j++)
+    for (int64_t i = 0; i < group * D; i += LANES) {
+      const vf x = i & LANES ? load_lanes(q[j], i - LANES, 1, bf16) : load_lanes(q[j], i, 0, bf16);
+      vf_store(qf + j * group * D + i, vf_mul(x, vf_set1(scale)));
     }
+  score(qf, heads, D, keys, n, scores, stride, bf16);
+  for (int64_t h = 0; h < heads; h++) {
+    if (softcap > 0.0f) cap_scores(scores + h * stride, lens[h / group], softcap);
+    inv[h] = 1.0f / softmax_numerators(scores + h * stride, lens[h / group]);
   }
+  for (int64_t j = 0; j < rows; j++)
+    for (int64_t h0 = 0; h0 < group; h0 += HEADS_PER_PASS) {
+      const int hn = group - h0 < HEADS_PER_PASS ? (int)(group - h0) : HEADS_PER_PASS;
+      const int64_t h = j * group + h0;
+      for (int64_t c0 = 0; c0 < D; c0 += VECS_PER_PASS * LANES) {
+        const int64_t left = (D - c0) / LANES;
+        const int cn = left < VECS_PER_PASS ? (int)left : VECS_PER_PASS;
+        weigh_values_any(scores + h * stride, stride, inv + h, values, lens[j], c0,
+                         out[j] + h0 * D * (bf16 ? 2 : 4), D, hn, cn, bf16);
+      }
+    }
+}
+
+/* Whether query i's keys extend query i - 1's: as long or longer, in the same blocks as far
+   as query i - 1's reach (the next position of one sequence, say), so one walk over query
+   i's keys serves both. */
+INLINE int extends(const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                   int64_t block_size, int64_t prev, int64_t cur) {
+  const int64_t len = seq_lens[prev], nb = (len + block_size - 1) / block_size;
+  if (seq_lens[cur] < len) return 0;
+  const int32_t *a = block_tables + prev * table_stride, *b = block_tables + cur * table_stride;
+  return memcmp(a, b, (size_t)nb * sizeof(int32_t)) == 0;
 }
 
 /* Attention of `n` decode queries over their sequences' cached context.
@@ -273,33 +293,56 @@ static int decode_attention(int bf16, const void *query, int64_t q_stride, const
   }
   const int64_t stride = (longest + LANES - 1) / LANES * LANES; /* scores per head */
   const int64_t esz = bf16 ? 2 : 4;
+  /* the runs: queries runs[k] .. runs[k + 1] - 1 (a window gives each query its own start,
+     so each query runs alone then) */
+  int64_t *runs = malloc((n + 1) * sizeof(int64_t)), num_runs = 0;
+  if (runs == NULL) return NO_MEMORY;
+  for (int64_t i = 0; i < n; i++) {
+    const int joins = window == 0 && i > 0 && i - runs[num_runs - 1] < ROWS_PER_RUN &&
+                      extends(block_tables, table_stride, seq_lens, block_size,
+                              seqs ? seqs[i - 1] : i - 1, seqs ? seqs[i] : i);
+    if (!joins) runs[num_runs++] = i;
+  }
+  runs[num_runs] = n;
   int status = OK;
-#pragma omp parallel if (n * kv_heads > 1)
+#pragma omp parallel if (num_runs * kv_heads > 1)
   {
-    float *scratch = malloc((group * (D + 1 + stride)) * sizeof(float));
+    float *scratch = malloc((ROWS_PER_RUN * group * (D + 1 + stride)) * sizeof(float));
     if (scratch == NULL) {
 #pragma omp atomic write
       status = NO_MEMORY;
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n * kv_heads; item++) {
+    for (int64_t item = 0; item < num_runs * kv_heads; item++) {
       if (scratch == NULL) continue;
-      const int64_t i = item / kv_heads, j = item % kv_heads;
-      const int64_t s = seqs ? seqs[i] : i, r = rows ? rows[i] : s;
+      const int64_t k = item / kv_heads, j = item % kv_heads;
+      const int64_t first = runs[k], count = runs[k + 1] - first;
+      const char *q[ROWS_PER_RUN];
+      char *o[ROWS_PER_RUN];
+      int64_t lens[ROWS_PER_RUN], start = 0, s = 0;
+      for (int64_t i = 0; i < count; i++) {
+        s = seqs ? seqs[first + i] : first + i; /* the run's last: the longest */
+        const int64_t r = rows ? rows[first + i] : s, len = seq_lens[s];
+        start = window > 0 && len > window ? len - window : 0;
+        q[i] = (const char *)query + (r * q_stride + j * group * D) * esz;
+        o[i] = (char *)out + (r * out_stride + j * group * D) * esz;
+        lens[i] = len - start;
+      }
       const int32_t *table = block_tables + s * table_stride;
-      const int64_t head = j * D * esz, row = kv_heads * D * esz, len = seq_lens[s];
-      const int64_t start = window > 0 && len > window ? len - window : 0;
+      const int64_t head = j * D * esz, row = kv_heads * D * esz;
       const Cursor keys = cursor(k_cache, head, table, block_size, row, start);
       const Cursor values = cursor(v_cache, head, table, block_size, row, start);
-      const char *q = (const char *)query + (r * q_stride + j * group * D) * esz;
-      char *o = (char *)out + (r * out_stride + j * group * D) * esz;
+      const int64_t n_keys = lens[count - 1];
       if (bf16)
-        attend(q, keys, values, len - start, group, D, scale, softcap, scratch, stride, o, 1);
+        attend(q, o, lens, count, keys, values, n_keys, group, D, scale, softcap, scratch, stride,
+               1);
       else
-        attend(q, keys, values, len - start, group, D, scale, softcap, scratch, stride, o, 0);
+        attend(q, o, lens, count, keys, values, n_keys, group, D, scale, softcap, scratch, stride,
+               0);
     }
     free(scratch);
   }
+  free(runs);
   return status;
 }
 
