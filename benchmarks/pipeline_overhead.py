@@ -91,6 +91,7 @@ def services(
         max_model_len=4096,
         eos_token_ids=(50256,),
         device=torch.device("cpu"),
+        model_threads=torch.get_num_threads(),  # as a loaded model's services have them
     )
 
 

@@ -73,7 +73,8 @@ def command(args: argparse.Namespace, mode: str, port: int) -> list[str]:
             str(args.max_model_len), "--log-level", "warning",
         ]  # fmt: skip
         if mode == "flowllm-ngram":
-            cmd += ["--speculative-config", json.dumps(NGRAM)]
+            ngram = {**NGRAM, "num_speculative_tokens": args.num_speculative_tokens}
+            cmd += ["--speculative-config", json.dumps(ngram)]
         return cmd
     cmd = [
         args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", "1",
@@ -136,6 +137,7 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--modes", default=",".join(MODES), help="which run, in order")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="flowllm's k")
     ap.add_argument("--before", type=Path, help="another checkout, for the `-before` modes")
     args = ap.parse_args()
     args.gguf = args.gguf or bundled_gguf()

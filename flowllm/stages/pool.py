@@ -52,7 +52,7 @@ class Pool(PerMessageStage):
             )
         self.pooler = Pooler(config, services.model if config.task == "score" else None)
         self._choices: dict[int, ChoiceStart] = {}
-        self._worker = services.worker_thread("pool")
+        self._worker = services.step_thread("pool")
 
     def live_sequences(self) -> int:
         return len(self._choices)

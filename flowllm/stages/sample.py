@@ -62,7 +62,7 @@ class Sample(PerMessageStage):
             max_model_len=services.max_model_len,
             device=services.model_device(),
         )
-        self._worker = services.worker_thread("sample")
+        self._worker = services.step_thread("sample")
 
     def live_sequences(self) -> int:
         return len(self.sampler)

@@ -129,6 +129,16 @@ class EngineServices:
         process's one OpenMP pool of `model_threads`."""
         return self._worker("model", self.model_threads)
 
+    def step_thread(self, name: str) -> WorkerThread:
+        """The thread where the stage called `name` runs a step's torch work after the
+        model's (sampling): on a CPU the model's, whose pool has the cores (the step's
+        forward is done by then, and a large batch's logits are read faster on them all);
+        on a GPU a thread of its own, so that its wait for the device's results does not
+        hold up the next step's launches."""
+        if self.model_device().type == "cpu":
+            return self.model_thread()
+        return self.worker_thread(name)
+
     def _worker(self, name: str, pool_threads: int) -> WorkerThread:
         worker = self._workers.get(name)
         if worker is None:
