@@ -21,9 +21,10 @@ alike:
 Per request, the time per output token after the first is (last chunk - first chunk) /
 (completion tokens - 1), the tokens counted by the server's usage; the table gives the
 mean over the requests. Beside it, the weight-reading floor: the file's bytes over the
-machine's read bandwidth (a sum over a 1 GiB tensor, every thread), the time one token
-takes when every weight is read once per token. Greedy texts must be equal with and
-without speculation, server by server.
+machine's read bandwidth (a sum over a 1 GiB tensor, every thread, measured before each
+pair: it varies on a shared machine), the time one token takes when every weight is read
+once per token. Greedy texts must be equal with and without speculation, server by
+server. `--num-speculative-tokens` sets flowllm's drafts per step (k, 4 by default).
 
     .venv/bin/python benchmarks/speculative_serving.py \
         --llama-server /path/to/llama-server
@@ -152,7 +153,7 @@ def main() -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir())
     chats = conversations(passages(tokenizer, args.prompts, args.passage_tokens))
-    floor_ms = args.gguf.stat().st_size / read_bandwidth() * 1000
+    floors: list[float] = []  # ms, measured before each pair: the bandwidth varies
     servers: dict[str, tuple[Server, str]] = {}
     results: dict[str, list[float]] = {mode: [] for mode in modes}
     texts: dict[str, list[str]] = {}
@@ -169,6 +170,7 @@ def main() -> int:
                 server.wait_healthy(url, args.startup_timeout)
                 stream_one(url, chats[0], 8)  # warm-up
             for pair in range(args.pairs):
+                floors.append(args.gguf.stat().st_size / read_bandwidth() * 1000)
                 for mode in modes if pair % 2 == 0 else modes[::-1]:
                     url = servers[mode][1]
                     done = [stream_one(url, chat, args.max_tokens) for chat in chats]
@@ -184,7 +186,8 @@ def main() -> int:
         if base != mode and base in texts:
             same = sum(a == b for a, b in zip(texts[base], texts[mode], strict=True))
             print(f"{mode}: {same} of {len(chats)} greedy texts equal to {base}'s")
-    print(f"\nweight-reading floor: {floor_ms:.2f} ms per token "
+    print(f"\nweight-reading floor, before each pair: "
+          f"{', '.join(f'{ms:.2f}' for ms in floors)} ms per token "
           f"({args.gguf.stat().st_size / 2**20:.0f} MiB)\n")  # fmt: skip
     print("| server | ms per output token, each pair | lookup / without |")
     print("|---|---|---:|")
