@@ -7,16 +7,23 @@ calls (module calls, shape checks, views, allocations) is a large part of the st
 recorded calls removes it, as CUDA graphs do on a GPU.
 
 `record(lib, fn, inputs)` runs `fn` eagerly on copies of `inputs` (the plan's static
-inputs) while the library appends the thread's calls to a call list, under two torch modes:
+inputs) while the library appends the thread's calls to a call list (the step's graph,
+built once per batch shape), under one torch function mode (`torch.overrides`) that:
 
-- a dispatch mode that allows only allocations and views: any other torch op computes
-  something a replay would not redo, so the function is not recordable;
-- a function mode that refuses reading a tensor's values into Python (`.tolist()`,
-  `.item()`, `int(t)`: a decision on them would be frozen into the plan), and keeps every
-  tensor whose address was taken (`data_ptr`) for as long as the plan lives: the
-  function's temporaries, the static inputs, and the weights, caches and tables it read.
-  Every address in the call list stays valid, even if a model replaces a table afterwards
-  (the plan keeps reading the old one, whose rows the kernels check against the inputs).
+- allows only allocations and views: a torch call whose tensor result neither is a new
+  empty tensor nor shares an argument's storage computes something a replay would not
+  redo, as does any call that writes in place (`add_`, `x[i] = y`, `out=`), so the
+  function is not recordable;
+- refuses reading a tensor's values into Python (`.tolist()`, `.item()`, `int(t)`: a
+  decision on them would be frozen into the plan);
+- keeps every tensor whose address was taken (`data_ptr`) for as long as the plan lives:
+  the function's temporaries, the static inputs, and the weights, caches and tables it
+  read. Every address in the call list stays valid, even if a model replaces a table
+  afterwards (the plan keeps reading the old one, whose rows the kernels check against
+  the inputs).
+
+The mode sees the calls Python makes, which is what can come between two kernel calls:
+whatever a torch function does inside it is judged by its result.
 
 `CallPlan.replay(inputs)` copies new inputs into the static ones, runs the call list with
 the GIL released and returns the recorded outputs: the same tensors every time, which the
@@ -39,7 +46,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowllm.kernels.native import NativeLibrary
 
@@ -57,81 +63,96 @@ def recording() -> bool:
 Outputs = tuple[torch.Tensor, ...]
 
 _ALLOCATIONS = frozenset(
-    {
-        torch.ops.aten.empty.memory_format,
-        torch.ops.aten.empty_strided.default,
-        torch.ops.aten.empty_like.default,
-        torch.ops.aten.new_empty.default,
-        torch.ops.aten.new_empty_strided.default,
-    }
-)
-_UNMARKED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})  # aliases, not so marked
-
-
-class _OnlyViewsAndAllocations(TorchDispatchMode):
-    """Notes the first torch op that computes (neither a view nor an allocation), and the
-    bytes allocated."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refused: str | None = None
-        self.allocated = 0
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        """No: nothing here is compiled. torch would otherwise wrap `__torch_dispatch__`
-        to keep the compiler out, importing the compiler (over a second) at the first
-        recording, in the middle of a request."""
-        return False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func in _ALLOCATIONS:
-            self.allocated += out.untyped_storage().nbytes()
-        elif not (func.is_view or func in _UNMARKED_VIEWS) and self.refused is None:
-            self.refused = str(func)
-        return out
-
-
+    {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty,
+     torch.Tensor.new_empty_strided}
+)  # fmt: skip
 _READS_VALUES = frozenset(
-    getattr(torch.Tensor, name)
-    for name in (
-        "tolist", "item", "numpy", "__int__", "__float__", "__bool__", "__index__",
-        "__complex__", "__repr__", "__format__",
-    )
+    {
+        *(
+            getattr(torch.Tensor, name)
+            for name in (
+                "tolist", "item", "numpy", "__int__", "__float__", "__bool__", "__index__",
+                "__complex__", "__repr__", "__format__",
+            )
+        ),
+        torch.equal,
+        torch.allclose,
+    }
+)  # fmt: skip
+_IN_PLACE_DUNDERS = frozenset(
+    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+     "__imatmul__"}
 )  # fmt: skip
 
 
+def _name(func: Any) -> str:
+    """`Tensor.clone`, `torch.zeros`: what a refusal names."""
+    name = getattr(func, "__name__", repr(func))
+    if getattr(torch.Tensor, name, None) is func:
+        return f"Tensor.{name}"
+    return f"{getattr(func, '__module__', None) or 'torch'}.{name}"
+
+
+def _storages(value: Any) -> set[int]:
+    """The storages of the tensors in `value` (a tensor, or a tuple or list of them); a
+    tensor without one (oneDNN's packed weights) stands for itself."""
+    if isinstance(value, torch.Tensor):
+        try:
+            return {value.untyped_storage().data_ptr()}
+        except NotImplementedError:  # an opaque tensor
+            return {id(value)}
+    if isinstance(value, (tuple, list)):
+        return {p for item in value for p in _storages(item)}
+    return set()
+
+
+def _writes_in_place(func: Any, kwargs: dict[str, Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    dunder = name.startswith("__") and name.endswith("__")
+    return "out" in kwargs or name in _IN_PLACE_DUNDERS or (name.endswith("_") and not dunder)
+
+
+class _Recording(TorchFunctionMode):
+    """Notes the first torch call that computes (neither a view nor an allocation) and the
+    first read of a tensor's values into Python (some, as `tolist`, return no tensor at
+    all); counts the bytes allocated, and keeps every tensor whose `data_ptr()` is taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.computes: str | None = None
+        self.reads_values: str | None = None
+        self.allocated = 0
+        self.tensors: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.data_ptr:
+            self.tensors[id(args[0])] = args[0]
+        elif func in _READS_VALUES:
+            self.reads_values = self.reads_values or f"Tensor.{func.__name__}"
+        elif func in _ALLOCATIONS:
+            self.allocated += out.untyped_storage().nbytes()
+        elif _writes_in_place(func, kwargs) or not _storages(out) <= _storages(
+            [*args, *kwargs.values()]
+        ):
+            self.computes = self.computes or _name(func)
+        return out
+
+
 class ValueReads(TorchFunctionMode):
-    """Notes the first read of a tensor's values into Python (some, as `tolist`, never
-    reach the dispatcher): a replay, of a plan or of a CUDA graph, would keep the decision
-    made on them."""
+    """Notes the first read of a tensor's values into Python: a replay of a CUDA graph
+    would keep the decision made on them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.refused: str | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.note(func, args)
-        return func(*args, **(kwargs or {}))
-
-    def note(self, func: Any, args: Any) -> None:
         if func in _READS_VALUES and self.refused is None:
             self.refused = f"Tensor.{func.__name__}"
-
-
-class _KeepAddressed(ValueReads):
-    """Also keeps every tensor whose `data_ptr()` is taken."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tensors: dict[int, torch.Tensor] = {}
-
-    def note(self, func: Any, args: Any) -> None:
-        if func is torch.Tensor.data_ptr:
-            self.tensors[id(args[0])] = args[0]
-        else:
-            super().note(func, args)
+        return func(*args, **(kwargs or {}))
 
 
 class CallPlan:
@@ -185,22 +206,22 @@ def record(
 ) -> Recorded:
     """Run `fn(*copies of inputs)` eagerly, recording its native calls (see module)."""
     static = tuple(t.clone() for t in inputs)
-    only_views, keep = _OnlyViewsAndAllocations(), _KeepAddressed()
+    mode = _Recording()
     lib.record_start()
     _state.recording = True
     try:
-        with keep, only_views:
+        with mode:
             outputs = fn(*static)
     finally:
         _state.recording = False
         calls = lib.record_stop()
-    if keep.refused is not None:
-        return Recorded(outputs, None, f"it reads values into Python ({keep.refused})")
-    if only_views.refused is not None:
-        return Recorded(outputs, None, f"it runs the torch op {only_views.refused}")
+    if mode.reads_values is not None:
+        return Recorded(outputs, None, f"it reads values into Python ({mode.reads_values})")
+    if mode.computes is not None:
+        return Recorded(outputs, None, f"it runs the torch op {mode.computes}")
     if not calls:
         return Recorded(outputs, None, "it calls no native kernel")
-    plan = CallPlan(lib, static, outputs, calls, keep.tensors.values(), only_views.allocated)
+    plan = CallPlan(lib, static, outputs, calls, mode.tensors.values(), mode.allocated)
     return Recorded(outputs, plan)
 
 

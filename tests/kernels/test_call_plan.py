@@ -67,10 +67,17 @@ def test_replay_computes_the_function_on_new_inputs() -> None:
 @pytest.mark.parametrize(
     ("compute", "op"),
     [
-        (lambda t: t + 1, "aten.add.Tensor"),
-        (lambda t: t.clone(), "aten.clone.default"),
-        (lambda t: t.sum(), "aten.sum.default"),
-        (lambda t: torch.zeros(3), "aten.zeros.default"),
+        (lambda t: t + 1, "Tensor.add"),
+        (lambda t: t.clone(), "Tensor.clone"),
+        (lambda t: t.sum(), "Tensor.sum"),
+        (lambda t: torch.zeros(3), "torch.zeros"),
+        (lambda t: torch.empty(3).add_(1), "Tensor.add_"),  # in place, on a new tensor
+        (lambda t: torch.empty(3).__setitem__(0, 1.0), "Tensor.__setitem__"),
+        (lambda t: torch.add(t, 1, out=torch.empty_like(t)), "torch.add"),
+        (lambda t: t.t().contiguous(), "Tensor.contiguous"),
+        (lambda t: t.reshape(2, -1).t().reshape(-1), "Tensor.reshape"),
+        (lambda t: t[torch.tensor([0])], "torch.tensor"),
+        (lambda t: torch.nn.functional.silu(t), "torch.nn.functional.silu"),
     ],
 )
 def test_a_torch_op_between_the_calls_refuses_the_plan(compute: object, op: str) -> None:
