@@ -32,7 +32,6 @@ from typing import Literal
 import msgspec
 
 OnError = Literal["fail_request", "restart", "escalate"]
-ON_ERROR_CHOICES: tuple[str, ...] = ("fail_request", "restart", "escalate")
 
 
 class Supervision(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
