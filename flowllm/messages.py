@@ -444,3 +444,15 @@ def request_ids_of(message: object) -> tuple[str, ...]:
         return tuple(dict.fromkeys(chunk.request_id for chunk in message.chunks))
     request_id = getattr(message, "request_id", None)
     return (request_id,) if isinstance(request_id, str) else ()
+
+
+def seq_ids_of(message: object) -> tuple[int, ...] | None:
+    """The sequences a per-step message names (a step's batch, its logits, its tokens), in
+    batch order; None for any other message. Stages and tracing map them to requests."""
+    if isinstance(message, StepLogits):
+        message = message.batch
+    if isinstance(message, StepBatch):
+        return tuple([seq.seq_id for seq in message.seqs])
+    if isinstance(message, StepTokens):
+        return tuple([token.seq_id for token in message.tokens])
+    return None

@@ -41,10 +41,10 @@ from flowllm.messages import (
     RequestError,
     StepBatch,
     StepLogits,
-    StepTokens,
     TextDeltas,
     TokenizedRequest,
     ValidRequest,
+    seq_ids_of,
 )
 from flowllm.version import __version__
 
@@ -314,30 +314,27 @@ class RequestTracing:
     def _links(self, message: Any) -> list[Link] | None:
         """Links to the root spans of the traced requests in a step (None: a message that
         comes before the step's batch was seen, so its sequences are not known yet)."""
-        if isinstance(message, StepLogits):
-            message = message.batch
         owners: dict[int, _RequestTrace] = {}
-        if isinstance(message, StepBatch):
-            for start in message.started:
-                request_trace = self._requests.get(start.request_id)
-                if request_trace is not None:
-                    request_trace.seq_ids.append(start.seq_id)
-                    self._seqs[start.seq_id] = request_trace
-            seq_ids: Sequence[int] = [seq.seq_id for seq in message.seqs]
-        elif isinstance(message, StepTokens):
-            seq_ids = [token.seq_id for token in message.tokens]
-        elif isinstance(message, TextDeltas):
+        seq_ids = seq_ids_of(message)
+        if isinstance(message, TextDeltas):
             for chunk in message.chunks:
                 request_trace = self._requests.get(chunk.request_id)
                 if request_trace is not None:
                     owners[id(request_trace)] = request_trace
-            seq_ids = ()
-        else:
+        elif seq_ids is None:
             return None
-        for seq_id in seq_ids:
-            request_trace = self._seqs.get(seq_id)
-            if request_trace is not None:
-                owners[id(request_trace)] = request_trace
+        else:
+            batch = message.batch if isinstance(message, StepLogits) else message
+            if isinstance(batch, StepBatch):
+                for start in batch.started:
+                    request_trace = self._requests.get(start.request_id)
+                    if request_trace is not None:
+                        request_trace.seq_ids.append(start.seq_id)
+                        self._seqs[start.seq_id] = request_trace
+            for seq_id in seq_ids:
+                request_trace = self._seqs.get(seq_id)
+                if request_trace is not None:
+                    owners[id(request_trace)] = request_trace
         roots: dict[int, SpanContext] = {}
         for request_trace in owners.values():
             context = request_trace.root.get_span_context()

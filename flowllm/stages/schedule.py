@@ -31,9 +31,9 @@ from flowllm.messages import (
     Finish,
     RequestError,
     StepBatch,
-    StepLogits,
     StepTokens,
     TokenizedRequest,
+    seq_ids_of,
 )
 from flowllm.models import glibc_heap
 from flowllm.scheduling.scheduler import Scheduler, SchedulerError
@@ -90,13 +90,8 @@ class Schedule(Stage):
 
     def request_ids(self, message: object) -> tuple[str, ...]:
         """Per-step messages name sequences: their requests, as far as they are known."""
-        if isinstance(message, StepLogits):
-            message = message.batch
-        if isinstance(message, StepBatch):
-            seq_ids = [s.seq_id for s in message.seqs]
-        elif isinstance(message, StepTokens):
-            seq_ids = [t.seq_id for t in message.tokens]
-        else:
+        seq_ids = seq_ids_of(message)
+        if seq_ids is None:
             return super().request_ids(message)
         ids: dict[str, None] = {}
         for seq_id in seq_ids:
