@@ -7,6 +7,10 @@ validated `BenchServeConfig` in `flowllm.bench.serve`.
 from __future__ import annotations
 
 import argparse
+from typing import Literal, get_args
+
+# The OpenAI endpoints a run sends to; here, so the flag's choices need nothing heavier.
+Endpoint = Literal["completions", "chat"]
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +23,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     target.add_argument(
         "--endpoint",
-        choices=("completions", "chat"),
+        choices=get_args(Endpoint),
         default="completions",
         help="/v1/completions or /v1/chat/completions (default: %(default)s)",
     )

@@ -11,16 +11,16 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import httpx
 import msgspec
 
+from flowllm.bench.args import Endpoint
 from flowllm.bench.metrics import RequestRecord
 from flowllm.bench.prompts import Prompt
 
-Endpoint = Literal["completions", "chat"]
 ENDPOINT_PATHS: dict[str, str] = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",

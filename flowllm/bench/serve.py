@@ -20,13 +20,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, TextIO
 
 import anyio
 import httpx
 import msgspec
 import numpy as np
 
+from flowllm.bench.args import Endpoint
 from flowllm.bench.client import (
     ServerError,
     api_root,
@@ -70,7 +71,7 @@ class BenchServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Every option of a run, validated once when built."""
 
     base_url: str = "http://127.0.0.1:8000"
-    endpoint: Literal["completions", "chat"] = "completions"
+    endpoint: Endpoint = "completions"
     model: str | None = None  # None: the first model the server lists
     tokenizer: str | None = None  # local directory; None: random-word prompts
     num_prompts: int = 1000
