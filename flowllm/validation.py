@@ -353,6 +353,17 @@ def check_tools(tools: tuple[dict[str, Any], ...] | None, limits: RequestLimits)
         )
 
 
+def tools_error(
+    tools: tuple[dict[str, Any], ...] | None, limits: RequestLimits
+) -> RequestError | None:
+    """`check_tools` for tools that never enter the graph (`/tokenize`'s): the 400, or None."""
+    try:
+        check_tools(tools, limits)
+    except _Invalid as invalid:
+        return _bad_request("", invalid)
+    return None
+
+
 def _bad_request(request_id: str, invalid: _Invalid) -> RequestError:
     return RequestError(
         request_id=request_id,

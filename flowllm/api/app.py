@@ -73,19 +73,20 @@ from flowllm.api.protocol import (
     VersionResponse,
 )
 from flowllm.api.serving import ClientDisconnected, EventStream, Generation, until_disconnect
+from flowllm.api.tool_calls import tool_dict
 from flowllm.api.ui_routes import AUTH_PATH, STATIC_PREFIX, live_feed_of
 from flowllm.api.ui_routes import ROUTES as UI_ROUTES
 from flowllm.engine.client import EngineClient
 from flowllm.messages import Chunk, GenerateRequest
 from flowllm.metrics import MetricsView
+from flowllm.text.chat_prompt import ChatPrompts
 from flowllm.text.chat_template import (
     DEFAULT_BUDGET,
     ChatTemplateError,
     TemplateBudget,
     check_template_kwargs,
-    render_chat,
 )
-from flowllm.validation import model_not_found, show_number
+from flowllm.validation import model_not_found, show_number, tools_error
 from flowllm.version import __version__
 
 if TYPE_CHECKING:
@@ -109,11 +110,6 @@ _SCOPE_REQUEST_ID_GIVEN = "flowllm.request_id_given"  # did the client send it?
 _REQUEST_LOG = structlog.get_logger("flowllm.requests")  # --enable-log-requests
 # Status logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
-# vLLM's wording, as the graph's tokenize stage answers chat requests.
-NO_CHAT_TEMPLATE = (
-    "As of transformers v4.44, default chat template is no longer allowed, so you must "
-    "provide a chat template if the tokenizer does not define one."
-)
 
 
 def _registry_of(engine: EngineClient) -> CollectorRegistry | None:
@@ -154,7 +150,7 @@ class ApiState:
             else None
         )
         self.trust_request_chat_template = trust_request_chat_template
-        self.template_budget = template_budget
+        self.chat_prompts = ChatPrompts(engine.tokenizer, template_budget)
         self.texts = TokenTexts(engine.tokenizer)
         self.encoder = msgspec.json.Encoder()
         self.created = int(time.time())
@@ -641,21 +637,20 @@ def _tokenize(api: ApiState, req: TokenizeRequest, kwargs: dict[str, Any] | None
     if req.prompt is not None:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         return list(tokenizer.encode(req.prompt, add_special_tokens=add_special))
-    turns = flatten_messages(req.messages or [])
-    messages = [{"role": m.role, "content": m.content} for m in turns]
-    template = req.chat_template or api.chat_template
-    if template is None and not getattr(tokenizer, "chat_template", None):
-        raise ApiError(NO_CHAT_TEMPLATE, param="chat_template", code="missing_chat_template")
+    tools = tuple(tool_dict(t) for t in req.tools) if req.tools else None
+    error = tools_error(tools, api.engine.limits)
+    if error is not None:
+        raise ApiError.from_request_error(error)
     try:
-        text = render_chat(
-            tokenizer,
-            messages,
-            template=template,
+        # As prepare_chat hands a chat request to the graph, and its tokenize renders it.
+        text = api.chat_prompts.text(
+            flatten_messages(req.messages or []),
+            tools=tools,
+            chat_template=req.chat_template if req.chat_template is not None else api.chat_template,
             add_generation_prompt=(
                 True if req.add_generation_prompt is None else req.add_generation_prompt
             ),
             template_kwargs=kwargs,
-            budget=api.template_budget if req.chat_template is not None else None,
         )
     except ChatTemplateError as e:
         raise ApiError(e.message, param=e.param, code=e.code) from e

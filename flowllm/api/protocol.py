@@ -231,6 +231,7 @@ class TokenizeRequest(_Request, kw_only=True):
     add_generation_prompt: bool | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (bounded)
+    tools: list[ToolParam] | None = None  # rendered as a chat request's tools are
 
 
 class DetokenizeRequest(_Request, kw_only=True):

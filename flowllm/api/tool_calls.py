@@ -85,7 +85,7 @@ def tool_use(req: ChatCompletionRequest, tool_parser: str | None) -> ToolUse:
     `tool_parser`: the server's `--tool-call-parser` when `--enable-auto-tool-choice` is
     on, else None (then `auto` with tools is refused, as vLLM does).
     """
-    tools = [_tool_dict(t) for t in req.tools or ()]
+    tools = [tool_dict(t) for t in req.tools or ()]
     choice = req.tool_choice
     if not tools:
         if choice not in (None, "none"):
@@ -137,7 +137,7 @@ def tool_use(req: ChatCompletionRequest, tool_parser: str | None) -> ToolUse:
     )
 
 
-def _tool_dict(tool: ToolParam) -> dict[str, Any]:
+def tool_dict(tool: ToolParam) -> dict[str, Any]:
     """A tool as the template sees it: the fields the client gave (no nulls)."""
     function = {k: v for k, v in msgspec.to_builtins(tool.function).items() if v is not None}
     return {"type": tool.type, "function": function}

@@ -1,10 +1,8 @@
 """tokenize: prompt text or chat messages to token ids; the context-length check.
 
-Chat requests are rendered with the model's chat template by transformers, or with the
-template given with the request within the request-template budget
-(`flowllm.text.chat_template`), tools and tool turns included (natively, or by the
-fallback of `flowllm.text.tool_prompt` for a template that ignores tools), then
-encoded without adding special tokens again, as the template already holds them.
+Chat requests are rendered by `flowllm.text.chat_prompt` (the model's chat template or
+the request's own, tools and tool turns included), which `/tokenize` renders with too,
+then encoded without adding special tokens again, as the template already holds them.
 Stateless but for a cache of which server templates render tools, and the encoding runs
 in a worker thread (the tokenizer releases the GIL), so `replicas: N` tokenizes N
 prompts at once.
@@ -16,9 +14,6 @@ the second one's token type starts goes with it (`PoolingParams.token_type_start
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import anyio.to_thread
 import msgspec
@@ -33,12 +28,9 @@ from flowllm.messages import (
     ValidRequest,
 )
 from flowllm.stages.services import EngineServices
-from flowllm.text.chat_template import DEFAULT_BUDGET, ChatTemplateError, render_chat
-from flowllm.text.tool_prompt import PROBE_MESSAGES, renders_tools, template_messages
+from flowllm.text.chat_prompt import ChatPrompts
+from flowllm.text.chat_template import ChatTemplateError
 from flowllm.validation import check_context_length, check_pooling_length
-
-# Renders messages (and tools, or None) with the request's chat template.
-_Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
 
 
 class PromptError(ValueError):
@@ -59,7 +51,7 @@ class Tokenize(PerMessageStage):
         self._tokenizer = services.tokenizer
         self._max_model_len = services.max_model_len
         self._eos_token_ids = services.eos_token_ids
-        self._template_tools: dict[str, bool] = {}  # server templates: do they render tools?
+        self._chat_prompts = ChatPrompts(self._tokenizer)
 
     async def handle(self, message: ValidRequest | Abort, ctx: StageContext) -> None:
         if isinstance(message, Abort):
@@ -115,16 +107,6 @@ class Tokenize(PerMessageStage):
             ),
         )
 
-    def _renders_tools(self, template: str, from_request: bool, render: _Render) -> bool:
-        """Whether the template renders tools (probed once per server template; a
-        request's template is probed each time, within its budget)."""
-        known = self._template_tools.get(template)
-        if known is None:
-            known = renders_tools(lambda tools: render(list(PROBE_MESSAGES), tools))
-            if not from_request:
-                self._template_tools[template] = known
-        return known
-
     def pair_ids(self, request: GenerateRequest) -> tuple[tuple[int, ...], int | None]:
         """A cross-encoder pair's token ids (`prompt` then `text_pair`, joined by the
         tokenizer's own template) and the position where token type 1 starts (None: the
@@ -141,34 +123,14 @@ class Tokenize(PerMessageStage):
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids  # validate checked them against the vocabulary
         elif request.messages is not None:
-            template = request.chat_template or tokenizer.chat_template
-            if template is None:
-                raise PromptError(
-                    "As of transformers v4.44, default chat template is no longer allowed, "
-                    "so you must provide a chat template if the tokenizer does not define "
-                    "one.",
-                    "messages",
-                )
-            budget = DEFAULT_BUDGET if request.chat_template is not None else None
-
-            def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-                return render_chat(
-                    tokenizer,
-                    messages,
-                    template=template,
+            try:
+                text = self._chat_prompts.text(
+                    request.messages,
+                    tools=request.tools,
+                    chat_template=request.chat_template,
                     add_generation_prompt=request.add_generation_prompt,
                     template_kwargs=request.chat_template_kwargs,
-                    budget=budget,
-                    tools=tools,
                 )
-
-            try:
-                messages, tools = template_messages(
-                    request.messages,
-                    request.tools,
-                    lambda: self._renders_tools(template, budget is not None, render),
-                )
-                text = render(messages, tools)
             except ChatTemplateError as e:
                 raise PromptError(e.message, e.param, e.code) from e
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -9,6 +10,8 @@ from api_fake_engine import CHAT_TEMPLATE, MODEL, FakeEngine, make_app
 from litestar.testing import AsyncTestClient
 
 import flowllm
+from flowllm.graph.stage import NoParams
+from flowllm.stages.tokenize import Tokenize
 
 pytestmark = pytest.mark.anyio
 
@@ -87,12 +90,72 @@ async def test_tokenize_chat_messages(client: AsyncTestClient, tokenizer: Any) -
     assert r.json()["tokens"] == tokenizer.encode(expected, add_special_tokens=False)
 
 
+# A template that shows tools and tool turns itself (the other, CHAT_TEMPLATE, ignores them:
+# the tools then go into the system prompt).
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }}]{% endfor %}"
+    "{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+]
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, TOOLS_TEMPLATE], ids=["fallback", "native"])
+async def test_tokenize_with_tools_gives_the_ids_generation_runs_on(
+    engine: FakeEngine, tokenizer: Any, template: str
+) -> None:
+    """/tokenize of a chat request with tools: the ids the graph's tokenize stage makes of
+    the very request the chat route submits for the same body."""
+    body = {"messages": TOOL_TURNS, "tools": [WEATHER_TOOL], "chat_template_kwargs": {"x": 1}}
+    async with AsyncTestClient(make_app(engine, chat_template=template)) as client:
+        r = await client.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        chat = await client.post(
+            "/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 1}
+        )
+        assert chat.status_code == 200, chat.text
+    (submitted,) = engine.submitted
+    services = SimpleNamespace(tokenizer=tokenizer, max_model_len=256, eos_token_ids=())
+    stage = Tokenize(NoParams(), services)  # type: ignore[arg-type]
+    tokens = r.json()["tokens"]
+    assert tokens == list(stage.prompt_token_ids(submitted))
+    text = tokenizer.decode(tokens)
+    assert "get_weather" in text and "18C" in text
+
+
 async def test_tokenize_errors(client: AsyncTestClient, engine: FakeEngine) -> None:
     r = await client.post("/tokenize", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404
     assert r.json()["error"]["message"] == "The model `nope` does not exist."
     r = await client.post("/tokenize", json={})
     assert r.status_code == 400
+    bad_tool = {"type": "function", "function": {"name": "no spaces"}}
+    r = await client.post("/tokenize", json={"messages": TOOL_TURNS, "tools": [bad_tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.name"
     r = await client.post("/detokenize", json={"tokens": [1, 10**7]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     r = await client.post("/detokenize", json={"tokens": "abc"})
