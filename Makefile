@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.flowllm-installed
 # (`make test VENV=.venv-torch2.14 TORCH=2.14.1`, a CUDA build, which runs on the CPU).
 TORCH  ?= 2.13.0
 
-.PHONY: serve test test-avx2 test-torch lint typecheck setup system-packages bench-channel traces reliability ui-screenshots wheel wheel-check
+.PHONY: serve test test-fast test-avx2 test-torch lint typecheck setup system-packages bench-channel traces reliability ui-screenshots wheel wheel-check
 
 serve: $(STAMP)
 	$(PY) -m flowllm serve
@@ -17,6 +17,14 @@ test: $(STAMP) system-packages
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not wheel"
+
+# The unit tests, for the edit loop (about 3 minutes here): no model-sized, served, fuzzing,
+# trace or scale-out tests, which `make test` runs with everything else.
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not wheel" tests/engine \
+		tests/engine_graph tests/graph tests/kernels tests/api tests/bench tests/test_openmp.py \
+		tests/test_mailbox.py
 
 # The wheel built as `make wheel` builds it, installed into a fresh environment and served
 # from there with no C compiler on the PATH (tests/test_wheel_install.py); CI runs it after
