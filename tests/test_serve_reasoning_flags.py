@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from flowllm.cli import build_parser
-from flowllm.cli.serve import ServeError, default_template_kwargs
 from flowllm.config import RequestLimits
+from flowllm.serve_flags import ServeError, default_template_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 

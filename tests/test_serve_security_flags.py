@@ -9,13 +9,13 @@ import ssl
 import pytest
 
 from flowllm.cli import build_parser
-from flowllm.cli.serve import (
+from flowllm.cli.serve import ssl_settings
+from flowllm.serve_flags import (
     ServeError,
     cors_config,
     exposure_warning,
     is_loopback,
     resolve_api_key,
-    ssl_settings,
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowllm.cli import build_parser
-from flowllm.cli.serve import ServeError, auto_tool_parser
+from flowllm.serve_flags import ServeError, auto_tool_parser
 
 
 def parser_of(*argv: str) -> str | None:

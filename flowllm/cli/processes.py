@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +41,20 @@ from flowllm.graph.validator import ValidGraph
 EXIT_ENGINE_FAILED = 70  # as a single-process server's escalation (flowllm/server.py)
 FRONT_STOP_GRACE_S = 5.0  # past the shutdown timeout, before a front is killed
 
+# A front's server: (args, listener, front index, core address) -> exit status.
+ServeFront = Callable[[argparse.Namespace, socket.socket, int, str], int]
+
 
 @dataclass(frozen=True)
 class FrontSpec:
+    """What a front process is started with; `serve` is a module-level function, so that
+    the spawned process imports it by name."""
+
     args: argparse.Namespace
     listener: socket.socket
     index: int
     core_address: str
+    serve: ServeFront
 
 
 def step_loop_intensity(graph: GraphSpec, core: str) -> RestartIntensity:
@@ -87,7 +95,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    """Starts, watches and restarts the core and the fronts of one `flowllm serve`."""
+    """Starts, watches and restarts the core and the fronts of one `flowllm serve`.
+
+    `serve_front` is each front's HTTP server, given by the command that owns it
+    (flowllm/cli/serve.py): the supervisor starts processes and knows nothing of HTTP."""
 
     def __init__(
         self,
@@ -95,8 +106,10 @@ class Supervisor:
         config: EngineConfig,
         graph: GraphSpec,
         threads: int | None,
+        serve_front: ServeFront,
     ) -> None:
         self.args = args
+        self.serve_front = serve_front
         self.log = structlog.get_logger("flowllm.serve")
         self.context = multiprocessing.get_context("spawn")
         self.folder = tempfile.mkdtemp(prefix="flowllm-")
@@ -138,7 +151,7 @@ class Supervisor:
         self.log.info("engine core started", pid=self.core.pid)
 
     def _start_front(self, index: int) -> Any:
-        spec = FrontSpec(self.args, self.listener, index, self.core_spec.address)
+        spec = FrontSpec(self.args, self.listener, index, self.core_spec.address, self.serve_front)
         process = self.context.Process(
             target=run_front, args=(spec,), name=f"flowllm-front-{index}"
         )
@@ -217,8 +230,7 @@ class Supervisor:
 
 def run_front(spec: FrontSpec) -> None:
     """A front process's entry point: the HTTP server over the front's part of the graph."""
-    from flowllm.cli.serve import serve_front
     from flowllm.engine.core import become_child
 
     become_child(f"flowllm-front{spec.index}")
-    raise SystemExit(serve_front(spec.args, spec.listener, spec.index, spec.core_address))
+    raise SystemExit(spec.serve(spec.args, spec.listener, spec.index, spec.core_address))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import ipaddress
 import json
 import os
 import re
@@ -24,6 +23,15 @@ from flowllm.config import TOOL_CALL_PARSERS, ConfigError
 from flowllm.engine import DEFAULT_GRAPH, graph_for_task
 from flowllm.graph.problems import GraphValidationError
 from flowllm.logging_config import configure_logging
+from flowllm.serve_flags import (
+    ServeError,
+    auto_tool_parser,
+    cors_config,
+    default_template_kwargs,
+    exposure_warning,
+    resolve_api_key,
+    resolve_served_task,
+)
 from flowllm.text.reasoning import REASONING_PARSERS
 
 
@@ -74,40 +82,6 @@ def gpu_present(env: dict[str, str]) -> bool:
     return re.search(r"^cuda\b[^=]*=\s*['\"]", text, re.MULTILINE) is not None
 
 
-class ServeError(ValueError):
-    """A serve flag that cannot work; `flowllm serve` prints it as one line and exits 1."""
-
-
-def resolve_api_key(flag: str | None, env: dict[str, str]) -> str | None:
-    """The key from --api-key, else FLOWLLM_API_KEY; None when neither is set. An empty
-    key is an error: it would otherwise mean "no auth" without saying so."""
-    key = flag if flag is not None else env.get("FLOWLLM_API_KEY")
-    if key is not None and not key.strip():
-        source = "--api-key" if flag is not None else "FLOWLLM_API_KEY"
-        raise ServeError(f"{source} is empty: give a key, or leave it unset to serve without one")
-    return key
-
-
-def is_loopback(host: str) -> bool:
-    """Only this machine can reach `host` (127.0.0.0/8, ::1, localhost)."""
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to any interface
-
-
-def exposure_warning(host: str, api_key: str | None) -> str | None:
-    """What to warn about when the server is reachable from other machines without a key."""
-    if api_key is not None or is_loopback(host):
-        return None
-    return (
-        f"serving on {host} without --api-key: anyone who can reach this port can use the "
-        "model (set --api-key or FLOWLLM_API_KEY, or bind 127.0.0.1; see SECURITY.md)"
-    )
-
-
 def json_list(text: str) -> list[str]:
     """A flag's JSON list of strings, as vLLM takes them: '["https://a.example"]'."""
     bad = argparse.ArgumentTypeError(
@@ -134,46 +108,6 @@ def json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise bad
     return value
-
-
-def default_template_kwargs(args: argparse.Namespace, limits: Any) -> dict[str, Any] | None:
-    """--default-chat-template-kwargs, held to what a request's own may be (raises
-    ServeError): a request that overrides none of them would otherwise be refused."""
-    from flowllm.text.chat_template import ChatTemplateError, check_template_kwargs
-
-    kwargs: dict[str, Any] | None = getattr(args, "default_chat_template_kwargs", None)
-    try:
-        check_template_kwargs(kwargs, limits)
-    except ChatTemplateError as e:
-        raise ServeError(f"--default-chat-template-kwargs: {e.message}") from e
-    return kwargs
-
-
-def cors_config(args: argparse.Namespace) -> Any:
-    """Litestar's CORS settings from vLLM's flags; None (no CORS headers) without
-    --allowed-origins."""
-    origins = getattr(args, "allowed_origins", None)
-    if origins is None:
-        others = [
-            flag
-            for flag, value in (
-                ("--allowed-methods", args.allowed_methods),
-                ("--allowed-headers", args.allowed_headers),
-                ("--allow-credentials", args.allow_credentials or None),
-            )
-            if value is not None
-        ]
-        if others:
-            raise ServeError(f"{', '.join(others)} needs --allowed-origins (CORS is off)")
-        return None
-    from litestar.config.cors import CORSConfig  # litestar is the fronts' (0.3 s of imports)
-
-    return CORSConfig(
-        allow_origins=origins,
-        allow_methods=args.allowed_methods or ["*"],
-        allow_headers=args.allowed_headers or ["*"],
-        allow_credentials=bool(args.allow_credentials),
-    )
 
 
 def ssl_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -221,18 +155,6 @@ def request_tracing(args: argparse.Namespace) -> Any:
         return RequestTracing.to_endpoint(endpoint, max_links=args.max_num_seqs)
     except TracingError as e:
         raise ServeError(str(e)) from e
-
-
-def resolve_served_task(args: argparse.Namespace) -> str:
-    """`--task` as the checkpoint resolves it (`auto`: what it is for), read without
-    torch, and set on `args`, from which the core and the fronts build their configs.
-    Resolving the model converts the bundled one once, here."""
-    from flowllm.models.loader import resolve_model
-    from flowllm.models.pooler_config import resolve_task
-
-    resolved = resolve_model(args.model, args.quantization)
-    args.task = resolve_task(resolved.path, args.task, from_gguf=resolved.config_from_gguf)
-    return str(args.task)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -296,7 +218,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from flowllm.cli.processes import Supervisor
 
     try:
-        supervisor = Supervisor(args, config, spec, threads)
+        supervisor = Supervisor(args, config, spec, threads, serve_front)
     except GraphValidationError as e:  # validated to learn a stage class's on_error
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -455,15 +377,6 @@ def run_http(
     if server.escalated:
         return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
-
-
-def auto_tool_parser(args: argparse.Namespace) -> str | None:
-    """The parser that reads `tool_choice: auto` outputs, or None when auto is off."""
-    if not args.enable_auto_tool_choice:
-        return None
-    if args.tool_call_parser is None:
-        raise ServeError("--enable-auto-tool-choice needs --tool-call-parser")
-    return str(args.tool_call_parser)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from ray import serve
 
 from flowllm.scale_out.routed_engine import RoutedEngine
+from flowllm.serve_flags import auto_tool_parser, cors_config, resolve_api_key
 
 
 class WithoutEchoedRequestId:
@@ -66,7 +67,6 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> WithoutEchoedRequestId:
         from flowllm.api.app import create_app
-        from flowllm.cli.serve import auto_tool_parser, cors_config, resolve_api_key
         from flowllm.engine import graph_for_task
         from flowllm.engine.args import config_from_args
         from flowllm.graph.validator import load_graph

@@ -25,6 +25,15 @@ import time
 from types import FrameType
 from typing import Any
 
+from flowllm.serve_flags import (
+    ServeError,
+    auto_tool_parser,
+    cors_config,
+    default_template_kwargs,
+    exposure_warning,
+    resolve_api_key,
+    resolve_served_task,
+)
 from flowllm.validation import show_number
 
 APP_NAME = "flowllm"
@@ -180,15 +189,6 @@ def stop_application(shutdown_timeout: float) -> None:
 def serve_on_ray(args: argparse.Namespace) -> int:
     """Run the application until SIGINT/SIGTERM; 0 after a clean stop, 1 on a bad flag or
     when the application does not start."""
-    from flowllm.cli.serve import (
-        ServeError,
-        auto_tool_parser,
-        cors_config,
-        default_template_kwargs,
-        exposure_warning,
-        resolve_api_key,
-        resolve_served_task,
-    )
     from flowllm.engine import graph_for_task
     from flowllm.engine.args import config_from_args
     from flowllm.engine.core import placement_of
