@@ -178,7 +178,6 @@ def cycle_in(graph: Graph, component: set[str]) -> list[str]:
 KNOWN_CYCLES = [
     {"flowllm.models.bert", "flowllm.models.pooler_config", "flowllm.models.loader",
      "flowllm.models.registry"},
-    {"flowllm.models.cuda_graphs", "flowllm.models.step_plans"},
     {"flowllm.graph.spec", "flowllm.graph.validator"},
 ]  # fmt: skip
 

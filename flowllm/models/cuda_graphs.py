@@ -18,7 +18,7 @@ import torch
 
 from flowllm.kernels import call_plan
 from flowllm.models.decode_buckets import DecodeBuckets, LayerInputs
-from flowllm.models.step_plans import Outputs, Recorded
+from flowllm.models.plan_backend import Outputs, Recorded
 
 
 class Graph(Protocol):
@@ -55,7 +55,7 @@ class GraphPlan:
 
 
 class GraphBackend:
-    """Records a function of padded layer inputs as a graph (`step_plans.Backend`)."""
+    """Records a function of padded layer inputs as a graph (`plan_backend.Backend`)."""
 
     def __init__(self, buckets: DecodeBuckets, capture: Capture) -> None:
         self.buckets = buckets

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -39,8 +39,10 @@ import torch
 from flowllm.kernels import call_plan
 from flowllm.kernels.native import NativeLibrary
 from flowllm.kernels.workspace import Workspace
+from flowllm.models import cuda_graphs
 from flowllm.models.context import AttentionContext
 from flowllm.models.decode_buckets import DecodeBuckets, LayerInputs
+from flowllm.models.plan_backend import Backend, Outputs, Plan, Recorded
 
 if TYPE_CHECKING:
     from flowllm.models.runner import KVCaches, StepModel
@@ -48,33 +50,6 @@ if TYPE_CHECKING:
 DEFAULT_MEMORY_LIMIT = 256 * 1024**2
 
 _log = structlog.get_logger("flowllm.models")
-
-Outputs = call_plan.Outputs
-
-
-class Plan(Protocol):
-    """A recorded step: `replay` gives `fn(*inputs)`'s outputs (the plan's own tensors,
-    valid until the next replay), or None when a kernel refused the inputs' values."""
-
-    nbytes: int
-
-    def replay(self, inputs: Sequence[torch.Tensor]) -> Outputs | None: ...
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """What a backend's `record` ran: `fn`'s outputs, and its plan or why there is none."""
-
-    outputs: Outputs
-    plan: Plan | None
-    refused: str | None = None
-
-
-class Backend(Protocol):
-    """Records `fn(*inputs)` into a plan (running it once), whose static inputs are copies
-    of `inputs`."""
-
-    def record(self, fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor]) -> Recorded: ...
 
 
 class NativeCalls:
@@ -101,8 +76,6 @@ def for_device(
     if native is not None:
         return StepPlans(model, kv_caches, NativeCalls(native))
     if device.type == "cuda" and buckets is not None and buckets.sizes and kv_caches:
-        from flowllm.models import cuda_graphs  # it imports this module
-
         backend = cuda_graphs.GraphBackend(buckets, cuda_graphs.CudaCapture(device))
         return StepPlans(model, kv_caches, backend, buckets)
     return None

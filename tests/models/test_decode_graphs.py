@@ -36,8 +36,9 @@ from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.llama import LlamaModel
 from flowllm.models.moe import Qwen3MoeModel
+from flowllm.models.plan_backend import Outputs
 from flowllm.models.runner import ModelRunner
-from flowllm.models.step_plans import Outputs, StepPlans
+from flowllm.models.step_plans import StepPlans
 from flowllm.models.warm_up import warm_up
 from flowllm.stages.execute import Execute
 from flowllm.stages.services import EngineServices, already_loaded
