@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from functools import cache
 from typing import Any, TypeVar
@@ -64,22 +65,22 @@ def one_thread() -> Iterator[None]:
         size_pool(before)
 
 
-def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in a new thread that ends when it returns, taking any pool it opened
-    with it: its result, or its exception."""
-    outcome: list[Any] = []
+def in_thread(fn: Callable[..., T], *args: Any, name: str) -> Callable[[], T]:
+    """Start `fn(*args)` in a new daemon thread (an interrupted caller does not wait for it
+    at exit), which ends when it returns, taking any pool it opened with it; the callable
+    returned waits for its result, or raises its exception."""
+    future: Future[T] = Future()
 
     def run() -> None:
         try:
-            outcome.append((fn(*args), None))
+            future.set_result(fn(*args))
         except BaseException as e:  # raised again in the caller
-            outcome.append((None, e))
+            future.set_exception(e)
 
-    # a daemon: an interrupted caller does not wait at exit for a load it gave up on
-    thread = threading.Thread(target=run, name="flowllm-load", daemon=True)
-    thread.start()
-    thread.join()
-    result, error = outcome[0]
-    if error is not None:
-        raise error
-    return result  # type: ignore[no-any-return]
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future.result
+
+
+def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a new thread that ends when it returns (`in_thread`): its result."""
+    return in_thread(fn, *args, name="flowllm-load")()

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -30,8 +28,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from flowllm.models.bert import BertModel
-
-T = TypeVar("T")
 
 
 def eos_token_ids(
@@ -89,7 +85,7 @@ def _loaded_services(config: EngineConfig, tokenizer_now: bool) -> EngineService
     load = functools.partial(load_tokenizer, *tokenizer_source(config))
     tokenizer_loader: Callable[[], PreTrainedTokenizerBase]
     if tokenizer_now:
-        tokenizer_loader = _in_background(load)
+        tokenizer_loader = openmp.in_thread(load, name="flowllm-tokenizer")
         loaded = _load_model(config)
         tokenizer_loader()
     else:
@@ -104,20 +100,6 @@ def _loaded_services(config: EngineConfig, tokenizer_now: bool) -> EngineService
         loaded.device,
         loaded.pooler,
     )
-
-
-def _in_background(load: Callable[[], T]) -> Callable[[], T]:
-    """Start `load` in a thread; its result (or its exception), waited for, when called."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(load())
-        except BaseException as e:
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="flowllm-tokenizer", daemon=True).start()
-    return future.result
 
 
 def _load_model(config: EngineConfig) -> LoadedModel:
