@@ -23,8 +23,9 @@ test: $(STAMP) system-packages
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not wheel" tests/engine \
-		tests/engine_graph tests/graph tests/kernels tests/api tests/bench tests/test_openmp.py \
-		tests/test_mailbox.py
+		tests/scheduling tests/sampling tests/text tests/stages tests/graph tests/kernels \
+		tests/api tests/bench tests/test_openmp.py tests/test_mailbox.py tests/test_stopping.py \
+		tests/test_validation.py
 
 # The wheel built as `make wheel` builds it, installed into a fresh environment and served
 # from there with no C compiler on the PATH (tests/test_wheel_install.py); CI runs it after

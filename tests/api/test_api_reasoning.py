@@ -168,7 +168,7 @@ def tag_tokenizer(tokenizer: Any) -> Any:
 @pytest.mark.parametrize("parser", REASONING_PARSERS)
 async def test_constraints_start_after_the_thinking_part(tag_tokenizer: Any, parser: str) -> None:
     """Structured outputs and tool choices that constrain the output carry where the
-    thinking part ends (the guide stage applies it: tests/engine/test_grammar.py);
+    thinking part ends (the guide stage applies it: tests/sampling/test_grammar.py);
     completions are unaffected."""
     start, end = tag_tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     tags = ReasoningTokens(start=start, end=end, opens_inside=parser == "deepseek_r1")

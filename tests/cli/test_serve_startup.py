@@ -19,7 +19,7 @@ from flowllm.engine import DEFAULT_GRAPH
 from flowllm.engine.core import placement_of
 from flowllm.graph.spec import GraphSpec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUPERVISOR_IMPORTS = """
 import sys
 from flowllm.cli import main, processes

@@ -15,7 +15,7 @@ from flowllm.config import SpeculativeConfig
 from flowllm.engine import DEFAULT_GRAPH, SPECULATIVE_GRAPH, graph_for_task
 from flowllm.engine.args import config_from_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_flag_parses_as_vllms_and_picks_the_speculative_graph() -> None:

@@ -14,7 +14,7 @@ from flowllm.cli import build_parser
 from flowllm.config import RequestLimits
 from flowllm.serve_flags import ServeError, default_template_kwargs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def serve_args(*argv: str) -> object:
