@@ -27,6 +27,7 @@ from flowllm.kernels import native
 from flowllm.kernels.workspace import Workspace
 from flowllm.messages import ScheduledSeq
 from flowllm.models import glibc_heap, step_plans
+from flowllm.models.block_tables import BlockTables
 from flowllm.models.context import AttentionContext
 from flowllm.models.decode_buckets import DecodeBuckets
 from flowllm.models.errors import ModelError
@@ -93,7 +94,9 @@ class StepInputs:
         seqs: Sequence[ScheduledSeq],
         block_size: int,
         prompt_logits_for: Collection[int],
+        tables: BlockTables | None = None,
     ) -> None:
+        """`tables`: the runner's, kept from the previous step (None: a new one)."""
         n_seqs = len(seqs)
         token_ids = [s.token_ids for s in seqs]
         block_tables = [s.block_table for s in seqs]
@@ -105,8 +108,6 @@ class StepInputs:
         qsl = np.zeros(n_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         seq_lens = computed + q_lens
-        # Block tables, padded with block 0 to a power-of-two width (so decode steps share a
-        # few shapes, see step_plans): [n_seqs, width], filled in one scatter.
         t_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n_seqs)
         short = np.flatnonzero(t_lens < -(-seq_lens // block_size))
         if short.size:
@@ -116,17 +117,12 @@ class StepInputs:
                 f"{-(-int(seq_lens[i]) // block_size)} blocks of {block_size}, but its block "
                 f"table has {int(t_lens[i])}"
             )
+        # Padded with block 0 to a power-of-two width, so decode steps share a few shapes
+        # (see step_plans).
         max_blocks = int(t_lens.max()) if n_seqs else 0
         width = 1 << max(max_blocks - 1, 0).bit_length()
-        tables = np.zeros((n_seqs, width), dtype=np.int64)
-        num_entries = int(t_lens.sum())
-        if num_entries:
-            row_of_entry = np.repeat(np.arange(n_seqs), t_lens)  # [num_entries]
-            t_starts = np.cumsum(t_lens) - t_lens
-            col_of_entry = np.arange(num_entries) - t_starts[row_of_entry]
-            tables[row_of_entry, col_of_entry] = np.fromiter(
-                chain.from_iterable(block_tables), dtype=np.int64, count=num_entries
-            )
+        tables = BlockTables() if tables is None else tables
+        self.block_tables = tables.update(block_tables, t_lens, width)  # [n_seqs, width]
         num_tokens = int(qsl[-1])
         self.input_ids = np.fromiter(
             chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens
@@ -134,9 +130,8 @@ class StepInputs:
         # Per-token sequence index and position: [num_tokens]
         seq_of_token = np.repeat(np.arange(n_seqs), q_lens)
         self.positions = computed[seq_of_token] + (np.arange(num_tokens) - qsl[seq_of_token])
-        block_ids = tables[seq_of_token, self.positions // block_size]
-        self.slot_mapping = block_ids * block_size + self.positions % block_size
-        self.block_tables = tables.astype(np.int32)
+        block_ids = self.block_tables[seq_of_token, self.positions // block_size]
+        self.slot_mapping = block_ids.astype(np.int64) * block_size + self.positions % block_size
         self.query_start_loc = qsl.astype(np.int32)
         self.seq_lens = seq_lens.astype(np.int32)
         self.max_query_len = int(q_lens.max()) if n_seqs else 0
@@ -194,6 +189,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.workspace = Workspace()  # the attention's scratch buffers, kept across steps
+        self.block_tables = BlockTables()  # the latest step's, rewritten where they changed
         # decode steps' layers, replayed from recorded kernel calls (CPU) or from the CUDA
         # graphs of `decode_buckets`' sizes
         lib = native.library() if self.device.type == "cpu" else None
@@ -222,7 +218,7 @@ class ModelRunner:
         `sampled`: step id -> its sampled ids, which the placeholder rows read."""
         if any(s.num_draft_tokens for s in seqs):
             seqs = one_row_per_token(seqs)
-        inp = StepInputs(seqs, self.block_size, prompt_logits_for)
+        inp = StepInputs(seqs, self.block_size, prompt_logits_for, self.block_tables)
         ctx = AttentionContext(
             slot_mapping=self._tensor(inp.slot_mapping),
             block_tables=self._tensor(inp.block_tables),
