@@ -179,7 +179,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from flowllm.engine.core import placement_of
     from flowllm.graph.spec import GraphSpec
     from flowllm.models.draft import check_draft
-    from flowllm.models.loader import ModelLoadError
+    from flowllm.models.load_errors import ModelLoadError
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True, capture_stdlib=True)
     try:  # flag errors first: one line, before the model loads
@@ -245,7 +245,7 @@ def serve_in_one_process(
     """Every stage and the HTTP server in this process (a graph without `process:`)."""
     from flowllm.engine.async_engine import AsyncEngine
     from flowllm.engine.loading import build_services
-    from flowllm.models.loader import ModelLoadError
+    from flowllm.models.load_errors import ModelLoadError
 
     collector.pause()  # until the engine runs (run_http)
     if threads is not None:
@@ -544,7 +544,7 @@ def generate_command(args: argparse.Namespace) -> int:
     from flowllm.llm import LLM
     from flowllm.mailbox import RequestFailed
     from flowllm.messages import SamplingParams
-    from flowllm.models.loader import ModelLoadError
+    from flowllm.models.load_errors import ModelLoadError
 
     configure_logging(fmt=args.log_format, level=args.log_level, force=True)
     try:

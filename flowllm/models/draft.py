@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from flowllm.config import ConfigError, EngineConfig, SpeculativeConfig
-from flowllm.models.loader import ModelLoadError, one_line, resolve_model
+from flowllm.models.load_errors import ModelLoadError, one_line
+from flowllm.models.loader import resolve_model
 from flowllm.models.tokenizer import tokenizer_source
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ Hub settings are read from the environment at call time, not at import time (as
 huggingface_hub does), so `HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `HF_TOKEN` and
 `HF_ENDPOINT` take effect whenever they are set.
 
-Every failure is a `ModelLoadError` whose str() is one line naming the model and what to
-do; the CLI prints it without a traceback.
+Every failure is a `ModelLoadError` (load_errors.py) whose str() is one line naming the
+model and what to do; the CLI prints it without a traceback.
 
 torch is imported where tensors are made: resolving a name needs none, so the process
 that supervises `flowllm serve` resolves (and converts) the model without importing it.
@@ -23,7 +23,6 @@ that supervises `flowllm serve` resolves (and converts) the model without import
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +31,18 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from flowllm.config import BUNDLED_MODEL, QUANTIZATIONS
+from flowllm.models.checkpoint_json import read_json
+from flowllm.models.load_errors import (
+    BundledModelLoadError,
+    CorruptCheckpointError,
+    HubUnreachableError,
+    MissingFileError,
+    ModelLoadError,
+    ModelNotFoundError,
+    UnknownArchitectureError,
+    WeightMismatchError,
+    one_line,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -74,48 +85,6 @@ SAFETENSORS_FILE = "model.safetensors"
 REPACKED_DIR = "repacked"  # in a converted directory: its GGUF file's weights, repacked
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BUNDLED_HINT = f"try the bundled model: flowllm serve {BUNDLED_MODEL}"
-
-
-# ----------------------------------------------------------------------------------------
-# Errors
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be resolved or loaded; str() is one line saying what and why."""
-
-
-class ModelNotFoundError(ModelLoadError):
-    """No local directory or Hub repository by that name."""
-
-
-class HubUnreachableError(ModelLoadError):
-    """The Hub cannot be reached (or offline mode is on) and the model is not cached."""
-
-
-class MissingFileError(ModelLoadError):
-    """The model directory lacks a file it needs (config, weights, a shard, tokenizer)."""
-
-
-class CorruptCheckpointError(ModelLoadError):
-    """A checkpoint file exists but cannot be parsed."""
-
-
-class UnknownArchitectureError(ModelLoadError):
-    """The checkpoint's architecture is not one flowllm implements."""
-
-
-class WeightMismatchError(ModelLoadError):
-    """The checkpoint's tensors do not fit the model: a tensor missing or of the wrong shape."""
-
-
-class BundledModelLoadError(ModelLoadError):
-    """The bundled model cannot be found or converted."""
-
-
-def one_line(error: BaseException) -> str:
-    """An exception's message folded onto one line (the CLI prints exactly one)."""
-    text = " ".join(str(error).split())
-    return text or type(error).__name__
 
 
 # ----------------------------------------------------------------------------------------
@@ -281,16 +250,6 @@ def _hub_snapshot(name: str) -> Path:
 
 # ----------------------------------------------------------------------------------------
 # Tensors
-
-
-def read_json(path: Path, what: str) -> Any:
-    """A checkpoint's JSON file; `what` names it in the errors."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise MissingFileError(f"{what} {path} is missing") from e
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{what} {path} is not valid JSON: {one_line(e)}") from e
 
 
 def safetensors_files(path: Path) -> list[Path]:

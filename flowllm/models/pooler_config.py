@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from flowllm.models.loader import CorruptCheckpointError, ModelLoadError, read_json
+from flowllm.models.checkpoint_json import read_json
+from flowllm.models.load_errors import CorruptCheckpointError, ModelLoadError
 
 Task = Literal["generate", "embed", "score"]
 PoolingType = Literal["cls", "mean", "last"]

@@ -12,13 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowllm.models.bundled import SOURCE_FILE
-from flowllm.models.loader import (
-    MissingFileError,
-    ModelLoadError,
-    load_hf_config,
-    one_line,
-    resolve_model,
-)
+from flowllm.models.load_errors import MissingFileError, ModelLoadError, one_line
+from flowllm.models.loader import load_hf_config, resolve_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

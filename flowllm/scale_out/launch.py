@@ -194,7 +194,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     from flowllm.engine.core import placement_of
     from flowllm.graph.validator import load_graph
     from flowllm.models.draft import check_draft
-    from flowllm.models.loader import ModelLoadError
+    from flowllm.models.load_errors import ModelLoadError
 
     try:
         check_arguments(args)

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from flowllm.cache_dir import flowllm_cache_dir
 from flowllm.config import BUNDLED_MODEL
 from flowllm.models import bundled
-from flowllm.models.loader import BundledModelLoadError, load_model, resolve_model
+from flowllm.models.load_errors import BundledModelLoadError
+from flowllm.models.loader import load_model, resolve_model
 from flowllm.models.tokenizer import load_tokenizer
 
 SYSTEM_DEFAULT = (

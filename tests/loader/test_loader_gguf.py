@@ -24,13 +24,8 @@ from flowllm.config import BUNDLED_MODEL
 from flowllm.models.bundled import bundled_gguf_path
 from flowllm.models.dtype import resolve_dtype
 from flowllm.models.layers import Linear
-from flowllm.models.loader import (
-    ModelLoadError,
-    ModelNotFoundError,
-    UnknownArchitectureError,
-    load_model,
-    resolve_model,
-)
+from flowllm.models.load_errors import ModelLoadError, ModelNotFoundError, UnknownArchitectureError
+from flowllm.models.loader import load_model, resolve_model
 from flowllm.models.tokenizer import TokenizerLoadError, load_tokenizer
 
 VOCAB = 512

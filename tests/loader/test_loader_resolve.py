@@ -15,15 +15,8 @@ import pytest
 from model_fixtures import GPT2_COMMIT
 
 from flowllm.config import BUNDLED_MODEL
-from flowllm.models.loader import (
-    HubUnreachableError,
-    ModelLoadError,
-    ModelNotFoundError,
-    ResolvedModel,
-    hub_cache_dir,
-    load_model,
-    resolve_model,
-)
+from flowllm.models.load_errors import HubUnreachableError, ModelLoadError, ModelNotFoundError
+from flowllm.models.loader import ResolvedModel, hub_cache_dir, load_model, resolve_model
 
 CLOSED_PORT_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing listens, connect refused
 

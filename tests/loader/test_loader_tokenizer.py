@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from flowllm.models.loader import MissingFileError, ModelLoadError
+from flowllm.models.load_errors import MissingFileError, ModelLoadError
 from flowllm.models.tokenizer import TokenizerLoadError, load_tokenizer, read_chat_template
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

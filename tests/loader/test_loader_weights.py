@@ -12,13 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowllm.models.loader import (
+from flowllm.models.load_errors import (
     CorruptCheckpointError,
-    LoadedModel,
     MissingFileError,
     ModelLoadError,
     UnknownArchitectureError,
     WeightMismatchError,
+)
+from flowllm.models.loader import (
+    LoadedModel,
     iter_weights,
     load_generation_config,
     load_hf_config,
