@@ -102,16 +102,13 @@ class StepInputs:
         block_tables = [s.block_table for s in seqs]
         q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n_seqs)
         computed = np.fromiter(map(_num_computed_tokens, seqs), dtype=np.int64, count=n_seqs)
+        t_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n_seqs)
         if n_seqs and int(q_lens.min()) < 1:
             bad = seqs[int(q_lens.argmin())].seq_id
             raise StepInputError(f"sequence {bad} is scheduled with no tokens")
-        qsl = np.zeros(n_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
         seq_lens = computed + q_lens
-        t_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n_seqs)
-        short = np.flatnonzero(t_lens < -(-seq_lens // block_size))
-        if short.size:
-            i = int(short[0])
+        if n_seqs and bool((t_lens * block_size < seq_lens).any()):
+            i = int(np.argmax(t_lens * block_size < seq_lens))
             raise StepInputError(
                 f"sequence {seqs[i].seq_id} reaches {int(seq_lens[i])} tokens, which need "
                 f"{-(-int(seq_lens[i]) // block_size)} blocks of {block_size}, but its block "
@@ -123,13 +120,20 @@ class StepInputs:
         width = 1 << max(max_blocks - 1, 0).bit_length()
         tables = BlockTables() if tables is None else tables
         self.block_tables = tables.update(block_tables, t_lens, width)  # [n_seqs, width]
-        num_tokens = int(qsl[-1])
+        num_tokens = int(seq_lens.sum() - computed.sum())
         self.input_ids = np.fromiter(
             chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens
         )
-        # Per-token sequence index and position: [num_tokens]
-        seq_of_token = np.repeat(np.arange(n_seqs), q_lens)
-        self.positions = computed[seq_of_token] + (np.arange(num_tokens) - qsl[seq_of_token])
+        # Per-token sequence index and position: [num_tokens]. A decode step (one token
+        # per sequence) needs no expansion.
+        qsl = np.zeros(n_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        if num_tokens == n_seqs:
+            seq_of_token = np.arange(n_seqs)
+            self.positions = computed
+        else:
+            seq_of_token = np.repeat(np.arange(n_seqs), q_lens)
+            self.positions = computed[seq_of_token] + (np.arange(num_tokens) - qsl[seq_of_token])
         block_ids = self.block_tables[seq_of_token, self.positions // block_size]
         self.slot_mapping = block_ids.astype(np.int64) * block_size + self.positions % block_size
         self.query_start_loc = qsl.astype(np.int32)
@@ -149,8 +153,8 @@ class StepInputs:
         samples = np.fromiter(map(_samples, seqs), dtype=bool, count=n_seqs)
         sample_rows = qsl[1:][samples] - 1  # each sampling sequence's last row
         self.sample_at = list(range(len(rows), len(rows) + len(sample_rows)))
-        self.logits_indices = np.concatenate(
-            [np.asarray(rows, dtype=np.int64), sample_rows.astype(np.int64)]
+        self.logits_indices = (
+            np.concatenate([np.asarray(rows, dtype=np.int64), sample_rows]) if rows else sample_rows
         )
 
 
@@ -188,6 +192,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
+        self._on_host = self.device.type == "cpu"  # the step's arrays are its tensors
         self.workspace = Workspace()  # the attention's scratch buffers, kept across steps
         self.block_tables = BlockTables()  # the latest step's, rewritten where they changed
         # decode steps' layers, replayed from recorded kernel calls (CPU) or from the CUDA
@@ -206,7 +211,8 @@ class ModelRunner:
         self.exact_on_any_threads = self.device.type != "cpu" or lib is not None
 
     def _tensor(self, a: np.ndarray[Any, Any]) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+        t = torch.from_numpy(a)
+        return t if self._on_host else t.to(self.device, non_blocking=True)
 
     def build_context(
         self,
