@@ -1,4 +1,4 @@
-"""Run a validated graph: one anyio task per stage replica, all in one task group.
+"""Run a validated graph: one anyio task per stage replica, wired by channels.
 
 Wiring. Every connected input port is one `Channel`. Each stage task gets its own receiver
 clone per input port and its own sender clones per output port (one per channel the port
@@ -7,22 +7,11 @@ port) is several sender clones of one channel, `replicas: N` is N receiver clone
 one inbox (each message goes to exactly one replica), and a stage's end closes exactly the
 clones it held.
 
-Lifecycle. A stage task runs `stage.run(ctx)`; when it returns, its outboxes close. A
-channel ends for its consumers once its last producer task has ended, so the end of input
-flows down the graph and the graph finishes when every stage has returned. Inputs still
-open when a stage returns (a stage on a cycle decides itself when it is done) are drained
-and their late messages dropped, so their producers neither fail nor block.
-
-Supervision (flowllm/graph/supervision.py). The stages of one supervision group run in a
-task group of their own, each member in a cancel scope the watchdog can cancel. A member
-whose `run` raises (or outlives its `timeout_s` on one message) is handled by its
-group's `on_error`: `fail_request` answers the requests of the message it was handling
-and runs the stage on; `restart` cancels the group, discards the messages on channels
-internal to it, builds every member anew from its class (`restart_from` carries over
-what survives) and runs them on the same channels; `escalate`, or a group past its
-restart intensity, fails all in-flight work, marks the graph failed and cancels it (the
-failure stays on `graph.failure`). `/health` reads `healthy`: false while a group
-restarts, a stage is overdue, or the graph has failed.
+Lifecycle. The graph hands its wired tasks to a `Supervisor` (flowllm/graph/supervisor.py),
+which runs them and owns what a failure does. A task runs `stage.run(ctx)`; when it
+returns, its outboxes close (`StageContext.finish`). A channel ends for its consumers once
+its last producer task has ended, so the end of input flows down the graph and the graph
+finishes when every stage has returned.
 
 Placement. A graph whose stages name processes runs one `Graph` per process, each built
 with `process=` (its own stages only) and a `Boundary` (flowllm/graph/remote.py): a
@@ -39,12 +28,9 @@ for the graph to drain and finish; if it has not, it calls `fail_inflight` with 
 from __future__ import annotations
 
 import functools
-import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from time import perf_counter
 from typing import Any
 
 import anyio
@@ -58,19 +44,10 @@ from flowllm.graph.metrics import GraphMetrics
 from flowllm.graph.remote import Boundary, RemoteChannel
 from flowllm.graph.spans import SpanRecorder, SpanSink
 from flowllm.graph.spec import GraphSpec, PortRef
-from flowllm.graph.stage import (
-    CLOSED,
-    CountsSequences,
-    FailRequest,
-    Outbox,
-    RequestInputError,
-    Stage,
-    StageContext,
-)
-from flowllm.graph.supervision import RestartIntensity
+from flowllm.graph.stage import CountsSequences, FailRequest, Outbox, Stage, StageContext
+from flowllm.graph.supervisor import Child, StageFailure, Supervisor
 from flowllm.graph.validator import ChannelSpec, ValidGraph, load_graph
 from flowllm.logging_config import configure_logging
-from flowllm.messages import ErrorKind, RequestError
 
 
 class GraphBuildError(RuntimeError):
@@ -79,46 +56,6 @@ class GraphBuildError(RuntimeError):
 
 class GraphStoppedError(RuntimeError):
     """Given to `fail_inflight` when a graceful stop timed out with work still in flight."""
-
-
-class StageTimeout(RuntimeError):
-    """A stage handled one message for longer than its `timeout_s` (the watchdog's verdict)."""
-
-
-@dataclass(frozen=True)
-class StageFailure:
-    """The first stage error that brought the graph down."""
-
-    stage: str
-    replica: int
-    error: BaseException
-    traceback: str
-
-
-@dataclass(eq=False)
-class _Task:
-    name: str
-    replica: int
-    stage: Stage
-    timeout_s: float | None = None
-    ctx: StageContext | None = None
-    scope: anyio.CancelScope | None = None  # the running member's, for the watchdog
-    overdue: bool = False  # past its timeout on a message; unhealthy until seen idle
-    timed_out: bool = False  # the watchdog cancelled it
-    finished: bool = False  # its run returned: the end of its input reached it
-
-
-@dataclass
-class _Group:
-    """Stages supervised together: one policy, one restart intensity."""
-
-    name: str
-    on_error: str
-    intensity: RestartIntensity
-    tasks: list[_Task] = field(default_factory=list)
-    scope: anyio.CancelScope | None = None
-    restart_cause: BaseException | None = None  # set when a member asks for a restart
-    restarting: bool = False
 
 
 class Graph:
@@ -162,18 +99,14 @@ class Graph:
         self.log = logger.bind(graph=graph.name)
         self._spans = spans
         self._span_events = span_events
-        self._fail_inflight_timeout = fail_inflight_timeout
         self._fail_request = fail_request
         self._span_sinks: list[SpanSink] = []
-        self.failure: StageFailure | None = None
-        self._running = False
         self._started = False
         self._finished = False
         self._stopping = False
         self._scope: anyio.CancelScope | None = None
         self._done: anyio.Event | None = None
         self._stop_requested: anyio.Event | None = None
-        self.metrics.graph_healthy.set_function(lambda: 1.0 if self.healthy else 0.0)
 
         self.process = process if graph.placement else None
         # Run once a graceful stop has stopped intake, before the graph drains: a front
@@ -200,29 +133,26 @@ class Graph:
             self.channels[spec.name] = channel
             self.metrics.watch_channel(channel)
 
-        self._replicas: dict[str, list[Stage]] = {}
-        self._tasks: list[_Task] = []
-        self._groups: dict[str, _Group] = {}
+        self._children: list[Child] = []
         for bound in graph.stages.values():
             if not self.runs_here(bound.name):
                 continue
-            plan = bound.supervision
-            group = self._groups.get(plan.group)
-            if group is None:
-                intensity = RestartIntensity(plan.settings.max_restarts, plan.settings.within_s)
-                group = self._groups[plan.group] = _Group(plan.group, plan.on_error, intensity)
-            instances = []
             for replica in range(bound.spec.replicas):
                 stage = self._build(bound.name)
-                instances.append(stage)
-                task = _Task(bound.name, replica, stage, plan.settings.timeout_s)
-                self._tasks.append(task)
-                group.tasks.append(task)
-            self._replicas[bound.name] = instances
+                self._children.append(Child(bound.name, replica, stage, bound.supervision))
             if hasattr(bound.cls, "live_sequences"):
                 self.metrics.live_sequences.labels(bound.name).set_function(
                     functools.partial(self._live_sequences, bound.name)
                 )
+        self.supervisor = Supervisor(
+            self._children,
+            rebuild=self._build,
+            discard=self._discard_internal,
+            log=self.log,
+            metrics=self.metrics,
+            fail_request=fail_request,
+            fail_inflight_timeout=fail_inflight_timeout,
+        )
 
     def runs_here(self, stage: str) -> bool:
         """Whether `stage` runs in this process (every stage does in an unplaced run)."""
@@ -238,7 +168,7 @@ class Graph:
 
     def _live_sequences(self, name: str) -> int:
         """The live sequences of a stage's replicas (its current instances, after restarts)."""
-        replicas = self._replicas[name]
+        replicas = self.replicas(name)
         return sum(s.live_sequences() for s in replicas if isinstance(s, CountsSequences))
 
     def _build(self, name: str) -> Stage:
@@ -259,14 +189,13 @@ class Graph:
 
     @property
     def healthy(self) -> bool:
-        """True while the graph runs, no group restarts, no stage is overdue on a message,
-        and no failure escalated (read by `/health`)."""
-        return (
-            self._running
-            and self.failure is None
-            and not any(group.restarting for group in self._groups.values())
-            and not any(task.overdue for task in self._tasks)
-        )
+        """The supervisor's verdict, read by `/health` (flowllm/graph/supervisor.py)."""
+        return self.supervisor.healthy
+
+    @property
+    def failure(self) -> StageFailure | None:
+        """The failure that escalated and stopped the graph, if one did."""
+        return self.supervisor.failure
 
     @property
     def failed(self) -> bool:
@@ -280,7 +209,7 @@ class Graph:
 
     @property
     def running(self) -> bool:
-        return self._running
+        return self.supervisor.running
 
     @property
     def finished(self) -> bool:
@@ -289,17 +218,18 @@ class Graph:
     @property
     def stages_here(self) -> tuple[str, ...]:
         """The names of the stages this process runs (all of them in an unplaced run)."""
-        return tuple(self._replicas)
+        return tuple(dict.fromkeys(child.name for child in self._children))
 
     def stage(self, name: str) -> Stage:
         """The stage object named `name` (its first replica), e.g. to call `submit()`."""
         return self.replicas(name)[0]
 
     def replicas(self, name: str) -> list[Stage]:
-        try:
-            return list(self._replicas[name])
-        except KeyError:
-            raise KeyError(f"graph {self.name!r} has no stage {name!r}") from None
+        """The stage objects named `name`, one per replica (current after restarts)."""
+        replicas = [child.stage for child in self._children if child.name == name]
+        if not replicas:
+            raise KeyError(f"graph {self.name!r} has no stage {name!r}")
+        return replicas
 
     def add_span_sink(self, sink: SpanSink) -> None:
         """Also hand every span to `sink` (a trace recorder, a page's request timelines).
@@ -356,25 +286,18 @@ class Graph:
         self._done = anyio.Event()
         self._stop_requested = anyio.Event()
         self._wire()
-        self.log.info("graph starting", stages=len(self._replicas), tasks=len(self._tasks))
+        self.log.info("graph starting", stages=len(self.stages_here), tasks=len(self._children))
         try:
             async with anyio.create_task_group() as tg:
                 self._scope = tg.cancel_scope
-                watchdog = anyio.CancelScope()
-                tg.start_soon(self._watchdog, watchdog)
-                async with anyio.create_task_group() as groups:
-                    for group in self._groups.values():
-                        groups.start_soon(self._supervise, group, name=f"group {group.name}")
-                    self._running = True
-                    task_status.started(self)
-                watchdog.cancel()
+                await tg.start(self.supervisor.run)
+                task_status.started(self)
         finally:
-            self._running = False
             self._finished = True
-            for task in self._tasks:
-                if task.ctx is not None:
-                    task.ctx.close()
-                task.stage.bind(None)
+            for child in self._children:
+                if child.ctx is not None:
+                    child.ctx.close()
+                child.stage.bind(None)
             self._done.set()
             if self.failure is not None:
                 self.log.error("graph stopped after a failure", stage=self.failure.stage)
@@ -393,11 +316,11 @@ class Graph:
             self._stopping = True
             self.log.info("graph stopping", timeout_s=timeout)
             self._stop_requested.set()
-            for task in self._tasks:
+            for child in self._children:
                 try:
-                    await task.stage.stop_intake()
+                    await child.stage.stop_intake()
                 except Exception as exc:
-                    self.log.warning("stop_intake raised", stage=task.name, exc_info=exc)
+                    self.log.warning("stop_intake raised", stage=child.name, exc_info=exc)
         with anyio.move_on_after(timeout):
             if on_stop is not None:
                 await on_stop()
@@ -407,7 +330,7 @@ class Graph:
         if self.failure is None:
             # Answer what is still in flight (deliver sends each open request an error)
             # instead of leaving its clients waiting on a graph that no longer runs.
-            await self._fail_all_inflight(
+            await self.supervisor.fail_inflight(
                 GraphStoppedError(
                     f"graph {self.name!r} stopped before this work finished "
                     f"(drain timeout {timeout} s)"
@@ -421,33 +344,33 @@ class Graph:
     # -- internals ------------------------------------------------------------------------
 
     def _wire(self) -> None:
-        """Give every task its channel clones, then close the originals."""
+        """Give every child its channel clones, then close the originals."""
         if self._stop_requested is None:
             raise RuntimeError("_wire() runs inside run()")
         spec = self.spec
-        for task in self._tasks:
-            bound = spec.stages[task.name]
+        for child in self._children:
+            bound = spec.stages[child.name]
             inboxes = {
                 port: channel.receiver()
                 for port in bound.cls.inputs
                 # an optional port may be unwired; an input here is a local channel
-                if isinstance(channel := self.channels.get(f"{task.name}.{port}"), Channel)
+                if isinstance(channel := self.channels.get(f"{child.name}.{port}"), Channel)
             }
             outboxes = {}
             for port in bound.cls.outputs:
-                targets = spec.fanout.get(PortRef(task.name, port))
+                targets = spec.fanout.get(PortRef(child.name, port))
                 if targets:  # an optional port may be unwired
                     outboxes[port] = Outbox(port, [self.channels[t].sender() for t in targets])
-            log = self.log.bind(stage=task.name, replica=task.replica)
-            task.ctx = StageContext(
-                name=task.name,
-                replica=task.replica,
+            log = self.log.bind(stage=child.name, replica=child.replica)
+            child.ctx = StageContext(
+                name=child.name,
+                replica=child.replica,
                 inboxes=inboxes,
                 outboxes=outboxes,
                 log=log,
                 fail_request=self._fail_request,
                 spans=SpanRecorder(
-                    task.name,
+                    child.name,
                     log,
                     self.metrics,
                     enabled=self._spans,
@@ -456,268 +379,28 @@ class Graph:
                 ),
                 stop_requested=self._stop_requested,
             )
-            task.stage.bind(task.ctx)
+            child.stage.bind(child.ctx)
         for fed, local in self._fed_from_afar:
             far = {self.spec.placement[p.stage] for p in fed.producers} - {self.process}
             self._require_boundary(fed).inbound(fed, local, sorted(far))
         for channel in self.channels.values():
             channel.close()
 
-    async def _supervise(self, group: _Group) -> None:
-        """Run the group's members; rebuild and run them again after each restart."""
-        while True:
-            group.restart_cause = None
-            async with anyio.create_task_group() as members:
-                group.scope = members.cancel_scope
-                for task in group.tasks:
-                    members.start_soon(
-                        self._run_member, task, group, name=f"{task.name}[{task.replica}]"
-                    )
-            if group.restart_cause is None or not await self._restart(group):
-                return
-
-    async def _run_member(self, task: _Task, group: _Group) -> None:
-        ctx = task.ctx
-        if ctx is None:
-            raise RuntimeError(f"stage {task.name!r} was not wired")
-        while True:
-            error: Exception | None = None
-            with anyio.CancelScope() as scope:
-                task.scope = scope
-                try:
-                    await task.stage.run(ctx)
-                except Exception as exc:
-                    error = exc
-                else:
-                    task.finished = True
-                    ctx.close_outputs()
-                    late = await self._drain_late(ctx)
-                    ctx.log.debug("stage finished", late_messages_dropped=late)
-                    ctx.close()
-                    return
-            task.scope = None
-            message = ctx.busy_message if ctx.busy_since else None
-            elapsed = perf_counter() - ctx.busy_since if ctx.busy_since else 0.0
-            if message is not None:  # the failed message's span, as any other's
-                ctx.spans.record(message, ctx.busy_since, ctx.last_wait)
-            ctx.end()
-            if error is None:
-                if not task.timed_out:
-                    return  # cancelled: its group restarts or the graph stops
-                error = StageTimeout(
-                    f"stage {task.name!r} spent {elapsed:.1f} s on one message, past its "
-                    f"timeout of {task.timeout_s} s"
-                )
-            task.timed_out = False
-            if not await self._on_failure(task, group, error, message):
-                return
-
-    @staticmethod
-    async def _drain_late(ctx: StageContext) -> int:
-        """Discard what still arrives on a finished stage's open inputs until they close.
-
-        A stage on a cycle ends by its own decision (e.g. schedule, once its request input
-        has closed and nothing is in flight) while other inputs may still be open; a late
-        message there (a stop-string Finish racing the last step) is no longer needed.
-        Draining instead of closing keeps its producers from failing or blocking.
-        """
-        dropped = 0
-        while True:
-            try:
-                _port, message = await ctx.receive_any()
-            except anyio.EndOfStream:
-                return dropped
-            if message is not CLOSED:
-                dropped += 1
-
-    def _request_ids(self, task: _Task, group: _Group, message: object) -> tuple[str, ...]:
-        """The requests of `message`, asked of every stage in the group (for a step, the
-        stage that knows which requests its sequences belong to answers)."""
-        if message is None:
-            return ()
-        ids: dict[str, None] = {}
-        for member in [task, *(t for t in group.tasks if t is not task)]:
-            try:
-                ids.update(dict.fromkeys(member.stage.request_ids(message)))
-            except Exception as exc:  # a damaged stage may not know; never mask the failure
-                self.log.warning("request_ids raised", stage=member.name, exc_info=exc)
-        return tuple(ids)
-
-    async def _on_failure(
-        self, task: _Task, group: _Group, error: Exception, message: object
-    ) -> bool:
-        """Apply the group's policy to one failure; True when the member runs on."""
-        self.metrics.stage_errors.labels(task.name).inc()
-        log = self.log.bind(stage=task.name, replica=task.replica)
-        if self.failure is not None:
-            # The graph is already going down; later errors are usually its consequences.
-            log.warning("stage raised while the graph was failing", exc_info=error)
-            return False
-        request_ids = self._request_ids(task, group, message)
-        if isinstance(error, RequestInputError):
-            log.info("request refused by its own input", request_ids=request_ids, error=str(error))
-            await self._answer(task, request_ids, error, "invalid_request", message)
-            return True
-        on_error = group.on_error
-        if on_error != "escalate" and not group.intensity.admit():
-            log.error(
-                "stage failed past its group's restart intensity; escalating",
-                group=group.name,
-                max_restarts=group.intensity.max_restarts,
-                within_s=group.intensity.within_s,
-                request_ids=request_ids,
-                exc_info=error,
-            )
-            on_error = "escalate"
-        elif self._stopping or (on_error == "restart" and any(t.finished for t in group.tasks)):
-            on_error = "escalate"  # a group that is draining cannot start over
-        else:
-            log.error("stage failed", on_error=on_error, request_ids=request_ids, exc_info=error)
-        if on_error == "escalate":
-            await self._escalate(task, error)
-            return False
-        await self._answer(task, request_ids, error, "internal", message)
-        if on_error == "fail_request":
-            return True
-        group.restart_cause = error
-        group.restarting = True
-        if group.scope is not None:
-            group.scope.cancel()
-        return False
-
-    async def _answer(
-        self,
-        task: _Task,
-        request_ids: tuple[str, ...],
-        error: Exception,
-        kind: ErrorKind,
-        message: object = None,
-    ) -> None:
-        """Answer each request with the failure, through the stage (bounded in time)."""
-        if not request_ids:
-            return
-        if kind == "invalid_request":
-            text = str(error)
-        else:
-            text = f"The {task.name} stage failed on this request: {type(error).__name__}"
-        errors = [
-            RequestError(
-                request_id=request_id,
-                message=text,
-                kind=kind,
-            )
-            for request_id in request_ids
-        ]
-        with anyio.move_on_after(self._fail_inflight_timeout, shield=True):
-            try:
-                await task.stage.fail_requests(errors, message)
-                return
-            except Exception as exc:
-                self.log.warning("fail_requests raised", stage=task.name, exc_info=exc)
-        if self._fail_request is not None:
-            for request_error in errors:
-                self._fail_request(request_error)
-
-    async def _restart(self, group: _Group) -> bool:
-        """Build the group's stages anew on the same channels; False if that failed."""
-        members = {task.name for task in group.tasks}
-        try:
-            for name in members:
-                for port in self.spec.stages[name].cls.inputs:
-                    channel = self.spec.channels.get(f"{name}.{port}")
-                    if channel is not None and all(p.stage in members for p in channel.producers):
-                        dropped = self._discard(group, name, port)
-                        self.log.debug("discarded on restart", channel=channel.name, n=dropped)
-            for task in group.tasks:
-                fresh = self._build(task.name)
-                fresh.restart_from(task.stage)
-                task.stage.bind(None)
-                fresh.bind(task.ctx)
-                self._replicas[task.name][task.replica] = fresh
-                task.stage = fresh
-        except Exception as exc:
-            self.log.error("group could not restart", group=group.name, exc_info=exc)
-            await self._escalate(group.tasks[0], exc)
-            return False
-        self.metrics.stage_restarts.labels(group.name).inc()
-        group.restarting = False
-        self.log.warning("group restarted", group=group.name, cause=repr(group.restart_cause))
-        return True
-
-    @staticmethod
-    def _discard(group: _Group, name: str, port: str) -> int:
-        """Drop what waits on a channel inside the group: messages of the failed run."""
-        task = next(t for t in group.tasks if t.name == name)
-        assert task.ctx is not None
-        inbox = task.ctx.inbox(port)
-        dropped = 0
-        while True:
-            try:
-                inbox.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                return dropped
-            dropped += 1
-
-    async def _watchdog(self, scope: anyio.CancelScope) -> None:
-        """Cancel a member that has spent longer than its timeout on one message."""
-        timed = [task for task in self._tasks if task.timeout_s is not None]
-        if not timed:
-            return
-        interval = min(1.0, max(0.05, min(t.timeout_s or 1.0 for t in timed) / 4))
-        with scope:
-            await self._watch(timed, interval)
-
-    async def _watch(self, timed: list[_Task], interval: float) -> None:
-        while True:
-            await anyio.sleep(interval)
-            now = perf_counter()
-            for task in timed:
-                ctx = task.ctx
-                if ctx is None:
+    def _discard_internal(self, members: Collection[str]) -> None:
+        """Drop what waits on the channels only `members` feed: a restarting group's
+        messages of the failed run (one replica's receiver drains the shared channel)."""
+        for child in self._children:
+            if child.name not in members or child.replica != 0 or child.ctx is None:
+                continue
+            for port in child.ctx.input_ports:
+                channel = self.spec.channels[f"{child.name}.{port}"]
+                if not all(p.stage in members for p in channel.producers):
                     continue
-                if not ctx.busy_since:
-                    task.overdue = False  # idle again: healthy
-                    continue
-                if task.timed_out or task.scope is None:
-                    continue
-                elapsed = now - ctx.busy_since
-                if elapsed > (task.timeout_s or 0.0):
-                    group = self._groups[self.spec.stages[task.name].supervision.group]
-                    task.overdue = task.timed_out = True
-                    self.log.error(
-                        "stage overdue on one message; cancelling it",
-                        stage=task.name,
-                        replica=task.replica,
-                        timeout_s=task.timeout_s,
-                        elapsed_s=round(elapsed, 3),
-                        request_ids=self._request_ids(task, group, ctx.busy_message),
-                    )
-                    task.scope.cancel()
-
-    async def _escalate(self, task: _Task, error: BaseException) -> None:
-        """Fail everything in flight and stop the graph: the process should exit."""
-        if self.failure is not None:
-            return
-        self.failure = StageFailure(
-            task.name, task.replica, error, "".join(traceback.format_exception(error))
-        )
-        self.log.error(
-            "stage failed; failing in-flight work and shutting the graph down",
-            stage=task.name,
-            replica=task.replica,
-            exc_info=error,
-        )
-        await self._fail_all_inflight(error)
-        if self._scope is not None:
-            self._scope.cancel()
-
-    async def _fail_all_inflight(self, error: BaseException) -> None:
-        """Call every stage's `fail_inflight(error)`, shielded and bounded in time."""
-        with anyio.move_on_after(self._fail_inflight_timeout, shield=True) as scope:
-            for task in self._tasks:
-                try:
-                    await task.stage.fail_inflight(error)
-                except Exception as exc:
-                    self.log.warning("fail_inflight raised", stage=task.name, exc_info=exc)
-        if scope.cancelled_caught:
-            self.log.warning("fail_inflight timed out", timeout_s=self._fail_inflight_timeout)
+                inbox, dropped = child.ctx.inbox(port), 0
+                while True:
+                    try:
+                        inbox.receive_nowait()
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                    dropped += 1
+                self.log.debug("discarded on restart", channel=channel.name, n=dropped)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from types import TracebackType
 from typing import TypedDict
 
 from structlog.typing import FilteringBoundLogger
@@ -129,32 +128,3 @@ class SpanRecorder:
             now = perf_counter()
             for sink in self._sinks:
                 sink(self.stage, InputClosed(port), now, 0.0, 0.0)
-
-    def span(self, message: object, queue_wait: float) -> Span:
-        """A context manager timing the handling of `message` (for hand-written `run`s)."""
-        return Span(self, message, queue_wait)
-
-
-class Span:
-    """`with ctx.span(message):` — times the block and records it on exit without error."""
-
-    __slots__ = ("_message", "_recorder", "_started", "_wait")
-
-    def __init__(self, recorder: SpanRecorder, message: object, queue_wait: float) -> None:
-        self._recorder = recorder
-        self._message = message
-        self._wait = queue_wait
-        self._started = 0.0
-
-    def __enter__(self) -> Span:
-        self._started = perf_counter()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None:
-            self._recorder.record(self._message, self._started, self._wait)

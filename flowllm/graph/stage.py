@@ -22,13 +22,15 @@ Three shapes cover the graph:
   until any of the named inputs has a message and checks them in the order given, so the
   first port has priority. A port that has closed and drained is reported once as
   `(port, CLOSED)`, which is how a stage on a cycle learns that its intake has ended and
-  can return when nothing is in flight.
+  can return when nothing is in flight. Handle each message inside
+  `with ctx.handling(message):`, the bookkeeping every shape shares (watchdog, span).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
+from types import TracebackType
 from typing import Any, ClassVar, Final, Protocol, runtime_checkable
 
 import anyio
@@ -37,7 +39,7 @@ import msgspec
 from structlog.typing import FilteringBoundLogger
 
 from flowllm.graph.channel import ChannelReceiver
-from flowllm.graph.spans import Span, SpanRecorder
+from flowllm.graph.spans import SpanRecorder
 from flowllm.messages import RequestError, request_ids_of
 
 
@@ -141,7 +143,7 @@ class StageContext:
 
     One context per task: each replica of a stage has its own, holding its own channel
     clones. `last_wait` is the queue wait of the message most recently received through
-    the context, which `span()` records by default.
+    the context, which `handling()` records by default.
 
     Received messages are typed `Any`: a port's type is a value declared in `inputs`,
     checked per edge by the graph validator and per send by the channel, and a stage
@@ -167,9 +169,11 @@ class StageContext:
         self.stop_requested = stop_requested  # set when the graph's owner asks for a stop
         self.last_wait = 0.0
         # What the watchdog reads: since when (perf_counter) the stage handles which
-        # message; 0.0 while it waits for input.
+        # message; 0.0 while it waits for input. Set by `handling`.
         self.busy_since = 0.0
         self.busy_message: object = None
+        self._busy_wait = 0.0
+        self._handling = _Handling(self)
         # The graph owner's way to answer a request directly (the engine hands it to
         # deliver), for stages without an `errors` port.
         self.fail_request = fail_request
@@ -275,21 +279,38 @@ class StageContext:
         """Send now or raise `anyio.WouldBlock` (for callers that must not wait)."""
         self.outbox(port).send_nowait(message)
 
-    # -- spans ----------------------------------------------------------------------------
+    # -- per-message bookkeeping ----------------------------------------------------------
 
-    def span(self, message: object, queue_wait: float | None = None) -> Span:
-        """`with ctx.span(msg): ...` records one span (default wait: `last_wait`)."""
-        return self.spans.span(message, self.last_wait if queue_wait is None else queue_wait)
+    def handling(self, message: object, queue_wait: float | None = None) -> _Handling:
+        """`with ctx.handling(message):` around the handling of one message.
 
-    def begin(self, message: object, started: float) -> None:
-        """The stage starts handling `message` (the watchdog times it from `started`)."""
+        Marks the stage busy with `message` (the watchdog times it, a failure answers its
+        requests) and, when the block ends without error, records its span with
+        `queue_wait` (default: `last_wait`). `None` marks work driven by no message
+        (schedule planning a step): timed by the watchdog, no span. An exception leaves
+        the mark for the supervisor, which calls `abandon`.
+        """
         self.busy_message = message
-        self.busy_since = started
+        self._busy_wait = self.last_wait if queue_wait is None else queue_wait
+        self.busy_since = perf_counter()
+        return self._handling
 
-    def end(self) -> None:
-        """The stage is done with its message and waits for the next."""
+    def abandon(self) -> tuple[object, float]:
+        """The stage raised or was cancelled: record the span of the message it was
+        handling, clear the mark, and return that message (None if idle) and how long it
+        was handled."""
+        if not self.busy_since:
+            return None, 0.0
+        message, elapsed = self.busy_message, perf_counter() - self.busy_since
+        self._handled()
+        return message, elapsed
+
+    def _handled(self) -> None:
+        message, started = self.busy_message, self.busy_since
         self.busy_since = 0.0
         self.busy_message = None
+        if message is not None:
+            self.spans.record(message, started, self._busy_wait)
 
     def close_outputs(self) -> None:
         """Close this task's outboxes, so the end propagates downstream."""
@@ -297,11 +318,53 @@ class StageContext:
         for outbox in self._outboxes.values():
             outbox.close()
 
+    async def finish(self) -> int:
+        """The stage returned: close its outboxes, then discard what still arrives on its
+        open inputs until they close, and close its clones; returns how many were dropped.
+
+        A stage on a cycle ends by its own decision (e.g. schedule, once its request input
+        has closed and nothing is in flight) while other inputs may still be open; a late
+        message there (a stop-string Finish racing the last step) is no longer needed.
+        Draining instead of closing keeps its producers from failing or blocking.
+        """
+        self.close_outputs()
+        dropped = 0
+        while True:
+            try:
+                _port, message = await self.receive_any()
+            except anyio.EndOfStream:
+                break
+            if message is not CLOSED:
+                dropped += 1
+        self.close()
+        return dropped
+
     def close(self) -> None:
         """Close this task's channel clones; called by the runtime when the task ends."""
         self.close_outputs()
         for inbox in self._inboxes.values():
             inbox.close()
+
+
+class _Handling:
+    """What `StageContext.handling` returns: one per context, reused for every message."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: StageContext) -> None:
+        self._ctx = ctx
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self._ctx._handled()
 
 
 class Stage:
@@ -414,7 +477,6 @@ class PerMessageStage(Stage):
         raise NotImplementedError(f"{type(self).__name__} must implement handle()")
 
     async def run(self, ctx: StageContext) -> None:
-        spans = ctx.spans
         handle = self.handle
         if len(ctx.input_ports) == 1:
             inbox = ctx.inbox(ctx.input_ports[0])
@@ -423,11 +485,8 @@ class PerMessageStage(Stage):
                     message = await inbox.receive()
                 except anyio.EndOfStream:
                     return
-                started = perf_counter()
-                ctx.begin(message, started)
-                await handle(message, ctx)
-                ctx.end()
-                spans.record(message, started, inbox.last_wait)
+                with ctx.handling(message, inbox.last_wait):
+                    await handle(message, ctx)
         while True:
             try:
                 _port, message = await ctx.receive_any()
@@ -435,12 +494,8 @@ class PerMessageStage(Stage):
                 return
             if message is CLOSED:
                 continue
-            started = perf_counter()
-            wait = ctx.last_wait
-            ctx.begin(message, started)
-            await handle(message, ctx)
-            ctx.end()
-            spans.record(message, started, wait)
+            with ctx.handling(message):
+                await handle(message, ctx)
 
 
 class SourceStage(Stage):

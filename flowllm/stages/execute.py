@@ -115,12 +115,9 @@ class Execute(PerMessageStage):
             if port == "sampled":
                 self._keep(message, sampled, ctx)
                 continue
-            wait = ctx.last_wait
-            started = perf_counter()
-            ctx.begin(message, started)
-            await self.execute_step(message, await self._read_sampled(message, sampled, ctx), ctx)
-            ctx.end()
-            ctx.spans.record(message, started, wait)
+            with ctx.handling(message):
+                sampled_ids = await self._read_sampled(message, sampled, ctx)
+                await self.execute_step(message, sampled_ids, ctx)
 
     async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
         if batch.reads_sampled:

@@ -16,7 +16,6 @@ and a new draft proposer's cache holds no sequence.
 
 from __future__ import annotations
 
-from time import perf_counter
 from typing import TYPE_CHECKING
 
 import anyio
@@ -67,13 +66,10 @@ class Propose(Stage):
                 step = await tokens_in.receive()
             except anyio.EndOfStream:
                 return
-            started = perf_counter()
-            ctx.begin(step, started)
-            if batch.step_id != step.step_id:
-                raise ProposeError(f"step {step.step_id}'s tokens met step {batch.step_id}")
-            await ctx.emit("out", await self._propose(batch, step))
-            ctx.end()
-            ctx.spans.record(step, started, tokens_in.last_wait)
+            with ctx.handling(step, tokens_in.last_wait):
+                if batch.step_id != step.step_id:
+                    raise ProposeError(f"step {step.step_id}'s tokens met step {batch.step_id}")
+                await ctx.emit("out", await self._propose(batch, step))
 
     async def _propose(self, batch: StepBatch, step: StepTokens) -> StepTokens:
         logs = self._logs

@@ -81,16 +81,12 @@ class Sample(PerMessageStage):
                 step = await logits_in.receive()
             except anyio.EndOfStream:
                 return
-            wait = logits_in.last_wait
-            started = perf_counter()
-            ctx.begin(step, started)
-            if masks.step_id != step.batch.step_id:
-                raise SampleError(
-                    f"step {step.batch.step_id}'s logits met the masks of step {masks.step_id}"
-                )
-            await self.sample_step(step, masks, ctx)
-            ctx.end()
-            ctx.spans.record(step, started, wait)
+            with ctx.handling(step, logits_in.last_wait):
+                if masks.step_id != step.batch.step_id:
+                    raise SampleError(
+                        f"step {step.batch.step_id}'s logits met the masks of step {masks.step_id}"
+                    )
+                await self.sample_step(step, masks, ctx)
 
     async def handle(self, step: StepLogits, ctx: StageContext) -> None:
         await self.sample_step(step, None, ctx)

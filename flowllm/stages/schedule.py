@@ -19,7 +19,6 @@ arrival.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 
 import msgspec
@@ -117,10 +116,9 @@ class Schedule(Stage):
             )
         while intake_open or inflight or scheduler.has_unfinished():
             if inflight < self.params.max_inflight_steps:
-                ctx.begin(None, time.perf_counter())
-                batch = scheduler.schedule()
-                events = scheduler.choice_events()
-                ctx.busy_since = 0.0
+                with ctx.handling(None):
+                    batch = scheduler.schedule()
+                    events = scheduler.choice_events()
                 if events is not None:
                     self._observe_started(events)
                     await ctx.emit("choices", events)  # before the batch: see ChoiceEvents
@@ -137,27 +135,24 @@ class Schedule(Stage):
                 port, message = await ctx.receive_any()
             else:
                 port, message = await self._idle_trim.receive(ctx.receive_any)
-            started = time.perf_counter()
             if message is CLOSED:
                 intake_open &= port != "requests"
                 continue
-            ctx.begin(message, started)
-            if isinstance(message, StepTokens):
-                generated = scheduler.num_generated
-                scheduler.apply(message)
-                inflight -= 1
-                self._metrics.generation_tokens.inc(scheduler.num_generated - generated)
-                if scheduler.verified:
-                    self._metrics.observe_verified(scheduler.verified)
-            elif isinstance(message, Finish):
-                scheduler.finish_sequence(message.seq_id, message.stop_reason)
-            elif isinstance(message, Abort):
-                self._abort(message.request_id)
-            else:
-                await self._add(message, ctx)
-            self._metrics.observe_scheduler(scheduler.stats)
-            ctx.end()
-            ctx.spans.record(message, started, ctx.last_wait)
+            with ctx.handling(message):
+                if isinstance(message, StepTokens):
+                    generated = scheduler.num_generated
+                    scheduler.apply(message)
+                    inflight -= 1
+                    self._metrics.generation_tokens.inc(scheduler.num_generated - generated)
+                    if scheduler.verified:
+                        self._metrics.observe_verified(scheduler.verified)
+                elif isinstance(message, Finish):
+                    scheduler.finish_sequence(message.seq_id, message.stop_reason)
+                elif isinstance(message, Abort):
+                    self._abort(message.request_id)
+                else:
+                    await self._add(message, ctx)
+                self._metrics.observe_scheduler(scheduler.stats)
 
     def _trim_heap(self) -> None:
         if glibc_heap.trim():

@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,6 @@ from example_server import EXAMPLES, MODEL_NAME, load_example_stage_module
 from flowllm.messages import Abort, SamplingParams, TokenizedRequest
 
 AUDIT_YAML = EXAMPLES / "graphs" / "audit.yaml"
-
 
 
 audit = load_example_stage_module("audit")
@@ -157,26 +157,17 @@ class _Inbox:
         return self.messages.pop(0)
 
 
-class _Spans:
-    def record(self, *args: Any) -> None:
-        pass
-
-
 class _RunCtx(_Ctx):
     def __init__(self, messages: list[Any]) -> None:
         super().__init__()
         self._inbox = _Inbox(messages)
         self.input_ports = ("in",)
-        self.spans = _Spans()
 
     def inbox(self, port: str) -> _Inbox:
         return self._inbox
 
-    def begin(self, message: Any, started: float) -> None:
-        self.busy_since = started
-
-    def end(self) -> None:
-        self.busy_since = 0.0
+    def handling(self, message: Any, queue_wait: float | None = None) -> nullcontext[None]:
+        return nullcontext()
 
 
 def test_audit_stage_writes_off_the_loop_and_costs_little(tmp_path: Path) -> None:

@@ -166,7 +166,7 @@ class Merge(Stage):
             if message is CLOSED:
                 self.closed_ports.append(port)
                 continue
-            with ctx.span(message):
+            with ctx.handling(message):
                 await ctx.emit("out", message)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, ClassVar
 
 import anyio
@@ -92,13 +91,12 @@ class Tally(Stage):
                 message = await ctx.receive("in")
             except anyio.EndOfStream:
                 return
-            ctx.begin(message, time.perf_counter())
-            self.count += 1
-            _fault(self.params, message.n)
-            if message.n in self.params.hang_at:
-                await anyio.sleep_forever()
-            await ctx.emit("out", message)
-            ctx.end()
+            with ctx.handling(message):
+                self.count += 1
+                _fault(self.params, message.n)
+                if message.n in self.params.hang_at:
+                    await anyio.sleep_forever()
+                await ctx.emit("out", message)
 
 
 class Done(PerMessageStage):

@@ -88,7 +88,7 @@ def test_messages_cross_in_order_and_the_end_propagates() -> None:
     assert graph.processes == ("a", "b")
     assert graph.channels["sink.in"].crosses and graph.channels["sink.in"].held == 32
     half_a, half_b = anyio.run(run_halves, graph)
-    assert "sink" not in half_a._replicas and "source" not in half_b._replicas
+    assert "sink" not in half_a.stages_here and "source" not in half_b.stages_here
     sink = half_b.stage("sink")
     assert isinstance(sink, Collect)
     assert [item.seq for item in sink.items] == list(range(3000))
