@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
 from types import TracebackType
-from typing import Any, ClassVar, Final, Protocol, runtime_checkable
+from typing import Any, ClassVar, Final, Protocol, TypeVar, runtime_checkable
 
 import anyio
 import anyio.lowlevel
@@ -41,6 +41,8 @@ from structlog.typing import FilteringBoundLogger
 from flowllm.graph.channel import ChannelReceiver
 from flowllm.graph.spans import SpanRecorder
 from flowllm.messages import RequestError, request_ids_of
+
+T = TypeVar("T")
 
 
 class NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -174,6 +176,7 @@ class StageContext:
         self.busy_message: object = None
         self._busy_wait = 0.0
         self._handling = _Handling(self)
+        self._kept: object = None  # see `keep`
         # The graph owner's way to answer a request directly (the engine hands it to
         # deliver), for stages without an `errors` port.
         self.fail_request = fail_request
@@ -278,6 +281,15 @@ class StageContext:
     def emit_nowait(self, port: str, message: object) -> None:
         """Send now or raise `anyio.WouldBlock` (for callers that must not wait)."""
         self.outbox(port).send_nowait(message)
+
+    def keep(self, state: T) -> T:
+        """What outlives the stage's restarts: the state the first incarnation passed here,
+        returned to every later one. The supervisor hands the same context to each
+        incarnation of a stage and throws the failed one away, so state a stage must not
+        lose lives here, never read from its failed predecessor."""
+        if self._kept is None:
+            self._kept = state
+        return self._kept  # type: ignore[return-value]
 
     # -- per-message bookkeeping ----------------------------------------------------------
 
@@ -451,9 +463,6 @@ class Stage:
             else:
                 ctx.log.warning("no way to answer a failed request", request_id=error.request_id)
 
-    def restart_from(self, old: Stage) -> None:
-        """Called on a fresh instance that replaces `old` after its group failed: carry
-        over what must survive the restart (default: nothing)."""
 
 
 @runtime_checkable

@@ -12,8 +12,9 @@
 - `fail_request`: only the requests of the message being handled get an error; the stage
   goes on with the next message. For stages whose state is per request.
 - `restart`: every stage of the `group` (default: the stage alone) is cancelled and built
-  anew from its class, with fresh state; a new instance may carry over what must survive
-  (`Stage.restart_from`). For stages sharing state across requests (the step loop).
+  anew from its class, with fresh state; what must survive, a stage keeps in its context
+  (`StageContext.keep`), never read from the failed instance. For stages sharing state
+  across requests (the step loop).
 - `escalate`: the graph fails every request in flight and stops; the process exits
   non-zero so that its supervisor (systemd, Kubernetes, Ray) restarts it.
 

@@ -9,9 +9,10 @@ The children of one group run in a task group of their own, each in a cancel sco
 watchdog can cancel. A child whose `run` raises (or outlives its `timeout_s` on one
 message) is handled by its group's `on_error`: `fail_request` answers the requests of the
 message it was handling and runs the stage on; `restart` cancels the group, discards the
-messages on channels internal to it, builds every child anew (`restart_from` carries over
-what survives) and runs them on the same channels; `escalate`, or a group past its
-restart intensity, fails all in-flight work and stops (the failure stays on `failure`).
+messages on channels internal to it, builds every child anew and runs them on the same
+channels and contexts (a context keeps what a stage must not lose, `StageContext.keep`);
+`escalate`, or a group past its restart intensity, fails all in-flight work and stops
+(the failure stays on `failure`).
 `healthy` is false while a group restarts, a child is overdue, or a failure escalated.
 """
 
@@ -286,7 +287,6 @@ class Supervisor:
             self._discard({child.name for child in group.children})
             for child in group.children:
                 fresh = self._rebuild(child.name)
-                fresh.restart_from(child.stage)
                 child.stage.bind(None)
                 fresh.bind(child.ctx)
                 child.stage = fresh

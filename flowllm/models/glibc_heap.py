@@ -4,8 +4,8 @@ Why: `keep_freed_memory_mapped` raises glibc's trim and mmap thresholds so that 
 step's large temporaries reuse freed heap instead of fresh mappings; glibc then never
 gives back the heap a burst of steps freed, and the process stays as large as its largest
 burst. `trim` (glibc's `malloc_trim(0)`) gives it back: it shrinks the top of the main
-heap and releases every whole free page inside the heaps of all arenas. The schedule
-stage calls it once the engine has gone idle (`flowllm.stages.idle_heap_trim`).
+heap and releases every whole free page inside the heaps of all arenas. The execute
+stage calls it once steps have stopped coming (`flowllm.stages.idle_heap_trim`).
 
 The C library is looked up once; where it is not glibc (musl, macOS) every function here
 does nothing and says so.

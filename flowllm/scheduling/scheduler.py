@@ -65,6 +65,7 @@ from flowllm.messages import (
     TokenizedRequest,
 )
 from flowllm.scheduling.kv_cache_manager import KVCacheManager, SeqBlocks
+from flowllm.scheduling.ledger import Ledger
 from flowllm.scheduling.sequence import (
     FINISH_STATUSES,
     FinishedSeq,
@@ -87,18 +88,6 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache_queries: int  # prompt tokens looked up at admission (cumulative)
     prefix_cache_hits: int  # of those, tokens found in the cache (cumulative)
     num_preemptions: int  # cumulative
-
-
-class Handover(msgspec.Struct, frozen=True, kw_only=True):
-    """What a fresh scheduler takes over from one whose step loop failed."""
-
-    requeue: tuple[TokenizedRequest, ...]  # never scheduled: they run as if nothing happened
-    lost: tuple[str, ...]  # request ids whose sequences had started: their work is gone
-    released: tuple[int, ...]  # every seq id downstream stages may still hold
-    ended: tuple[int, ...]  # started seqs of the lost requests: detokenize saw no finish
-    next_seq_id: int
-    next_step_id: int
-    counters: SchedulerStats  # its cumulative counters go on, as the metrics expect
 
 
 class Scheduler:
@@ -164,22 +153,13 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: oldest first, youngest last
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq id
         self._requests: dict[str, list[Sequence]] = {}  # unfinished sequences per request
-        self._released: list[int] = []  # started seq ids that left since the last batch
-        # For detokenize (`choice_events`): choices that started in the last batch, and
-        # started ones that ended without a finishing token since the last call.
+        # For detokenize (`choice_events`): choices that started in the last batch.
         self._choice_starts: list[ChoiceStart] = []
-        self._choices_ended: list[int] = []
-        # step id -> the released ids its batch carries, until the step's tokens come back:
-        # a step loop that fails on that batch never delivers them downstream.
-        self._releases_in_flight: dict[int, tuple[int, ...]] = {}
         # step id -> the sequences it samples, in row order, until `apply` (oldest first)
         self._inflight: dict[int, list[Sequence]] = {}
-        self._next_seq_id = 0
-        self._next_step_id = 0
-
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.num_preemptions = 0
+        # What the rest of the graph is owed (releases, ended choices), the id counters and
+        # the cumulative counters: what a fresh scheduler goes on from after a failure.
+        self.ledger = Ledger()
         self.num_generated = 0  # tokens appended by `apply` (cumulative, this instance)
         # (drafts verified, drafts accepted) of each sequence that verified drafts in the
         # step the last `apply` took (for the metrics)
@@ -207,10 +187,11 @@ class Scheduler:
         # A full-length prompt still samples one token: the rule ends it there.
         limit = output_limit(params, len(prompt), self.max_model_len)
         use_cache = self.enable_prefix_caching and params.prompt_logprobs is None
+        ledger = self.ledger
         seqs = []
         for index in range(params.n):
             seq = Sequence(
-                seq_id=self._next_seq_id,
+                seq_id=ledger.next_seq_id,
                 request_id=request.request_id,
                 index=index,
                 prompt_token_ids=prompt,
@@ -225,11 +206,12 @@ class Scheduler:
             )
             if request.cache_salt is not None:
                 self.kv.set_cache_salt(seq.seq_id, request.cache_salt)
-            self._next_seq_id += 1
+            ledger.next_seq_id += 1
             self._seqs[seq.seq_id] = seq
             self.waiting.append(seq)
             seqs.append(seq)
         self._requests[request.request_id] = seqs
+        ledger.admitted(request)
         return [seq.seq_id for seq in seqs]
 
     def abort_request(self, request_id: str) -> list[FinishedSeq]:
@@ -238,7 +220,7 @@ class Scheduler:
         seqs = self._requests.get(request_id)
         if not seqs:
             return []
-        self._choices_ended.extend(seq.seq_id for seq in seqs if seq.started)
+        self.ledger.choices_ended.extend(seq.seq_id for seq in seqs if seq.started)
         return [self._finish_now(seq, SequenceStatus.FINISHED_ABORTED, None) for seq in list(seqs)]
 
     def finish_sequence(self, seq_id: int, stop_reason: str | int | None) -> FinishedSeq | None:
@@ -262,7 +244,7 @@ class Scheduler:
         budget, preempted = self._schedule_running(rows, self.max_num_batched_tokens)
         if not preempted:
             self._admit_waiting(rows, budget)
-        if not rows and not self._released:
+        if not rows and not self.ledger.released:
             return None
         return self._build_batch(rows)
 
@@ -273,7 +255,7 @@ class Scheduler:
         (pool's) only ends it: it generates nothing, so nothing is appended or counted in
         `num_generated`."""
         step_id = step.step_id
-        self._releases_in_flight.pop(step_id, None)
+        self.ledger.step_applied(step_id)
         sampled = self._inflight.pop(step_id, None)
         if not sampled:
             return []
@@ -313,7 +295,7 @@ class Scheduler:
             reason = token.finish_reason
             if reason is None and len(tokens) - seq.num_prompt_tokens >= seq.output_limit:
                 reason = "length"  # the rule's length limit, which sample should have said
-                self._choices_ended.append(seq.seq_id)  # detokenize saw no finish
+                self.ledger.choices_ended.append(seq.seq_id)  # detokenize saw no finish
             if reason is not None:
                 finished_waiting |= seq.status is not SequenceStatus.RUNNING
                 self._finish(seq, FINISH_STATUSES[reason], token.stop_reason)
@@ -328,15 +310,16 @@ class Scheduler:
         """What detokenize must learn before the batch `schedule()` just built: the choices
         it starts, and those that ended without a finishing token (aborted, or cut by the
         length guard). None when there is nothing to say."""
-        if not self._choice_starts and not self._choices_ended:
+        ended = self.ledger.choices_ended
+        if not self._choice_starts and not ended:
             return None
         events = ChoiceEvents(
-            step_id=self._next_step_id - 1,
+            step_id=self.ledger.next_step_id - 1,
             started=tuple(self._choice_starts),
-            ended=tuple(self._choices_ended),
+            ended=tuple(ended),
         )
         self._choice_starts.clear()
-        self._choices_ended.clear()
+        ended.clear()
         return events
 
     def has_unfinished(self) -> bool:
@@ -347,56 +330,17 @@ class Scheduler:
         """Unfinished sequences, waiting or running."""
         return len(self._seqs)
 
-    def hand_over(self) -> Handover:
-        """This scheduler's requests, split for a fresh scheduler after a failed step loop:
-        requests none of whose sequences started are queued again, the others are lost
-        (their KV blocks and sampler state are gone)."""
-        requeue: list[TokenizedRequest] = []
-        lost: list[str] = []
-        for request_id, seqs in self._requests.items():
-            first = seqs[0]
-            if any(seq.started for seq in seqs) or len(seqs) != first.params.n:
-                lost.append(request_id)
-                continue
-            requeue.append(
-                TokenizedRequest(
-                    request_id=request_id,
-                    prompt_token_ids=first.prompt_token_ids,
-                    params=first.params,
-                    eos_token_ids=first.eos_token_ids,
-                    arrival_time=first.arrival_time,
-                    prompt_text=first.prompt_text,
-                    cache_salt=first.cache_salt,
-                    pooling=first.pooling,
-                )
-            )
-        started = [seq.seq_id for seq in self._seqs.values() if seq.started]
-        ended = [*self._choices_ended, *started]
-        in_flight = [seq_id for ids in self._releases_in_flight.values() for seq_id in ids]
-        return Handover(
-            requeue=tuple(requeue),
-            lost=tuple(lost),
-            released=tuple(dict.fromkeys([*in_flight, *self._released, *started])),
-            ended=tuple(dict.fromkeys(ended)),
-            next_seq_id=self._next_seq_id,
-            next_step_id=self._next_step_id,
-            counters=self.stats,
-        )
-
-    def take_over(self, handover: Handover) -> None:
-        """Continue from a failed scheduler's `hand_over` (call on a fresh scheduler): ids
-        keep counting up, so no id is used twice, and downstream stages are told to drop
-        every sequence of the old one in the next batch; the counters go on from where
-        the old one's stopped."""
-        self._next_seq_id = handover.next_seq_id
-        self._next_step_id = handover.next_step_id
-        self.prefix_cache_queries = handover.counters.prefix_cache_queries
-        self.prefix_cache_hits = handover.counters.prefix_cache_hits
-        self.num_preemptions = handover.counters.num_preemptions
-        self._released.extend(handover.released)
-        self._choices_ended.extend(handover.ended)
-        for request in handover.requeue:
+    def resume(self, ledger: Ledger) -> list[str]:
+        """Go on from a failed step loop's record (call on a fresh scheduler): its
+        requests that never started run here as if nothing happened, ids keep counting
+        up, the counters go on, and downstream stages are told to drop every sequence of
+        the old loop in the next batch. Returns the ids of the requests whose sequences
+        had started: their work is lost."""
+        requeue, lost = ledger.after_failure()
+        self.ledger = ledger
+        for request in requeue:
             self.add_request(request)
+        return lost
 
     @property
     def stats(self) -> SchedulerStats:
@@ -404,9 +348,9 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.ledger.prefix_cache_queries,
+            prefix_cache_hits=self.ledger.prefix_cache_hits,
+            num_preemptions=self.ledger.num_preemptions,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -463,9 +407,9 @@ class Scheduler:
                         num_new += d
             rec = blocks_of(seq.seq_id)
             if rec is None or seq.num_computed_tokens + num_new > rec.fast_limit:
-                num_preemptions = self.num_preemptions
+                num_preemptions = self.ledger.num_preemptions
                 rec = self._allocate_or_preempt(seq, num_new)
-                preempted |= self.num_preemptions != num_preemptions
+                preempted |= self.ledger.num_preemptions != num_preemptions
                 if rec is None:  # preempted itself (which drops its drafts)
                     continue
             rows.append((seq, num_new, rec))
@@ -510,8 +454,8 @@ class Scheduler:
                 break
             waiting.popleft()
             if seq.use_prefix_cache:
-                self.prefix_cache_queries += num_tokens
-                self.prefix_cache_hits += num_hit_tokens
+                self.ledger.prefix_cache_queries += num_tokens
+                self.ledger.prefix_cache_hits += num_hit_tokens
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_hit_tokens
             seq.num_computed_tokens = num_hit_tokens
@@ -523,8 +467,9 @@ class Scheduler:
     def _build_batch(self, rows: list[tuple[Sequence, int, SeqBlocks]]) -> StepBatch:
         """Turn the chosen rows into the step message and advance `num_computed_tokens`
         (the K/V of these tokens will be in the cache once the step runs)."""
-        step_id = self._next_step_id
-        self._next_step_id += 1
+        ledger = self.ledger
+        step_id = ledger.next_step_id
+        ledger.next_step_id += 1
         inflight_from = next(iter(self._inflight), step_id)
         seqs: list[ScheduledSeq] = []
         started: list[SeqStart] = []
@@ -575,12 +520,13 @@ class Scheduler:
                 seq_start = seq.to_start()
                 started.append(seq_start)
                 self._choice_starts.append(seq.to_choice_start(seq_start, time.monotonic()))
+                ledger.seq_started(seq.request_id, seq.seq_id)
         if sampling:
             self._inflight[step_id] = sampling
-        released = tuple(self._released)
-        self._released.clear()
+        released = tuple(ledger.released)
+        ledger.released.clear()
         if released:
-            self._releases_in_flight[step_id] = released
+            ledger.releases_in_flight[step_id] = released
         return StepBatch(
             step_id=step_id,
             seqs=tuple(seqs),
@@ -599,7 +545,7 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.ledger.num_preemptions += 1
 
     def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: str | int | None) -> None:
         """Mark finished and free blocks now; the caller removes it from running/waiting."""
@@ -612,8 +558,10 @@ class Scheduler:
             siblings.remove(seq)
             if not siblings:
                 del self._requests[seq.request_id]
+                self.ledger.request_finished(seq.request_id)
         if seq.started:
-            self._released.append(seq.seq_id)
+            self.ledger.seq_finished(seq.seq_id)
+            self.ledger.released.append(seq.seq_id)
 
     def _finish_now(
         self, seq: Sequence, status: SequenceStatus, stop_reason: str | int | None

@@ -9,6 +9,10 @@ read them). `ExecuteHidden`, a pooling graph's execute, returns the last hidden 
 every row instead of logits, for pool; it keeps only where each cross-encoder pair's second
 text starts (its token types), from the step it starts to its release.
 
+Its runner keeps the heap its steps free mapped for the next steps (flowllm/models/
+glibc_heap.py); once no step has come for a while, it gives that memory back
+(`IdleHeapTrim`).
+
 A front process imports this module to check the graph's edges, and loads no torch: the
 model's modules are imported where a runner is built, in the process that runs execute.
 """
@@ -24,6 +28,8 @@ import anyio
 from flowllm.graph.channel import ChannelReceiver
 from flowllm.graph.stage import CLOSED, NoParams, PerMessageStage, StageContext
 from flowllm.messages import SampledIds, StepBatch, StepHidden, StepLogits
+from flowllm.models import glibc_heap
+from flowllm.stages.idle_heap_trim import IdleHeapTrim
 from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
@@ -98,26 +104,35 @@ class Execute(PerMessageStage):
         self.runner = model_runner(services)
         self._worker = services.model_thread()
         self._sampled: dict[int, torch.Tensor] = {}  # step id -> its sampled ids
+        # The runner keeps freed heap mapped for the next steps (glibc_heap): once steps
+        # stop coming, this gives it back.
+        self._idle_trim = IdleHeapTrim(trim=self._trim_heap)
+        self._metrics = services.metrics
 
     async def run(self, ctx: StageContext) -> None:
-        if "sampled" not in ctx.input_ports:
-            await super().run(ctx)
-            return
-        sampled = ctx.inbox("sampled")
+        sampled = ctx.inbox("sampled") if "sampled" in ctx.input_ports else None
         while True:
             # Ids may come before the batch that reads them: take whichever is first.
             try:
-                port, message = await ctx.receive_any()
+                port, message = await self._idle_trim.receive(ctx.receive_any)
             except anyio.EndOfStream:
                 return
             if message is CLOSED:
                 continue
-            if port == "sampled":
+            if sampled is not None and port == "sampled":
                 self._keep(message, sampled, ctx)
                 continue
             with ctx.handling(message):
-                sampled_ids = await self._read_sampled(message, sampled, ctx)
-                await self.execute_step(message, sampled_ids, ctx)
+                if sampled is None:
+                    await self.handle(message, ctx)
+                else:
+                    sampled_ids = await self._read_sampled(message, sampled, ctx)
+                    await self.execute_step(message, sampled_ids, ctx)
+            self._idle_trim.worked()
+
+    def _trim_heap(self) -> None:
+        if glibc_heap.trim():
+            self._metrics.heap_trims.inc()
 
     async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
         if batch.reads_sampled:

@@ -4,8 +4,8 @@
 Why the wait: a trim costs its own run and, after it, page faults for the next steps that
 grow the heap again. An engine serving a steady trickle of requests, with gaps under a
 second, never trims; one left idle trims once, a second after its last step. No timer
-runs while the engine works or after the trim: the wait is a deadline on the schedule
-stage's wait for its next message (`receive`), which it sets only while idle.
+runs while the engine works or after the trim: the wait is a deadline on the execute
+stage's wait for its next step (`receive`), set only when a step ran since the last trim.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 
 class IdleHeapTrim:
-    """Owned by schedule, the one stage that knows when no sequence runs or waits."""
+    """Owned by execute, whose model runner keeps the freed heap mapped."""
 
     def __init__(
         self, idle_seconds: float = IDLE_SECONDS, trim: Callable[[], object] = glibc_heap.trim

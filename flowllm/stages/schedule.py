@@ -7,19 +7,19 @@ aborts — and, while fewer than `max_inflight_steps` steps are in flight, sends
 first (choices starting in that step, choices that ended unseen). The in-flight bound is
 the credit that keeps the schedule → execute → sample → schedule cycle deadlock free
 (every channel on it holds at least that many messages).
-It returns once its request input has closed and no sequence or step is left. While no
-sequence runs or waits, it waits for its next message through `IdleHeapTrim`, which gives
-the heap a burst freed back to the system once the idleness lasts.
+It returns once its request input has closed and no sequence or step is left.
 
 An Abort normally arrives after its request (both travel the request path). With a
 replicated stage upstream it may overtake it, so the ids of aborts for unknown requests
 are remembered (the most recent `EARLY_ABORTS_KEPT`) and such a request is dropped on
 arrival.
+
+What must outlive a restart of the step loop (requests not yet started, ids, counters,
+what downstream stages are owed, early aborts) is the scheduler's `Ledger`, which this
+stage's context keeps for the next incarnation (`ctx.keep`).
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import msgspec
 
@@ -34,12 +34,8 @@ from flowllm.messages import (
     TokenizedRequest,
     seq_ids_of,
 )
-from flowllm.models import glibc_heap
 from flowllm.scheduling.scheduler import Scheduler, SchedulerError
-from flowllm.stages.idle_heap_trim import IdleHeapTrim
 from flowllm.stages.services import EngineServices
-
-EARLY_ABORTS_KEPT = 4096
 
 
 class ScheduleParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -70,19 +66,6 @@ class Schedule(Stage):
             speculative=config.speculative,
         )
         self._metrics = services.metrics
-        self._early_aborts: OrderedDict[str, None] = OrderedDict()
-        self._lost: tuple[str, ...] = ()  # requests a failed step loop lost, to answer
-        self._idle_trim = IdleHeapTrim(trim=self._trim_heap)
-
-    def restart_from(self, old: Stage) -> None:
-        """After the step loop failed: requests not yet scheduled survive; the others are
-        answered with an error when this instance starts."""
-        if not isinstance(old, Schedule):
-            return
-        handover = old.scheduler.hand_over()
-        self.scheduler.take_over(handover)
-        self._lost = handover.lost
-        self._early_aborts = old._early_aborts
 
     def live_sequences(self) -> int:
         return self.scheduler.num_sequences
@@ -103,7 +86,10 @@ class Schedule(Stage):
         scheduler = self.scheduler
         inflight = 0
         intake_open = True
-        lost, self._lost = self._lost, ()
+        # The first incarnation's ledger is kept by the context for every later one; an
+        # incarnation that finds another's goes on from it (flowllm/scheduling/ledger.py).
+        ledger = ctx.keep(scheduler.ledger)
+        lost = scheduler.resume(ledger) if ledger is not scheduler.ledger else []
         for request_id in lost:
             await ctx.emit(
                 "errors",
@@ -129,12 +115,8 @@ class Schedule(Stage):
                         )
                     await ctx.emit("out", batch)
                     inflight += 1
-                    self._idle_trim.worked()
                     continue
-            if inflight or scheduler.has_unfinished():
-                port, message = await ctx.receive_any()
-            else:
-                port, message = await self._idle_trim.receive(ctx.receive_any)
+            port, message = await ctx.receive_any()
             if message is CLOSED:
                 intake_open &= port != "requests"
                 continue
@@ -154,20 +136,14 @@ class Schedule(Stage):
                     await self._add(message, ctx)
                 self._metrics.observe_scheduler(scheduler.stats)
 
-    def _trim_heap(self) -> None:
-        if glibc_heap.trim():
-            self._metrics.heap_trims.inc()
-
     def _abort(self, request_id: str) -> None:
         if self.scheduler.abort_request(request_id):
             return
         # Not running: not arrived yet (or just finished; remembering it then is harmless).
-        self._early_aborts[request_id] = None
-        if len(self._early_aborts) > EARLY_ABORTS_KEPT:
-            self._early_aborts.popitem(last=False)
+        self.scheduler.ledger.abort_before_arrival(request_id)
 
     async def _add(self, request: TokenizedRequest, ctx: StageContext) -> None:
-        if self._early_aborts.pop(request.request_id, 0) is None:
+        if self.scheduler.ledger.take_early_abort(request.request_id):
             return  # aborted before it arrived
         try:
             self.scheduler.add_request(request)

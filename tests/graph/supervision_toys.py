@@ -64,8 +64,9 @@ class Flaky(PerMessageStage):
 class Tally(Stage):
     """A stage with its own run and state (a count), like schedule: restarts on failure.
 
-    Each instance registers in `services["tallies"]`; `restart_from` records its
-    predecessor's count, which a real stage would carry over.
+    Each instance registers in `services["tallies"]`. Its count is kept in its context
+    (`ctx.keep`), so a restarted instance goes on from its predecessor's, which it never
+    reads; `inherited` is the count it found there.
     """
 
     inputs: ClassVar[dict[str, Any]] = {"in": Job}
@@ -74,25 +75,24 @@ class Tally(Stage):
 
     def __init__(self, params: Any, services: Any) -> None:
         super().__init__(params, services)
-        self.count = 0
+        self.counted = [0]  # one mutable count, what the context keeps
         self.inherited: int | None = None
         services.setdefault("tallies", []).append(self)
 
-    def restart_from(self, old: Stage) -> None:
-        assert isinstance(old, Tally)
-        self.inherited = old.count
-
     def live_sequences(self) -> int:
-        return self.count
+        return self.counted[0]
 
     async def run(self, ctx: StageContext) -> None:
+        kept = ctx.keep(self.counted)
+        if kept is not self.counted:
+            self.inherited, self.counted = kept[0], kept
         while True:
             try:
                 message = await ctx.receive("in")
             except anyio.EndOfStream:
                 return
             with ctx.handling(message):
-                self.count += 1
+                self.counted[0] += 1
                 _fault(self.params, message.n)
                 if message.n in self.params.hang_at:
                     await anyio.sleep_forever()

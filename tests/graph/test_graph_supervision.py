@@ -12,6 +12,7 @@ from test_graph_runtime import make_graph, quiet_logger, run
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.render import render_text
 from flowllm.graph.spec import GraphSpec
+from flowllm.graph.validator import validate_graph
 
 JOBS = "supervision_toys:Jobs"
 FLAKY = "supervision_toys:Flaky"
@@ -117,14 +118,14 @@ def test_a_restart_group_starts_over_with_fresh_state() -> None:
     assert len(tallies) == 4  # two built with the graph, two by the restart
     first, second = graph.stage("first"), graph.stage("second")
     assert first is tallies[2] and second is tallies[3]
-    assert second.inherited == 11 and first.inherited is not None  # restart_from ran
+    assert second.inherited == 11 and first.inherited is not None  # the kept counts
     assert "r10" in services["failed"]
     # Jobs on the channel inside the group at the restart were dropped; the rest arrived.
     completed = set(services["completed"])
     assert completed.isdisjoint({"r10"})
     assert {f"r{n}" for n in range(first.inherited, 30)} <= completed
     assert metric(graph, "flowllm:stage_restarts_total", {"group": "pair"}) == 1
-    assert metric(graph, "flowllm:live_sequences", {"stage": "second"}) == second.count
+    assert metric(graph, "flowllm:live_sequences", {"stage": "second"}) == second.counted[0]
 
 
 def test_the_watchdog_cancels_a_stage_stuck_on_one_message() -> None:
@@ -189,7 +190,7 @@ def test_bad_supervision_entries_are_reported(entry: str, problem: str) -> None:
         source="<test>",
     )
     with pytest.raises(GraphValidationError) as info:
-        spec.validate()
+        validate_graph(spec)
     assert problem in str(info.value) and "stage 'work'" in str(info.value)
 
 
@@ -208,7 +209,7 @@ def test_a_group_has_one_intensity() -> None:
         source="<test>",
     )
     with pytest.raises(GraphValidationError, match="a group has one restart intensity"):
-        spec.validate()
+        validate_graph(spec)
 
 
 def test_graph_show_prints_each_stages_supervision() -> None:

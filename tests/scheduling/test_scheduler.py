@@ -564,27 +564,25 @@ def test_cache_salt_isolates_prefix_hits_between_requests() -> None:
     assert admit("n2", None) == 12  # the unsalted copy from n1
 
 
-def test_hand_over_requeues_what_never_ran_and_names_what_was_lost() -> None:
-    """After a failed step loop: requests none of whose sequences started run on a fresh
-    scheduler as they are (salt included); started ones are lost; ids keep counting up and
-    every started sequence is released downstream in the fresh scheduler's first batch,
-    and ended for detokenize (no finishing token will come for them)."""
+def test_a_resumed_ledger_requeues_what_never_ran_and_names_what_was_lost() -> None:
+    """After a failed step loop, a fresh scheduler goes on from the old one's ledger alone:
+    requests none of whose sequences started run as they are (salt included); started ones
+    are lost; ids keep counting up and every started sequence is released downstream in
+    the fresh scheduler's first batch, and ended for detokenize (no finishing token will
+    come for them)."""
     old = make_scheduler(max_num_seqs=2)
     old.add_request(request("ran", range(1, 5), n=2))
     step(old)  # both "ran" sequences start
     old.add_request(request("waits", range(10, 14)))
     salted = msgspec.structs.replace(request("salted", range(20, 24), n=3), cache_salt="tenant")
     old.add_request(salted)
-    handover = old.hand_over()
-    assert handover.lost == ("ran",)
-    assert [r.request_id for r in handover.requeue] == ["waits", "salted"]
-    assert handover.requeue[1].cache_salt == "tenant"
-    assert handover.requeue[1].params.n == 3
-    assert set(handover.released) == {0, 1}
-    assert set(handover.ended) == {0, 1}
+    ledger = old.ledger
+    next_seq_id, next_step_id = ledger.next_seq_id, ledger.next_step_id
     fresh = make_scheduler(max_num_seqs=8)
-    fresh.take_over(handover)
+    assert fresh.resume(ledger) == ["ran"]
     assert fresh.num_sequences == 4  # "waits" and the three "salted"
+    assert [s.request_id for s in fresh.waiting] == ["waits", *["salted"] * 3]
+    assert [s.cache_salt for s in fresh.waiting] == [None, *["tenant"] * 3]
     batch = fresh.schedule()
     assert batch is not None
     assert set(batch.released) == {0, 1}
@@ -592,11 +590,26 @@ def test_hand_over_requeues_what_never_ran_and_names_what_was_lost() -> None:
     assert events is not None and set(events.ended) == {0, 1}
     assert {c.seq_id for c in events.started} == {s.seq_id for s in batch.started}
     new_ids = {s.seq_id for s in batch.seqs}
-    assert min(new_ids) >= handover.next_seq_id  # no id is used twice
-    assert batch.step_id >= handover.next_step_id
+    assert min(new_ids) >= next_seq_id  # no id is used twice
+    assert batch.step_id >= next_step_id
 
 
-def test_counters_go_on_across_a_hand_over() -> None:
+def test_the_ledger_forgets_what_finished() -> None:
+    """A request whose sequences all finished is owed nothing: a resume neither runs it
+    again nor reports it lost; one of n sequences finished leaves the request lost."""
+    sched = make_scheduler(max_num_seqs=4)
+    sched.add_request(request("done", range(1, 5)))
+    sched.add_request(request("half", range(6, 9), n=2))
+    sched.add_request(request("aborted", range(10, 13)))
+    step(sched)
+    for seq in [s for s in sched.running if s.request_id == "done"]:
+        sched.finish_sequence(seq.seq_id, "stop")
+    sched.finish_sequence(next(s for s in sched.running if s.request_id == "half").seq_id, "x")
+    sched.abort_request("aborted")
+    assert make_scheduler().resume(sched.ledger) == ["half"]
+
+
+def test_counters_go_on_after_a_resume() -> None:
     """The metrics advance by the difference between two snapshots of the counters: a
     fresh scheduler that started them again from zero made that difference negative."""
     old = make_scheduler(max_num_seqs=2)
@@ -605,7 +618,7 @@ def test_counters_go_on_across_a_hand_over() -> None:
     before = old.stats
     assert before.prefix_cache_queries > 0
     fresh = make_scheduler(max_num_seqs=2)
-    fresh.take_over(old.hand_over())
+    fresh.resume(old.ledger)
     after = fresh.stats
     assert after.prefix_cache_queries == before.prefix_cache_queries
     assert after.prefix_cache_hits == before.prefix_cache_hits
@@ -623,24 +636,25 @@ def finish_one_then_queue_another(sched: Scheduler) -> int:
     return seq_id
 
 
-def test_a_hand_over_releases_what_a_lost_batch_carried() -> None:
+def test_a_resume_releases_what_a_lost_batch_carried() -> None:
     """A batch's released ids reach downstream stages only through the step loop; if the
     loop fails on that batch, the fresh scheduler's first batch releases them again."""
     old = make_scheduler(max_num_seqs=2)
     seq_id = finish_one_then_queue_another(old)
     lost = old.schedule()  # carries the release; its tokens never come back
     assert lost is not None and lost.released == (seq_id,)
-    handover = old.hand_over()
-    assert seq_id in handover.released
     fresh = make_scheduler(max_num_seqs=2)
-    fresh.take_over(handover)
+    fresh.resume(old.ledger)
     batch = fresh.schedule()
     assert batch is not None and seq_id in batch.released
-    # Once a batch's tokens are back, what it released is no longer handed over.
+    # Once a batch's tokens are back, what it released is no longer owed.
     delivered = make_scheduler(max_num_seqs=2)
     first = finish_one_then_queue_another(delivered)
     step(delivered)
-    assert first not in delivered.hand_over().released
+    again = make_scheduler(max_num_seqs=2)
+    again.resume(delivered.ledger)
+    batch = again.schedule()
+    assert batch is None or first not in batch.released
 
 
 def test_choice_events_start_before_the_batch_and_end_only_unseen_finishes() -> None:

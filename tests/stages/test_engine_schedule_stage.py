@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry
 from flowllm.config import EngineConfig
 from flowllm.messages import SamplingParams, TokenizedRequest
 from flowllm.metrics import EngineMetrics
-from flowllm.stages.schedule import EARLY_ABORTS_KEPT, Schedule, ScheduleParams
+from flowllm.scheduling.ledger import EARLY_ABORTS_KEPT
+from flowllm.stages.schedule import Schedule, ScheduleParams
 
 
 def make_stage() -> Schedule:
@@ -52,12 +53,13 @@ def test_abort_of_a_running_request_frees_it_and_is_not_remembered() -> None:
     anyio.run(stage._add, request("r"), None)
     stage._abort("r")
     assert not stage.scheduler.has_unfinished()
-    assert "r" not in stage._early_aborts
+    assert not stage.scheduler.ledger.take_early_abort("r")
 
 
 def test_remembered_early_aborts_are_bounded() -> None:
     stage = make_stage()
     for i in range(EARLY_ABORTS_KEPT + 10):
         stage._abort(f"gone-{i}")
-    assert len(stage._early_aborts) == EARLY_ABORTS_KEPT
-    assert "gone-0" not in stage._early_aborts
+    ledger = stage.scheduler.ledger
+    assert not ledger.take_early_abort("gone-9")  # the oldest ten were forgotten
+    assert all(ledger.take_early_abort(f"gone-{i}") for i in range(10, EARLY_ABORTS_KEPT + 10))
