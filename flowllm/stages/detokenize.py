@@ -44,7 +44,6 @@ class _Choice:
     detokenizer: IncrementalDetokenizer
     num_prompt_tokens: int
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    num_output_tokens: int = 0
     sent_first: bool = False
 
 
@@ -134,7 +133,6 @@ class Detokenize(PerMessageStage):
             choice = choices.get(token.seq_id)
             if choice is None:  # not started here, ended, or tokens sampled past its end
                 continue
-            choice.num_output_tokens += 1
             finish = token.finish_reason
             stop_reason: str | int | None = token.stop_reason
             detokenizer = choice.detokenizer
@@ -160,7 +158,7 @@ class Detokenize(PerMessageStage):
                         text=text,
                         token_ids=(token.token_id,),
                         num_prompt_tokens=choice.num_prompt_tokens,
-                        num_output_tokens=choice.num_output_tokens,
+                        num_output_tokens=detokenizer.num_output_tokens,
                     )
                 )
                 continue
@@ -187,7 +185,7 @@ class Detokenize(PerMessageStage):
             finish_reason=finish,
             stop_reason=stop_reason,
             num_prompt_tokens=choice.num_prompt_tokens,
-            num_output_tokens=choice.num_output_tokens,
+            num_output_tokens=choice.detokenizer.num_output_tokens,
         )
         if choice.sent_first:
             return chunk

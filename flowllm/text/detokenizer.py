@@ -298,7 +298,7 @@ class IncrementalDetokenizer:
         self._decoded = context_text  # text of the window already read
         self._held = ""  # read text held back because a stop string may begin there
         self._pieces: list[str] = []  # emitted deltas
-        self._num_output_tokens = 0
+        self.num_output_tokens = 0  # tokens fed so far (read only outside)
         self._stop_string: str | None = None
         self._done = False
 
@@ -306,10 +306,6 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """All text emitted so far."""
         return "".join(self._pieces)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self._num_output_tokens
 
     @property
     def stop_string(self) -> str | None:
@@ -332,7 +328,7 @@ class IncrementalDetokenizer:
         if self._done:
             return DetokenizerStep("")
         ids = list(new_token_ids)
-        self._num_output_tokens += len(ids)
+        self.num_output_tokens += len(ids)
         if stop_terminated and ids and not self._include_stop:
             ids.pop()
         if not ids:
@@ -349,7 +345,7 @@ class IncrementalDetokenizer:
         """`step([token_id])`: the one-token-per-step case, without the list handling."""
         if self._done:
             return _NO_TEXT
-        self._num_output_tokens += 1
+        self.num_output_tokens += 1
         if stop_terminated and not self._include_stop:
             return _NO_TEXT
         if self._stream is not None:
@@ -367,7 +363,7 @@ class IncrementalDetokenizer:
             return None
         text = texts[token_id]
         if text is not None:
-            self._num_output_tokens += 1
+            self.num_output_tokens += 1
             self._pieces.append(text)
         return text
 
