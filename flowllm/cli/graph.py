@@ -10,7 +10,7 @@ from flowllm.engine.async_engine import DEFAULT_GRAPH
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.render import render_mermaid, render_text
 from flowllm.graph.spec import GraphSpec
-from flowllm.graph.validator import ValidGraph
+from flowllm.graph.validator import ValidGraph, validate_graph
 
 
 def validate_command(path: str | Path, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -49,7 +49,7 @@ def show_command(
 
 def _load(path: str | Path, err: TextIO) -> ValidGraph | None:
     try:
-        return GraphSpec.load(path).validate()
+        return validate_graph(GraphSpec.load(path))
     except GraphValidationError as exc:
         print(exc, file=err)
         return None

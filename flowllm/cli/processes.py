@@ -36,7 +36,7 @@ from flowllm.engine.core import EXIT_INVALID_GRAPH, CoreSpec, placement_of, star
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.spec import GraphSpec
 from flowllm.graph.supervision import RestartIntensity, parse_supervision
-from flowllm.graph.validator import ValidGraph
+from flowllm.graph.validator import ValidGraph, validate_graph
 
 EXIT_ENGINE_FAILED = 70  # as a single-process server's escalation (flowllm/server.py)
 FRONT_STOP_GRACE_S = 5.0  # past the shutdown timeout, before a front is killed
@@ -68,9 +68,9 @@ def step_loop_intensity(graph: GraphSpec, core: str) -> RestartIntensity:
         try:
             settings = parse_supervision(stage.supervision)
         except ValueError:  # the validation says what is wrong
-            return _validated_intensity(graph.validate(), core)
+            return _validated_intensity(validate_graph(graph), core)
         if settings.on_error is None:
-            return _validated_intensity(graph.validate(), core)
+            return _validated_intensity(validate_graph(graph), core)
         if settings.on_error == "restart":
             return RestartIntensity(settings.max_restarts, settings.within_s)
     return RestartIntensity(5, 60.0)
@@ -140,7 +140,7 @@ class Supervisor:
         if exitcode != EXIT_INVALID_GRAPH:
             return False
         try:
-            self.graph.validate()
+            validate_graph(self.graph)
         except GraphValidationError as e:
             print(f"error: {e}", file=sys.stderr)
             return True

@@ -178,6 +178,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from flowllm.engine.args import config_from_args
     from flowllm.engine.core import placement_of
     from flowllm.graph.spec import GraphSpec
+    from flowllm.graph.validator import validate_graph
     from flowllm.models.draft import check_draft
     from flowllm.models.load_errors import ModelLoadError
 
@@ -192,7 +193,7 @@ def serve_command(args: argparse.Namespace) -> int:
         # a bad graph fails before the model
         spec = GraphSpec.load(args.graph or graph_for_task(task, config.speculative is not None))
         if spec.problems:
-            spec.validate()  # raises, naming every problem (its stages' too)
+            validate_graph(spec)  # raises, naming every problem (its stages' too)
         # A recording runs the graph in one process: a trace's entries and spans are
         # matched by the identity of the messages they saw (traces/README.md).
         placed = bool(spec.placement) and not getattr(args, "trace_dir", None)
@@ -208,7 +209,7 @@ def serve_command(args: argparse.Namespace) -> int:
                 "--api-server-count needs a graph placed in a front and a core process "
                 "(stages with process:, as the default graph), and no --trace-dir"
             )
-        graph = None if placed else spec.validate()  # one process imports the stages anyway
+        graph = None if placed else validate_graph(spec)  # one process imports the stages anyway
     except (ServeError, ConfigError, GraphValidationError, ModelLoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -79,7 +79,7 @@ class AsyncEngine:
             )
             services.guided = has_guide(runtime.spec)
             for sink in span_sinks:
-                runtime.add_span_sink(sink)
+                runtime.span_sinks.add(sink)
             if recorder is None:
                 async with runtime.serve(stop_timeout) as running:
                     yield cls(running, services)

@@ -205,7 +205,7 @@ class Core:
         )
         self._span_wanted: set[int] = set()  # fronts whose span sinks want the core's spans
         self.spans = SpanRelay(self._send_spans)
-        self.graph.add_span_sink(self.spans)
+        self.graph.span_sinks.add(self.spans)
         self._stop = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None  # serve's, while it runs
         # the core's metrics queries to fronts: id -> (the replies, how many, all in)

@@ -209,7 +209,7 @@ class CoreLink:
         elif isinstance(message, Spans):
             if self.graph is not None:
                 for span in message.spans:
-                    self.graph.relay_span(
+                    self.graph.span_sinks.relay(
                         span.stage, decode_span(span), span.started, span.duration, span.queue_wait
                     )
         elif isinstance(message, GrammarChecked):

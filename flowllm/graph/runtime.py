@@ -14,10 +14,8 @@ its last producer task has ended, so the end of input flows down the graph and t
 finishes when every stage has returned.
 
 Placement. A graph whose stages name processes runs one `Graph` per process, each built
-with `process=` (its own stages only) and a `Boundary` (flowllm/graph/remote.py): a
-channel whose consumer runs elsewhere is a `RemoteChannel` here, and one fed from
-elsewhere is a local channel the boundary's peers also send into. Without `process=`
-the whole graph runs here, placed or not.
+with `process=` and a `Boundary`; which stages and channels it holds, and how they cross to
+the other processes, is its `placement` (flowllm/graph/placement.py).
 
 Graceful stop. `stop(timeout)` sets every context's `stop_requested` event and calls each
 stage's `stop_intake()` (source stages stop taking work and return), waits up to `timeout`
@@ -31,7 +29,6 @@ import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
 import structlog
@@ -41,12 +38,13 @@ from structlog.typing import FilteringBoundLogger
 
 from flowllm.graph.channel import Channel
 from flowllm.graph.metrics import GraphMetrics
-from flowllm.graph.remote import Boundary, RemoteChannel
-from flowllm.graph.spans import SpanRecorder, SpanSink
+from flowllm.graph.placement import Placement
+from flowllm.graph.remote import Boundary
+from flowllm.graph.spans import SpanRecorder, SpanSinks
 from flowllm.graph.spec import GraphSpec, PortRef
 from flowllm.graph.stage import CountsSequences, FailRequest, Outbox, Stage, StageContext
 from flowllm.graph.supervisor import Child, StageFailure, Supervisor
-from flowllm.graph.validator import ChannelSpec, ValidGraph, load_graph
+from flowllm.graph.validator import ValidGraph, load_graph, validate_graph
 from flowllm.logging_config import configure_logging
 
 
@@ -66,7 +64,9 @@ class Graph:
     `CollectorRegistry` by default), exposed as `graph.registry`. `spans=False` turns
     per-message spans off; `span_events` forces span log events on or off (default: on
     when the logger is enabled for DEBUG). `fail_request(error)` answers one request
-    directly, for stages that fail a request and have no `errors` port.
+    directly, for stages that fail a request and have no `errors` port. `graph.span_sinks`
+    are the sinks handed every span (flowllm/graph/spans.py); `on_span_sinks` is told as the
+    first comes or the last goes.
     """
 
     def __init__(
@@ -88,7 +88,7 @@ class Graph:
         if isinstance(graph, (str, Path)):
             graph = load_graph(graph)
         elif isinstance(graph, GraphSpec):
-            graph = graph.validate()
+            graph = validate_graph(graph)
         self.spec = graph
         self.services = services
         self.metrics = GraphMetrics(registry)
@@ -100,7 +100,7 @@ class Graph:
         self._spans = spans
         self._span_events = span_events
         self._fail_request = fail_request
-        self._span_sinks: list[SpanSink] = []
+        self.span_sinks = SpanSinks(on_span_sinks)
         self._started = False
         self._finished = False
         self._stopping = False
@@ -108,34 +108,17 @@ class Graph:
         self._done: anyio.Event | None = None
         self._stop_requested: anyio.Event | None = None
 
-        self.process = process if graph.placement else None
         # Run once a graceful stop has stopped intake, before the graph drains: a front
         # waits there for its requests, then ends what its core feeds it.
         self._on_stop = on_stop
-        # Told whether the graph has span sinks, as the first comes or the last goes: a
-        # front asks its core for the core's spans only while they are read.
-        self._on_span_sinks = on_span_sinks
-        self._boundary = boundary
-        self.channels: dict[str, Channel[Any] | RemoteChannel] = {}
-        self._fed_from_afar: list[tuple[ChannelSpec, Channel[Any]]] = []
-        for spec in graph.channels.values():
-            channel: Channel[Any] | RemoteChannel
-            if self.runs_here(spec.dst.stage):
-                channel = Channel(spec.name, spec.message_type, spec.capacity)
-                if not all(self.runs_here(p.stage) for p in spec.producers):
-                    self._fed_from_afar.append((spec, channel))
-            elif any(self.runs_here(p.stage) for p in spec.producers):
-                channel = self._require_boundary(spec).outbound(
-                    spec, graph.placement[spec.dst.stage]
-                )
-            else:
-                continue
-            self.channels[spec.name] = channel
+        self.placement = Placement(graph, process, boundary)
+        self.channels = self.placement.channels()
+        for channel in self.channels.values():
             self.metrics.watch_channel(channel)
 
         self._children: list[Child] = []
         for bound in graph.stages.values():
-            if not self.runs_here(bound.name):
+            if not self.placement.runs_here(bound.name):
                 continue
             for replica in range(bound.spec.replicas):
                 stage = self._build(bound.name)
@@ -153,18 +136,6 @@ class Graph:
             fail_request=fail_request,
             fail_inflight_timeout=fail_inflight_timeout,
         )
-
-    def runs_here(self, stage: str) -> bool:
-        """Whether `stage` runs in this process (every stage does in an unplaced run)."""
-        return self.process is None or self.spec.placement[stage] == self.process
-
-    def _require_boundary(self, spec: ChannelSpec) -> Boundary:
-        if self._boundary is None:
-            raise GraphBuildError(
-                f"channel {spec.name!r} crosses processes, and process {self.process!r} was "
-                "given no boundary to carry it"
-            )
-        return self._boundary
 
     def _live_sequences(self, name: str) -> int:
         """The live sequences of a stage's replicas (its current instances, after restarts)."""
@@ -230,33 +201,6 @@ class Graph:
         if not replicas:
             raise KeyError(f"graph {self.name!r} has no stage {name!r}")
         return replicas
-
-    def add_span_sink(self, sink: SpanSink) -> None:
-        """Also hand every span to `sink` (a trace recorder, a page's request timelines).
-
-        Added before `run()`, it sees every span; added later, the spans from then on.
-        """
-        self._span_sinks.append(sink)
-        if len(self._span_sinks) == 1 and self._on_span_sinks is not None:
-            self._on_span_sinks(True)
-
-    def remove_span_sink(self, sink: SpanSink) -> None:
-        """Stop handing spans to `sink` (an observer that left): no cost remains."""
-        self._span_sinks.remove(sink)
-        if not self._span_sinks and self._on_span_sinks is not None:
-            self._on_span_sinks(False)
-
-    @property
-    def has_span_sinks(self) -> bool:
-        return bool(self._span_sinks)
-
-    def relay_span(
-        self, stage: str, message: object, started: float, duration: float, queue_wait: float
-    ) -> None:
-        """Hand this graph's sinks a span its other process recorded (clocks agree: both
-        read the machine's monotonic clock)."""
-        for sink in self._span_sinks:
-            sink(stage, message, started, duration, queue_wait)
 
     @asynccontextmanager
     async def serve(self, stop_timeout: float = 10.0) -> AsyncIterator[Graph]:
@@ -375,14 +319,12 @@ class Graph:
                     self.metrics,
                     enabled=self._spans,
                     events=self._span_events,
-                    sinks=self._span_sinks,  # shared: sinks may come and go
+                    sinks=self.span_sinks,  # shared: sinks may come and go
                 ),
                 stop_requested=self._stop_requested,
             )
             child.stage.bind(child.ctx)
-        for fed, local in self._fed_from_afar:
-            far = {self.spec.placement[p.stage] for p in fed.producers} - {self.process}
-            self._require_boundary(fed).inbound(fed, local, sorted(far))
+        self.placement.feed_from_afar(self.channels)
         for channel in self.channels.values():
             channel.close()
 

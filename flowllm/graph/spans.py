@@ -1,5 +1,5 @@
 """One span per message a stage handles: its duration and queue wait into the graph's
-metrics, and a structlog `debug` event.
+metrics, a structlog `debug` event, and a call to each of the graph's span sinks.
 
 Spans are cheap by construction: two `perf_counter()` calls, two histogram updates,
 and a structlog `debug` event that the filtering logger drops for nothing unless the level
@@ -9,7 +9,7 @@ is DEBUG (`FLOWLLM_LOG_LEVEL=debug`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator
 from time import perf_counter
 from typing import TypedDict
 
@@ -58,6 +58,52 @@ SpanSink = Callable[[str, object, float, float, float], None]
 recorder); must be cheap and never block."""
 
 
+class SpanSinks:
+    """The sinks a graph hands every span to (a trace recorder, a page's request timelines,
+    OpenTelemetry export); they may come and go while the graph runs.
+
+    Each stage's `SpanRecorder` reads this collection live, so a sink added before the graph
+    runs sees every span, and one added later the spans from then on. `on_change(active)` is
+    told as the first sink comes (True) or the last goes (False): a front asks its core for
+    the core's spans only while they are read.
+    """
+
+    __slots__ = ("_on_change", "_sinks")
+
+    def __init__(self, on_change: Callable[[bool], None] | None = None) -> None:
+        self._sinks: list[SpanSink] = []
+        self._on_change = on_change
+
+    def add(self, sink: SpanSink) -> None:
+        """Also hand every span to `sink`."""
+        self._sinks.append(sink)
+        if len(self._sinks) == 1 and self._on_change is not None:
+            self._on_change(True)
+
+    def remove(self, sink: SpanSink) -> None:
+        """Stop handing spans to `sink` (an observer that left): no cost remains."""
+        self._sinks.remove(sink)
+        if not self._sinks and self._on_change is not None:
+            self._on_change(False)
+
+    def relay(
+        self, stage: str, message: object, started: float, duration: float, queue_wait: float
+    ) -> None:
+        """Hand the sinks a span the graph's other process recorded (clocks agree: both
+        read the machine's monotonic clock)."""
+        for sink in self._sinks:
+            sink(stage, message, started, duration, queue_wait)
+
+    def __iter__(self) -> Iterator[SpanSink]:
+        return iter(self._sinks)
+
+    def __len__(self) -> int:
+        return len(self._sinks)
+
+    def __contains__(self, sink: object) -> bool:
+        return sink in self._sinks
+
+
 class InputClosed:
     """Handed to span sinks as the "message" when a stage sees one of its inputs end (the
     order of ends among messages decides what a multi-input stage such as schedule does)."""
@@ -81,7 +127,7 @@ class SpanRecorder:
         *,
         enabled: bool = True,
         events: bool | None = None,
-        sinks: Sequence[SpanSink] = (),
+        sinks: Collection[SpanSink] = (),  # read live: a graph's `SpanSinks`
     ) -> None:
         self.stage = stage
         self._sinks = sinks

@@ -1,5 +1,5 @@
 """A graph file as written: its YAML read into a `GraphSpec`, every malformed entry
-reported as a problem with its line (validator.py then binds and checks it).
+reported as a problem with its line (`validate_graph` in validator.py then binds and checks it).
 
 The schema (docs/stages.md, "The graph file"):
 
@@ -30,14 +30,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
 from flowllm.graph.problems import GraphValidationError, Problem, suggest
-
-if TYPE_CHECKING:
-    from flowllm.graph.validator import ValidGraph
 
 _Item = TypeVar("_Item")
 
@@ -135,12 +132,6 @@ class GraphSpec:
         finally:
             loader.dispose()
         return _Reader(source, base).read(data, node)
-
-    def validate(self) -> ValidGraph:
-        """Resolve classes and params and check the wiring; raises with every problem."""
-        from flowllm.graph.validator import validate_graph  # validator.py builds on this module
-
-        return validate_graph(self)
 
 
 class _Reader:

@@ -18,7 +18,7 @@ import yaml
 
 from flowllm.config import EngineConfig
 from flowllm.graph.spec import GraphSpec
-from flowllm.graph.validator import ValidGraph
+from flowllm.graph.validator import ValidGraph, validate_graph
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -74,7 +74,7 @@ class Manifest(msgspec.Struct, kw_only=True):
     description: str = ""
 
     def graph(self) -> ValidGraph:
-        return GraphSpec.from_yaml(self.graph_yaml, source="<trace manifest>").validate()
+        return validate_graph(GraphSpec.from_yaml(self.graph_yaml, source="<trace manifest>"))
 
 
 def graph_yaml(graph: ValidGraph) -> str:

@@ -132,7 +132,7 @@ class TraceRecorder:
             (self.trace_dir / self._infos[-1].file).write_bytes(b"")  # present even if unused
             graph.channels[name].add_tap(self._tap(index))
         if self.spans:
-            graph.add_span_sink(self._span)
+            graph.span_sinks.add(self._span)
         self._manifest = self._base_manifest(graph, services)
         write_manifest(self.trace_dir, self._manifest)  # rewritten with counts on close
         self._thread = threading.Thread(target=self._write_loop, name="trace-writer", daemon=True)

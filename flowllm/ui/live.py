@@ -176,13 +176,13 @@ class LiveFeed:
             raise FeedFull(f"at most {self.max_subscribers} live views may be open at once")
         self.subscribers += 1
         if self.subscribers == 1:
-            self.graph.add_span_sink(self.timelines)
+            self.graph.span_sinks.add(self.timelines)
         try:
             yield
         finally:
             self.subscribers -= 1
             if self.subscribers == 0:
-                self.graph.remove_span_sink(self.timelines)
+                self.graph.span_sinks.remove(self.timelines)
                 self._last = None  # rates restart from the next subscriber's first look
 
     # -- snapshots ------------------------------------------------------------------------
@@ -207,7 +207,7 @@ class LiveFeed:
         stages: dict[str, Any] = {}
         for name, bound in graph.spec.stages.items():
             group = bound.supervision.group
-            if graph.runs_here(name):
+            if graph.placement.runs_here(name):
                 series = durations.labels(name)
                 counts, busy_s = list(series.counts), series.sum
                 errors = _value(metrics.stage_errors, stage=name)

@@ -18,6 +18,7 @@ from flowllm.cli.processes import _validated_intensity, step_loop_intensity
 from flowllm.engine import DEFAULT_GRAPH
 from flowllm.engine.core import placement_of
 from flowllm.graph.spec import GraphSpec
+from flowllm.graph.validator import validate_graph
 
 REPO = Path(__file__).resolve().parents[2]
 SUPERVISOR_IMPORTS = """
@@ -109,7 +110,7 @@ def test_the_step_loops_intensity_is_the_validated_graphs(
     spec = GraphSpec.load(graph)
     core = placement_of(spec)[1]
     read = step_loop_intensity(spec, core)
-    validated = _validated_intensity(spec.validate(), core)
+    validated = _validated_intensity(validate_graph(spec), core)
     assert (read.max_restarts, read.within_s) == (validated.max_restarts, validated.within_s)
     if edits and "max_restarts: 1" in edits[0][1]:
         assert (read.max_restarts, read.within_s) == (1, 9.0)

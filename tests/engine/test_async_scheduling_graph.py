@@ -14,6 +14,7 @@ from flowllm import LLM
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.spec import GraphSpec
 from flowllm.graph.stage import NoParams
+from flowllm.graph.validator import validate_graph
 from flowllm.messages import PLACEHOLDER_TOKEN, ScheduledSeq, StepBatch
 from flowllm.stages.execute import Execute, MissingSampledIdsError
 
@@ -22,7 +23,7 @@ IDS_EDGE = "  - {from: sample.ids, to: execute.sampled, capacity: 2}\n"
 
 
 def validate(text: str) -> None:
-    GraphSpec.from_yaml(text, source="g.yaml", base_dir=ASYNC_GRAPH.parent).validate()
+    validate_graph(GraphSpec.from_yaml(text, source="g.yaml", base_dir=ASYNC_GRAPH.parent))
 
 
 def test_the_ids_channel_needs_the_step_loops_credit_bound() -> None:

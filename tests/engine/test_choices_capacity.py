@@ -13,14 +13,14 @@ from server_process import DEFAULT_GRAPH, REPO
 from flowllm.cli.graph import validate_command
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.spec import GraphSpec
-from flowllm.graph.validator import ValidGraph, load_graph
+from flowllm.graph.validator import ValidGraph, load_graph, validate_graph
 
 SHIPPED = [DEFAULT_GRAPH, *sorted((REPO / "examples" / "graphs").glob("*.yaml"))]
 CHOICES_EDGE = "{from: schedule.choices, to: detokenize.choices, capacity: 64}"
 
 
 def validate(text: str, source: str = "g.yaml") -> ValidGraph:
-    return GraphSpec.from_yaml(text, source=source, base_dir=DEFAULT_GRAPH.parent).validate()
+    return validate_graph(GraphSpec.from_yaml(text, source=source, base_dir=DEFAULT_GRAPH.parent))
 
 
 def with_choices(capacity: int) -> str:

@@ -32,6 +32,7 @@ from flowllm.engine import SPECULATIVE_GRAPH
 from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.loading import build_services
 from flowllm.graph.spec import GraphSpec
+from flowllm.graph.validator import validate_graph
 from flowllm.llm import RequestOutput
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import GenerateRequest, StructuredOutputs
@@ -292,7 +293,7 @@ def test_preemption_and_an_abort_mid_run_leave_no_draft_block(services: EngineSe
 
     async def main() -> None:
         async with AsyncEngine.start(
-            graph=GraphSpec.load(SPECULATIVE_GRAPH).validate(), services=services.fresh()
+            graph=validate_graph(GraphSpec.load(SPECULATIVE_GRAPH)), services=services.fresh()
         ) as engine:
             boxes = [engine.submit(request(services, f"r{i}", p, 40)) for i, p in enumerate(batch)]
             victim = engine.submit(request(services, "victim", prompts(7, 1)[0], 300))
@@ -318,7 +319,7 @@ def test_a_restart_of_the_step_loop_rebuilds_the_drafts_state(services: EngineSe
     batch = prompts(8, 4)
     want = default_tokens(services, batch, 30)
     text = fault_graph("propose", base=SPECULATIVE_GRAPH)
-    valid = GraphSpec.from_yaml(text, source="<faults>", base_dir=HERE).validate()
+    valid = validate_graph(GraphSpec.from_yaml(text, source="<faults>", base_dir=HERE))
     FAULTS["propose"] = Fault(at=4)
 
     async def main() -> None:

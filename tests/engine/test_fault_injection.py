@@ -22,7 +22,7 @@ from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.loading import build_services
 from flowllm.graph.spec import GraphSpec
-from flowllm.graph.validator import ValidGraph
+from flowllm.graph.validator import ValidGraph, validate_graph
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import GenerateRequest, SamplingParams
 from flowllm.stages.services import EngineServices
@@ -51,7 +51,7 @@ def no_faults() -> Iterator[None]:
 
 def graph(stage: str, **options: Any) -> ValidGraph:
     text = fault_graph(stage, **options)
-    return GraphSpec.from_yaml(text, source="<faults>", base_dir=HERE).validate()
+    return validate_graph(GraphSpec.from_yaml(text, source="<faults>", base_dir=HERE))
 
 
 async def tokens_of(box: Mailbox) -> list[int]:

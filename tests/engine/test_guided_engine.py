@@ -16,7 +16,7 @@ from flowllm.config import engine_config
 from flowllm.engine.async_engine import AsyncEngine
 from flowllm.engine.loading import build_services
 from flowllm.graph.spec import GraphSpec
-from flowllm.graph.validator import ValidGraph
+from flowllm.graph.validator import ValidGraph, validate_graph
 from flowllm.mailbox import Mailbox, RequestFailed
 from flowllm.messages import (
     Chunk,
@@ -127,7 +127,7 @@ def without_guide() -> ValidGraph:
     at = next(i for i, line in enumerate(lines) if "flowllm.stages.guide" in line)
     del lines[at : at + 2]
     kept = [line for line in lines if "guide.in" not in line and "guide.out" not in line]
-    return GraphSpec.from_yaml("\n".join(kept) + "\n", source="<no guide>").validate()
+    return validate_graph(GraphSpec.from_yaml("\n".join(kept) + "\n", source="<no guide>"))
 
 
 def test_a_graph_without_guide_refuses_constraints_and_serves_the_rest(

@@ -214,7 +214,8 @@ def test_audit_buffer_bound_waits_for_the_writer(tmp_path: Path) -> None:
 def test_audit_params_are_checked() -> None:
     from flowllm.graph.problems import GraphValidationError
     from flowllm.graph.spec import GraphSpec
+    from flowllm.graph.validator import validate_graph
 
     text = AUDIT_YAML.read_text().replace("with: {path: audit.jsonl}", "with: {}")
     with pytest.raises(GraphValidationError, match=r"missing required param 'path' \(str\)"):
-        GraphSpec.from_yaml(text, base_dir=AUDIT_YAML.parent).validate()
+        validate_graph(GraphSpec.from_yaml(text, base_dir=AUDIT_YAML.parent))

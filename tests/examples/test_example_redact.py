@@ -23,6 +23,7 @@ from server_process import ServerProcess
 
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.spec import GraphSpec
+from flowllm.graph.validator import validate_graph
 from flowllm.messages import Chunk, TextDeltas
 
 REDACT_YAML = EXAMPLES / "graphs" / "redact.yaml"
@@ -106,12 +107,12 @@ def test_any_chunking_gives_the_whole_text_masked(
 def test_bad_params_are_refused_by_the_validator() -> None:
     text = REDACT_YAML.read_text().replace("[secret, password, swordfish]", "[secret, pass word]")
     with pytest.raises(GraphValidationError) as info:
-        GraphSpec.from_yaml(text, base_dir=REDACT_YAML.parent).validate()
+        validate_graph(GraphSpec.from_yaml(text, base_dir=REDACT_YAML.parent))
     message = str(info.value)
     assert "stage 'redact' (Redact)" in message and "'pass word'" in message
     text = REDACT_YAML.read_text().replace("words: [secret, password, swordfish]", "")
     with pytest.raises(GraphValidationError, match=r"missing required param 'words'"):
-        GraphSpec.from_yaml(text, base_dir=REDACT_YAML.parent).validate()
+        validate_graph(GraphSpec.from_yaml(text, base_dir=REDACT_YAML.parent))
 
 
 # -- the stage: chunk structure, per-choice state, requests that leave early ---------------

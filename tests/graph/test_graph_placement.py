@@ -20,14 +20,14 @@ from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.remote import Boundary, Peer, PeerGone
 from flowllm.graph.runtime import Graph
 from flowllm.graph.spec import GraphSpec
-from flowllm.graph.validator import ValidGraph
+from flowllm.graph.validator import ValidGraph, validate_graph
 from flowllm.graph.wire import channel_codecs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def placed(text: str) -> ValidGraph:
-    return GraphSpec.from_yaml(text, source="<test>", base_dir=FIXTURES).validate()
+    return validate_graph(GraphSpec.from_yaml(text, source="<test>", base_dir=FIXTURES))
 
 
 PIPELINE = """
@@ -175,7 +175,7 @@ def test_a_tensor_message_cannot_cross_processes() -> None:
     text = (Path(__file__).parents[2] / "flowllm/engine/default.yaml").read_text()
     text = text.replace("{name: sample,     process: core,", "{name: sample,     process: other,")
     with pytest.raises(GraphValidationError) as info:
-        GraphSpec.from_yaml(text, source="<test>").validate()
+        validate_graph(GraphSpec.from_yaml(text, source="<test>"))
     message = str(info.value)
     assert "edge execute.out -> sample.in crosses from process 'core' to 'other'" in message
     assert "StepLogits.logits" in message and "typed Any" in message
@@ -189,4 +189,4 @@ def test_a_per_step_channel_across_processes_is_sized_for_both_sides() -> None:
         "{from: schedule.choices, to: detokenize.choices, capacity: 8}",
     )
     with pytest.raises(GraphValidationError, match="holds 16 across processes, below the 18"):
-        GraphSpec.from_yaml(text, source="<test>").validate()
+        validate_graph(GraphSpec.from_yaml(text, source="<test>"))

@@ -410,9 +410,9 @@ def test_span_sinks_can_come_and_go_while_the_graph_runs() -> None:
                         await anyio.sleep(0.001)
 
             await send(0)
-            graph.add_span_sink(sink)
+            graph.span_sinks.add(sink)
             await send(1)
-            graph.remove_span_sink(sink)
+            graph.span_sinks.remove(sink)
             await send(2)
 
     anyio.run(main)

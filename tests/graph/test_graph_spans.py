@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from flowllm.graph.metrics import DURATION_BUCKETS, GraphMetrics, LabelledHistogram
 from flowllm.graph.runtime import Graph
-from flowllm.graph.spans import message_fields
+from flowllm.graph.spans import SpanSinks, message_fields
 from flowllm.graph.spec import GraphSpec
 from flowllm.logging_config import configure_logging
 from flowllm.messages import Chunk, StepBatch, TextDeltas, ValidRequest
@@ -218,3 +218,26 @@ def test_configure_logging_json_and_console() -> None:
             configure_logging(fmt="xml", force=True)
     finally:
         structlog.reset_defaults()
+
+
+def test_span_sinks_tell_their_owner_as_the_first_comes_and_the_last_goes() -> None:
+    told: list[bool] = []
+    sinks = SpanSinks(told.append)
+    seen: list[tuple[str, str, object]] = []
+
+    def first(stage: str, message: object, started: float, duration: float, wait: float) -> None:
+        seen.append(("first", stage, message))
+
+    def second(stage: str, message: object, started: float, duration: float, wait: float) -> None:
+        seen.append(("second", stage, message))
+
+    assert not sinks
+    sinks.add(first)
+    sinks.add(second)
+    assert told == [True] and list(sinks) == [first, second]
+    sinks.relay("execute", "m", 0.0, 0.1, 0.0)  # a span from the graph's other process
+    assert seen == [("first", "execute", "m"), ("second", "execute", "m")]
+    sinks.remove(first)
+    assert told == [True] and first not in sinks and len(sinks) == 1
+    sinks.remove(second)
+    assert told == [True, False] and not sinks

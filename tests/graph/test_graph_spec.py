@@ -9,7 +9,7 @@ from graph_toys import Collect, Count, Item, Loop
 
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.spec import DEFAULT_CAPACITY, GraphSpec, PortRef
-from flowllm.graph.validator import load_graph
+from flowllm.graph.validator import load_graph, validate_graph
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -22,7 +22,7 @@ def problems_of(name: str) -> list[str]:
 
 def problems_in(text: str) -> list[str]:
     with pytest.raises(GraphValidationError) as info:
-        GraphSpec.from_yaml(text, source="g.yaml", base_dir=FIXTURES).validate()
+        validate_graph(GraphSpec.from_yaml(text, source="g.yaml", base_dir=FIXTURES))
     return [str(p) for p in info.value.problems]
 
 
@@ -188,9 +188,11 @@ def test_a_per_step_channel_needs_its_consumers_loop_intake_plus_the_credit_boun
 def test_a_per_step_channel_off_every_cycle_needs_only_room_for_one() -> None:
     text = PER_STEP.replace("notes.notes, capacity: 6", "notes.notes, capacity: 1")
     assert problems_in(text)  # on the cycle through loop.finishes
-    graph = GraphSpec.from_yaml(
-        text.replace("to: loop.finishes", "to: sink.in"), source="g.yaml", base_dir=FIXTURES
-    ).validate()
+    graph = validate_graph(
+        GraphSpec.from_yaml(
+            text.replace("to: loop.finishes", "to: sink.in"), source="g.yaml", base_dir=FIXTURES
+        )
+    )
     assert graph.channels["notes.notes"].capacity == 1
 
 
