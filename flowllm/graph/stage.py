@@ -231,13 +231,16 @@ class StageContext:
         sleeps on one event that the channels' send side sets.
         """
         order = ports or self._input_order
+        closed = self._reported_closed
         inboxes = [(port, self.inbox(port)) for port in order]
-        # A checkpoint per call so a stage whose inputs are always ready still yields.
-        await anyio.lowlevel.checkpoint()
+        # One yield per call, so that a stage whose inputs are always ready still lets the
+        # others run: a checkpoint when a message already waits, else the wait below.
+        if any(inbox.ready for port, inbox in inboxes if port not in closed):
+            await anyio.lowlevel.checkpoint()
         while True:
             waiting = False
             for port, inbox in inboxes:
-                if port in self._reported_closed:
+                if port in closed:
                     continue
                 try:
                     message = inbox.receive_nowait()
@@ -245,7 +248,7 @@ class StageContext:
                     waiting = True
                     continue
                 except anyio.EndOfStream:
-                    self._reported_closed.add(port)
+                    closed.add(port)
                     self.spans.input_closed(port)
                     return port, CLOSED
                 self.last_wait = inbox.last_wait
@@ -255,7 +258,7 @@ class StageContext:
             # Nothing buffered: sleep until a send or close on any open port. No await
             # separates the checks above from registering, so no wake-up can be missed.
             event = anyio.Event()
-            live = [inbox for port, inbox in inboxes if port not in self._reported_closed]
+            live = [inbox for port, inbox in inboxes if port not in closed]
             for inbox in live:
                 inbox.add_waiter(event)
             try:
