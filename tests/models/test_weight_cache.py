@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,10 @@ from typing import Any
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from structlog.testing import capture_logs
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-sys.path.insert(0, str(Path(__file__).parents[1]))
 from gguf_fixtures import write_gguf
 from kernel_builds import use_kernel_build
 from model_test_utils import paged_logits
+from structlog.testing import capture_logs
 from test_model_equivalence import llama_reference, qwen_reference
 
 from flowllm.config import BUNDLED_MODEL

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from model_test_utils import paged_logits, reference_logits
 from test_loader_gguf import tokens
 from test_model_equivalence import llama_reference

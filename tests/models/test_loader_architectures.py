@@ -9,15 +9,11 @@ from __future__ import annotations
 import copy
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import SmolLM3Config, SmolLM3ForCausalLM
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from gguf_fixtures import dequantized_like, gemma_for_gguf, moe_for_gguf, write_gguf
 from model_test_utils import paged_logits, reference_logits
 from test_model_equivalence import (
@@ -28,6 +24,7 @@ from test_model_equivalence import (
     phi3_reference,
     smollm3_reference,
 )
+from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
 from flowllm.models import gguf_file
 from flowllm.models.layers import Linear

@@ -8,17 +8,14 @@ from __future__ import annotations
 import copy
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from gguf_fixtures import dequantized_like, write_gguf
 from model_test_utils import paged_logits, reference_logits
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from flowllm.config import BUNDLED_MODEL
 from flowllm.models.bundled import bundled_gguf_path
