@@ -3,12 +3,12 @@
 torch and the native kernels share GNU OpenMP, which gives every thread that runs a
 parallel region on more than one thread a pool of threads of its own, kept for as long as
 that thread lives. Once the pools' threads outnumber the CPUs, it cuts every spin-wait
-short, so each region wakes its threads through the kernel: a small step's parallel
-products take about three times as long (benchmarks/README.md, "One OpenMP pool per
-process"). So the engine keeps one pool: the model's thread sizes its pool to the
-configured threads (`size_pool`), every other thread that runs torch work runs it on one
-(`size_pool(1)` at its start, `one_thread()` around a graph run on an event loop), and the
-model loads in a thread that ends, and its pool with it, once loaded (`in_passing_thread`).
+short, so each region wakes its threads through the kernel, which slows a small step's
+parallel products (benchmarks/README.md, "One OpenMP pool per process", has the figures).
+So the engine keeps one pool: the model's thread sizes its pool to the configured threads
+(`size_pool`), every other thread that runs torch work runs it on one (`size_pool(1)` at
+its start, `one_thread()` around a graph run on an event loop), and the model loads in a
+thread that ends, and its pool with it, once loaded (`in_passing_thread`).
 
 OpenMP keeps the pool size per thread, and torch sets it at a thread's first parallel op
 (to `torch.set_num_threads`' value, where that was called), so `size_pool` lets torch do

@@ -73,7 +73,9 @@ def cors_config(args: argparse.Namespace) -> Any:
         if others:
             raise ServeError(f"{', '.join(others)} needs --allowed-origins (CORS is off)")
         return None
-    from litestar.config.cors import CORSConfig  # litestar is the fronts' (0.3 s of imports)
+    # imported here: litestar is the fronts', and the supervisor checks this flag too
+    # (benchmarks/README.md, "Start-up")
+    from litestar.config.cors import CORSConfig
 
     return CORSConfig(
         allow_origins=origins,

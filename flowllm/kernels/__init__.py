@@ -8,9 +8,9 @@
   from the cache (`flowllm.kernels.cpu_attention`), a prefill chunk's rows each as a decode
   query over the keys up to its own position, and K/V are stored by it too. So a row's
   attention is computed the same way whatever the step holds (decodes, prefill chunks, a
-  recompute after preemption): batch invariance. Per layer, one thread, the kernel took
-  3-10x less time than the reference at decode (benchmarks/README.md, "Where the time
-  goes").
+  recompute after preemption): batch invariance. At decode it reads each K/V row once,
+  where it lies, and so takes less time than the reference, which gathers them first
+  (benchmarks/README.md, "Where the time goes").
 - Otherwise: the torch reference (`flowllm.kernels.reference`), also the oracle of both.
 
 Two functions:

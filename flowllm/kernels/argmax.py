@@ -49,7 +49,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 def blocked_argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=1)` through vectorized torch ops (see the module docstring)."""
     rows, vocab = x.shape
-    if rows * vocab < BLOCKED_FROM or vocab < 2 * _BLOCK:  # ~25 us fixed cost
+    # the blocks' fixed cost outweighs torch's scalar loop on small inputs
+    # (benchmarks/README.md, "Kernel design figures")
+    if rows * vocab < BLOCKED_FROM or vocab < 2 * _BLOCK:
         return x.argmax(dim=1)
     blk = _BLOCK
     nb = vocab // blk

@@ -4,9 +4,9 @@ The kernel reads W in 16-output blocks stored column by column (see `csrc/linear
 a product streams one run of memory, faster than oneDNN's packed products read theirs
 (benchmarks/README.md "Linear step").
 `PackedLinear` packs W [out, in] into that layout once, checks each call's arguments
-(shape, dtype, contiguity, device) and runs the kernel through the library's `call`
-(~0.2 µs): a few µs per product with the checks and the output's allocation (~1 µs),
-against ~15 µs for oneDNN's.
+(shape, dtype, contiguity, device) and runs the kernel through the library's `call`, so a
+product's fixed cost is the checks, the output's allocation and one C call, below
+oneDNN's per-call cost (benchmarks/README.md "Linear step" and "Kernel design figures").
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ layouts (`weight_layout`); one packing serves every row count:
     `torch.ops.mkldnn._linear_pointwise`, the fastest of the oneDNN, MKL and `F.linear`
     products tried.
 Native replaced oneDNN outright for the dtypes it serves: at few rows it reads weights
-faster (one run per 16 outputs, a call of a few µs against oneDNN's ~15 µs before it
-reads a byte), from 16 rows both meet at the core's FMA rate, and no row count favours
-oneDNN, so each weight keeps one copy (benchmarks/README.md "Linear step" has the figures).
+faster (one run per 16 outputs, and a call's fixed cost below oneDNN's before it reads a
+byte), from 16 rows both meet at the core's FMA rate, and no row count favours oneDNN, so
+each weight keeps one copy (benchmarks/README.md "Linear step" has the figures).
 It pads out to a multiple of 16 and (bf16) in to even: +15 rows on GPT-2's 50257-row LM
 head, nothing on the other shapes.
 

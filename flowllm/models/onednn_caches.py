@@ -6,8 +6,8 @@ not serve; also torch's other oneDNN ops) for its exact shapes, and keeps the co
 kernel twice: in oneDNN's process-wide primitive cache and in ideep's cache of the thread
 that ran it, 1,024 entries each by default. A server's steps bring a new row count each
 time the batch or a prefill chunk changes size, and each costs JIT code per linear shape,
-so the process grows by hundreds of MB before either cache evicts, which looks like a leak
-(docs/reliability.md, failure 14).
+so the process grows by a compiled kernel per row count and shape until either cache
+evicts, which looks like a leak (docs/reliability.md, failure 14, has the figures).
 
 `CACHE_ENTRIES` bounds both. A step's products at one row count take one entry per linear
 shape (GPT-2 and Llama have five: QKV, attention output, up or gate-up, down, LM head), so
@@ -18,7 +18,7 @@ oneDNN's, and as much again in ideep's per thread that runs products (the step's
 and packing's threads for the weights' reorders). Few entries also keep the heap compact:
 the kept kernels are long-lived blocks among a step's large temporaries, in the heap that
 `glibc_heap.keep_freed_memory_mapped` never trims, and the more are kept, the more of it they
-hold apart; 64 entries still let the server grow, 16 did not.
+hold apart (docs/reliability.md, failure 14, compares the capacities tried).
 
 Both caches read their capacity from the environment once: oneDNN at the process's first
 primitive, ideep in each thread at that thread's first product. So the bound is set when

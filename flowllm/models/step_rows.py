@@ -27,9 +27,9 @@ import torch
 
 from flowllm.models.layers import Linear
 
-# Candidate row counts: FIRST (a step of fewer rows costs about as much: 3.0 ms against
-# 2.3 for one row, bge-small's 48 bf16 products), its multiples up to COARSE_FROM, then
-# multiples of COARSE_STEP (a step pads by a quarter of its rows at most).
+# Candidate row counts: FIRST (a step of fewer rows costs about as much: benchmarks/
+# README.md, "Embeddings"), its multiples up to COARSE_FROM, then multiples of COARSE_STEP
+# (a step pads by a quarter of its rows at most).
 FIRST = 32
 COARSE_FROM = 1024
 COARSE_STEP = 256

@@ -77,7 +77,8 @@ def load_tokenizer(
             if (path / SOURCE_FILE).is_file():
                 # A directory flowllm converted (bundled.py) names the class it wrote its
                 # tokenizer for; AutoTokenizer would pick the same one, after importing its
-                # tables of every model's tokenizer (0.25 s of each process's start).
+                # tables of every model's tokenizer, a share of each process's start
+                # (benchmarks/README.md, "Start-up").
                 tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
             else:
                 from transformers import AutoTokenizer

@@ -3,18 +3,18 @@ directory converted from the file, so that a warm start maps them instead of rea
 file again.
 
 Why: loading the bundled model from its GGUF file parses the file's metadata (gguf's
-reader walks each of the vocabulary's 49,152 tokens and merges: about 2 s), repacks every
-tensor's blocks into the kernels' code layouts, undoes llama.cpp's Q/K row order, fuses
-q/k/v and gate/up and interleaves each 16 rows (about 1 s more; benchmarks/README.md,
-"Start-up", has the figures). An entry holds the result: each layer's codes, scales and
-offsets as its product reads them, and the model's other parameters (norms, biases). A
-warm load builds the model, points its layers at the entry's mapped bytes (the page cache
-shares them between processes, and the file is read as the model touches it) and copies
-the few parameters.
+reader walks each of the vocabulary's 49,152 tokens and merges, field by field in Python),
+repacks every tensor's blocks into the kernels' code layouts, undoes llama.cpp's Q/K row
+order, fuses q/k/v and gate/up and interleaves each 16 rows, none of which a warm start
+needs to redo (benchmarks/README.md, "Start-up", has the figures). An entry holds the
+result: each layer's codes, scales and offsets as its product reads them, and the model's
+other parameters (norms, biases). A warm load builds the model, points its layers at the
+entry's mapped bytes (the page cache shares them between processes, and the file is read
+as the model touches it) and copies the few parameters.
 
 Key: the source file's name, size and modification time, as the converted directory
 beside the entry is keyed (bundled.py): a file changed behind those would leave that
-directory stale too, and hashing the file's 80 MB would cost about 0.1 s a start; the
+directory stale too, and hashing the whole file would read all of it at every start; the
 kernel build (`NativeLibrary.build_id`, "torch" without the library), a digest of the
 Python modules that decide the layout (repacking, fusing, interleaving), the format, the
 model class and dtype. A change to any of them rebuilds the entry, never loads a layout

@@ -9,8 +9,8 @@ only the stop tokens (the model's EOS) are allowed, so a sequence whose grammar 
 and allows no continuation ends with finish_reason "stop".
 
 xgrammar rather than llguidance: on the bundled SmolLM2 tokenizer it fills a small
-schema's bitmask ~7x faster (benchmarks/README.md, "Grammar engines"), and that cost is
-paid per constrained sequence per step, while a compile is paid once per schema.
+schema's bitmask faster (benchmarks/README.md, "Grammar engines"), and that cost is paid
+per constrained sequence per step, while a compile is paid once per schema.
 """
 
 from __future__ import annotations

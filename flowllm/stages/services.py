@@ -93,13 +93,15 @@ class EngineServices:
 
     def byte_vocab(self) -> ByteVocab | None:
         """The tokenizer's byte table for fast decoding (None: not a byte-level tokenizer).
-        ~0.1 s to build for a 50k vocabulary, so built once for all runs."""
+        Built once for all runs: it walks the whole vocabulary (benchmarks/README.md,
+        "Start-up")."""
         vocab: ByteVocab | None = self.shared("byte_vocab", lambda: ByteVocab.of(self.tokenizer))
         return vocab
 
     def grammars(self) -> Grammars:
-        """The grammar compiler and cache for this tokenizer (~0.15 s to build the
-        tokenizer's tables, so built on first use)."""
+        """The grammar compiler and cache for this tokenizer, built on first use: its
+        tokenizer tables cover the whole vocabulary (benchmarks/README.md, "Grammar
+        engines")."""
         return self.shared(
             "grammars", lambda: Grammars(self.tokenizer, self.logits_size, self.eos_token_ids)
         )

@@ -14,13 +14,13 @@ its result is dropped. The thread runs calls in order, so the next graph run's f
 touch the KV cache before that call is done. The graph runs on anyio's asyncio backend,
 which this relies on.
 
-A hop to the thread and back costs two thread wake-ups, ~0.1 ms each on a VM, which is
-more than a small step's whole work (an instant model's or a replayed GPU step's host
-work; benchmarks/README.md, "Calls that run on the loop"). So a call that names its size
-class (`size`) runs on the caller's thread instead when the last call of that class took
-at most `INLINE_BUDGET_S` and the thread has nothing queued or running: a short call
-blocks the loop for less than the hop would have cost, and never overlaps a call in the
-thread. A class not seen yet, or slower, goes to the thread, so a long step (a real
+A hop to the thread and back costs two thread wake-ups, which can be more than a small
+step's whole work (an instant model's or a replayed GPU step's host work;
+benchmarks/README.md, "Calls that run on the loop", has the figures). So a call that names
+its size class (`size`) runs on the caller's thread instead when the last call of that
+class took at most `INLINE_BUDGET_S` and the thread has nothing queued or running: a short
+call blocks the loop for less than the hop would have cost, and never overlaps a call in
+the thread. A class not seen yet, or slower, goes to the thread, so a long step (a real
 model's on CPU, a prefill) never blocks the loop.
 
 Each thread sizes its OpenMP pool at its start (`pool_threads`): one thread, except for the

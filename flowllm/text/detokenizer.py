@@ -30,9 +30,10 @@ Decoding uses the fast tokenizer's backend directly (what `PreTrainedTokenizerFa
 calls), skipping transformers' per-call overhead. For byte-level BPE tokenizers a window of
 ordinary vocabulary ids is decoded in Python from a table of each id's bytes (`ByteVocab`),
 which gives the backend's text (its ByteLevel decoder maps each token's characters back to
-bytes and decodes them as UTF-8 with U+FFFD for invalid sequences) ~2.5x faster than a call
-into the backend; a window holding an added token goes to the backend. A detokenizer keeps
-its window's bytes as tokens arrive (`ByteDecode`), so a step decodes them directly.
+bytes and decodes them as UTF-8 with U+FFFD for invalid sequences) faster than a call
+into the backend (benchmarks/README.md, "Pipeline overhead"); a window holding an added
+token goes to the backend. A detokenizer keeps its window's bytes as tokens arrive
+(`ByteDecode`), so a step decodes them directly.
 `spaces_between_special_tokens=False` decodes the runs between added tokens separately and
 joins them without the separator some decoders put around added tokens (skipped special
 tokens are dropped first and separate nothing, as vLLM does it); byte-level
