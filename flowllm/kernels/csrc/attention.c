@@ -18,7 +18,7 @@ weighted by the probabilities. A query's result does not depend on its run: ever
 is over the same terms in the same order as for the query alone.
 A sliding window (`window` > 0) starts both walks at the first of the last `window`
 positions: keys before it are never read. (An
-online softmax in one walk measured 5-40% slower: benchmarks/README.md.)
+online softmax in one walk measured slower in every case: benchmarks/README.md.)
 */
 #include <stdint.h>
 #include <stdlib.h>

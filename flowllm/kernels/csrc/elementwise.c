@@ -1,7 +1,7 @@
 /* Fused elementwise ops of a Llama layer: RMSNorm (with the residual add before it), rotary
  * embeddings in place, SiLU(gate) * up; GPT-2's LayerNorm (with its residual add) and tanh
- * GELU. Each replaces 3-6 torch calls of 3-8 us apiece,
- * which at batch 1 cost as much as the layer's attention.
+ * GELU. Each replaces 3-6 small torch calls, whose fixed costs at batch 1 add up to as
+ * much as the layer's attention (benchmarks/README.md, "Kernel design figures").
  *
  * Rounding follows the torch ops they replace, so bf16 results differ from them only
  * where float32 sums are added in another order: every intermediate torch rounds to the

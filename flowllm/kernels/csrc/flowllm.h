@@ -53,7 +53,7 @@ static inline vf vf_silu(vf x) {
 }
 
 /* Run body(i) for i in [0, n): on torch's OpenMP pool when n reaches `parallel_from`,
- * serially otherwise (entering a parallel region costs ~1 us even when it runs alone). */
+ * serially otherwise (entering a parallel region has a fixed cost even when it runs alone). */
 // clang-format off: it would put the _Pragma and the loop on one line
 #define FOR_ROWS(i, n, parallel_from, body)                  \
   do {                                                       \

@@ -32,7 +32,7 @@ Accumulation is fp32 in both; bf16 outputs are rounded to nearest even after the
 #define BLOCK 16        /* outputs per block: one 64-byte fp32 line */
 #define BV (BLOCK / VL) /* vectors per fp32 line */
 #define UNROLL 4        /* weight lines per inner iteration */
-#define PREFETCH 32     /* lines ahead (2 KiB); measured: as fast at one row, ~10% faster at four */
+#define PREFETCH 32     /* lines ahead (2 KiB): helps from a few rows on (benchmarks/README.md) */
 #define MAX_NB 2        /* blocks per pass, at most */
 #if VL == 16
 #define ROWS 8         /* rows of x sharing one pass over a block */

@@ -21,7 +21,8 @@ group's s times the block's x scale; the offsets add m times the block's sum of 
 values (its scale times its codes' sum, llama.cpp's Q8_1 form). So the product is exactly
 W's values against x rounded to 8 bits a block, the error sum w (x rounded - x), bounded by
 sum |w| x (x block scale) / 2. (Adding m times x's exact float sum instead weighs that
-error by the codes s q alone, 0..15 for Q4_1, and reads ~1% more perplexity.) Other groups
+error by the codes s q alone, 0..15 for Q4_1, and reads a higher perplexity:
+benchmarks/README.md, "Kernel design figures".) Other groups
 dequantize to float32 in registers and multiply with x as it is. x, the bias and y are float32, or
 bfloat16 (`bf16`): x widened as it is read, y rounded once.
 
