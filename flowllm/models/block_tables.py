@@ -25,6 +25,12 @@ class BlockTables:
         self._array: np.ndarray[Any, np.dtype[np.int32]] = np.zeros((0, 0), dtype=np.int32)
         self._held: list[tuple[int, ...]] = []  # row i was written from _held[i]
 
+    @property
+    def nbytes(self) -> int:
+        """What the kept array holds: at most twice the most rows a step had, times the
+        widest table's width."""
+        return self._array.nbytes
+
     def update(
         self, tables: Sequence[tuple[int, ...]], lengths: np.ndarray[Any, Any], width: int
     ) -> np.ndarray[Any, np.dtype[np.int32]]:
@@ -33,7 +39,8 @@ class BlockTables:
         n = len(tables)
         array, held = self._array, self._held
         if array.shape[1] != width or array.shape[0] < n:
-            array = np.zeros((max(n, 2 * array.shape[0]), width), dtype=np.int32)
+            capacity = array.shape[0] if n <= array.shape[0] else max(n, 2 * array.shape[0])
+            array = np.zeros((capacity, width), dtype=np.int32)
             self._array, held = array, []
         self._held = []  # until every stale row is written
         stale = [i for i, (t, h) in enumerate(zip(tables, held, strict=False)) if t is not h]

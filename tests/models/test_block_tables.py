@@ -66,3 +66,14 @@ def test_a_new_width_or_more_rows_rebuilds_every_row() -> None:
     update(kept, [*tables, (3, 4, 5)])  # wider and longer
     update(kept, tables)  # narrower again
     update(kept, [])
+
+
+def test_the_kept_array_grows_only_with_the_rows_and_the_width() -> None:
+    """A width that comes and goes (the longest sequence leaving and another growing) must
+    not grow the kept rows: a new width keeps the row count."""
+    kept = BlockTables()
+    short, long = [(1,)] * 8, [(1,)] * 7 + [tuple(range(1, 40))]
+    for _ in range(200):
+        update(kept, short)
+        update(kept, long)
+    assert kept.nbytes <= 2 * 8 * 64 * 4
