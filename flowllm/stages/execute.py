@@ -110,11 +110,18 @@ class Execute(PerMessageStage):
         self._metrics = services.metrics
 
     async def run(self, ctx: StageContext) -> None:
+        try:
+            await self._steps(ctx)
+        finally:
+            self._idle_trim.close()
+
+    async def _steps(self, ctx: StageContext) -> None:
         sampled = ctx.inbox("sampled") if "sampled" in ctx.input_ports else None
+        idle_trim = self._idle_trim
         while True:
             # Ids may come before the batch that reads them: take whichever is first.
             try:
-                port, message = await self._idle_trim.receive(ctx.receive_any)
+                port, message = await ctx.receive_any()
             except anyio.EndOfStream:
                 return
             if message is CLOSED:
@@ -122,13 +129,14 @@ class Execute(PerMessageStage):
             if sampled is not None and port == "sampled":
                 self._keep(message, sampled, ctx)
                 continue
+            idle_trim.stepping()
             with ctx.handling(message):
                 if sampled is None:
                     await self.handle(message, ctx)
                 else:
                     sampled_ids = await self._read_sampled(message, sampled, ctx)
                     await self.execute_step(message, sampled_ids, ctx)
-            self._idle_trim.worked()
+            idle_trim.stepped()
 
     def _trim_heap(self) -> None:
         if glibc_heap.trim():

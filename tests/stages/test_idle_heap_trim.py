@@ -1,8 +1,11 @@
-"""The schedule stage's heap trim fires once per idle period, after the idleness lasted,
-and never while messages keep coming. Driven directly: a stream stands for the stage's
-inputs, a counter for glibc's trim."""
+"""Execute's heap trim fires once per idle period, after the idleness lasted, and never
+while steps keep coming or one is running. Driven directly: `stepping`/`stepped` stand for
+the stage's steps, a counter for glibc's trim (which runs in a thread)."""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -20,65 +23,59 @@ def anyio_backend() -> str:
 class Trims:
     def __init__(self) -> None:
         self.count = 0
-        self.done = anyio.Event()
+        self._lock = threading.Lock()
 
     def __call__(self) -> None:
-        self.count += 1
-        self.done.set()
+        with self._lock:
+            self.count += 1
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await anyio.sleep(0.002)
+
+
+async def step(trigger: IdleHeapTrim, seconds: float = 0.0) -> None:
+    trigger.stepping()
+    await anyio.sleep(seconds)
+    trigger.stepped()
 
 
 @pytest.mark.anyio
-async def test_trims_once_after_idleness() -> None:
+async def test_trims_once_after_idleness_and_again_after_more_work() -> None:
     trims = Trims()
     trigger = IdleHeapTrim(idle_seconds=0.01, trim=trims)
-    send, receive = anyio.create_memory_object_stream[str](8)
-    received: list[str] = []
-
-    async def wait_idle() -> None:
-        received.append(await trigger.receive(receive.receive))
-
     with anyio.fail_after(HANG_GUARD_S):
-        trigger.worked()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(wait_idle)
-            await trims.done.wait()  # idle with work behind it: trimmed...
-            await send.send("request")  # ...and the wait goes on to the next message
-        assert (trims.count, received) == (1, ["request"])
-
-        # Idle again without work since: nothing more to give back, no trim.
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(wait_idle)
-            await anyio.sleep(0.2)  # twenty idle periods
-            await send.send("later")
-        assert (trims.count, received) == (1, ["request", "later"])
-
-        # Work again: the next idle period trims once more.
-        trigger.worked()
-        trims.done = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(wait_idle)
-            await trims.done.wait()
-            await send.send("last")
+        await step(trigger)
+        await until(lambda: trims.count == 1)  # idle with work behind it: trimmed
+        await anyio.sleep(0.2)  # twenty idle periods without work: nothing more to give back
+        assert trims.count == 1
+        await step(trigger)  # work again: the next idle period trims once more
+        await until(lambda: trims.count == 2)
+        await anyio.sleep(0.1)
         assert trims.count == 2
 
 
 @pytest.mark.anyio
-async def test_no_trim_while_messages_keep_coming() -> None:
+async def test_no_trim_while_steps_keep_coming_or_one_runs() -> None:
     trims = Trims()
-    trigger = IdleHeapTrim(idle_seconds=1.0, trim=trims)
-    send, receive = anyio.create_memory_object_stream[int](1)
-
-    async def trickle() -> None:
-        for i in range(200):
-            await send.send(i)
-            await anyio.sleep(0.001)
-
+    trigger = IdleHeapTrim(idle_seconds=0.05, trim=trims)
     with anyio.fail_after(HANG_GUARD_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(trickle)
-            for i in range(200):
-                trigger.worked()  # each message is a step's work
-                assert await trigger.receive(receive.receive) == i
+        for _ in range(100):  # gaps far under the idle time
+            await step(trigger)
+            await anyio.sleep(0.001)
+        await step(trigger, seconds=0.2)  # one step four idle periods long
+        assert trims.count == 0
+        await until(lambda: trims.count == 1)  # then idle: trimmed
+
+
+@pytest.mark.anyio
+async def test_close_cancels_a_pending_trim() -> None:
+    trims = Trims()
+    trigger = IdleHeapTrim(idle_seconds=0.01, trim=trims)
+    await step(trigger)
+    trigger.close()
+    await anyio.sleep(0.1)
     assert trims.count == 0
 
 
