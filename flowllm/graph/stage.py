@@ -467,7 +467,6 @@ class Stage:
                 ctx.log.warning("no way to answer a failed request", request_id=error.request_id)
 
 
-
 @runtime_checkable
 class CountsSequences(Protocol):
     """A stage that keeps state per live sequence reports how many (a gauge per stage)."""
@@ -478,8 +477,8 @@ class CountsSequences(Protocol):
 class PerMessageStage(Stage):
     """Receive one message, emit zero or more: implement `handle`.
 
-    With several input ports, messages are taken with `receive_any` in declared port order
-    (the first port has priority) and `handle` dispatches on the message's type. A failure
+    Messages are taken with `receive_any`, in declared port order when there are several
+    (the first port has priority), and `handle` dispatches on the message's type. A failure
     in `handle` fails only that message's requests (unless the graph says otherwise).
     """
 
@@ -490,15 +489,6 @@ class PerMessageStage(Stage):
 
     async def run(self, ctx: StageContext) -> None:
         handle = self.handle
-        if len(ctx.input_ports) == 1:
-            inbox = ctx.inbox(ctx.input_ports[0])
-            while True:
-                try:
-                    message = await inbox.receive()
-                except anyio.EndOfStream:
-                    return
-                with ctx.handling(message, inbox.last_wait):
-                    await handle(message, ctx)
         while True:
             try:
                 _port, message = await ctx.receive_any()

@@ -143,28 +143,19 @@ def _request(i: int) -> TokenizedRequest:
     )
 
 
-class _Inbox:
+class _RunCtx(_Ctx):
     """One input port fed from a list, as the runtime's channel would be."""
 
     def __init__(self, messages: list[Any]) -> None:
-        self.messages = list(messages)
-        self.last_wait = 0.0
-
-    async def receive(self) -> Any:
-        await anyio.lowlevel.checkpoint()
-        if not self.messages:
-            raise anyio.EndOfStream
-        return self.messages.pop(0)
-
-
-class _RunCtx(_Ctx):
-    def __init__(self, messages: list[Any]) -> None:
         super().__init__()
-        self._inbox = _Inbox(messages)
+        self._messages = list(messages)
         self.input_ports = ("in",)
 
-    def inbox(self, port: str) -> _Inbox:
-        return self._inbox
+    async def receive_any(self) -> tuple[str, Any]:
+        await anyio.lowlevel.checkpoint()
+        if not self._messages:
+            raise anyio.EndOfStream
+        return "in", self._messages.pop(0)
 
     def handling(self, message: Any, queue_wait: float | None = None) -> nullcontext[None]:
         return nullcontext()
