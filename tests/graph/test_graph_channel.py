@@ -203,3 +203,34 @@ def test_fan_out_outbox_sends_to_every_channel_or_to_none() -> None:
             await ctx.emit("outt", Item(2))
 
     anyio.run(main)
+
+
+def test_receive_any_yields_even_when_its_input_is_always_ready() -> None:
+    """A stage whose input always has a message still lets the other tasks run at every
+    receive (a checkpoint before it takes the message; one that must wait yields through
+    its wait alone)."""
+    channel: Channel[Item] = Channel("s.in", Item, 8)
+    sender = channel.sender()
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async def main() -> None:
+        ctx = make_context({"in": channel})
+        channel.close()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.lowlevel.checkpoint()  # the ticker is running
+            for seq in range(4):
+                await sender.send(Item(seq))
+            before = ticks
+            for seq in range(4):
+                assert await ctx.receive_any() == ("in", Item(seq))
+            assert ticks - before >= 4  # ready every time, and it yielded every time
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
