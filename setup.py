@@ -1,12 +1,14 @@
 """The build's one addition to pyproject.toml: the native CPU kernels compiled into the wheel.
 
 `build_ext` compiles every variant of the kernels (flowllm/kernels/native_build.py, loaded
-by its path: it needs neither torch nor an installed flowllm) into the build's
-`flowllm/kernels/prebuilt/<variant>/`, so that a wheel built on one x86-64 machine runs
-its kernels on any without a compiler. The wheel is therefore a platform wheel. An
-editable install compiles nothing (its kernels compile on first use, as the sources
-change); neither does a build on another architecture or without a C compiler (said so;
-the kernels then compile at run time where a compiler is, or stay off).
+by its path: it needs no installed flowllm) into the build's
+`flowllm/kernels/prebuilt/<variant>/`, and their torch ops against the torch installed
+beside it (so built with --no-build-isolation) into `prebuilt/ops-torch<X.Y>/`, so that a
+wheel built on one x86-64 machine runs its kernels on any, beside that torch release,
+without a compiler. The wheel is therefore a platform wheel. An editable install compiles
+nothing (its kernels compile on first use, as the sources change); neither does a build on
+another architecture or without a C compiler (said so; the kernels then compile at run time
+where a compiler is, or stay off).
 """
 
 from __future__ import annotations
@@ -56,10 +58,28 @@ class BuildKernels(build_ext):
             if self.inplace
             else Path(self.build_lib) / "flowllm" / "kernels" / "prebuilt"
         )
+        try:
+            abi = build.torch_abi()
+        except ImportError:
+            abi = None
+            print(
+                "flowllm: no torch to build the kernels' ops against (install torch first and "
+                "build with --no-build-isolation): they compile on first use",
+                file=sys.stderr,
+            )
+        cxx = build.find_cxx_compiler()
+        if cxx is None:
+            print(
+                "flowllm: no C++ compiler (c++, g++ or $CXX): the kernels' ops compile on "
+                "first use",
+                file=sys.stderr,
+            )
         started = time.perf_counter()
-        built = build.build_prebuilt(root, compiler)
+        built = build.build_prebuilt(root, compiler, cxx, abi)
         seconds = time.perf_counter() - started
-        print(f"flowllm: {len(built)} kernel variants compiled in {seconds:.1f} s", file=sys.stderr)
+        print(
+            f"flowllm: {len(built)} kernel libraries compiled in {seconds:.1f} s", file=sys.stderr
+        )
 
 
 class PlatformDistribution(Distribution):

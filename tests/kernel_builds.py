@@ -36,7 +36,8 @@ def use_kernel_build(name: str) -> Iterator[native.NativeLibrary | None]:
     native.reload()
     if name == "avx512-no-vnni":
         lib = native.isa_library(isa, without=NO_VNNI)
-        status = native.NativeStatus(isa, "without VNNI", lib.origin)
+        status = native.NativeStatus(isa, "without VNNI", lib.origin, lib.variant, lib.has_bf16)
+        lib.activate()
         native._load = lambda: (lib, status)  # type: ignore[assignment]
     try:
         built = native.library()

@@ -1,11 +1,11 @@
-"""flowllm installed from its wheel serves with the wheel's prebuilt CPU kernels, on a
-machine without a C compiler.
+"""flowllm installed from its wheel serves with the wheel's prebuilt CPU kernels and their
+torch ops, on a machine without a C or C++ compiler.
 
 The wheel is built from a copy of the checkout (so that the build leaves nothing in the
 tree) as `make wheel` builds it, installed into a fresh virtual environment that borrows
 this one's packages (torch included) through a `.pth` file, and `flowllm serve` runs from
-there with a PATH holding only that environment's scripts, no `$CC` and an empty flowllm
-cache: a compiler-less server. Its greedy completion is transformers' greedy continuation
+there with a PATH holding only that environment's scripts, no `$CC` or `$CXX` and an empty
+flowllm cache: a compiler-less server. Its greedy completion is transformers' greedy continuation
 on the same checkpoint.
 """
 
@@ -28,12 +28,15 @@ from server_process import REPO, TINY_FLAGS, ServerProcess
 
 from flowllm.kernels import native, native_build
 
-pytestmark = [pytest.mark.wheel, pytest.mark.skipif(
-    platform.machine().lower() not in {"x86_64", "amd64"}
-    or native_build.find_compiler() is None
-    or not native.cpu_flags() >= native.ISAS["avx2"].cpu_flags,
-    reason="the wheel's kernels are built and run on x86-64 with a C compiler and AVX2",
-)]
+pytestmark = [
+    pytest.mark.wheel,
+    pytest.mark.skipif(
+        platform.machine().lower() not in {"x86_64", "amd64"}
+        or native_build.find_compiler() is None
+        or not native.cpu_flags() >= native.ISAS["avx2"].cpu_flags,
+        reason="the wheel's kernels are built and run on x86-64 with a C compiler and AVX2",
+    ),
+]
 
 # What the wheel is built from (pyproject.toml names README.md as the long description).
 BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "flowllm")
@@ -94,13 +97,17 @@ def test_the_wheel_is_a_platform_wheel_with_every_variant(wheel: Path) -> None:
     for variant in VARIANTS:
         assert f"{prebuilt}/{variant}/{native_build.LIBRARY_NAME}" in names
         assert f"{prebuilt}/{variant}/{native_build.DIGEST_NAME}" in names
-    assert {n.split("/")[3] for n in names if n.startswith(prebuilt + "/")} == VARIANTS
+    ops = native_build.torch_abi().name  # the ops, for the torch the wheel was built beside
+    assert f"{prebuilt}/{ops}/{native_build.OPS_NAME}" in names
+    assert f"{prebuilt}/{ops}/{native_build.DIGEST_NAME}" in names
+    assert {n.split("/")[3] for n in names if n.startswith(prebuilt + "/")} == {*VARIANTS, ops}
     assert "flowllm/kernels/csrc/linear.c" in names  # a checkout that changes them recompiles
 
 
 def test_the_wheel_needs_no_library_beyond_glibc(wheel: Path) -> None:
     """auditwheel finds the wheel consistent with a manylinux tag: the kernels bring no
-    OpenMP runtime of their own (no libgomp), they use the one torch loads."""
+    OpenMP runtime of their own (no libgomp), they use the one torch loads, and the ops link
+    no torch library, they bind to those torch loaded."""
     shown = subprocess.run(
         [sys.executable, "-m", "auditwheel", "show", str(wheel)],
         check=True, capture_output=True, text=True,
@@ -108,6 +115,7 @@ def test_the_wheel_needs_no_library_beyond_glibc(wheel: Path) -> None:
     verdict = " ".join(shown.split())
     assert re.search(r'consistent with the following platform tag: "manylinux_2_\d+_', verdict)
     assert "libgomp" not in verdict
+    assert "libtorch" not in verdict and "libc10" not in verdict
 
 
 @pytest.fixture(scope="module")
@@ -124,12 +132,12 @@ def test_serves_with_the_prebuilt_kernels_without_a_compiler(
     env = {
         key: value
         for key, value in os.environ.items()
-        if key not in {"CC", "PYTHONPATH", native.ISA_ENV, native.DISABLE_ENV}
+        if key not in {"CC", "CXX", "PYTHONPATH", native.ISA_ENV, native.DISABLE_ENV}
     }
     cache = tmp_path / "cache"
     env |= {"PATH": str(venv / "bin"), "FLOWLLM_CACHE": str(cache), native.ISA_ENV: isa}
-    assert shutil.which("cc", path=env["PATH"]) is None
-    assert shutil.which("gcc", path=env["PATH"]) is None
+    for compiler in ("cc", "gcc", "c++", "g++"):
+        assert shutil.which(compiler, path=env["PATH"]) is None
     server = ServerProcess(
         gpt2_tiny_dir, [*TINY_FLAGS, "--log-level", "info"], python=venv / "bin" / "python",
         env=env, cwd=tmp_path,

@@ -11,8 +11,6 @@ benchmarks/README.md "Pipeline overhead".
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from flowllm.kernels import native
@@ -21,27 +19,15 @@ BLOCKED_FROM = 1 << 15  # torch fallback: from this many logits on, argmax by bl
 _BLOCK = 64  # torch fallback: block length
 
 
-def _kernel() -> native.Kernel | None:
-    """The loaded library's kernel; None without one."""
-    lib = native.library()
-    return None if lib is None else _bind(lib)
-
-
-@functools.cache
-def _bind(lib: native.NativeLibrary) -> native.Kernel:
-    return lib.kernel("flowllm_argmax_rows_f32")
-
-
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=1)` of [R, V] float32 logits, as int64 [R]."""
     if not x.is_cpu:  # a GPU's own argmax is one parallel pass
         return x.argmax(dim=1)
-    argmax = _kernel()
-    if argmax is not None and x.dtype is torch.float32 and x.stride(1) == 1:
+    if native.library() is not None and x.dtype is torch.float32 and x.stride(1) == 1:
         rows, vocab = x.shape
-        out = torch.empty(rows, dtype=torch.int64)
         if rows and vocab:
-            argmax(x=x, rows=rows, cols=vocab, row_stride=x.stride(0), out=out)
+            out = torch.empty(rows, dtype=torch.int64)
+            torch.ops.flowllm.argmax_rows(x, out)
             return out
     return blocked_argmax_rows(x)
 

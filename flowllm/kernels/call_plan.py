@@ -6,14 +6,15 @@ calls (module calls, shape checks, views, allocations) is a large part of the st
 (benchmarks/README.md "Where a batch-1 step's time went before replay"). Replaying the
 recorded calls removes it, as CUDA graphs do on a GPU.
 
-`record(lib, fn, inputs)` runs `fn` eagerly on copies of `inputs` (the plan's static
-inputs) while the library appends the thread's calls to a call list (the step's graph,
-built once per batch shape), under one torch function mode (`torch.overrides`) that:
+`record(fn, inputs)` runs `fn` eagerly on copies of `inputs` (the plan's static inputs)
+while the ops library appends the thread's kernel calls to a call list (the step's graph,
+built once per batch shape: `torch.ops.flowllm.record_start`/`record_stop`), under one
+torch function mode (`torch.overrides`) that:
 
-- allows only allocations and views: a torch call whose tensor result neither is a new
-  empty tensor nor shares an argument's storage computes something a replay would not
-  redo, as does any call that writes in place (`add_`, `x[i] = y`, `out=`), so the
-  function is not recordable;
+- allows only allocations, views and the kernels' own ops: a torch call whose tensor
+  result neither is a new empty tensor nor shares an argument's storage computes something
+  a replay would not redo, as does any call that writes in place (`add_`, `x[i] = y`,
+  `out=`), so the function is not recordable;
 - refuses reading a tensor's values into Python (`.tolist()`, `.item()`, `int(t)`: a
   decision on them would be frozen into the plan);
 - keeps every tensor whose address was taken (`data_ptr`) for as long as the plan lives:
@@ -25,15 +26,22 @@ built once per batch shape), under one torch function mode (`torch.overrides`) t
 The mode sees the calls Python makes, which is what can come between two kernel calls:
 whatever a torch function does inside it is judged by its result.
 
-`CallPlan.replay(inputs)` copies new inputs into the static ones, runs the call list with
-the GIL released and returns the recorded outputs: the same tensors every time, which the
-next replay overwrites. Kernels check the values they index with (lengths, block ids,
-slots, positions) before writing; when one refuses, `replay` returns None and the caller
-runs `fn` eagerly, which raises that kernel's error with its message.
+`CallPlan.replay(inputs)` copies new inputs into the static ones, runs the call list in one
+op (`torch.ops.flowllm.run_calls`, the GIL released) and returns the recorded outputs: the
+same tensors every time, which the next replay overwrites. Kernels check the values they
+index with (lengths, block ids, slots, positions) before writing; when one refuses,
+`replay` returns None and the caller runs `fn` eagerly, which raises that kernel's error
+with its message.
 
 What a plan cannot see is a Python decision made on anything other than the inputs'
 shapes, dtypes and strides (a scalar argument, a flag): the caller keys its plans by
 everything those decisions depend on.
+
+Why a call list beside the ops' public forms: the ops have schemas and Meta
+implementations, so torch.compile traces them, but what it produces still calls them one
+by one from its wrapper; a call list runs a step's kernels in one op with no Python
+between them, which is what a batch-1 step needs (benchmarks/README.md "Where a batch-1
+step's time went before replay").
 """
 
 from __future__ import annotations
@@ -46,8 +54,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
-
-from flowllm.kernels.native import NativeLibrary
 
 __all__ = ["CallPlan", "Recorded", "ValueReads", "record", "recording"]
 
@@ -66,6 +72,7 @@ _ALLOCATIONS = frozenset(
     {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty,
      torch.Tensor.new_empty_strided}
 )  # fmt: skip
+_KERNEL_OPS = "torch._ops.flowllm"  # the module of torch.ops.flowllm's ops and overloads
 _READS_VALUES = frozenset(
     {
         *(
@@ -128,7 +135,11 @@ class _Recording(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is torch.Tensor.data_ptr:
+        if getattr(func, "__module__", None) == _KERNEL_OPS:  # a kernel: it records itself
+            for value in [*args, *kwargs.values()]:
+                if isinstance(value, torch.Tensor):
+                    self.tensors[id(value)] = value
+        elif func is torch.Tensor.data_ptr:
             self.tensors[id(args[0])] = args[0]
         elif func in _READS_VALUES:
             self.reads_values = self.reads_values or f"Tensor.{func.__name__}"
@@ -160,20 +171,18 @@ class CallPlan:
 
     def __init__(
         self,
-        lib: NativeLibrary,
         inputs: Outputs,
         outputs: Outputs,
-        calls: bytes,
+        calls: torch.Tensor,
         keep: Iterable[torch.Tensor],
         nbytes: int,
     ) -> None:
         self.inputs = inputs
         self.outputs = outputs
         self.nbytes = nbytes  # what the plan's temporaries hold
-        self._calls = torch.frombuffer(bytearray(calls), dtype=torch.int64)
+        self._calls = calls
         self._keep = tuple(keep)
-        self._run_calls = lib.run_calls
-        self.num_calls = _count_calls(self._calls.numpy())
+        self.num_calls = _count_calls(calls.numpy())
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> Outputs | None:
         """The outputs for `inputs` (shaped, typed as the recorded ones), or None when a
@@ -187,7 +196,7 @@ class CallPlan:
                     f"for {tuple(static.shape)} {static.dtype}"
                 )
             static.copy_(new)
-        status = self._run_calls(calls=self._calls, len=self._calls.numel())
+        status = torch.ops.flowllm.run_calls(self._calls)
         return None if status else self.outputs
 
 
@@ -201,27 +210,26 @@ class Recorded:
     refused: str | None = None
 
 
-def record(
-    lib: NativeLibrary, fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor]
-) -> Recorded:
-    """Run `fn(*copies of inputs)` eagerly, recording its native calls (see module)."""
+def record(fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor]) -> Recorded:
+    """Run `fn(*copies of inputs)` eagerly, recording its native calls (see module); the
+    native kernels must be active (`native.library()`)."""
     static = tuple(t.clone() for t in inputs)
     mode = _Recording()
-    lib.record_start()
+    torch.ops.flowllm.record_start()
     _state.recording = True
     try:
         with mode:
             outputs = fn(*static)
     finally:
         _state.recording = False
-        calls = lib.record_stop()
+        calls = torch.ops.flowllm.record_stop()
     if mode.reads_values is not None:
         return Recorded(outputs, None, f"it reads values into Python ({mode.reads_values})")
     if mode.computes is not None:
         return Recorded(outputs, None, f"it runs the torch op {mode.computes}")
-    if not calls:
+    if not calls.numel():
         return Recorded(outputs, None, "it calls no native kernel")
-    plan = CallPlan(lib, static, outputs, calls, mode.tensors.values(), mode.allocated)
+    plan = CallPlan(static, outputs, calls, mode.tensors.values(), mode.allocated)
     return Recorded(outputs, plan)
 
 

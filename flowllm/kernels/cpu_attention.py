@@ -8,12 +8,11 @@ heads that share it. float32 and bfloat16 (widened by a shift or a mask: any CPU
 library is built for); the math is float32, bf16 outputs rounded to nearest even.
 
 Index contents (sequence and row indices, lengths, block ids, slots) are checked in C
-before anything is read; shapes, dtypes and strides here. Both raise `KernelInputError`.
+before anything is read, and raised by the ops; shapes, dtypes and strides here. Both
+raise `KernelInputError`.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -22,29 +21,14 @@ from flowllm.kernels.reference import KernelInputError
 
 __all__ = ["decode_attention", "serves", "store_kv"]
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # -> the kernel's `bf16` flag
+DTYPES = (torch.float32, torch.bfloat16)
 # head_dim in whole 512-bit registers of the cache's dtype (16 float32, 32 bfloat16)
 HEAD_DIM_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
-_BAD_SEQ_LEN, _BAD_BLOCK, _BAD_INDEX, _NO_MEMORY = 1, 2, 3, 4
 
 
-class _Kernels:
-    """The two kernels, bound."""
-
-    def __init__(self, lib: native.NativeLibrary) -> None:
-        self.decode_attention = lib.kernel("flowllm_decode_attention")
-        self.store_kv = lib.kernel("flowllm_store_kv")
-
-
-def _functions() -> _Kernels | None:
-    """The kernels of the loaded library; None without one."""
-    lib = native.library()
-    return None if lib is None else _bind(lib)
-
-
-@functools.cache
-def _bind(lib: native.NativeLibrary) -> _Kernels:
-    return _Kernels(lib)
+def _available() -> None:
+    if native.library() is None:
+        raise KernelInputError("the native kernel library is not available on this machine")
 
 
 def serves(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -56,7 +40,7 @@ def serves(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and query.dtype in DTYPES
         and k_cache.dtype == query.dtype
         and k_cache.shape[-1] % HEAD_DIM_MULTIPLE[query.dtype] == 0
-        and _functions() is not None
+        and native.library() is not None
     )
 
 
@@ -110,11 +94,9 @@ def decode_attention(
     # query, out: [num_tokens, H, D]; k_cache, v_cache: [num_blocks, block_size, kvh, D]
     # block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32
     # seqs, rows: [n] int64
-    fns = _functions()
-    if fns is None:
-        raise KernelInputError("the native kernel library is not available on this machine")
+    _available()
     _check_caches(k_cache, v_cache)
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    kv_heads, head_dim = k_cache.shape[2:]
     _check_rows("query", query, head_dim)
     _check_rows("out", out, head_dim)
     if query.dtype != k_cache.dtype or out.dtype != query.dtype or query.dtype not in DTYPES:
@@ -125,7 +107,7 @@ def decode_attention(
     multiple = HEAD_DIM_MULTIPLE[query.dtype]
     if head_dim % multiple != 0:
         raise KernelInputError(f"head_dim {head_dim} is not a multiple of {multiple}")
-    num_tokens, num_heads = query.shape[0], query.shape[1]
+    num_heads = query.shape[1]
     if num_heads % kv_heads != 0 or out.shape != query.shape:
         raise KernelInputError(
             f"query {tuple(query.shape)} and out {tuple(out.shape)} must match, with "
@@ -140,53 +122,20 @@ def decode_attention(
         )
     if (seqs is None) != (rows is None):
         raise KernelInputError("seqs and rows go together")
-    if seqs is None or rows is None:
-        n = num_seqs
-    else:
+    if seqs is not None and rows is not None:
         _check_index("seqs", seqs, torch.int64, 1)
         _check_index("rows", rows, torch.int64, 1)
         if rows.shape != seqs.shape:
             raise KernelInputError(f"seqs {tuple(seqs.shape)} and rows {tuple(rows.shape)}")
-        n = seqs.shape[0]
     if window < 0 or softcap < 0:
         raise KernelInputError(f"window {window} and softcap {softcap} must not be negative")
-    status = fns.decode_attention(
-        bf16=DTYPES[query.dtype], query=query, q_stride=query.stride(0), k_cache=k_cache,
-        v_cache=v_cache, num_blocks=num_blocks, block_size=block_size, kv_heads=kv_heads,
-        group=num_heads // kv_heads, head_dim=head_dim, block_tables=block_tables,
-        table_stride=block_tables.shape[1], seq_lens=seq_lens, num_seqs=num_seqs, seqs=seqs,
-        rows=rows, n=n, num_tokens=num_tokens, scale=float(scale), window=int(window),
-        softcap=float(softcap), out=out, out_stride=out.stride(0),
-    )  # fmt: skip
-    if status:
-        code, entry = status % 256, status // 256
-        _raise(code, entry, seqs, rows, seq_lens, block_size, block_tables.shape[1])
-
-
-def _raise(
-    status: int,
-    i: int,
-    seqs: torch.Tensor | None,
-    rows: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    max_blocks: int,
-) -> None:
-    """The KernelInputError for the kernel's status about decode entry i."""
-    if status == _NO_MEMORY:
-        raise MemoryError("decode attention could not allocate its per-thread scores")
-    seq = i if seqs is None else int(seqs[i])
-    if status == _BAD_INDEX:
-        row = seq if rows is None else int(rows[i])
-        raise KernelInputError(
-            f"decode entry {i}: sequence {seq} or query row {row} is out of range"
-        )
-    if status == _BAD_SEQ_LEN:
-        raise KernelInputError(
-            f"sequence {seq} has seq_len {int(seq_lens[seq])}: not in [1, {max_blocks} blocks "
-            f"of {block_size}]"
-        )
-    raise KernelInputError(f"sequence {seq}'s block table names a block outside the cache")
+    try:
+        torch.ops.flowllm.decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, seqs, rows, float(scale),
+            int(window), float(softcap), out,
+        )  # fmt: skip
+    except ValueError as e:  # an index the kernel refused
+        raise KernelInputError(str(e)) from None
 
 
 def store_kv(
@@ -198,9 +147,7 @@ def store_kv(
 ) -> None:
     """Copy this step's K/V rows into their cache slots (slot = block * block_size + offset)."""
     # key, value: [n, kvh, D] of the cache's dtype; slot_mapping: [n] int64
-    fns = _functions()
-    if fns is None:
-        raise KernelInputError("the native kernel library is not available on this machine")
+    _available()
     _check_caches(k_cache, v_cache)
     _check_rows("key", key, k_cache.shape[3])
     _check_rows("value", value, k_cache.shape[3])
@@ -220,13 +167,7 @@ def store_kv(
         raise KernelInputError(
             f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
         )
-    status = fns.store_kv(
-        key=key, key_stride=key.stride(0), value=value, value_stride=value.stride(0),
-        k_cache=k_cache, v_cache=v_cache, num_slots=k_cache.shape[0] * k_cache.shape[1],
-        slots=slot_mapping, n=key.shape[0], row=key.shape[1] * key.shape[2],
-        elem_size=k_cache.element_size(),
-    )  # fmt: skip
-    if status:
-        token = status // 256
-        slot = int(slot_mapping[token])
-        raise KernelInputError(f"token {token}'s slot {slot} is outside the cache")
+    try:
+        torch.ops.flowllm.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    except ValueError as e:  # a slot the kernel refused
+        raise KernelInputError(str(e)) from None

@@ -4,14 +4,12 @@ The kernel reads W in 16-output blocks stored column by column (see `csrc/linear
 a product streams one run of memory, faster than oneDNN's packed products read theirs
 (benchmarks/README.md "Linear step").
 `PackedLinear` packs W [out, in] into that layout once, checks each call's arguments
-(shape, dtype, contiguity, device) and runs the kernel through the library's `call`, so a
-product's fixed cost is the checks, the output's allocation and one C call, below
+(shape, dtype, contiguity, device) and runs the kernel as the op `torch.ops.flowllm.linear`,
+so a product's fixed cost is the checks, the output's allocation and one op call, below
 oneDNN's per-call cost (benchmarks/README.md "Linear step" and "Kernel design figures").
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -19,7 +17,7 @@ from flowllm.kernels import native
 
 BLOCK = 16  # outputs per block (csrc/linear.c BLOCK)
 
-_KERNELS = {torch.float32: "flowllm_linear_f32", torch.bfloat16: "flowllm_linear_bf16"}
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 class NativeLinearError(ValueError):
@@ -29,22 +27,9 @@ class NativeLinearError(ValueError):
 def serves(dtype: torch.dtype) -> bool:
     """Whether the native kernel runs products in `dtype` on this machine."""
     lib = native.library()
-    if lib is None or dtype not in _KERNELS:
+    if lib is None or dtype not in DTYPES:
         return False
     return dtype != torch.bfloat16 or lib.has_bf16
-
-
-def _kernel(dtype: torch.dtype) -> native.Kernel:
-    """The loaded library's kernel for `dtype`, bound."""
-    lib = native.library()
-    if lib is None or not serves(dtype):
-        raise NativeLinearError(f"the native linear kernel cannot run {dtype} on this machine")
-    return _bind(lib, dtype)
-
-
-@functools.cache
-def _bind(lib: native.NativeLibrary, dtype: torch.dtype) -> native.Kernel:
-    return lib.kernel(_KERNELS[dtype])
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -87,7 +72,8 @@ class PackedLinear:
             raise NativeLinearError(f"the weight must be a 2-D CPU tensor, got {_describe(w)}")
         self.out_features, self.in_features = n, _ = w.shape
         self.dtype = w.dtype
-        self._kernel = _kernel(w.dtype)
+        if not serves(w.dtype):
+            raise NativeLinearError(f"the native linear kernel cannot run {w.dtype} here")
         if bias is not None and (
             bias.dtype != w.dtype
             or bias.shape != (n,)
@@ -103,7 +89,6 @@ class PackedLinear:
             raise NativeLinearError(
                 f"{w.dtype} products give {w.dtype} or float32, not {out_dtype}"
             )
-        self._f32_out = int(self.out_dtype != w.dtype)
         self.bias = bias
         self.packed = pack(w.detach())
 
@@ -122,9 +107,7 @@ class PackedLinear:
             raise NativeLinearError(f"x must be contiguous on the CPU, got {_describe(x)}")
         m = x.shape[0]
         y = torch.empty(m, n, dtype=self.out_dtype)
-        if m:
-            extra = {"f32_out": self._f32_out} if self.dtype == torch.bfloat16 else {}
-            self._kernel(x=x, w=self.packed, bias=self.bias, y=y, m=m, n=n, k=k, **extra)
+        torch.ops.flowllm.linear(x, self.packed, self.bias, y)
         return y
 
 

@@ -12,52 +12,23 @@ benchmarks/README.md "Kernel design figures".
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from flowllm.kernels import native
 from flowllm.kernels.reference import KernelInputError
 
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class _Kernels:
-    """Each kernel by dtype, bound once."""
-
-    def __init__(self, lib: native.NativeLibrary) -> None:
-        def by_dtype(name: str) -> dict[torch.dtype, native.Kernel]:
-            return {dt: lib.kernel(f"flowllm_{name}_{sfx}") for dt, sfx in _SUFFIX.items()}
-
-        self.rms_norm = by_dtype("rms_norm")
-        self.layer_norm = by_dtype("layer_norm")
-        self.rope = by_dtype("rope")
-        self.silu_mul = by_dtype("silu_mul")
-        self.gelu_tanh = by_dtype("gelu_tanh")
-
-
-def _bound() -> _Kernels | None:
-    """The kernels of the loaded library; None without one."""
-    lib = native.library()
-    return None if lib is None else _bind(lib)
-
-
-@functools.cache
-def _bind(lib: native.NativeLibrary) -> _Kernels:
-    return _Kernels(lib)
-
-
-def _kernels() -> _Kernels:
-    k = _bound()
-    if k is None:
+def _available() -> None:
+    if native.library() is None:
         raise KernelInputError("the native kernels are not available on this machine")
-    return k
 
 
 def serves(x: torch.Tensor) -> bool:
     """Whether these kernels run ops on `x` (a CPU float32/bfloat16 tensor, native library
     present)."""
-    return x.is_cpu and x.dtype in _SUFFIX and _bound() is not None
+    return x.is_cpu and x.dtype in _DTYPES and native.library() is not None
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -74,10 +45,9 @@ def rms_norm(
     """RMSNorm of x, or of `residual + x` when a residual is given (the sum is written back
     into `residual`, rounded to its dtype, as the next layer's residual stream)."""
     # x, residual: [n, d]; weight: [d] -> [n, d]
-    k = _kernels()
+    _available()
     out = _norm_output(x, residual, weight)
-    n, d = x.shape
-    k.rms_norm[x.dtype](x=x, residual=residual, weight=weight, out=out, n=n, d=d, eps=eps)
+    torch.ops.flowllm.rms_norm(x, residual, weight, out, eps)
     return out
 
 
@@ -90,12 +60,9 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm of x, or of `residual + x` written back into `residual` (see rms_norm)."""
     # x, residual: [n, d]; weight, bias: [d] -> [n, d]
-    k = _kernels()
+    _available()
     out = _norm_output(x, residual, weight, bias)
-    n, d = x.shape
-    k.layer_norm[x.dtype](
-        x=x, residual=residual, weight=weight, bias=bias, out=out, n=n, d=d, eps=eps
-    )
+    torch.ops.flowllm.layer_norm(x, residual, weight, bias, out, eps)
     return out
 
 
@@ -118,7 +85,7 @@ def rope_(
     """Rotate, in place, the first `heads` heads of each row of x by their position's row
     of `table` ([max_pos, 2, rot]: (cos | cos) and (-sin | sin), see RotaryEmbedding)."""
     # x: [n, row] with unit column stride (rows may be longer than heads * head_dim)
-    k = _kernels()
+    _available()
     n = x.shape[0]
     rot = table.shape[-1]
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < heads * head_dim:
@@ -130,33 +97,29 @@ def rope_(
         raise KernelInputError(f"rotary width {rot} must be even and <= head_dim {head_dim}")
     _check("table", table, x.dtype, (table.shape[0], 2, rot))
     _check("positions", positions, torch.int64, (n,))
-    outside = k.rope[x.dtype](
-        x=x, table=table, table_rows=table.shape[0], positions=positions, n=n, heads=heads,
-        head_dim=head_dim, row_stride=x.stride(0), rot=rot,
-    )  # fmt: skip
-    if outside:
-        raise KernelInputError(
-            f"{outside} of {n} positions fall outside the rotary table's {table.shape[0]} rows"
-        )
+    try:
+        torch.ops.flowllm.rope(x, table, positions, heads, head_dim)
+    except ValueError as e:  # positions outside the table
+        raise KernelInputError(str(e)) from None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the [gate | up] halves of each row."""
     # gate_up: [n, 2 * inter] -> [n, inter]
-    k = _kernels()
+    _available()
     n, width = gate_up.shape
     _check("gate_up", gate_up, gate_up.dtype, (n, width))
     if width % 2:
         raise KernelInputError(f"gate_up's width {width} is not even")
     out = gate_up.new_empty(n, width // 2)
-    k.silu_mul[gate_up.dtype](gate_up=gate_up, out=out, n=n, inter=width // 2)
+    torch.ops.flowllm.silu_mul(gate_up, out)
     return out
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation (GPT-2's `gelu_new`), elementwise."""
-    k = _kernels()
+    _available()
     _check("x", x, x.dtype, tuple(x.shape))
     out = torch.empty_like(x)
-    k.gelu_tanh[x.dtype](x=x, y=out, numel=x.numel())
+    torch.ops.flowllm.gelu_tanh(x, out)
     return out

@@ -374,19 +374,6 @@ def int8_per_channel(w: torch.Tensor) -> QuantizedWeight:
 # Products
 
 
-def _check(status: int) -> None:
-    """A quantized kernel's failure status as an exception (it wrote nothing)."""
-    if status == -1:
-        raise MemoryError("no scratch memory for a quantized product")
-    if status:
-        raise QuantError(f"the kernel refused its arguments (status {status})")
-
-
-def _kernel_name(prefix: str, weight: QuantizedWeight) -> str:
-    scale = "f16" if weight.scales.dtype == torch.float16 else "f32"
-    return f"flowllm_{prefix}_{weight.kind}_{scale}"
-
-
 class QuantizedLinear:
     """y = x W^T + b over a QuantizedWeight: x [m, k] -> y [m, n] in `out_dtype`, sums in
     float32, the bias kept by reference. bf16 x, bias and y (a bf16 model's layers) go to
@@ -415,11 +402,6 @@ class QuantizedLinear:
             raise QuantError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
         self.bias = bias
         self.out_dtype = out_dtype
-        self._product: native.Kernel | None = None
-        self._dequant: native.Kernel | None = None
-        if self.lib is not None:
-            self._product = self.lib.kernel(_kernel_name("qlinear", weight))
-            self._dequant = self.lib.kernel(_kernel_name("dequant", weight))
 
     @property
     def nbytes(self) -> int:
@@ -441,7 +423,7 @@ class QuantizedLinear:
         if x.dim() != 2 or x.shape[1] != k or not x.is_cpu:
             raise QuantError(f"x must be [m, {k}] on the CPU, got {tuple(x.shape)} {x.device}")
         m = x.shape[0]
-        if self.lib is None or self._product is None:
+        if self.lib is None:
             y = self._torch_product(x)
             return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
         bf16 = x.dtype == self.out_dtype == torch.bfloat16 and (
@@ -453,11 +435,10 @@ class QuantizedLinear:
             x, bias = x.to(torch.float32).contiguous(), self._bias32()
             y = torch.empty(m, n, dtype=torch.float32)
         w = self.weight
-        if m:
-            _check(self._product(
-                x=x, codes=w.codes, scales=w.scales, mins=w.mins, bias=bias, y=y, m=m, n=n,
-                k=k, group=w.group, interleaved=int(w.interleaved), bf16=int(bf16),
-            ))  # fmt: skip
+        try:
+            torch.ops.flowllm.qlinear(x, w.codes, w.scales, w.mins, bias, y, w.group, w.interleaved)
+        except ValueError as e:  # W in the other layout than its product reads
+            raise QuantError(str(e)) from None
         return y if y.dtype == self.out_dtype else y.to(self.out_dtype)
 
     def _torch_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -493,17 +474,13 @@ class QuantizedLinear:
             count = ids.shape[0]
         elif row0 < 0 or count < 0 or row0 + count > n:
             raise QuantError(f"rows {row0}:{row0 + count} are outside [0, {n})")
-        if self.lib is None or self._dequant is None:
+        if self.lib is None:
             w = self.weight
             part = w.take_rows(ids) if ids is not None else w.row_range(row0, count)
             return part.dequantize()
         out = torch.empty(count, k, dtype=torch.float32)
         w = self.weight
-        status = self._dequant(
-            codes=w.codes, scales=w.scales, mins=w.mins, ids=ids, rows=count, row0=row0,
-            out=out, n=n, k=k, group=w.group, interleaved=int(w.interleaved),
-        )  # fmt: skip
-        if status:
-            bad = int(ids[status - 1]) if ids is not None else row0
-            raise IndexError(f"row {bad} is outside [0, {n})")
+        torch.ops.flowllm.dequant(
+            w.codes, w.scales, w.mins, ids, row0, n, k, w.group, w.interleaved, out
+        )
         return out

@@ -53,13 +53,10 @@ _log = structlog.get_logger("flowllm.models")
 
 
 class NativeCalls:
-    """The CPU backend: plans of native kernel calls."""
-
-    def __init__(self, lib: NativeLibrary) -> None:
-        self.lib = lib
+    """The CPU backend: plans of native kernel calls (of the active build)."""
 
     def record(self, fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor]) -> Recorded:
-        recorded = call_plan.record(self.lib, fn, inputs)
+        recorded = call_plan.record(fn, inputs)
         return Recorded(recorded.outputs, recorded.plan, recorded.refused)
 
 
@@ -74,7 +71,7 @@ def for_device(
     load, CUDA graphs of `buckets`' sizes on CUDA; None (every step eager) elsewhere, and
     for a model without a KV cache (an encoder)."""
     if native is not None:
-        return StepPlans(model, kv_caches, NativeCalls(native))
+        return StepPlans(model, kv_caches, NativeCalls())
     if device.type == "cuda" and buckets is not None and buckets.sizes and kv_caches:
         backend = cuda_graphs.GraphBackend(buckets, cuda_graphs.CudaCapture(device))
         return StepPlans(model, kv_caches, backend, buckets)

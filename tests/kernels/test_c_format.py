@@ -1,4 +1,4 @@
-"""Every C source of the kernels is formatted with the committed `.clang-format`."""
+"""Every C and C++ source of the kernels is formatted with the committed `.clang-format`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _clang_format() -> str:
 
 
 def test_c_sources_are_formatted() -> None:
-    files = sorted([*SOURCE_DIR.glob("*.c"), *SOURCE_DIR.glob("*.h")])
+    files = sorted([*SOURCE_DIR.glob("*.c"), *SOURCE_DIR.glob("*.cpp"), *SOURCE_DIR.glob("*.h")])
     assert (SOURCE_DIR / ".clang-format").is_file()
     assert files
     result = subprocess.run(

@@ -1,8 +1,10 @@
-"""The native CPU kernel library: built once into the flowllm cache, reused, switchable off,
-and sharing torch's OpenMP thread pool."""
+"""The native CPU kernels and their torch ops: built once into the flowllm cache, reused,
+switchable off, sharing torch's OpenMP thread pool, and the ops' library built per torch
+release."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import shutil
@@ -55,19 +57,36 @@ PRINT_PATH = """
     lib = native.library()
     print(lib.path if lib else None)
 """
+PRINT_BOTH = """
+    import torch
+    from flowllm.kernels import native
+    lib = native.library()
+    print(native._ops_library().path)
+    x = torch.randn(2, 32)
+    out = torch.empty(2, 16)
+    torch.ops.flowllm.silu_mul(x, out)
+    print(torch.allclose(out, torch.nn.functional.silu(x[:, :16]) * x[:, 16:]))
+    print(lib.path)
+"""
 
 
 @needs_native
 def test_built_once_into_the_cache_and_reused(tmp_path: Path) -> None:
-    out = _run(PRINT_PATH, tmp_path).splitlines()
+    """The kernels and their ops' library: compiled on a first start, which says so, then
+    reused silently; the ops run."""
+    out = _run(PRINT_BOTH, tmp_path).splitlines()
     assert "compiling the native kernels (once)" in out[0]  # a first start says so
-    first = Path(out[-1])
-    assert first.is_file() and first.is_relative_to(tmp_path / "kernels")
-    mtime = first.stat().st_mtime_ns
-    assert _run(PRINT_PATH, tmp_path) == str(first)  # reused, silently
-    assert first.stat().st_mtime_ns == mtime  # not rebuilt
-    leftovers = [p for p in first.parent.iterdir() if p != first]
-    assert leftovers == []  # no temporary files left behind
+    assert sum("compiling the native kernels (once)" in line for line in out) == 2
+    ops, ran, first = Path(out[-3]), out[-2], Path(out[-1])
+    assert ran == "True"
+    for library in (first, ops):
+        assert library.is_file() and library.is_relative_to(tmp_path / "kernels")
+        leftovers = [p for p in library.parent.iterdir() if p != library]
+        assert leftovers == []  # no temporary files left behind
+    assert ops.name == native_build.OPS_NAME
+    mtimes = [first.stat().st_mtime_ns, ops.stat().st_mtime_ns]
+    assert _run(PRINT_BOTH, tmp_path).splitlines() == [str(ops), "True", str(first)]  # silently
+    assert [first.stat().st_mtime_ns, ops.stat().st_mtime_ns] == mtimes  # not rebuilt
 
 
 def test_switched_off_by_the_environment(tmp_path: Path) -> None:
@@ -80,6 +99,28 @@ def test_a_failed_build_falls_back_to_none(tmp_path: Path) -> None:
     out = _run(PRINT_PATH, tmp_path, CC="/bin/false")
     assert "native_kernels_build_failed" in out  # the reason is logged
     assert out.splitlines()[-1] == "None"
+
+
+@needs_native
+def test_a_failed_ops_build_is_reported(tmp_path: Path) -> None:
+    """Without the ops' library no kernel can run: a failed C++ build leaves the kernels
+    off, with the reason."""
+    out = _run(STATUS, tmp_path, CXX="/bin/false").splitlines()
+    assert out[-1] == "None False"
+    assert "native CPU kernels off" in out[-2]
+
+
+def test_the_ops_library_is_per_torch_release() -> None:
+    """A prebuilt ops library built beside another torch release is not current here: its
+    digest covers the release, as its directory's name does."""
+    abi = native_build.torch_abi()
+    assert abi.name == f"ops-torch{abi.version}" and abi.version == ".".join(
+        torch.__version__.split(".")[:2]
+    )
+    other = dataclasses.replace(abi, version="2.99")
+    assert other.digest() != abi.digest() and other.name != abi.name
+    flipped = dataclasses.replace(abi, cxx11_abi=not abi.cxx11_abi)
+    assert flipped.digest() != abi.digest()
 
 
 @needs_native

@@ -3,6 +3,7 @@ builds of the native kernels (AVX-512 and AVX2), and without them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import gguf
@@ -34,8 +35,18 @@ ISAS = [
 
 
 def build(name: str) -> native.NativeLibrary:
+    """Build `name`'s library, active: the ops run its kernels until the test ends."""
     isa, without = BUILDS[name]
-    return native.isa_library(isa, without=without)
+    lib = native.isa_library(isa, without=without)
+    lib.activate()
+    return lib
+
+
+@pytest.fixture(autouse=True)
+def _default_build_after() -> Iterator[None]:
+    """The process's own build active again after each test (`build` switches)."""
+    yield
+    native.reload()
 
 
 N, K = 80, 512  # 5 blocks of 16 outputs; two K-format super-blocks per row
@@ -136,7 +147,7 @@ def test_bf16_activations_give_the_float32_product_rounded_once(isa: str, type_n
     lin32 = QuantizedLinear(weight, bias.float(), lib=lib)
     for m in (1, 3, 8, 9, 40):
         x = torch.randn(m, K).to(torch.bfloat16)
-        recorded = call_plan.record(lib, lambda a: (lin(a),), (x,))
+        recorded = call_plan.record(lambda a: (lin(a),), (x,))
         assert recorded.plan is not None, recorded.refused
         (y,) = recorded.outputs
         assert y.dtype == torch.bfloat16

@@ -2,14 +2,13 @@
  * `const struct flowllm_<name>_args *` and returns 0, or what it found wrong in its inputs
  * before writing anything (an index out of range), for the caller to raise.
  *
- * Each struct's fields are listed once, in an X-macro F(struct, type, name), so the same
- * list declares the struct here and describes its layout in common.c
- * (flowllm_args_layout), which the Python side (flowllm/kernels/kernel_args.py) compares
- * with its own declaration of every struct: a field out of order fails there, instead of
- * a kernel reading the wrong bytes. Every field is 8 bytes (pointers, int64_t, double), so
- * a struct has no padding and is a whole number of int64 words, the unit of module.c's
- * call lists. Pointers name the element type they point to: bf16_t and f16_t are the raw
- * bits of bfloat16 and IEEE half values, void a tensor whose dtype another field gives. */
+ * Each struct's fields are listed once, in an X-macro F(struct, type, name), which declares
+ * the structs and the kernels' prototypes. The kernels (C) and the torch ops that call them
+ * (ops.cpp, C++) both include this header, so the compiler matches every field by name and
+ * type on both sides. Every field is 8 bytes (pointers, int64_t, double), so a struct has
+ * no padding and is a whole number of int64 words, the unit of ops.cpp's call lists.
+ * Pointers name the element type they point to: bf16_t and f16_t are the raw bits of
+ * bfloat16 and IEEE half values, void a tensor whose dtype another field gives. */
 #ifndef FLOWLLM_KERNEL_ARGS_H
 #define FLOWLLM_KERNEL_ARGS_H
 
@@ -168,11 +167,6 @@ typedef uint16_t f16_t;
   F(S, int64_t, group)                    \
   F(S, int64_t, interleaved)
 
-/* a call list of `len` int64 words (module.c) */
-#define FLOWLLM_RUN_CALLS_ARGS(F, S, ...) \
-  F(S, const int64_t *, calls)            \
-  F(S, int64_t, len)
-
 /* ---- Every kernel: K(name, field list, element types...) ---- */
 
 #define FLOWLLM_QUANT_KERNELS(K, name, LIST) \
@@ -197,28 +191,27 @@ typedef uint16_t f16_t;
   FLOWLLM_TYPED_KERNELS(K, gelu_tanh, FLOWLLM_GELU_TANH_ARGS)   \
   K(argmax_rows_f32, FLOWLLM_ARGMAX_ARGS)                       \
   FLOWLLM_QUANT_KERNELS(K, qlinear, FLOWLLM_QLINEAR_ARGS)       \
-  FLOWLLM_QUANT_KERNELS(K, dequant, FLOWLLM_DEQUANT_ARGS)       \
-  K(run_calls, FLOWLLM_RUN_CALLS_ARGS)
+  FLOWLLM_QUANT_KERNELS(K, dequant, FLOWLLM_DEQUANT_ARGS)
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 #define FLOWLLM_ARG_FIELD(S, type, name) type name;
 #define FLOWLLM_ARGS_STRUCT(kernel, LIST, ...)   \
   struct flowllm_##kernel##_args {               \
     LIST(FLOWLLM_ARG_FIELD, kernel, __VA_ARGS__) \
-  };
+  };                                             \
+  int64_t flowllm_##kernel(const struct flowllm_##kernel##_args *a);
 FLOWLLM_KERNELS(FLOWLLM_ARGS_STRUCT)
 #undef FLOWLLM_ARGS_STRUCT
 #undef FLOWLLM_ARG_FIELD
 
-/* One field of a struct, or (field "") the struct's size, as flowllm_args_layout lists
- * them. */
-struct flowllm_field {
-  const char *args; /* "flowllm_<kernel>_args" */
-  const char *name; /* "" for the struct's size */
-  const char *type; /* the C type as written above */
-  int64_t offset, size;
-};
+/* The calling thread's OpenMP pool size, as the kernels see it. */
+int flowllm_omp_max_threads(void);
 
-/* Every field of every struct, then each struct's size; *out points at the entries. */
-int64_t flowllm_args_layout(const struct flowllm_field **out);
+#ifdef __cplusplus
+}
+#endif
 
 #endif
