@@ -29,7 +29,9 @@ Which libraries load:
 - compiled: otherwise the sources are compiled with the system's compilers (`$CC`, else
   `cc`/`gcc`; `$CXX`, else `c++`/`g++`) into `$FLOWLLM_CACHE/kernels/<hash>/`, the hash
   covering the sources, the flags, the torch release and the compiler's version, written
-  atomically (a crash leaves no half library).
+  atomically (a crash leaves no half library). This stays for what a wheel cannot hold:
+  an editable checkout, whose sources change, and a torch release other than the wheel's
+  (torch's C++ ABI changes between releases).
 
 `FLOWLLM_NATIVE_ISA=avx2` forces the AVX2 build on an AVX-512 machine (the tests run
 both); `auto` (the default) takes the widest the CPU runs. The bf16 linear product needs
