@@ -69,6 +69,7 @@ import torch
 from flowllm.cache_dir import flowllm_cache_dir
 from flowllm.kernels import native_build
 from flowllm.kernels.native_build import ISAS, LIBRARY_NAME, OPS_NAME, Variant
+from flowllm.kernels.reference import KernelInputError
 
 DISABLE_ENV = "FLOWLLM_NATIVE_KERNELS"
 ISA_ENV = "FLOWLLM_NATIVE_ISA"
@@ -156,6 +157,18 @@ def _ops_library() -> _OpsLibrary:
             lambda target: native_build.compile_ops(compiler, abi, target),
         )  # fmt: skip
     return _OpsLibrary(path)
+
+
+def call(op: Callable[..., object], *args: object) -> None:
+    """Run one of the ops (`torch.ops.flowllm.*`) for a layer's module: what it refuses (a
+    dtype, shape or layout, an index its kernel checks) raised as KernelInputError, and no
+    build in use as KernelInputError too."""
+    if _load()[0] is None:
+        raise KernelInputError("the native kernels are not available on this machine")
+    try:
+        op(*args)
+    except (TypeError, ValueError) as e:
+        raise KernelInputError(str(e)) from None
 
 
 def cpu_flags() -> frozenset[str]:

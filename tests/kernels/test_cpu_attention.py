@@ -182,8 +182,8 @@ def test_wrapper_rejects_bad_inputs():
 
     cases = [
         ({"query": query.transpose(1, 2).contiguous().transpose(1, 2)}, "contiguous"),
-        ({"query": query.double()}, "one dtype"),
-        ({"k_cache": k_cache.to(torch.bfloat16)}, "one dtype"),
+        ({"query": query.double()}, "query must be Float, got Double"),
+        ({"k_cache": k_cache.to(torch.bfloat16)}, "v_cache must be BFloat16, got Float"),
         ({"k_cache": k_cache[:, :, :, :8], "v_cache": v_cache[:, :, :, :8]}, "contiguous"),
         ({"block_tables": tables.long()}, "block_tables"),
         ({"block_tables": tables[:1]}, "rows"),
