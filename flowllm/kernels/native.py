@@ -151,7 +151,9 @@ def _ops_library() -> _OpsLibrary:
     if path is None:
         compiler = native_build.find_cxx_compiler()
         if compiler is None:
-            raise OSError(NO_CXX_COMPILER)
+            built = sorted(p.parent.name for p in native_build.PREBUILT_DIR.glob(f"*/{OPS_NAME}"))
+            prebuilt = f" (prebuilt: {', '.join(built)})" if built else ""
+            raise OSError(f"no torch ops for torch {abi.version}{prebuilt} and {NO_CXX_COMPILER}")
         path = _build(
             compiler, abi.name, OPS_NAME, abi.digest(),
             lambda target: native_build.compile_ops(compiler, abi, target),

@@ -123,6 +123,27 @@ def test_the_ops_library_is_per_torch_release() -> None:
     assert flipped.digest() != abi.digest()
 
 
+def test_ops_of_another_torch_release_are_named_when_none_can_be_had(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wheel beside another torch release than its own, on a machine without a C++
+    compiler: no ops, and the reason names both releases."""
+    abi = native_build.torch_abi()
+    other = tmp_path / "ops-torch2.99"
+    other.mkdir()
+    (other / native_build.OPS_NAME).write_bytes(b"")
+    (other / native_build.DIGEST_NAME).write_text("another release's\n")
+    monkeypatch.setattr(native_build, "PREBUILT_DIR", tmp_path)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(
+        OSError,
+        match=rf"no torch ops for torch {abi.version} \(prebuilt: "
+        r"ops-torch2\.99\) and no C\+\+ compiler",
+    ):
+        native._ops_library.__wrapped__()
+
+
 @needs_native
 def test_kernels_share_torchs_thread_pool() -> None:
     lib = native.library()
