@@ -40,12 +40,13 @@ def _run(code: str, cache: Path, **env: str) -> str:
 
 
 def test_builds_wherever_it_can_run() -> None:
-    """On an x86-64 CPU with the features and a C compiler, the library must build: a broken
-    build would otherwise only skip every native test."""
+    """On an x86-64 CPU with the features and C and C++ compilers, the kernels and their ops
+    must build: a broken build would otherwise only skip every native test."""
     if not (
         platform.machine().lower() in {"x86_64", "amd64"}
         and any(native.cpu_flags() >= isa.cpu_flags for isa in native.ISAS.values())
         and (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+        and (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"))
         and native.enabled()
     ):
         pytest.skip("this machine cannot run the native kernels")
