@@ -4,12 +4,12 @@
   CPU-only installs never load Triton).
 - CPU with the native library (`flowllm.kernels.native`: x86-64 with AVX-512 or AVX2, the
   libraries prebuilt or C and C++ compilers, `FLOWLLM_NATIVE_KERNELS` not 0), float32 or
-  bfloat16, head_dim a multiple of 16 or 32 respectively: every query row runs the C kernel straight
-  from the cache (`flowllm.kernels.cpu_attention`), a prefill chunk's rows each as a decode
-  query over the keys up to its own position, and K/V are stored by it too. So a row's
-  attention is computed the same way whatever the step holds (decodes, prefill chunks, a
-  recompute after preemption): batch invariance. At decode it reads each K/V row once,
-  where it lies, and so takes less time than the reference, which gathers them first
+  bfloat16, head_dim a multiple of 16 or 32 respectively: every query row runs the C kernel
+  straight from the cache (`flowllm.kernels.cpu_attention`), a prefill chunk's rows each as
+  a decode query over the keys up to its own position, and K/V are stored by it too. So a
+  row's attention is computed the same way whatever the step holds (decodes, prefill
+  chunks, a recompute after preemption): batch invariance. At decode it reads each K/V row
+  once, where it lies, and so takes less time than the reference, which gathers them first
   (benchmarks/README.md, "Where the time goes").
 - Otherwise: the torch reference (`flowllm.kernels.reference`), also the oracle of both.
 
