@@ -10,11 +10,12 @@
  * the libraries torch has loaded, which native.py makes global first.
  *
  * Kernels that check index values (lengths, block ids, slots, positions, row ids) before
- * writing return what they refused; the op raises it (ValueError, IndexError), so every op
- * returns nothing and traces whole. Between
- * record_start() and record_stop() a thread's kernel calls are also appended, as they ran,
- * to a call list ([kernel address, words, argument struct as int64 words...] per call) that
- * run_calls replays in one call (flowllm/kernels/call_plan.py). */
+ * writing return what they refused; the op raises it (ValueError, IndexError, or torch's
+ * OutOfMemoryError for a kernel's scratch), so every op returns nothing and traces whole.
+ *
+ * Between record_start() and record_stop() a thread's kernel calls are also appended, as
+ * they ran, to a call list ([kernel address, words, argument struct as int64 words...] per
+ * call) that run_calls replays in one call (flowllm/kernels/call_plan.py). */
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <dlfcn.h>
@@ -151,13 +152,16 @@ void linear(const Tensor &x, const Tensor &w, const optional<Tensor> &bias, cons
   }
 }
 
-/* query/out: [tokens, heads, head_dim], each token's heads contiguous (any token stride). */
+/* query/out: [tokens, heads, head_dim], each token's heads contiguous, tokens not overlapping
+ * (any token stride past that). */
 void token_rows(const Tensor &first, const Tensor &t, int64_t head_dim, const char *name) {
   same_device(first, t, name);
-  TORCH_CHECK_VALUE(
-      t.dim() == 3 && t.size(2) == head_dim && t.stride(2) == 1 && t.stride(1) == head_dim, name,
-      " must be [tokens, heads, head_dim=", head_dim,
-      "] with each token's heads contiguous, got shape ", t.sizes(), " strides ", t.strides());
+  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(2) == head_dim && t.stride(2) == 1 &&
+                        t.stride(1) == head_dim &&
+                        (t.size(0) <= 1 || t.stride(0) >= t.size(1) * head_dim),
+                    name, " must be [tokens, heads, head_dim=", head_dim,
+                    "] with each token's heads contiguous and tokens apart, got shape ", t.sizes(),
+                    " strides ", t.strides());
 }
 
 void caches(const Tensor &k_cache, const Tensor &v_cache) {
