@@ -143,12 +143,12 @@ def variants() -> list[Variant]:
 def torch_abi() -> TorchAbi:
     """The ABI of the torch this Python imports (ImportError without one)."""
     import torch
-    from torch.utils import cpp_extension
 
+    # torch's headers, where its wheel puts them (torch.utils.cpp_extension.include_paths
+    # names the same, but importing that module looks for CUDA and logs when it finds none)
+    include = Path(torch.__file__).parent / "include"
     version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    return TorchAbi(
-        version, tuple(cpp_extension.include_paths()), bool(torch.compiled_with_cxx11_abi())
-    )
+    return TorchAbi(version, (str(include),), bool(torch.compiled_with_cxx11_abi()))
 
 
 def find_compiler() -> str | None:

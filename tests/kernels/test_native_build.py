@@ -111,6 +111,26 @@ def test_a_failed_ops_build_is_reported(tmp_path: Path) -> None:
     assert "native CPU kernels off" in out[-2]
 
 
+@needs_native
+def test_loading_the_kernels_logs_nothing_of_torchs_own(tmp_path: Path) -> None:
+    """Choosing and loading the kernels and their ops (compiled on the way) writes nothing
+    to stderr (the server's log lines are all JSON) and imports no part of torch that
+    looks for CUDA (torch.utils.cpp_extension, which logs on a CUDA build without one)."""
+    code = """
+        import sys
+        from flowllm.kernels import native
+        assert native.library() is not None
+        print("torch.utils.cpp_extension" in sys.modules)
+    """
+    env = {k: v for k, v in os.environ.items() if k not in (native.DISABLE_ENV, native.ISA_ENV)}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+        env={**env, "FLOWLLM_CACHE": str(tmp_path)}, check=True,
+    )  # fmt: skip
+    assert result.stdout.splitlines()[-1] == "False"
+    assert result.stderr == ""
+
+
 def test_the_ops_library_is_per_torch_release() -> None:
     """A prebuilt ops library built beside another torch release is not current here: its
     digest covers the release, as its directory's name does."""
