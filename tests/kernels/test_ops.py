@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from kernel_builds import use_kernel_build
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from flowllm.kernels import native
+from flowllm.kernels import fused, native
+from flowllm.kernels.reference import KernelInputError
 
 DTYPES = [torch.float32, torch.bfloat16]
 # each op and the arguments its schema says it writes
@@ -186,6 +187,10 @@ BAD_CALLS: list[tuple[str, tuple[int, ...], torch.dtype, Callable[..., object], 
      lambda o: torch.ops.flowllm.rope(o[:1].expand(3, 8), torch.zeros(4, 2, 8),
                                       torch.zeros(3).long(), 1, 8),
      ValueError, "x must be"),
+    ("heads-overflow", (3, 8), torch.float32,
+     lambda o: torch.ops.flowllm.rope(o, torch.zeros(4, 2, 8), torch.zeros(3).long(),
+                                      1 << 62, 8),
+     ValueError, "do not fit rows of 8"),
     ("int-for-tensor", (3, 4), torch.float32, lambda o: torch.ops.flowllm.silu_mul(3, o),
      (RuntimeError, TypeError), "Expected a value of type 'Tensor' for argument 'gate_up'"),
 ]  # fmt: skip
@@ -292,6 +297,8 @@ def test_no_build_in_use_refuses_to_run() -> None:
         with pytest.raises(RuntimeError, match="no native kernel build is in use"):
             torch.ops.flowllm.silu_mul(GATE_UP, out)
         assert (out == 7).all()
+        with pytest.raises(KernelInputError, match="not available on this machine"):
+            fused.silu_mul(GATE_UP)  # the layers' functions say so in their own error
         with pytest.raises(RuntimeError, match="no native kernel build is in use"):
             torch.ops.flowllm.rope(X.clone(), torch.zeros(4, 2, 8), torch.zeros(3).long(), 1, 8)
         torch.ops.flowllm.silu_mul(GATE_UP.to("meta"), out.to("meta"))

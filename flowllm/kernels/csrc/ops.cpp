@@ -141,13 +141,13 @@ void linear(const Tensor &x, const Tensor &w, const optional<Tensor> &bias, cons
   exactly(x, y, y.scalar_type(), {m, n}, "y");
   if (bias.has_value()) exactly(x, *bias, x.scalar_type(), {n}, "bias");
   if (!Run || m == 0) return;
-  const Kernels &k_ = kernels();
+  const Kernels &kn = kernels();
   if (bf16) {
-    TORCH_CHECK(k_.has_bf16, "the bf16 linear product needs AVX512-BF16 and the AVX-512 build");
-    run(k_.linear_bf16, {ptr<const bf16_t>(x), ptr<const bf16_t>(w), ptr<const bf16_t>(bias),
+    TORCH_CHECK(kn.has_bf16, "the bf16 linear product needs AVX512-BF16 and the AVX-512 build");
+    run(kn.linear_bf16, {ptr<const bf16_t>(x), ptr<const bf16_t>(w), ptr<const bf16_t>(bias),
                          ptr(y), m, n, k, y.scalar_type() == at::kFloat});
   } else {
-    run(k_.linear_f32,
+    run(kn.linear_f32,
         {ptr<const float>(x), ptr<const float>(w), ptr<const float>(bias), ptr<float>(y), m, n, k});
   }
 }
@@ -337,11 +337,16 @@ template <bool Run>
 void rope(const Tensor &x, const Tensor &table, const Tensor &positions, int64_t heads,
           int64_t head_dim) {
   activation(x, "x");
-  TORCH_CHECK_VALUE(heads >= 0 && head_dim > 0, "heads ", heads, " and head_dim ", head_dim);
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= heads * head_dim &&
-                        (x.size(0) <= 1 || x.stride(0) >= heads * head_dim),
-                    "x must be [n, >= ", heads * head_dim, "] with unit column stride, got ",
-                    x.sizes(), " strides ", x.strides());
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1,
+                    "x must be [n, row] with unit column stride, got ", x.sizes(), " strides ",
+                    x.strides());
+  /* heads * head_dim bounded by the row before it is formed: no product overflows */
+  TORCH_CHECK_VALUE(
+      heads >= 0 && head_dim > 0 && head_dim <= x.size(1) && heads <= x.size(1) / head_dim,
+      "heads ", heads, " of head_dim ", head_dim, " do not fit rows of ", x.size(1));
+  TORCH_CHECK_VALUE(x.size(0) <= 1 || x.stride(0) >= heads * head_dim,
+                    "x must be rows of >= ", heads * head_dim, " elements apart, got strides ",
+                    x.strides());
   TORCH_CHECK_VALUE(table.dim() == 3, "table must be [rows, 2, rot], got ", table.sizes());
   const int64_t rot = table.size(2);
   TORCH_CHECK_VALUE(rot <= head_dim && rot % 2 == 0 && rot <= 1024, "rotary width ", rot,
@@ -423,7 +428,8 @@ bool quantized_weight(const Tensor &codes, const Tensor &scales, const optional<
   const int64_t rows = codes.size(0);
   TORCH_CHECK_VALUE(n >= 0 && rows >= n && (!interleaved || rows % 16 == 0), "codes of ", rows,
                     " rows do not hold ", n, interleaved ? " rows in groups of 16" : " rows");
-  exactly(codes, codes, codes.scalar_type(), {rows, q4 ? k / 2 : k}, "codes");
+  shape_is(codes, {rows, q4 ? k / 2 : k}, "codes");
+  contiguous(codes, "codes");
   exactly(codes, scales, scales.scalar_type(), {rows, k / group}, "scales");
   if (mins.has_value()) exactly(codes, *mins, scales.scalar_type(), scales.sizes(), "mins");
   return q4;
