@@ -275,6 +275,8 @@ class StepBatch(msgspec.Struct, kw_only=True):
     prompt_logits_for: tuple[int, ...] = ()  # seqs whose prompt logits execute returns
     reads_sampled: tuple[int, ...] = ()  # steps whose sampled ids its placeholder rows read
     inflight_from: int = 0  # the oldest step in flight when built: no later batch reads older
+    # A sampling row has structured outputs: guide sends this step's masks (only then).
+    guided: bool = False
 
 
 class StepLogits(msgspec.Struct, kw_only=True):
@@ -308,8 +310,9 @@ class StepMasks(msgspec.Struct, kw_only=True):
     Row i of `bitmask` belongs to `seq_ids[i]`; bit j of a row (int32 word j // 32, bit
     j % 32) is set when token j may come next. A sequence that verifies d drafts has d + 1
     consecutive rows, one per position: row j holds what may follow its drafts 0..j-1.
-    Sequences without a constraint are absent, and a step without constrained sequences
-    sends no bitmask.
+    Sequences without a constraint are absent. Only a step whose batch is `guided` has
+    a `StepMasks`; its bitmask is None when no row is masked (every constrained row is
+    still in its thinking part).
     """
 
     step_id: int

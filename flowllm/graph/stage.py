@@ -402,6 +402,10 @@ class Stage:
     # input from the loop is full, so the validator sizes such a port's channel from that
     # input's capacity, the credit bound and one (docs/stages.md), not the bound alone.
     per_step_outputs: ClassVar[frozenset[str]] = frozenset()
+    # Inputs joined by step, each read in its own order (sample's logits and masks): what
+    # the stage sends does not depend on how their messages interleave, so a trace replay
+    # feeds each input in send order instead of the recorded receive order.
+    joins_inputs: ClassVar[bool] = False
     # What a failure does when the graph's `supervision:` entry does not say
     # (flowllm/graph/supervision.py): a stage with its own `run` may hold state across
     # requests, so it restarts with fresh state.

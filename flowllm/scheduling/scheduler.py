@@ -153,6 +153,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: oldest first, youngest last
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq id
         self._requests: dict[str, list[Sequence]] = {}  # unfinished sequences per request
+        self._num_constrained = 0  # unfinished sequences with structured outputs
         # For detokenize (`choice_events`): choices that started in the last batch.
         self._choice_starts: list[ChoiceStart] = []
         # step id -> the sequences it samples, in row order, until `apply` (oldest first)
@@ -208,6 +209,7 @@ class Scheduler:
                 self.kv.set_cache_salt(seq.seq_id, request.cache_salt)
             ledger.next_seq_id += 1
             self._seqs[seq.seq_id] = seq
+            self._num_constrained += params.structured_outputs is not None
             self.waiting.append(seq)
             seqs.append(seq)
         self._requests[request.request_id] = seqs
@@ -476,6 +478,8 @@ class Scheduler:
         prompt_logits_for: list[int] = []
         sampling: list[Sequence] = []
         reads_sampled: set[int] = set()
+        any_constrained = self._num_constrained > 0
+        guided = False
         for seq, num_new, blocks in rows:
             tokens = seq.token_ids
             num_tokens = len(tokens) + seq.num_pending
@@ -515,6 +519,8 @@ class Scheduler:
                 seq.num_pending += 1
                 seq.sampled_at = (step_id, len(sampling))
                 sampling.append(seq)
+                if any_constrained and seq.params.structured_outputs is not None:
+                    guided = True
             if not seq.started:
                 seq.started = True
                 seq_start = seq.to_start()
@@ -535,6 +541,7 @@ class Scheduler:
             prompt_logits_for=tuple(prompt_logits_for),
             reads_sampled=tuple(sorted(reads_sampled)),
             inflight_from=inflight_from,
+            guided=guided,
         )
 
     def _preempt(self, seq: Sequence) -> None:
@@ -553,6 +560,7 @@ class Scheduler:
         seq.stop_reason = stop_reason
         self.kv.remove(seq.seq_id)
         del self._seqs[seq.seq_id]
+        self._num_constrained -= seq.params.structured_outputs is not None
         siblings = self._requests.get(seq.request_id)
         if siblings is not None:
             siblings.remove(seq)

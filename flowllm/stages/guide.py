@@ -3,8 +3,9 @@
 It receives every `StepBatch` at the same time as execute (a fan-out of `schedule.out`)
 and, in its worker thread while the model runs, advances each constrained sequence's
 matcher by the token it sampled last step and fills the sequence's row of the step's
-bitmask; sample joins the `StepMasks` with the step's logits. A step without constrained
-sequences costs one empty message.
+bitmask; sample joins the `StepMasks` with the step's logits. Only a step whose batch is
+`guided` (schedule marks those with a constrained sampling row) gets one: for every other
+step guide sends nothing and sample waits for nothing.
 
 The matcher of a sequence has accepted exactly its output tokens so far: a sampling row
 with `num_output_tokens = m` needs output m - 1 accepted, and that token is among the
@@ -85,12 +86,19 @@ class Guide(PerMessageStage):
         return len(self._seqs)
 
     async def handle(self, batch: StepBatch, ctx: StageContext) -> None:
-        constrained = any(s.params.structured_outputs is not None for s in batch.started)
-        if not self._seqs and not constrained:  # nothing to follow, nothing to release
-            await ctx.emit("out", StepMasks(step_id=batch.step_id))
+        starts = any(s.params.structured_outputs is not None for s in batch.started)
+        if batch.guided or starts:
+            masks = await self._worker.run(self._fill, batch)
+        else:  # nothing to fill: only forget the sequences that left
+            for seq_id in batch.released:
+                self._seqs.pop(seq_id, None)
             return
-        masks = await self._worker.run(self._fill, batch)
-        await ctx.emit("out", masks)
+        if batch.guided:
+            await ctx.emit("out", masks)
+        elif masks.seq_ids:
+            raise GuideError(
+                f"step {batch.step_id} masks constrained rows, but its batch is not guided"
+            )
 
     def _fill(self, batch: StepBatch) -> StepMasks:
         seqs = self._seqs

@@ -11,10 +11,10 @@ A step whose batch verifies drafts (speculative decoding) is sampled position by
 (`Sampler.verify`): each verifying sequence sends its accepted drafts and one token more.
 Such a step sends no ids (speculative decoding runs with one step in flight).
 
-With the guide stage connected to `masks`, it joins each step's logits with the step's
-`StepMasks` (both come from one `StepBatch`, in step order) and samples constrained rows
-from the tokens their grammar allows, each verified position under its own mask. Without
-it, it samples from the logits alone.
+With the guide stage connected to `masks`, it joins the logits of each step whose batch is
+`guided` with the step's `StepMasks` (both come from one `StepBatch`, in step order; other
+steps have no masks) and samples constrained rows from the tokens their grammar allows,
+each verified position under its own mask. Without it, it samples from the logits alone.
 
 A front process imports this module to check the graph's edges, and loads no torch: the
 sampler (torch) is imported where the stage is built, in the process that runs it.
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
+from flowllm.graph.stage import CLOSED, NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
     SampledIds,
     SampledToken,
@@ -52,6 +52,7 @@ class Sample(PerMessageStage):
     optional_inputs = frozenset({"masks"})
     outputs = {"out": StepTokens, "ids": SampledIds}
     optional_outputs = frozenset({"ids"})
+    joins_inputs = True  # a guided step's logits with its masks, each input in step order
 
     def __init__(self, params: NoParams, services: EngineServices) -> None:
         from flowllm.sampling.sampler import Sampler
@@ -71,18 +72,26 @@ class Sample(PerMessageStage):
         if "masks" not in ctx.input_ports:
             await super().run(ctx)
             return
-        logits_in, masks_in = ctx.inbox("in"), ctx.inbox("masks")
+        masks_in = ctx.inbox("masks")
         while True:
-            # The masks first: they are usually ready before the model step ends. A span
-            # marks their receipt, so a trace shows (and a replay feeds) the join's order.
             try:
-                masks = await masks_in.receive()
-                ctx.spans.record(masks, perf_counter(), masks_in.last_wait, observed=False)
-                step = await logits_in.receive()
+                _, step = await ctx.receive_any("in")
+                if step is CLOSED:
+                    return
+                step_wait = ctx.last_wait
+                masks = None
+                if step.batch.guided:
+                    # A span marks the masks' receipt, so a trace shows when they came.
+                    _, masks = await ctx.receive_any("masks")
+                    if masks is CLOSED:
+                        raise SampleError(
+                            f"step {step.batch.step_id} is guided, but its masks' input closed"
+                        )
+                    ctx.spans.record(masks, perf_counter(), masks_in.last_wait, observed=False)
             except anyio.EndOfStream:
                 return
-            with ctx.handling(step, logits_in.last_wait):
-                if masks.step_id != step.batch.step_id:
+            with ctx.handling(step, step_wait):
+                if masks is not None and masks.step_id != step.batch.step_id:
                     raise SampleError(
                         f"step {step.batch.step_id}'s logits met the masks of step {masks.step_id}"
                     )

@@ -2,11 +2,11 @@
 
 Each stage is built from the trace's own graph and engine config (`StageClass(params,
 services)`), then fed its recorded inputs in the order it received them when recording:
-for a stage with one input, send order; for several (schedule, deliver), the order of its
-recorded spans, one message at a time, the next sent once the stage has recorded the
-previous one's span (which it does before taking its next input, so its decisions between
-inputs are the same as when recording). Its outputs are compared with the recorded ones
-port by port: exactly, except
+for a stage with one input, or one that joins its inputs by step (sample), send order; for
+several (schedule, deliver), the order of its recorded spans, one message at a time, the
+next sent once the stage has recorded the previous one's span (which it does before taking
+its next input, so its decisions between inputs are the same as when recording). Its
+outputs are compared with the recorded ones port by port: exactly, except
 
 - request ids map one-to-one in order of appearance, and `*_time` fields are ignored;
 - tensors (execute's logits) are equal within `atol + rtol * |recorded|` (default 1e-4
@@ -358,17 +358,19 @@ class Replayer:
             found[port] = [e.message for e in entries]
         return found
 
-    def _inputs(self, stage: str) -> tuple[list[tuple[str, Any]], bool] | str:
-        """(port, message) in receive order and whether to feed one at a time, or why not."""
+    def _inputs(
+        self, stage: str, joins_inputs: bool = False
+    ) -> tuple[list[tuple[str, Any]], bool] | str:
+        """(port, message) in receive order and whether to feed one at a time, or why not.
+        A stage that `joins_inputs` gets each input in send order, one input after another."""
         trace = self.trace
         ports = trace.stage_inputs(stage)
         missing = [c for c in ports.values() if c not in trace.entries]
         if missing:
             return f"input channel(s) not recorded: {', '.join(missing)}"
         port_of = {channel: port for port, channel in ports.items()}
-        if len(ports) == 1:
-            ((port, channel),) = ports.items()
-            return [(port, e.message) for e in trace.entries[channel]], False
+        if len(ports) == 1 or joins_inputs:
+            return [(p, e.message) for p, c in ports.items() for e in trace.entries[c]], False
         handled = trace.handled.get(stage, [])
         if not trace.manifest.spans and any(trace.entries[c] for c in ports.values()):
             return "several inputs and no spans recorded: receive order unknown"
@@ -422,7 +424,7 @@ class Replayer:
             if not any(v is not None for v in recorded.values()):
                 return StageResult(stage=name, status="skip", detail="no output recorded")
         else:
-            got = self._inputs(name)
+            got = self._inputs(name, cls.joins_inputs)
             if isinstance(got, str):
                 return StageResult(stage=name, status="skip", detail=got)
             inputs, one_at_a_time = got

@@ -180,7 +180,7 @@ def _guided() -> list[GenerateRequest]:
 
 def _check_preempted(engine: AsyncEngine) -> None:
     scheduler = engine.graph.stage("schedule").scheduler  # type: ignore[attr-defined]
-    if scheduler.num_preemptions < 1:
+    if scheduler.stats.num_preemptions < 1:
         raise ScenarioError("the preemption scenario ran without a preemption")
 
 

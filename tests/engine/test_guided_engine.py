@@ -146,3 +146,32 @@ def test_a_graph_without_guide_refuses_constraints_and_serves_the_rest(
     assert refused.kind == "invalid_request" and refused.param == "guided_regex"
     assert "guide stage" in refused.message
     assert len(served[0].token_ids) == 4
+
+
+def test_only_steps_with_a_constrained_sampling_row_carry_masks(
+    services: EngineServices, tmp_path: Path
+) -> None:
+    """A constrained request beside longer free ones: guide sends masks for the steps in
+    which the constrained sequence samples, and sample samples every other step without
+    waiting for any; the outputs equal those of the free requests run alone."""
+    from flowllm import LLM
+    from flowllm.traces.codec import read_channel
+
+    free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in range(2)]
+    code = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=CODE)
+    prompts = ["Once upon", "The river", "Code:"]
+    traced = LLM(services=services.fresh(), trace_dir=tmp_path)
+    outputs = traced.generate(prompts, [*free, code])
+    alone = LLM(services=services.fresh()).generate(prompts[:2], free)
+    assert [o.outputs[0].token_ids for o in outputs[:2]] == [o.outputs[0].token_ids for o in alone]
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", outputs[2].outputs[0].text)
+    batches = [e.message for e in read_channel(tmp_path / "execute.in.msgpack")]
+    constrained = {s.seq_id for b in batches for s in b.started if s.params.structured_outputs}
+    guided = [
+        b.step_id for b in batches if any(s.sample and s.seq_id in constrained for s in b.seqs)
+    ]
+    assert [b.step_id for b in batches if b.guided] == guided
+    masks = [e.message for e in read_channel(tmp_path / "sample.masks.msgpack")]
+    assert [m.step_id for m in masks] == guided
+    assert all(m.seq_ids == (next(iter(constrained)),) for m in masks)
+    assert len(guided) < len(batches) - 3  # the free sequences ran on without masks

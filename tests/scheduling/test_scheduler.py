@@ -729,3 +729,25 @@ def test_without_chunked_prefill_a_step_must_hold_the_longest_prompt() -> None:
             num_blocks=64,
             max_model_len=64,
         )
+
+
+def test_a_batch_is_guided_while_a_constrained_sequence_samples_in_it() -> None:
+    from flowllm.messages import StructuredOutputs
+
+    sched = make_scheduler(budget=8)
+    regex = StructuredOutputs(regex="[a-z]+")
+    sched.add_request(request("free", range(1, 5), max_tokens=6))
+    sched.add_request(request("json", range(10, 21), max_tokens=2, structured_outputs=regex))
+    sched.add_request(request("aborted", range(30, 34), max_tokens=6, structured_outputs=regex))
+    first = step(sched)  # free's prefill samples; json's first chunk does not
+    assert rows(first) == {0: (0, 4, True), 1: (0, 4, False)}
+    assert not first.guided
+    second = step(sched)  # json's last chunk samples
+    assert rows(second)[1] == (4, 7, True) and second.guided
+    third = sched.schedule()
+    assert third is not None and rows(third)[2] == (0, 4, True) and third.guided
+    sample(sched, third, finish={1: ("length", None)})
+    assert sched.abort_request("aborted")
+    for _ in range(3):  # the constrained sequences have left: no batch is guided again
+        batch = step(sched)
+        assert not batch.guided and set(rows(batch)) == {0}

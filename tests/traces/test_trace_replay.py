@@ -67,7 +67,10 @@ def test_every_stage_replays_every_committed_trace(
     for result in report.results:
         assert result.status == "pass", report.format()
         if result.stage not in ("ingest", "deliver"):
-            assert result.inputs > 0 and result.outputs > 0, report.format()
+            assert result.inputs > 0, report.format()
+            # guide sends masks only for steps with a constrained sampling row
+            if result.stage != "guide" or name == "guided":
+                assert result.outputs > 0, report.format()
 
 
 def test_committed_traces_exercise_what_they_are_named_for() -> None:
