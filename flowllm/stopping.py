@@ -48,10 +48,12 @@ class StopRule:
     """The stop rules for one sequence, its fixed arguments folded in once.
 
     The sampler calls it for every sampled token of every sequence, so the per-token work
-    is two integer comparisons and one set lookup.
+    is two integer comparisons and one set lookup. A token outside `stopping_ids` whose
+    sequence had fewer than `last_output` outputs before it ends nothing: a caller with
+    many tokens may test that first and call the rule only when it fails.
     """
 
-    __slots__ = ("eos", "length_limit", "min_tokens", "stopping_ids")
+    __slots__ = ("eos", "last_output", "length_limit", "min_tokens", "stopping_ids")
 
     def __init__(
         self,
@@ -65,6 +67,7 @@ class StopRule:
         self.stopping_ids = self.eos | frozenset(params.stop_token_ids)  # EOS and stop ids
         self.min_tokens = params.min_tokens
         self.length_limit = output_limit(params, num_prompt_tokens, max_model_len)
+        self.last_output = self.length_limit - 1  # outputs before the token that reaches it
 
     def __call__(
         self, token_id: int, num_output_tokens: int

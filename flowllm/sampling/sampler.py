@@ -254,8 +254,12 @@ class Sampler:
                 continue
             if state.history is not None:
                 state.history.add(token)
-            finish, stop = state.stop(token, n + 1)
-            if finish is None and lp is None:  # the common case: fewer fields to set
+            rule = state.stop
+            if token in rule.stopping_ids or n >= rule.last_output:
+                finish, stop = rule(token, n + 1)
+            else:  # the common case: no rule can end it (StopRule.last_output)
+                finish, stop = None, None
+            if finish is None and lp is None:  # fewer fields to set
                 append(SampledToken(seq_id=sid, token_id=token))
             else:
                 state.finished = finish is not None

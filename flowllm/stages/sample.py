@@ -22,7 +22,8 @@ sampler (torch) is imported where the stage is built, in the process that runs i
 
 from __future__ import annotations
 
-from itertools import accumulate
+from itertools import accumulate, compress
+from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,12 @@ from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
     import torch
+
+
+_samples = attrgetter("sample")
+_seq_id = attrgetter("seq_id")
+_num_output_tokens = attrgetter("num_output_tokens")
+_num_draft_tokens = attrgetter("num_draft_tokens")
 
 
 class SampleError(RuntimeError):
@@ -121,20 +128,22 @@ class Sample(PerMessageStage):
             sampler.release(seq_id)
         for start in batch.started:
             sampler.start(start)
-        seq_ids: list[int] = []
-        num_output_tokens: list[int] = []
-        drafts: list[tuple[int, ...]] = []
-        for s in batch.seqs:
-            if s.sample:
-                seq_ids.append(s.seq_id)
-                num_output_tokens.append(s.num_output_tokens)
-                drafts.append(s.token_ids[len(s.token_ids) - s.num_draft_tokens :])
+        seqs = batch.seqs
+        samples = list(map(_samples, seqs))
+        rows = seqs if all(samples) else list(compress(seqs, samples))
+        seq_ids = list(map(_seq_id, rows))
+        num_output_tokens = list(map(_num_output_tokens, rows))
+        drafts = (
+            [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in rows]
+            if any(map(_num_draft_tokens, rows))
+            else None
+        )
         allowed = None
         if masks is not None and masks.seq_ids:
             allowed = (_logits_rows(seq_ids, drafts, masks.seq_ids), masks.bitmask)
         tokens: list[SampledToken] = []
         ids = None
-        if any(drafts):
+        if drafts is not None:
             tokens = sampler.verify(seq_ids, drafts, step.logits, num_output_tokens, allowed)
         elif seq_ids:
             tokens, ids = sampler.sample_with_ids(seq_ids, step.logits, num_output_tokens, allowed)
@@ -150,12 +159,15 @@ class Sample(PerMessageStage):
 
 
 def _logits_rows(
-    seq_ids: list[int], drafts: list[tuple[int, ...]], masked: tuple[int, ...]
+    seq_ids: list[int], drafts: list[tuple[int, ...]] | None, masked: tuple[int, ...]
 ) -> list[int]:
     """The logits row of each mask row: a sequence's rows follow one another, one per
-    position it samples (its drafts and one more), and so do its masks."""
-    starts = accumulate((len(d) + 1 for d in drafts), initial=0)  # one more: the total
-    first_row = dict(zip(seq_ids, starts, strict=False))
+    position it samples (its drafts, if any, and one more), and so do its masks."""
+    if drafts is None:
+        first_row = {seq_id: row for row, seq_id in enumerate(seq_ids)}
+    else:
+        starts = accumulate((len(d) + 1 for d in drafts), initial=0)  # one more: the total
+        first_row = dict(zip(seq_ids, starts, strict=False))
     rows: list[int] = []
     previous, position = None, 0
     for seq_id in masked:
