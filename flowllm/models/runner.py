@@ -80,6 +80,8 @@ class PoolingModel(Protocol):
 
 _num_computed_tokens = attrgetter("num_computed_tokens")
 _samples = attrgetter("sample")
+_token_ids = attrgetter("token_ids")
+_block_table = attrgetter("block_table")
 
 
 class StepInputError(ModelError):
@@ -98,8 +100,8 @@ class StepInputs:
     ) -> None:
         """`tables`: the runner's, kept from the previous step (None: a new one)."""
         n_seqs = len(seqs)
-        token_ids = [s.token_ids for s in seqs]
-        block_tables = [s.block_table for s in seqs]
+        token_ids = list(map(_token_ids, seqs))
+        block_tables = list(map(_block_table, seqs))
         q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n_seqs)
         computed = np.fromiter(map(_num_computed_tokens, seqs), dtype=np.int64, count=n_seqs)
         t_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n_seqs)
@@ -107,8 +109,9 @@ class StepInputs:
             bad = seqs[int(q_lens.argmin())].seq_id
             raise StepInputError(f"sequence {bad} is scheduled with no tokens")
         seq_lens = computed + q_lens
-        if n_seqs and bool((t_lens * block_size < seq_lens).any()):
-            i = int(np.argmax(t_lens * block_size < seq_lens))
+        short = t_lens * block_size < seq_lens
+        if short.any():
+            i = int(np.argmax(short))
             raise StepInputError(
                 f"sequence {seqs[i].seq_id} reaches {int(seq_lens[i])} tokens, which need "
                 f"{-(-int(seq_lens[i]) // block_size)} blocks of {block_size}, but its block "
@@ -120,25 +123,27 @@ class StepInputs:
         width = 1 << max(max_blocks - 1, 0).bit_length()
         tables = BlockTables() if tables is None else tables
         self.block_tables = tables.update(block_tables, t_lens, width)  # [n_seqs, width]
-        num_tokens = int(seq_lens.sum() - computed.sum())
+        num_tokens = int(q_lens.sum())
         self.input_ids = np.fromiter(
             chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens
         )
         # Per-token sequence index and position: [num_tokens]. A decode step (one token
         # per sequence) needs no expansion.
-        qsl = np.zeros(n_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        if num_tokens == n_seqs:
-            seq_of_token = np.arange(n_seqs)
+        decode = num_tokens == n_seqs  # every row has one token (none has fewer)
+        if decode:
+            qsl = np.arange(n_seqs + 1, dtype=np.int64)
+            seq_of_token = qsl[:-1]
             self.positions = computed
         else:
+            qsl = np.zeros(n_seqs + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=qsl[1:])
             seq_of_token = np.repeat(np.arange(n_seqs), q_lens)
             self.positions = computed[seq_of_token] + (np.arange(num_tokens) - qsl[seq_of_token])
         block_ids = self.block_tables[seq_of_token, self.positions // block_size]
         self.slot_mapping = block_ids.astype(np.int64) * block_size + self.positions % block_size
         self.query_start_loc = qsl.astype(np.int32)
         self.seq_lens = seq_lens.astype(np.int32)
-        self.max_query_len = int(q_lens.max()) if n_seqs else 0
+        self.max_query_len = 1 if decode else int(q_lens.max()) if n_seqs else 0
         self.max_seq_len = int(seq_lens.max()) if n_seqs else 0
 
         # Logit rows: each prompt-logits sequence's rows (in order), then the sampling rows.
@@ -150,8 +155,11 @@ class StepInputs:
                     start = len(rows)
                     rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
                     self.prompt_rows[s.seq_id] = (start, len(rows))
-        samples = np.fromiter(map(_samples, seqs), dtype=bool, count=n_seqs)
-        sample_rows = qsl[1:][samples] - 1  # each sampling sequence's last row
+        if all(map(_samples, seqs)):
+            sample_rows = qsl[1:] - 1  # each sequence's last row
+        else:
+            samples = np.fromiter(map(_samples, seqs), dtype=bool, count=n_seqs)
+            sample_rows = qsl[1:][samples] - 1  # each sampling sequence's last row
         self.sample_at = list(range(len(rows), len(rows) + len(sample_rows)))
         self.logits_indices = (
             np.concatenate([np.asarray(rows, dtype=np.int64), sample_rows]) if rows else sample_rows
