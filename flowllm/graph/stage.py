@@ -28,6 +28,7 @@ Three shapes cover the graph:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
 from types import TracebackType
@@ -38,7 +39,7 @@ import anyio.lowlevel
 import msgspec
 from structlog.typing import FilteringBoundLogger
 
-from flowllm.graph.channel import ChannelReceiver
+from flowllm.graph.channel import ChannelReceiver, Waiter
 from flowllm.graph.spans import SpanRecorder
 from flowllm.messages import RequestError, request_ids_of
 
@@ -228,7 +229,7 @@ class StageContext:
         `(port, message)`; a port that has closed and drained is returned once as
         `(port, CLOSED)` and skipped afterwards. Raises `anyio.EndOfStream` when every
         port has been reported closed. No polling: while nothing is buffered, the task
-        sleeps on one event that the channels' send side sets.
+        sleeps on one future that the channels' send side resolves.
         """
         order = ports or self._input_order
         closed = self._reported_closed
@@ -257,15 +258,15 @@ class StageContext:
                 raise anyio.EndOfStream
             # Nothing buffered: sleep until a send or close on any open port. No await
             # separates the checks above from registering, so no wake-up can be missed.
-            event = anyio.Event()
+            waiter: Waiter = asyncio.get_running_loop().create_future()
             live = [inbox for port, inbox in inboxes if port not in closed]
             for inbox in live:
-                inbox.add_waiter(event)
+                inbox.add_waiter(waiter)
             try:
-                await event.wait()
+                await waiter
             finally:
                 for inbox in live:
-                    inbox.remove_waiter(event)
+                    inbox.remove_waiter(waiter)
 
     # -- outputs --------------------------------------------------------------------------
 

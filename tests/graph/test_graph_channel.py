@@ -173,7 +173,7 @@ def test_receive_any_sleeps_until_a_send_or_close_on_any_port() -> None:
                 tg.start_soon(consumer, ctx)
                 await anyio.sleep(0.02)
                 assert events == []  # asleep, not spinning: nothing arrived yet
-                assert len(a._waiters) == 1  # it registered one wake-up event
+                assert len(a._waiters) == 1  # it registered one wake-up future
                 await to_b.send(Item(7))
                 await anyio.sleep(0.01)
                 assert events == [("b", 7)]
@@ -183,7 +183,7 @@ def test_receive_any_sleeps_until_a_send_or_close_on_any_port() -> None:
                 await to_b.send(Item(8))
                 to_b.close()
         assert events == [("b", 7), ("a", CLOSED), ("b", 8), ("b", CLOSED), "end"]
-        assert not a._waiters and not b._waiters  # no wake-up events left behind
+        assert not a._waiters and not b._waiters  # no wake-up futures left behind
 
     anyio.run(main)
 
