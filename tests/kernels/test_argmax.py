@@ -44,6 +44,19 @@ def test_native_argmax_equals_torch_argmax(vocab: int) -> None:
 
 
 @needs_native
+def test_a_maximum_tied_across_the_kernels_lanes_and_chains_answers_its_first_index() -> None:
+    """The kernel keeps several running maxima over interleaved vectors and merges them:
+    a tie between them is decided by index, not by which one holds it."""
+    x = torch.zeros(6, 1024)
+    for row, at in enumerate([(17, 64), (64, 17 + 1024 - 64), (3, 131, 515), (1000, 1023)]):
+        x[row, list(at)] = 9.0
+    x[4, 8::8] = 9.0  # the first lane of every vector but the first, on both builds
+    x[5] = float("-inf")
+    x[5, 999] = -1.0
+    assert torch.equal(argmax.argmax_rows(x), torch.tensor([17, 64, 3, 1000, 8, 999]))
+
+
+@needs_native
 def test_native_argmax_over_threads_equals_torch_argmax() -> None:
     x = torch.randn(300, 50257, generator=torch.Generator().manual_seed(3))  # > 1M: parallel
     x[::7, 123] = 50.0

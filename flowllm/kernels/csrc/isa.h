@@ -69,7 +69,10 @@ static inline vm vm_first(int64_t n) {
   return n >= VL ? (vm)0xFFFF : n <= 0 ? (vm)0 : (vm)((1u << n) - 1);
 }
 static inline vm vf_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+static inline vm vf_eq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 static inline vm vf_isnan(vf v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+static inline vm vm_and(vm a, vm b) { return (vm)(a & b); }
+static inline vm vm_or(vm a, vm b) { return (vm)(a | b); }
 /* Bit i set where lane i is chosen. */
 static inline unsigned vm_bits(vm m) { return m; }
 /* b in the lanes of m, a in the others. */
@@ -165,6 +168,7 @@ static inline vi vi_iota(void) {
 static inline vi vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vi_select(vm m, vi a, vi b) { return _mm512_mask_mov_epi32(a, m, b); }
+static inline vm vi_lt(vi a, vi b) { return _mm512_cmplt_epi32_mask(a, b); }
 static inline void vi_store(int32_t *p, vi v) { _mm512_storeu_si512(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VL 8
@@ -211,7 +215,10 @@ static inline vm vm_first(int64_t n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), at));
 }
 static inline vm vf_gt(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+static inline vm vf_eq(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
 static inline vm vf_isnan(vf v) { return _mm256_cmp_ps(v, v, _CMP_UNORD_Q); }
+static inline vm vm_and(vm a, vm b) { return _mm256_and_ps(a, b); }
+static inline vm vm_or(vm a, vm b) { return _mm256_or_ps(a, b); }
 static inline unsigned vm_bits(vm m) { return (unsigned)_mm256_movemask_ps(m); }
 static inline vf vf_select(vm m, vf a, vf b) { return _mm256_blendv_ps(a, b, m); }
 static inline vf vf_load_n(const float *p, int64_t n) {
@@ -312,6 +319,7 @@ static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vi vi_select(vm m, vi a, vi b) {
   return _mm256_blendv_epi8(a, b, _mm256_castps_si256(m));
 }
+static inline vm vi_lt(vi a, vi b) { return _mm256_castsi256_ps(_mm256_cmpgt_epi32(b, a)); }
 static inline void vi_store(int32_t *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
 #else
 #error "isa.h needs AVX-512F or AVX2 with FMA"
