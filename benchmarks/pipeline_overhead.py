@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,7 +53,8 @@ class InstantModel:
     them). `fresh`: a new tensor each call, written once, as a real model's LM head
     allocates its output (in execute's worker thread). `model_seconds`: each forward waits
     that long without holding the interpreter, as a step on a GPU does, so that what the
-    host does meanwhile shows.
+    host does meanwhile shows. `forwards`: (perf_counter, sampling rows) of every forward
+    since the caller last cleared it.
     """
 
     def __init__(self, vocab_size: int, fresh: bool = False, model_seconds: float = 0.0) -> None:
@@ -62,6 +64,7 @@ class InstantModel:
         generator = torch.Generator().manual_seed(0)
         self._row = torch.randn(vocab_size, generator=generator)
         self._logits = self._row.expand(1024, vocab_size).contiguous()
+        self.forwards: list[tuple[float, int]] = []
 
     def embed(self, input_ids: Any, positions: Any) -> torch.Tensor:
         return input_ids
@@ -72,6 +75,7 @@ class InstantModel:
         return ()
 
     def compute_logits(self, hidden: Any, ctx: Any) -> torch.Tensor:
+        self.forwards.append((time.perf_counter(), len(ctx.logits_indices)))
         rows = self._logits[: len(ctx.logits_indices)]  # [rows, vocab]
         return rows.clone() if self.fresh else rows
 
@@ -146,7 +150,10 @@ class Run(NamedTuple):
     minor_faults: int
     steps: int
     busy: dict[str, float]  # busy seconds per stage
-    step_seconds: float  # mean time per output token: a step with every sequence running
+    # mean time from one forward of every sequence to the next (None: no two such forwards
+    # followed each other, the requests admitted over so many steps that they never all ran)
+    step_seconds: float | None
+    tpot_seconds: float  # the engine's mean time per output token
 
 
 def run(llm: LLM, num_seqs: int, steps: int, sampling: str = "greedy") -> Run:
@@ -154,6 +161,8 @@ def run(llm: LLM, num_seqs: int, steps: int, sampling: str = "greedy") -> Run:
     vocab = llm.services.model.vocab_size  # prompt ids must be in the vocabulary
     prompts = [[(i * 7 + k) % vocab for k in range(16)] for i in range(num_seqs)]
     params = [sampling_params(sampling, i, steps) for i in range(num_seqs)]
+    forwards = llm.services.model.forwards
+    forwards.clear()
     cpu_started, faults_started = cpu_and_faults()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -177,8 +186,16 @@ def run(llm: LLM, num_seqs: int, steps: int, sampling: str = "greedy") -> Run:
         faults - faults_started,
         int(count or 0),
         busy,
+        full_batch_interval(forwards, num_seqs),
         tpot_sum / tpot_count,
     )
+
+
+def full_batch_interval(forwards: list[tuple[float, int]], num_seqs: int) -> float | None:
+    """The mean time between consecutive forwards that both sample every sequence: a step
+    of the graph with all of them running, whenever the requests were admitted."""
+    gaps = [b[0] - a[0] for a, b in pairwise(forwards) if a[1] == b[1] == num_seqs]
+    return sum(gaps) / len(gaps) if gaps else None
 
 
 class _Outbox:
@@ -308,16 +325,19 @@ def main() -> None:
     fresh = ", fresh logits each step" if args.fresh_logits else ""
     model = f"a model of {args.model_ms:g} ms" if args.model_ms else "instant model"
     print(f"vocab {args.vocab}, {k} tokens per sequence, {args.sampling}, {model}{fresh};")
-    print(f"best of {args.repeats} runs. µs/step: the mean time per output token (the engine's")
-    print("own flowllm:time_per_output_token_seconds), i.e. the time of a step with every sequence")
-    print("running, intake and prefill excluded. Round columns: the whole run per round (every")
+    print(f"best of {args.repeats} runs. µs/step: the mean time from one forward that samples")
+    print("every sequence to the next (all of them running; intake and prefill excluded); tpot:")
+    print("the engine's own mean time per output token (flowllm:time_per_output_token_seconds),")
+    print("lower than µs/step when requests were admitted over several steps, since they then")
+    print("decode partly beside fewer others (- : in no run did every sequence run at once).")
+    print("Round columns: the whole run per round (every")
     print("sequence gains one token), intake and prefill included; cpu: the process's CPU time")
     print("(all threads), steadier than wall time on a shared machine; faults: minor page")
     print("faults; stage columns: busy µs per round from each stage's duration histogram")
     print("(execute and sample include waiting for the GIL in their worker thread).")
     head = "".join(f"{s:>11}" for s in STAGES)
     print(
-        f"{'graph':>9}{'running seqs':>13} {'µs/step':>8} {'steps/s':>8} {'µs/round':>9} "
+        f"{'graph':>9}{'running seqs':>13} {'µs/step':>8} {'tpot µs':>8} {'µs/round':>9} "
         f"{'cpu µs/round':>13} {'faults/round':>13}{head}"
     )
     for num_seqs in (1, 64, 256):
@@ -326,13 +346,14 @@ def main() -> None:
             for name, llm in llms.items():
                 runs[name].append(run(llm, num_seqs, k, args.sampling))
         for name, done in runs.items():
-            best = min(done, key=lambda r: r.step_seconds)
-            step = best.step_seconds
+            full = [r for r in done if r.step_seconds is not None]
+            best = min(full or done, key=lambda r: r.step_seconds or r.tpot_seconds)
+            step = f"{best.step_seconds * 1e6:.0f}" if best.step_seconds is not None else "-"
             cpu = min(r.cpu_seconds for r in done)
             faults = min(r.minor_faults for r in done)
             stages = "".join(f"{best.busy[s] / k * 1e6:>11.0f}" for s in STAGES)
             print(
-                f"{name:>9}{num_seqs:>13} {step * 1e6:>8.0f} {1 / step:>8.0f} "
+                f"{name:>9}{num_seqs:>13} {step:>8} {best.tpot_seconds * 1e6:>8.0f} "
                 f"{best.seconds / k * 1e6:>9.0f} {cpu / k * 1e6:>13.0f} {faults / k:>13.0f}"
                 f"{stages}"
             )
