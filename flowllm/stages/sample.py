@@ -22,13 +22,13 @@ sampler (torch) is imported where the stage is built, in the process that runs i
 
 from __future__ import annotations
 
+from collections import deque
 from itertools import accumulate, compress
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING
 
-import anyio
-
+from flowllm.graph.channel import ChannelReceiver
 from flowllm.graph.stage import CLOSED, NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
     SampledIds,
@@ -80,29 +80,40 @@ class Sample(PerMessageStage):
             await super().run(ctx)
             return
         masks_in = ctx.inbox("masks")
+        early: deque[StepMasks] = deque()  # masks that came before their step's logits
         while True:
-            try:
-                _, step = await ctx.receive_any("in")
-                if step is CLOSED:
-                    return
-                step_wait = ctx.last_wait
-                masks = None
-                if step.batch.guided:
-                    # A span marks the masks' receipt, so a trace shows when they came.
-                    _, masks = await ctx.receive_any("masks")
-                    if masks is CLOSED:
+            # Either input ending ends the step loop's work here: the masks' end is what
+            # closes this stage's `ids` (and so execute's input) in an async graph.
+            port, message = await ctx.receive_any("in", "masks")
+            if message is CLOSED:
+                return
+            if port == "masks":
+                self._received(message, masks_in, ctx)
+                early.append(message)
+                continue
+            step, step_wait = message, ctx.last_wait
+            masks = None
+            if step.batch.guided:
+                while not early:
+                    _, message = await ctx.receive_any("masks")
+                    if message is CLOSED:
                         raise SampleError(
                             f"step {step.batch.step_id} is guided, but its masks' input closed"
                         )
-                    ctx.spans.record(masks, perf_counter(), masks_in.last_wait, observed=False)
-            except anyio.EndOfStream:
-                return
+                    self._received(message, masks_in, ctx)
+                    early.append(message)
+                masks = early.popleft()
             with ctx.handling(step, step_wait):
                 if masks is not None and masks.step_id != step.batch.step_id:
                     raise SampleError(
                         f"step {step.batch.step_id}'s logits met the masks of step {masks.step_id}"
                     )
                 await self.sample_step(step, masks, ctx)
+
+    @staticmethod
+    def _received(masks: StepMasks, inbox: ChannelReceiver[StepMasks], ctx: StageContext) -> None:
+        """A span marks the masks' receipt, so a trace shows when they came."""
+        ctx.spans.record(masks, perf_counter(), inbox.last_wait, observed=False)
 
     async def handle(self, step: StepLogits, ctx: StageContext) -> None:
         await self.sample_step(step, None, ctx)

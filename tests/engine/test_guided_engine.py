@@ -28,6 +28,7 @@ from flowllm.messages import (
 from flowllm.stages.services import EngineServices
 
 DEFAULT_GRAPH = Path(__file__).resolve().parents[2] / "flowllm" / "engine" / "default.yaml"
+ASYNC_GRAPH = Path(__file__).resolve().parents[2] / "examples" / "graphs" / "async-scheduling.yaml"
 CODE = StructuredOutputs(regex="[a-z]{3}-[0-9]{2}", param="guided_regex")
 
 
@@ -148,19 +149,21 @@ def test_a_graph_without_guide_refuses_constraints_and_serves_the_rest(
     assert len(served[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("graph", [None, ASYNC_GRAPH], ids=["default", "async"])
 def test_only_steps_with_a_constrained_sampling_row_carry_masks(
-    services: EngineServices, tmp_path: Path
+    services: EngineServices, tmp_path: Path, graph: Path | None
 ) -> None:
     """A constrained request beside longer free ones: guide sends masks for the steps in
     which the constrained sequence samples, and sample samples every other step without
-    waiting for any; the outputs equal those of the free requests run alone."""
+    waiting for any; the outputs equal those of the free requests run alone. With two steps
+    in flight too (masks then often come before their step's logits)."""
     from flowllm import LLM
     from flowllm.traces.codec import read_channel
 
     free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in range(2)]
     code = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=CODE)
     prompts = ["Once upon", "The river", "Code:"]
-    traced = LLM(services=services.fresh(), trace_dir=tmp_path)
+    traced = LLM(services=services.fresh(), trace_dir=tmp_path, graph=graph)
     outputs = traced.generate(prompts, [*free, code])
     alone = LLM(services=services.fresh()).generate(prompts[:2], free)
     assert [o.outputs[0].token_ids for o in outputs[:2]] == [o.outputs[0].token_ids for o in alone]
