@@ -263,12 +263,6 @@ class ChannelReceiver(Generic[T]):
         self.last_wait = perf_counter() - sent
         return message
 
-    @property
-    def ready(self) -> bool:
-        """A receive would return at once: a message waits, or every producer has finished."""
-        stats = self._stream.statistics()
-        return stats.current_buffer_used > 0 or stats.open_send_streams == 0
-
     def __aiter__(self) -> ChannelReceiver[T]:
         return self
 

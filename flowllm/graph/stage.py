@@ -184,6 +184,10 @@ class StageContext:
         self._inboxes = dict(inboxes)
         self._outboxes = dict(outboxes)
         self._input_order = tuple(self._inboxes)
+        self._inbox_lists: dict[tuple[str, ...], tuple[tuple[str, ChannelReceiver[Any]], ...]] = {}
+        # Port -> the message `receive_any` took there and its queue wait, until it returns
+        # it (see there).
+        self._held: dict[str, tuple[Any, float]] = {}
         self._reported_closed: set[str] = set()
         self._closed = False
 
@@ -232,12 +236,17 @@ class StageContext:
         sleeps on one future that the channels' send side resolves.
         """
         order = ports or self._input_order
+        held = self._held
+        if held:  # taken by a call cancelled at its yield
+            for port in order:
+                if port in held:
+                    message, self.last_wait = held.pop(port)
+                    return port, message
         closed = self._reported_closed
-        inboxes = [(port, self.inbox(port)) for port in order]
-        # One yield per call, so that a stage whose inputs are always ready still lets the
-        # others run: a checkpoint when a message already waits, else the wait below.
-        if any(inbox.ready for port, inbox in inboxes if port not in closed):
-            await anyio.lowlevel.checkpoint()
+        inboxes = self._inbox_lists.get(order)
+        if inboxes is None:
+            inboxes = self._inbox_lists[order] = tuple((port, self.inbox(port)) for port in order)
+        waited = False
         while True:
             waiting = False
             for port, inbox in inboxes:
@@ -251,8 +260,17 @@ class StageContext:
                 except anyio.EndOfStream:
                     closed.add(port)
                     self.spans.input_closed(port)
-                    return port, CLOSED
-                self.last_wait = inbox.last_wait
+                    message = CLOSED
+                else:
+                    self.last_wait = inbox.last_wait
+                if not waited:
+                    # One yield per call, so that a stage whose inputs are always ready
+                    # still lets the others run. The message is taken already: held across
+                    # the yield, it is what the next call returns if this one is cancelled
+                    # there (a restarted stage's next incarnation shares this context).
+                    held[port] = (message, self.last_wait)
+                    await anyio.lowlevel.checkpoint()
+                    del held[port]
                 return port, message
             if not waiting:
                 raise anyio.EndOfStream
@@ -267,6 +285,7 @@ class StageContext:
             finally:
                 for inbox in live:
                     inbox.remove_waiter(waiter)
+            waited = True
 
     # -- outputs --------------------------------------------------------------------------
 

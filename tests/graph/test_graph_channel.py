@@ -207,7 +207,7 @@ def test_fan_out_outbox_sends_to_every_channel_or_to_none() -> None:
 
 def test_receive_any_yields_even_when_its_input_is_always_ready() -> None:
     """A stage whose input always has a message still lets the other tasks run at every
-    receive (a checkpoint before it takes the message; one that must wait yields through
+    receive (a checkpoint after it takes the message; one that must wait yields through
     its wait alone)."""
     channel: Channel[Item] = Channel("s.in", Item, 8)
     sender = channel.sender()
@@ -232,5 +232,35 @@ def test_receive_any_yields_even_when_its_input_is_always_ready() -> None:
                 assert await ctx.receive_any() == ("in", Item(seq))
             assert ticks - before >= 4  # ready every time, and it yielded every time
             tg.cancel_scope.cancel()
+
+    anyio.run(main)
+
+
+def test_a_receive_cancelled_at_its_yield_leaves_its_message_to_the_next() -> None:
+    """receive_any takes a waiting message, then yields: cancelled there (a stage restarted
+    or stopped), the message is not lost, and the next call returns it first."""
+    urgent: Channel[Item] = Channel("s.urgent", Item, 4)
+    normal: Channel[Item] = Channel("s.normal", Item, 4)
+    to_urgent, to_normal = urgent.sender(), normal.sender()
+
+    async def main() -> None:
+        ctx = make_context({"urgent": urgent, "normal": normal})
+        await to_normal.send(Item(1, "normal"))
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await ctx.receive_any()
+        assert scope.cancelled_caught
+        assert normal.depth() == 0  # taken, and held
+        await to_urgent.send(Item(2, "urgent"))
+        assert await ctx.receive_any("urgent") == ("urgent", Item(2, "urgent"))  # not its port
+        assert await ctx.receive_any() == ("normal", Item(1, "normal"))
+        to_urgent.close()
+        to_normal.close()
+        urgent.close()
+        normal.close()
+        assert [await ctx.receive_any() for _ in range(2)] == [
+            ("urgent", CLOSED),
+            ("normal", CLOSED),
+        ]
 
     anyio.run(main)
