@@ -28,7 +28,6 @@ from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING
 
-from flowllm.graph.channel import ChannelReceiver
 from flowllm.graph.stage import CLOSED, NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
     SampledIds,
@@ -79,7 +78,6 @@ class Sample(PerMessageStage):
         if "masks" not in ctx.input_ports:
             await super().run(ctx)
             return
-        masks_in = ctx.inbox("masks")
         early: deque[StepMasks] = deque()  # masks that came before their step's logits
         while True:
             # Either input ending ends the step loop's work here: the masks' end is what
@@ -88,7 +86,7 @@ class Sample(PerMessageStage):
             if message is CLOSED:
                 return
             if port == "masks":
-                self._received(message, masks_in, ctx)
+                self._received(message, ctx)
                 early.append(message)
                 continue
             step, step_wait = message, ctx.last_wait
@@ -100,7 +98,7 @@ class Sample(PerMessageStage):
                         raise SampleError(
                             f"step {step.batch.step_id} is guided, but its masks' input closed"
                         )
-                    self._received(message, masks_in, ctx)
+                    self._received(message, ctx)
                     early.append(message)
                 masks = early.popleft()
             with ctx.handling(step, step_wait):
@@ -111,9 +109,10 @@ class Sample(PerMessageStage):
                 await self.sample_step(step, masks, ctx)
 
     @staticmethod
-    def _received(masks: StepMasks, inbox: ChannelReceiver[StepMasks], ctx: StageContext) -> None:
-        """A span marks the masks' receipt, so a trace shows when they came."""
-        ctx.spans.record(masks, perf_counter(), inbox.last_wait, observed=False)
+    def _received(masks: StepMasks, ctx: StageContext) -> None:
+        """A span marks the masks' receipt (just taken by `receive_any`), so a trace shows
+        when they came."""
+        ctx.spans.record(masks, perf_counter(), ctx.last_wait, observed=False)
 
     async def handle(self, step: StepLogits, ctx: StageContext) -> None:
         await self.sample_step(step, None, ctx)
