@@ -375,10 +375,9 @@ class Scheduler:
         ahead = self.async_scheduling
         speculate = len(running) <= self.speculate_up_to
         preempted = False
-        i = 0
-        while i < len(running):
-            seq = running[i]
-            i += 1
+        # Preemption only pops from the end, which the iterator sees: no later sequence is
+        # visited once preempted.
+        for i, seq in enumerate(running, 1):
             num_tokens = len(seq.token_ids)
             pending = seq.num_pending
             if pending:
@@ -394,7 +393,9 @@ class Scheduler:
                 num_tokens = max_model_len
             # Every later running sequence keeps one token of the budget.
             room = budget - (len(running) - i)
-            num_new = min(num_tokens - seq.num_computed_tokens, room)
+            num_new = num_tokens - seq.num_computed_tokens
+            if num_new > room:
+                num_new = room
             if num_new <= 0:
                 continue
             if seq.draft_token_ids:
