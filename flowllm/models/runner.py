@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from itertools import chain
-from operator import attrgetter
 from typing import Any, Protocol
 
 import msgspec
@@ -78,12 +77,6 @@ class PoolingModel(Protocol):
     ) -> torch.Tensor: ...
 
 
-_num_computed_tokens = attrgetter("num_computed_tokens")
-_samples = attrgetter("sample")
-_token_ids = attrgetter("token_ids")
-_block_table = attrgetter("block_table")
-
-
 class StepInputError(ModelError):
     """A scheduled sequence is inconsistent (no tokens, or a block table too short)."""
 
@@ -100,10 +93,10 @@ class StepInputs:
     ) -> None:
         """`tables`: the runner's, kept from the previous step (None: a new one)."""
         n_seqs = len(seqs)
-        token_ids = list(map(_token_ids, seqs))
-        block_tables = list(map(_block_table, seqs))
+        token_ids = [s.token_ids for s in seqs]
+        block_tables = [s.block_table for s in seqs]
         q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n_seqs)
-        computed = np.fromiter(map(_num_computed_tokens, seqs), dtype=np.int64, count=n_seqs)
+        computed = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
         t_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n_seqs)
         if n_seqs and int(q_lens.min()) < 1:
             bad = seqs[int(q_lens.argmin())].seq_id
@@ -155,11 +148,9 @@ class StepInputs:
                     start = len(rows)
                     rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
                     self.prompt_rows[s.seq_id] = (start, len(rows))
-        if all(map(_samples, seqs)):
-            sample_rows = qsl[1:] - 1  # each sequence's last row
-        else:
-            samples = np.fromiter(map(_samples, seqs), dtype=bool, count=n_seqs)
-            sample_rows = qsl[1:][samples] - 1  # each sampling sequence's last row
+        samples = [s.sample for s in seqs]
+        last_rows = qsl[1:] - 1  # each sequence's last row
+        sample_rows = last_rows if all(samples) else last_rows[np.array(samples, dtype=bool)]
         self.sample_at = list(range(len(rows), len(rows) + len(sample_rows)))
         self.logits_indices = (
             np.concatenate([np.asarray(rows, dtype=np.int64), sample_rows]) if rows else sample_rows

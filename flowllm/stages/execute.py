@@ -19,7 +19,6 @@ model's modules are imported where a runner is built, in the process that runs e
 
 from __future__ import annotations
 
-from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +36,6 @@ if TYPE_CHECKING:
 
     from flowllm.models.decode_buckets import DecodeBuckets
     from flowllm.models.runner import ModelRunner
-
-
-_token_ids = attrgetter("token_ids")
 
 
 class MissingSampledIdsError(RuntimeError):
@@ -90,7 +86,7 @@ def _warmed_up_runner(services: EngineServices) -> ModelRunner:
 def step_size(batch: StepBatch) -> tuple[int, int, bool]:
     """A step's size class, for its worker (a short step runs on the loop): its sequences
     and tokens to the next power of two, and whether it returns prompt logits."""
-    tokens = sum(map(len, map(_token_ids, batch.seqs)))
+    tokens = sum([len(seq.token_ids) for seq in batch.seqs])
     return len(batch.seqs).bit_length(), tokens.bit_length(), bool(batch.prompt_logits_for)
 
 

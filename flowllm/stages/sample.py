@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import accumulate, compress
-from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -41,12 +40,6 @@ from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
     import torch
-
-
-_samples = attrgetter("sample")
-_seq_id = attrgetter("seq_id")
-_num_output_tokens = attrgetter("num_output_tokens")
-_num_draft_tokens = attrgetter("num_draft_tokens")
 
 
 class SampleError(RuntimeError):
@@ -139,13 +132,13 @@ class Sample(PerMessageStage):
         for start in batch.started:
             sampler.start(start)
         seqs = batch.seqs
-        samples = list(map(_samples, seqs))
+        samples = [s.sample for s in seqs]
         rows = seqs if all(samples) else list(compress(seqs, samples))
-        seq_ids = list(map(_seq_id, rows))
-        num_output_tokens = list(map(_num_output_tokens, rows))
+        seq_ids = [s.seq_id for s in rows]
+        num_output_tokens = [s.num_output_tokens for s in rows]
         drafts = (
             [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in rows]
-            if any(map(_num_draft_tokens, rows))
+            if any([s.num_draft_tokens for s in rows])
             else None
         )
         allowed = None

@@ -111,7 +111,7 @@ class Schedule(Stage):
                 if batch is not None:
                     if batch.seqs:  # a step that only releases sequences computes nothing
                         self._metrics.iteration_tokens.observe(
-                            sum(len(seq.token_ids) for seq in batch.seqs)
+                            sum([len(seq.token_ids) for seq in batch.seqs])
                         )
                     await ctx.emit("out", batch)
                     inflight += 1
