@@ -148,7 +148,8 @@ class EngineMetrics:
         self.time_per_output_token = histogram(
             "time_per_output_token_seconds", "Mean time between output tokens of a request."
         )
-        # Observed per output chunk: flowllm's lock-free histogram, a bisect and two adds.
+        # Observed every step (each gap between chunks once, with its count): flowllm's
+        # lock-free histogram, a bisect and two adds.
         self.inter_token_latency = LabelledHistogram(
             f"{PREFIX}inter_token_latency_seconds",
             "Time between two output chunks of a request's first choice.",

@@ -35,9 +35,10 @@ class HistogramSeries:
         self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; last is +Inf
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self._bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        """`times` observations of `value` (equal values: one bisect)."""
+        self.counts[bisect_left(self._bounds, value)] += times
+        self.sum += value * times
 
 
 class LabelledHistogram(Collector):

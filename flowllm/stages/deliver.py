@@ -32,8 +32,10 @@ class Deliver(PerMessageStage):
             return
         mailboxes = self._mailboxes
         get, deliver_to = mailboxes.get, mailboxes.deliver_to
-        itl = self._metrics.inter_token_latency
         now = time.monotonic()  # one clock read per step: the chunks arrived together
+        # previous chunk time -> requests whose previous chunk came then: most came in one
+        # step together, so their inter-token latency is observed once, with its count
+        previous: dict[float, int] = {}
         for chunk in message.chunks:
             box = get(chunk.request_id)
             if box is None:
@@ -41,11 +43,15 @@ class Deliver(PerMessageStage):
             first = box.first_chunk_time is None
             deliver_to(box, chunk, now)
             if chunk.index == 0:
-                if box.last_chunk_time:
-                    itl.observe(now - box.last_chunk_time)
+                last = box.last_chunk_time
+                if last:
+                    previous[last] = previous.get(last, 0) + 1
                 box.last_chunk_time = now
             if first or chunk.finish_reason is not None:
                 self._observe(box, chunk, first, now)
+        itl = self._metrics.inter_token_latency
+        for last, times in previous.items():
+            itl.observe(now - last, times)
 
     def _observe(self, box: Mailbox, chunk: Chunk, first: bool, now: float) -> None:
         """Latency and token metrics at a choice's first and last chunk (vLLM's

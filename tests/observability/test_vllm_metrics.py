@@ -140,6 +140,44 @@ def test_per_request_metrics_match_the_request(services: EngineServices) -> None
     assert itl == pytest.approx(decode)  # the intervals add up to the decode time
 
 
+def test_inter_token_latency_counts_every_request_of_a_shared_step(
+    services: EngineServices,
+) -> None:
+    """Requests decoding in the same steps share their gaps, which deliver observes once
+    with a count: each request's intervals are still all there, adding up to its decode."""
+    fresh = services.fresh()
+    max_tokens = [6, 4, 6]
+
+    async def main() -> list[list]:
+        async with AsyncEngine.start(services=fresh) as engine:
+            boxes = [
+                engine.submit(
+                    GenerateRequest(
+                        request_id=f"r{i}",
+                        model=fresh.served_model_name,
+                        params=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                        arrival_time=anyio.current_time(),
+                        prompt_token_ids=tuple(range(100 + i, 111 + i)),
+                    )
+                )
+                for i, n in enumerate(max_tokens)
+            ]
+            outputs = []
+            for box in boxes:
+                outputs.append([chunk async for chunk in box])
+            return outputs
+
+    outputs = anyio.run(main)
+    registry = fresh.registry
+    assert [sum(len(c.token_ids) for c in chunks) for chunks in outputs] == max_tokens
+    # one chunk delivered per token (merged for the reader since): a gap between each two
+    intervals = sum(n - 1 for n in max_tokens)
+    assert sample(registry, "flowllm:inter_token_latency_seconds_count") == intervals
+    itl = sample(registry, "flowllm:inter_token_latency_seconds_sum")
+    decode = sample(registry, "flowllm:request_decode_time_seconds_sum")
+    assert itl == pytest.approx(decode)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("prefix", ["vllm", "flowllm", "both"])
 async def test_metrics_route_renders_the_chosen_prefix(
