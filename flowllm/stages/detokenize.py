@@ -36,7 +36,7 @@ from flowllm.stages.services import EngineServices
 from flowllm.text.detokenizer import Decode, IncrementalDetokenizer, make_decode
 
 
-@dataclass
+@dataclass(slots=True)
 class _Choice:
     """One sequence's text state (this stage's own; `start` is schedule's, read only)."""
 
