@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
+from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -43,10 +44,11 @@ class BlockTables:
             array = np.zeros((capacity, width), dtype=np.int32)
             self._array, held = array, []
         self._held = []  # until every stale row is written
-        stale = [i for i, (t, h) in enumerate(zip(tables, held, strict=False)) if t is not h]
-        stale.extend(range(len(held), n))
-        if stale:
-            rows = np.asarray(stale, dtype=np.int64)
+        kept = min(n, len(held))
+        changed = np.fromiter(map(is_not, tables, held), dtype=bool, count=kept)
+        rows = np.concatenate([np.flatnonzero(changed), np.arange(kept, n)])
+        if rows.size:
+            stale = rows.tolist()
             array[rows] = 0
             lens = lengths[rows]
             count = int(lens.sum())

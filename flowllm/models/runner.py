@@ -221,7 +221,7 @@ class ModelRunner:
     ) -> tuple[StepInputs, torch.Tensor, torch.Tensor, AttentionContext]:
         """The host inputs, token ids, positions and attention context of one step;
         `sampled`: step id -> its sampled ids, which the placeholder rows read."""
-        if any(s.num_draft_tokens for s in seqs):
+        if any([s.num_draft_tokens for s in seqs]):
             seqs = one_row_per_token(seqs)
         inp = StepInputs(seqs, self.block_size, prompt_logits_for, self.block_tables)
         ctx = AttentionContext(
