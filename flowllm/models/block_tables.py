@@ -11,7 +11,7 @@ test, where rebuilding every row from its tuple costs a Python pass over every b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
+from itertools import chain, compress
 from operator import is_not
 from typing import Any
 
@@ -44,11 +44,10 @@ class BlockTables:
             array = np.zeros((capacity, width), dtype=np.int32)
             self._array, held = array, []
         self._held = []  # until every stale row is written
-        kept = min(n, len(held))
-        changed = np.fromiter(map(is_not, tables, held), dtype=bool, count=kept)
-        rows = np.concatenate([np.flatnonzero(changed), np.arange(kept, n)])
-        if rows.size:
-            stale = rows.tolist()
+        stale = list(compress(range(n), map(is_not, tables, held)))
+        stale.extend(range(len(held), n))
+        if stale:
+            rows = np.asarray(stale, dtype=np.int64)
             array[rows] = 0
             lens = lengths[rows]
             count = int(lens.sum())
