@@ -375,6 +375,7 @@ class Scheduler:
         ahead = self.async_scheduling
         speculate = len(running) <= self.speculate_up_to
         preempted = False
+        num_running = len(running)
         # Preemption only pops from the end, which the iterator sees: no later sequence is
         # visited once preempted.
         for i, seq in enumerate(running, 1):
@@ -392,7 +393,7 @@ class Scheduler:
             if num_tokens > max_model_len:
                 num_tokens = max_model_len
             # Every later running sequence keeps one token of the budget.
-            room = budget - (len(running) - i)
+            room = budget - (num_running - i)
             num_new = num_tokens - seq.num_computed_tokens
             if num_new > room:
                 num_new = room
@@ -413,6 +414,7 @@ class Scheduler:
                 num_preemptions = self.ledger.num_preemptions
                 rec = self._allocate_or_preempt(seq, num_new)
                 preempted |= self.ledger.num_preemptions != num_preemptions
+                num_running = len(running)
                 if rec is None:  # preempted itself (which drops its drafts)
                     continue
             rows.append((seq, num_new, rec))
@@ -483,16 +485,18 @@ class Scheduler:
         guided = False
         for seq, num_new, blocks in rows:
             tokens = seq.token_ids
-            num_tokens = len(tokens) + seq.num_pending
+            pending = seq.num_pending
+            num_tokens = len(tokens) + pending
             start = seq.num_computed_tokens
             end = start + num_new
             drafts = seq.draft_token_ids
-            sample = end == num_tokens + len(drafts)
+            num_drafts = len(drafts)
+            sample = end == num_tokens + num_drafts
             input_from = None
             if drafts:  # its last token, then the drafts to verify
                 token_ids: tuple[int, ...] = (tokens[-1], *drafts)
-                seq.draft_token_ids, seq.num_draft_tokens = (), len(drafts)
-            elif seq.num_pending:  # the token in flight, as a placeholder (one row)
+                seq.draft_token_ids, seq.num_draft_tokens = (), num_drafts
+            elif pending:  # the token in flight, as a placeholder (one row)
                 input_from = seq.sampled_at
                 reads_sampled.add(input_from[0])
                 token_ids = (PLACEHOLDER_TOKEN,)
@@ -509,7 +513,7 @@ class Scheduler:
                     sample=sample,
                     num_output_tokens=num_tokens - seq.num_prompt_tokens,
                     input_from=input_from,
-                    num_draft_tokens=len(drafts),
+                    num_draft_tokens=num_drafts,
                 )
             )
             seq.num_computed_tokens = end
@@ -517,7 +521,7 @@ class Scheduler:
                 prompt_logits_for.append(seq.seq_id)
                 seq.wants_prompt_logits = not sample
             if sample:
-                seq.num_pending += 1
+                seq.num_pending = pending + 1
                 seq.sampled_at = (step_id, len(sampling))
                 sampling.append(seq)
                 if any_constrained and seq.params.structured_outputs is not None:
