@@ -274,6 +274,24 @@ def test_preemption_takes_the_youngest_other_sequence_first() -> None:
     assert b2.seqs[1].block_table == (3, 0)
 
 
+def test_a_preempted_sequence_gives_its_reserved_token_to_those_before_it() -> None:
+    """Every later running sequence keeps one token of the budget; once one is preempted
+    in the step, its token goes to the sequences scheduled after the preemption."""
+    sched = make_scheduler(budget=7, block_size=4, num_blocks=5, max_model_len=16)
+    sched.add_request(request("a", [1, 2, 3]))
+    sched.add_request(request("c", [4, 5, 6, 7]))
+    step(sched)  # a: 3 tokens in block 0; c: 4 in block 1
+    sched.add_request(request("b", range(100, 111)))  # 11 prompt tokens
+    b1 = step(sched)  # a and c decode (c takes block 2), b its first 5 (blocks 3 and 4)
+    assert rows(b1)[2] == (0, 5, False) and sched.kv.pool.num_free_blocks == 0
+    sched.running[1:] = sched.running[1:][::-1]  # running: a, b, c (c youngest)
+    b2 = sched.schedule()
+    assert b2 is not None
+    # a needs a block: c is preempted; b then has the 6 tokens left, its whole prompt's rest
+    assert sched.stats.num_preemptions == 1
+    assert rows(b2) == {0: (4, 1, True), 2: (5, 6, True)}
+
+
 def test_preempted_sequence_keeps_its_place_at_the_front() -> None:
     sched = make_scheduler(budget=32, block_size=4, num_blocks=4, max_model_len=16)
     sched.add_request(request("a", [1, 2, 3, 4]))
