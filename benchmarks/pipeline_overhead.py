@@ -6,7 +6,12 @@ parameters `--sampling` names), the incremental detokenizer, deliver and the mai
 the time per step is what the graph adds around a model step. Run:
 
     .venv/bin/python benchmarks/pipeline_overhead.py [--vocab 1024] [--steps 64] [--repeats 3]
-        [--sampling greedy|random|seeded|everything]
+        [--sampling greedy|random|seeded|everything] [--multiprocess]
+
+`--multiprocess` runs the graph as a server places it: the step loop and the instant model
+in an engine core process, the per-request stages, detokenize and deliver in this one
+(`LLM(multiprocess=True)`). The tpot and stage columns, read from the run's metrics, are
+then "-" (the front's engine keeps them apart from the `LLM`), and cpu is this process's.
 
 `--stage-bench` instead drives the step path's objects (scheduler, execute's runner, the
 sampler, the scheduler's apply, detokenize and deliver) one after another on one thread,
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import resource
 import sys
 import tempfile
@@ -33,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from model_fixtures import write_gpt2_tokenizer_files
 
-from flowllm.config import engine_config
+from flowllm.config import EngineConfig, engine_config
 from flowllm.graph.stage import NoParams
 from flowllm.llm import LLM
 from flowllm.messages import SamplingParams, StepLogits, TokenizedRequest
@@ -46,6 +52,36 @@ from flowllm.stages.schedule import Schedule, ScheduleParams
 from flowllm.stages.services import EngineServices, already_loaded
 
 
+class ForwardLog:
+    """(perf_counter, sampling rows) of every forward since the last `clear()`. With `path`
+    they are kept in that file, so that a model in another process can write them (both
+    processes read the machine's monotonic clock)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self._entries: list[tuple[float, int]] = []
+        self._file = None if path is None else open(path, "a", buffering=1)  # noqa: SIM115
+
+    def add(self, rows: int) -> None:
+        now = time.perf_counter()
+        if self._file is None:
+            self._entries.append((now, rows))
+        else:
+            self._file.write(f"{now} {rows}\n")
+
+    def clear(self) -> None:
+        if self.path is None:
+            self._entries.clear()
+        else:
+            Path(self.path).write_text("")  # the writer appends: it goes on at the start
+
+    def entries(self) -> list[tuple[float, int]]:
+        if self.path is None:
+            return list(self._entries)
+        lines = Path(self.path).read_text().splitlines()
+        return [(float(t), int(n)) for t, n in (line.split() for line in lines)]
+
+
 class InstantModel:
     """Returns the same logits row for every sampled position, at once.
 
@@ -53,18 +89,23 @@ class InstantModel:
     them). `fresh`: a new tensor each call, written once, as a real model's LM head
     allocates its output (in execute's worker thread). `model_seconds`: each forward waits
     that long without holding the interpreter, as a step on a GPU does, so that what the
-    host does meanwhile shows. `forwards`: (perf_counter, sampling rows) of every forward
-    since the caller last cleared it.
+    host does meanwhile shows. `forwards`: where each forward is logged.
     """
 
-    def __init__(self, vocab_size: int, fresh: bool = False, model_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        fresh: bool = False,
+        model_seconds: float = 0.0,
+        forwards: ForwardLog | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.fresh = fresh
         self.model_seconds = model_seconds
         generator = torch.Generator().manual_seed(0)
         self._row = torch.randn(vocab_size, generator=generator)
         self._logits = self._row.expand(1024, vocab_size).contiguous()
-        self.forwards: list[tuple[float, int]] = []
+        self.forwards = forwards or ForwardLog()
 
     def embed(self, input_ids: Any, positions: Any) -> torch.Tensor:
         return input_ids
@@ -75,20 +116,34 @@ class InstantModel:
         return ()
 
     def compute_logits(self, hidden: Any, ctx: Any) -> torch.Tensor:
-        self.forwards.append((time.perf_counter(), len(ctx.logits_indices)))
+        self.forwards.add(len(ctx.logits_indices))
         rows = self._logits[: len(ctx.logits_indices)]  # [rows, vocab]
         return rows.clone() if self.fresh else rows
 
 
-def services(
-    vocab_size: int, tokenizer: Any, fresh_logits: bool = False, model_seconds: float = 0.0
-) -> EngineServices:
-    config = engine_config(
-        "instant", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192
+def bench_config(tokenizer_dir: str | None = None) -> EngineConfig:
+    """The engine settings of every run (`tokenizer_dir`: where a front loads the tokenizer
+    from, when the model is in another process)."""
+    return engine_config(
+        "instant",
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        tokenizer=tokenizer_dir,
     )
+
+
+def services(
+    vocab_size: int,
+    tokenizer: Any,
+    fresh_logits: bool = False,
+    model_seconds: float = 0.0,
+    config: EngineConfig | None = None,
+    forwards: ForwardLog | None = None,
+) -> EngineServices:
     return EngineServices(
-        config=config,
-        model=InstantModel(vocab_size, fresh_logits, model_seconds),
+        config=config or bench_config(),
+        model=InstantModel(vocab_size, fresh_logits, model_seconds, forwards),
         tokenizer_loader=already_loaded(tokenizer),
         kv_caches=[],
         num_blocks=256 * 64,
@@ -97,6 +152,22 @@ def services(
         device=torch.device("cpu"),
         model_threads=torch.get_num_threads(),  # as a loaded model's services have them
     )
+
+
+def core_services(
+    vocab_size: int,
+    tokenizer_dir: str,
+    fresh_logits: bool,
+    model_seconds: float,
+    forwards_path: str,
+    config: EngineConfig,
+    tokenizer_now: bool = False,
+) -> EngineServices:
+    """An engine core process's services: the instant model, its forwards logged to
+    `forwards_path` (`LLM(multiprocess=True, core_services=...)` calls it there)."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    log = ForwardLog(forwards_path)
+    return services(vocab_size, tokenizer, fresh_logits, model_seconds, config, log)
 
 
 STAGES = ("schedule", "execute", "sample", "detokenize", "deliver")
@@ -149,19 +220,18 @@ class Run(NamedTuple):
     cpu_seconds: float
     minor_faults: int
     steps: int
-    busy: dict[str, float]  # busy seconds per stage
+    busy: dict[str, float | None]  # busy seconds per stage (None: not in this process)
     # mean time from one forward of every sequence to the next (None: no two such forwards
     # followed each other, the requests admitted over so many steps that they never all ran)
     step_seconds: float | None
-    tpot_seconds: float  # the engine's mean time per output token
+    tpot_seconds: float | None  # the engine's mean time per output token (None: unknown)
 
 
-def run(llm: LLM, num_seqs: int, steps: int, sampling: str = "greedy") -> Run:
+def run(llm: LLM, forwards: ForwardLog, num_seqs: int, steps: int, sampling: str = "greedy") -> Run:
     """Time one generate of `steps` tokens for each of `num_seqs` prompts."""
-    vocab = llm.services.model.vocab_size  # prompt ids must be in the vocabulary
+    vocab = llm.services.logits_size  # prompt ids must be in the vocabulary
     prompts = [[(i * 7 + k) % vocab for k in range(16)] for i in range(num_seqs)]
     params = [sampling_params(sampling, i, steps) for i in range(num_seqs)]
-    forwards = llm.services.model.forwards
     forwards.clear()
     cpu_started, faults_started = cpu_and_faults()
     started = time.perf_counter()
@@ -173,21 +243,19 @@ def run(llm: LLM, num_seqs: int, steps: int, sampling: str = "greedy") -> Run:
     registry = llm.last_run.registry
     count = registry.get_sample_value("flowllm:stage_duration_seconds_count", {"stage": "execute"})
     busy = {
-        stage: float(
-            registry.get_sample_value("flowllm:stage_duration_seconds_sum", {"stage": stage}) or 0
-        )
+        stage: registry.get_sample_value("flowllm:stage_duration_seconds_sum", {"stage": stage})
         for stage in STAGES
     }
-    tpot_sum = registry.get_sample_value("flowllm:time_per_output_token_seconds_sum") or 0.0
-    tpot_count = registry.get_sample_value("flowllm:time_per_output_token_seconds_count") or 1
+    tpot_sum = registry.get_sample_value("flowllm:time_per_output_token_seconds_sum")
+    tpot_count = registry.get_sample_value("flowllm:time_per_output_token_seconds_count")
     return Run(
         elapsed,
         cpu - cpu_started,
         faults - faults_started,
         int(count or 0),
         busy,
-        full_batch_interval(forwards, num_seqs),
-        tpot_sum / tpot_count,
+        full_batch_interval(forwards.entries(), num_seqs),
+        tpot_sum / tpot_count if tpot_sum is not None and tpot_count else None,
     )
 
 
@@ -294,6 +362,11 @@ def main() -> None:
         "steps in flight); several run alternately",
     )
     parser.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="the step loop and the model in an engine core process, as a server runs them",
+    )
+    parser.add_argument(
         "--stage-bench",
         action="store_true",
         help="median CPU µs per step of each step-path part, driven on one thread",
@@ -302,29 +375,61 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_gpt2_tokenizer_files(Path(tmp))
         tokenizer = load_tokenizer(tmp)
-    if args.stage_bench:
-        torch.set_num_threads(1)
-        print(f"vocab {args.vocab}, {args.sampling}, median CPU µs per decode step, one thread")
-        print(f"{'running seqs':>12}" + "".join(f"{p:>11}" for p in PARTS) + f"{'total':>11}")
-        for num_seqs in (1, 64, 256):
-            svc = services(args.vocab, tokenizer, args.fresh_logits)
-            med = asyncio.run(stage_bench(svc, num_seqs, args.steps, args.sampling))
-            cols = "".join(f"{med[p] * 1e6:>11.0f}" for p in PARTS)
-            print(f"{num_seqs:>12}{cols}{sum(med.values()) * 1e6:>11.0f}")
-        return
-    llms = {
-        name: LLM(
-            services=services(args.vocab, tokenizer, args.fresh_logits, args.model_ms / 1e3),
-            graph=graph_file(name),
-        )
-        for name in args.graphs.split(",")
-    }
-    for llm in llms.values():
-        run(llm, 4, 4, args.sampling)  # warm up
+        if args.stage_bench:
+            print_stage_bench(args, tokenizer)
+        else:
+            compare_graphs(args, tokenizer, tmp)
+
+
+def print_stage_bench(args: argparse.Namespace, tokenizer: Any) -> None:
+    torch.set_num_threads(1)
+    print(f"vocab {args.vocab}, {args.sampling}, median CPU µs per decode step, one thread")
+    print(f"{'running seqs':>12}" + "".join(f"{p:>11}" for p in PARTS) + f"{'total':>11}")
+    for num_seqs in (1, 64, 256):
+        svc = services(args.vocab, tokenizer, args.fresh_logits)
+        med = asyncio.run(stage_bench(svc, num_seqs, args.steps, args.sampling))
+        cols = "".join(f"{med[p] * 1e6:>11.0f}" for p in PARTS)
+        print(f"{num_seqs:>12}{cols}{sum(med.values()) * 1e6:>11.0f}")
+
+
+def open_llm(
+    args: argparse.Namespace, tokenizer: Any, tokenizer_dir: str, graph: str
+) -> tuple[LLM, ForwardLog]:
+    """An LLM over the instant model, in this process or (`--multiprocess`) in a core."""
+    model_seconds = args.model_ms / 1e3
+    if not args.multiprocess:
+        svc = services(args.vocab, tokenizer, args.fresh_logits, model_seconds)
+        return LLM(services=svc, graph=graph_file(graph)), svc.model.forwards
+    forwards = ForwardLog(str(Path(tokenizer_dir) / f"forwards-{graph}.txt"))
+    build = functools.partial(
+        core_services, args.vocab, tokenizer_dir, args.fresh_logits, model_seconds, forwards.path
+    )
+    llm = LLM(
+        config=bench_config(tokenizer_dir),
+        graph=graph_file(graph),
+        multiprocess=True,
+        core_services=build,
+    )
+    return llm, forwards
+
+
+def compare_graphs(args: argparse.Namespace, tokenizer: Any, tokenizer_dir: str) -> None:
+    llms = {name: open_llm(args, tokenizer, tokenizer_dir, name) for name in args.graphs.split(",")}
+    try:
+        print_runs(args, llms)
+    finally:
+        for llm, _ in llms.values():
+            llm.close()
+
+
+def print_runs(args: argparse.Namespace, llms: dict[str, tuple[LLM, ForwardLog]]) -> None:
+    for llm, forwards in llms.values():
+        run(llm, forwards, 4, 4, args.sampling)  # warm up
     k = args.steps
     fresh = ", fresh logits each step" if args.fresh_logits else ""
     model = f"a model of {args.model_ms:g} ms" if args.model_ms else "instant model"
-    print(f"vocab {args.vocab}, {k} tokens per sequence, {args.sampling}, {model}{fresh};")
+    where = ", the core in its own process" if args.multiprocess else ""
+    print(f"vocab {args.vocab}, {k} tokens per sequence, {args.sampling}, {model}{fresh}{where};")
     print(f"best of {args.repeats} runs. µs/step: the mean time from one forward that samples")
     print("every sequence to the next (all of them running; intake and prefill excluded); tpot:")
     print("the engine's own mean time per output token (flowllm:time_per_output_token_seconds),")
@@ -343,20 +448,25 @@ def main() -> None:
     for num_seqs in (1, 64, 256):
         runs: dict[str, list[Run]] = {name: [] for name in llms}
         for _ in range(args.repeats):
-            for name, llm in llms.items():
-                runs[name].append(run(llm, num_seqs, k, args.sampling))
+            for name, (llm, forwards) in llms.items():
+                runs[name].append(run(llm, forwards, num_seqs, k, args.sampling))
         for name, done in runs.items():
             full = [r for r in done if r.step_seconds is not None]
-            best = min(full or done, key=lambda r: r.step_seconds or r.tpot_seconds)
-            step = f"{best.step_seconds * 1e6:.0f}" if best.step_seconds is not None else "-"
+            best = min(full or done, key=lambda r: r.step_seconds or r.tpot_seconds or r.seconds)
+            step = _micros(best.step_seconds)
             cpu = min(r.cpu_seconds for r in done)
             faults = min(r.minor_faults for r in done)
-            stages = "".join(f"{best.busy[s] / k * 1e6:>11.0f}" for s in STAGES)
+            stages = "".join(f"{_micros(best.busy[s], k):>11}" for s in STAGES)
             print(
-                f"{name:>9}{num_seqs:>13} {step:>8} {best.tpot_seconds * 1e6:>8.0f} "
+                f"{name:>9}{num_seqs:>13} {step:>8} {_micros(best.tpot_seconds):>8} "
                 f"{best.seconds / k * 1e6:>9.0f} {cpu / k * 1e6:>13.0f} {faults / k:>13.0f}"
                 f"{stages}"
             )
+
+
+def _micros(seconds: float | None, per: int = 1) -> str:
+    """`seconds / per` in µs, or "-" when not measured."""
+    return "-" if seconds is None else f"{seconds / per * 1e6:.0f}"
 
 
 if __name__ == "__main__":

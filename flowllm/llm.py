@@ -30,7 +30,7 @@ import msgspec
 from flowllm.config import EngineConfig, engine_config
 from flowllm.engine import graph_for_task
 from flowllm.engine.async_engine import AsyncEngine
-from flowllm.engine.core import CoreSpec, placement_of, start_core
+from flowllm.engine.core import CoreSpec, ServicesBuilder, placement_of, start_core
 from flowllm.engine.front import FrontEngine
 from flowllm.engine.loading import build_services
 from flowllm.engine.scoring import pair_texts, plan_scores, pooling_request, vector_of
@@ -121,8 +121,11 @@ class LLM:
     `trace_dir` records each `generate` call's channel traffic there (the latest call's
     replaces the previous one), limited to `trace_channels` and `trace_max_bytes`.
     `multiprocess=True` runs the model in an engine core process of its own (a graph
-    placed in processes, as the default one; `close()` stops it). Without `graph`, the
-    graph is the one of the model's task (`task=`, default `auto`).
+    placed in processes, as the default one; `close()` stops it); `core_services`, a
+    picklable `build(config, tokenizer_now=False)`, then makes that process's services in
+    place of loading `model` (a benchmark's stand-in model; the front's tokenizer is
+    `config`'s). Without `graph`, the graph is the one of the model's task (`task=`,
+    default `auto`).
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class LLM:
         trace_channels: Sequence[str] | None = None,
         trace_max_bytes: int | None = None,
         multiprocess: bool = False,
+        core_services: ServicesBuilder | None = None,
         **settings: Any,
     ) -> None:
         self._core: CoreRun | None = None
@@ -148,10 +152,13 @@ class LLM:
                 config = engine_config(model, **settings)
             elif model is not None or settings:
                 raise TypeError("pass either config or model and settings, not both")
-            config = _with_served_task(config)
+            if core_services is None:
+                config = _with_served_task(config)
             graph = graph or graph_for_task(config.model.task, config.speculative is not None)
-            self._core = CoreRun.start(config, graph)
+            self._core = CoreRun.start(config, graph, core_services)
             services = self._core.front_services()
+        elif core_services is not None:
+            raise TypeError("core_services makes an engine core process's: multiprocess=True")
         elif services is not None:
             if model is not None or config is not None or settings:
                 raise TypeError("services already hold the model and its config")
@@ -344,7 +351,13 @@ def _with_served_task(config: EngineConfig) -> EngineConfig:
 class CoreRun:
     """The engine core process behind a multiprocess `LLM`, and how its front connects."""
 
-    def __init__(self, config: EngineConfig, graph: ValidGraph, folder: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        graph: ValidGraph,
+        folder: str,
+        build: ServicesBuilder | None = None,
+    ) -> None:
         self.config = config
         self.graph = graph
         self.folder = folder
@@ -354,19 +367,25 @@ class CoreRun:
             address=os.path.join(folder, "core.sock"),
             fronts=1,
         )
-        self.process = start_core(self.spec)
+        self.process = start_core(self.spec, build)
         weakref.finalize(self, _stop_core, self.process, folder)
 
     @classmethod
-    def start(cls, config: EngineConfig, graph: ValidGraph | str | Path) -> CoreRun:
+    def start(
+        cls,
+        config: EngineConfig,
+        graph: ValidGraph | str | Path,
+        build: ServicesBuilder | None = None,
+    ) -> CoreRun:
         valid = graph if isinstance(graph, ValidGraph) else load_graph(graph)
         if not valid.placement:
             raise ValueError(
                 f"graph {valid.name!r} names no processes: multiprocess needs a placed graph"
             )
         placement_of(valid)  # a front and one core, or say why not
-        resolve_model(config.model.model, config.model.quantization)  # convert once, here
-        return cls(config, valid, tempfile.mkdtemp(prefix="flowllm-"))
+        if build is None:
+            resolve_model(config.model.model, config.model.quantization)  # convert once, here
+        return cls(config, valid, tempfile.mkdtemp(prefix="flowllm-"), build)
 
     def front_services(self) -> EngineServices:
         """The front's services: the tokenizer (loaded here while the core loads the model)

@@ -23,6 +23,7 @@ import multiprocessing.process
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,11 @@ EXIT_ESCALATED = 70  # the graph failed past its supervision (sysexits' EX_SOFTW
 HELLO_MAX_BYTES = 64 * 1024
 EXIT_INVALID_GRAPH = 78  # the graph did not validate; the supervisor says why (EX_CONFIG)
 
+ServicesBuilder = Callable[..., "EngineServices"]
+"""Called in the core process as `build(config, tokenizer_now=False)`; picklable (a module's
+function, or a partial of one): what loads the model there. The default is
+`flowllm.engine.loading.build_services`; a benchmark passes one with a stand-in model."""
+
 
 @dataclass(frozen=True)
 class CoreSpec:
@@ -114,17 +120,21 @@ def placement_of(graph: ValidGraph | GraphSpec) -> tuple[str, str]:
     return front, others[0]
 
 
-def start_core(spec: CoreSpec) -> multiprocessing.process.BaseProcess:
-    """Start a core process (spawned: a fresh interpreter, whatever threads this one runs)."""
+def start_core(
+    spec: CoreSpec, build: ServicesBuilder | None = None
+) -> multiprocessing.process.BaseProcess:
+    """Start a core process (spawned: a fresh interpreter, whatever threads this one runs)
+    whose services `build` makes (default: the model `spec.config` names, loaded)."""
     process = multiprocessing.get_context("spawn").Process(
-        target=run_core, args=(spec,), name="flowllm-core"
+        target=run_core, args=(spec, build), name="flowllm-core"
     )
     process.start()
     return process
 
 
-def run_core(spec: CoreSpec) -> None:
-    """The core process's entry point: load, serve the fronts, exit when told to."""
+def run_core(spec: CoreSpec, build: ServicesBuilder | None = None) -> None:
+    """The core process's entry point: load (`build`, default `build_services`), serve the
+    fronts, exit when told to."""
     glibc_heap.one_arena()  # before any thread starts
     collector.pause()  # until loaded
     become_child("flowllm-core")
@@ -134,10 +144,11 @@ def run_core(spec: CoreSpec) -> None:
 
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
-    from flowllm.engine.loading import build_services
+    if build is None:
+        from flowllm.engine.loading import build_services as build
 
     graph = load_graph_or_exit(spec.graph_file)
-    services = build_services(spec.config, tokenizer_now=False)
+    services = build(spec.config, tokenizer_now=False)
     collector.settle()
     code = anyio.run(_serve_until_sigterm, spec, graph, services)
     os._exit(code)  # no interpreter teardown: the model's memory goes with the process
