@@ -22,6 +22,7 @@ import multiprocessing
 import multiprocessing.process
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ from flowllm.graph.channel import type_members
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.remote import Boundary, Peer, PeerGone
 from flowllm.graph.runtime import Graph
-from flowllm.graph.transport import keep_alive, listen
+from flowllm.graph.transport import keep_alive, listen, send_all
 from flowllm.graph.validator import ValidGraph, load_graph
 from flowllm.graph.wire import (
     CONTROL,
@@ -370,26 +371,28 @@ class Core:
                 peer.send_control(message)
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
-    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
-        keep_alive(stream)
+    async def _connection(self, sock: socket.socket) -> None:
+        keep_alive(sock)
         try:
             with anyio.fail_after(5):
-                frame = await read_one_frame(stream, HELLO_MAX_BYTES)
+                frame = await read_one_frame(sock, HELLO_MAX_BYTES)
             hello = CONTROL_DECODER.decode(frame.payload) if frame.kind == CONTROL else None
         except (TimeoutError, WireError, anyio.EndOfStream, OSError, ValueError) as exc:
             self.log.warning("a connection did not greet the core", error=repr(exc))
-            await stream.aclose()
+            sock.close()
             return
         reason = self._refusal(hello)
         if reason is not None or not isinstance(hello, Hello):
             self.log.error("front refused", reason=reason)
-            await stream.send(encode_control(Refused(reason or "no hello")))
-            await stream.aclose()
+            try:
+                await send_all(sock, encode_control(Refused(reason or "no hello")))
+            finally:
+                sock.close()
             return
         peer = self.fronts[hello.front]
         self.log.info("front connected", front=hello.front, pid=hello.pid)
         with contextlib.suppress(PeerGone):
-            await peer.attach(stream, greeting=self.ready())
+            await peer.attach(sock, greeting=self.ready())
         self._front_gone(hello.front)
 
     def _refusal(self, hello: object) -> str | None:

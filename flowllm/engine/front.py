@@ -246,7 +246,7 @@ class CoreLink:
         while not self.stopping:
             try:
                 address = self.address if isinstance(self.address, str) else await self.address()
-                stream = await connect(address)
+                sock = await connect(address)
             except OSError:
                 await anyio.sleep(RECONNECT_INTERVAL_S)
                 continue
@@ -254,7 +254,7 @@ class CoreLink:
             hello = Hello(front=self.index, wiring=self.wiring, pid=os.getpid(), token=self.token)
             ready = self.ready
             with contextlib.suppress(PeerGone):
-                await self.peer.attach(stream, greeting=hello)
+                await self.peer.attach(sock, greeting=hello)
             if not self.stopping:
                 self._core_lost()
                 if self.ready is ready:  # refused, or gone before it greeted: not at once
@@ -364,7 +364,7 @@ class FrontEngine(AsyncEngine):
                 link.graph = engine.graph
                 yield cls(engine.graph, services, link)
             link.stopping = True
-            await link.peer.detach()
+            link.peer.detach()
             tg.cancel_scope.cancel()
 
 

@@ -29,6 +29,7 @@ this process stops.
 
 from __future__ import annotations
 
+import socket
 from collections import deque
 from collections.abc import Callable, Sequence
 from time import perf_counter
@@ -47,6 +48,7 @@ from flowllm.graph.channel import (
     type_members,
     type_name,
 )
+from flowllm.graph.link import FrameLink
 from flowllm.graph.stage import RequestInputError
 from flowllm.graph.validator import ChannelSpec
 from flowllm.graph.wire import (
@@ -59,7 +61,6 @@ from flowllm.graph.wire import (
     WireError,
     encode_control,
     encode_frame,
-    read_frames,
 )
 
 Undeliverable = Callable[[str, object], None]
@@ -123,11 +124,9 @@ class Peer:
         self._credit_freed: dict[int, anyio.Event] = {}  # made by `attach`, in the loop
         self._inbound: dict[int, _Inbound] = {}
         self._pending_credits: dict[int, int] = {}
-        self._out: list[bytes] = []
-        self._wake: anyio.Event | None = None
+        self._link: FrameLink | None = None
         self._pumps: anyio.abc.TaskGroup | None = None
         self._attached = False
-        self._stream: anyio.abc.ByteStream | None = None
         self.log = structlog.get_logger("flowllm.graph").bind(peer=process, index=index)
 
     # -- what the runtime wires ----------------------------------------------------------
@@ -195,72 +194,51 @@ class Peer:
         return self._capacity[number] - self._credits[number] if self._attached else 0
 
     def _queue(self, frame: bytes) -> None:
-        self._out.append(frame)
-        if self._wake is not None:
-            self._wake.set()
+        assert self._link is not None  # only while attached
+        self._link.write(frame)
 
     # -- the connection ------------------------------------------------------------------
 
-    async def attach(self, stream: anyio.abc.ByteStream, greeting: object = None) -> None:
-        """Carry this peer's channels over `stream` until it ends; raises PeerGone then.
+    async def attach(self, sock: socket.socket, greeting: object = None) -> None:
+        """Carry this peer's channels over the connected `sock` until it ends (closing it
+        then); raises PeerGone then.
 
         `greeting`, when given, is the first control message sent. Called again with a
-        new stream after a reconnection; credits start afresh.
+        new socket after a reconnection; credits start afresh.
         """
         if self._attached:
             raise RuntimeError(f"peer {self.process}[{self.index}] is already attached")
         for number, capacity in self._capacity.items():
             self._credits[number] = capacity
             self._credit_freed[number] = anyio.Event()
-        self._wake = anyio.Event()
-        self._out.clear()
         self._pending_credits.clear()
+        link = self._link = FrameLink(sock, self._on_frame, self._credit_frames)
         if greeting is not None:
             self._queue(encode_control(greeting))
-        self._stream = stream
         self._attached = True
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._write, stream)
-                await self._read(stream)
-                tg.cancel_scope.cancel()
-        finally:
-            self._attached = False
-            self._stream = None
-            for event in self._credit_freed.values():
-                event.set()  # senders waiting for credit: the peer is gone, stop waiting
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
-        raise PeerGone(f"peer {self.process}[{self.index}] disconnected")
-
-    async def detach(self) -> None:
-        """Close the connection (the peer sees it end)."""
-        if self._stream is not None:
-            await self._stream.aclose()
-
-    async def _write(self, stream: anyio.abc.ByteStream) -> None:
-        while True:
-            assert self._wake is not None
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            frames, self._out = self._out, []
-            if self._pending_credits:
-                credits, self._pending_credits = self._pending_credits, {}
-                frames.extend(encode_frame(CREDIT, n, count) for n, count in credits.items())
-            if frames:
-                try:
-                    await stream.send(b"".join(frames))
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    return
-
-    async def _read(self, stream: anyio.abc.ByteStream) -> None:
-        try:
-            async for frame in read_frames(stream):
-                self._on_frame(frame)
+            await link.run()
         except WireError as exc:
             self.log.error("peer sent an unreadable stream; disconnecting", error=str(exc))
-        except OSError:
-            return
+        finally:
+            self._attached = False
+            self._link = None
+            for event in self._credit_freed.values():
+                event.set()  # senders waiting for credit: the peer is gone, stop waiting
+            sock.close()
+        raise PeerGone(f"peer {self.process}[{self.index}] disconnected")
+
+    def detach(self) -> None:
+        """Close the connection (the peer sees it end)."""
+        if self._link is not None:
+            self._link.close()
+
+    def _credit_frames(self) -> list[bytes]:
+        """The credits owed to the peer since the last write, one frame per channel."""
+        if not self._pending_credits:
+            return []
+        credits, self._pending_credits = self._pending_credits, {}
+        return [encode_frame(CREDIT, number, count) for number, count in credits.items()]
 
     def _on_frame(self, frame: Frame) -> None:
         kind = frame.kind
@@ -312,8 +290,8 @@ class Peer:
 
     def _credit(self, number: int) -> None:
         self._pending_credits[number] = self._pending_credits.get(number, 0) + 1
-        if self._wake is not None:
-            self._wake.set()
+        if self._link is not None:
+            self._link.send_soon()
 
     async def pump_overflow(self) -> None:
         """Move what arrived while local channels were full into them, in order (run for

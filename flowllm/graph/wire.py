@@ -19,21 +19,20 @@ different graphs refuse each other instead of misreading frames.
 from __future__ import annotations
 
 import hashlib
+import socket
 import struct
 import typing
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import anyio
-import anyio.abc
 import msgspec
 
 from flowllm.graph.channel import type_members, type_name
+from flowllm.graph.transport import receive
 
 DATA, CREDIT, END, CONTROL = 0, 1, 2, 3
 _LENGTH = struct.Struct("<I")
 MAX_FRAME_BYTES = 256 * 2**20  # a frame longer than this is a broken peer, not a message
-_READ_CHUNK = 1 << 16
 
 
 class WireError(RuntimeError):
@@ -138,15 +137,20 @@ def encode_control(message: object) -> bytes:
     return encode_frame(CONTROL, 0, 0, message)
 
 
-async def read_frames(stream: anyio.abc.ByteReceiveStream) -> AsyncIterator[Frame]:
-    """The frames on `stream` until it ends (raises WireError on a malformed stream)."""
-    buffer = bytearray()
-    while True:
-        try:
-            chunk = await stream.receive(_READ_CHUNK)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return
+class FrameReader:
+    """The frames in a byte stream, from its chunks as they arrive (a frame may span
+    several chunks); raises WireError on a malformed stream."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[Frame]:
+        """The frames that `chunk` completes, in order."""
+        buffer = self._buffer
         buffer += chunk
+        frames: list[Frame] = []
         start = 0
         while len(buffer) - start >= _LENGTH.size:
             (length,) = _LENGTH.unpack_from(buffer, start)
@@ -157,32 +161,30 @@ async def read_frames(stream: anyio.abc.ByteReceiveStream) -> AsyncIterator[Fram
                 break
             try:
                 # A copy of the frame: its Raw payload points into it, not into `buffer`.
-                frame = _FRAME_DECODER.decode(bytes(buffer[start + _LENGTH.size : end]))
+                frames.append(_FRAME_DECODER.decode(bytes(buffer[start + _LENGTH.size : end])))
             except msgspec.DecodeError as exc:
                 raise WireError(f"malformed frame: {exc}") from None
-            yield frame
             start = end
         del buffer[:start]
+        return frames
 
 
-async def read_one_frame(
-    stream: anyio.abc.ByteReceiveStream, max_bytes: int = MAX_FRAME_BYTES
-) -> Frame:
+async def read_one_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> Frame:
     """Exactly one frame of at most `max_bytes`, reading no byte past it (a greeting,
-    before the stream is handed to a `Peer`); raises WireError on a malformed or longer
-    one, EndOfStream if the stream ends."""
-    head = await _receive_exactly(stream, _LENGTH.size)
+    before the socket is handed to a `Peer`); raises WireError on a malformed or longer
+    one, `anyio.EndOfStream` if the connection ends."""
+    head = await _receive_exactly(sock, _LENGTH.size)
     (length,) = _LENGTH.unpack(head)
     if length > max_bytes:
         raise WireError(f"a frame of {length} bytes (at most {max_bytes})")
     try:
-        return _FRAME_DECODER.decode(await _receive_exactly(stream, length))
+        return _FRAME_DECODER.decode(await _receive_exactly(sock, length))
     except msgspec.DecodeError as exc:
         raise WireError(f"malformed frame: {exc}") from None
 
 
-async def _receive_exactly(stream: anyio.abc.ByteReceiveStream, size: int) -> bytes:
+async def _receive_exactly(sock: socket.socket, size: int) -> bytes:
     data = bytearray()
     while len(data) < size:
-        data += await stream.receive(size - len(data))
+        data += await receive(sock, size - len(data))
     return bytes(data)

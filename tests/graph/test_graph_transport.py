@@ -1,5 +1,5 @@
 """Addresses a process listens on: a Unix socket path or HOST:PORT, told apart by a `/`;
-a TCP listener on port 0 reports the port it took, and its streams (both ends) carry
+a TCP listener on port 0 reports the port it took, and its connections (both ends) carry
 keepalives, so that a peer whose machine went away ends the connection."""
 
 from __future__ import annotations
@@ -9,12 +9,18 @@ import struct
 from pathlib import Path
 
 import anyio
-import anyio.abc
 import pytest
-from anyio.abc import SocketAttribute
 
 from flowllm.engine.core import HELLO_MAX_BYTES
-from flowllm.graph.transport import connect, keep_alive, listen, tcp_address, tcp_endpoint
+from flowllm.graph.transport import (
+    connect,
+    keep_alive,
+    listen,
+    receive,
+    send_all,
+    tcp_address,
+    tcp_endpoint,
+)
 from flowllm.graph.wire import WireError, read_one_frame
 
 pytestmark = pytest.mark.anyio
@@ -37,8 +43,7 @@ def test_addresses_are_paths_or_host_and_port() -> None:
             tcp_endpoint(bad)
 
 
-def _keepalive_on(stream: anyio.abc.SocketStream) -> bool:
-    sock = stream.extra(SocketAttribute.raw_socket)
+def _keepalive_on(sock: socket.socket) -> bool:
     return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE))
 
 
@@ -52,20 +57,23 @@ async def test_a_listener_reports_its_address_and_carries_bytes(tcp: bool, tmp_p
         assert address == str(tmp_path / "s.sock")
     accepted: list[bool] = []
 
-    async def echo(stream: anyio.abc.SocketStream) -> None:
-        keep_alive(stream)
-        accepted.append(_keepalive_on(stream))
-        await stream.send(await stream.receive())
-        await stream.aclose()
+    async def echo(sock: socket.socket) -> None:
+        keep_alive(sock)
+        accepted.append(_keepalive_on(sock))
+        await send_all(sock, await receive(sock, 100))
+        sock.close()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, echo)
-        stream = await connect(address)
-        await stream.send(b"frame")
-        assert await stream.receive() == b"frame"
-        assert _keepalive_on(stream) == tcp
-        await stream.aclose()
+        sock = await connect(address)
+        await send_all(sock, b"frame")
+        assert await receive(sock, 100) == b"frame"
+        assert _keepalive_on(sock) == tcp
+        with pytest.raises(anyio.EndOfStream):  # the echo closed its end
+            await receive(sock, 100)
+        sock.close()
         tg.cancel_scope.cancel()
+    await listener.aclose()
     assert accepted == [tcp]
 
 
@@ -85,22 +93,23 @@ async def test_a_greeting_longer_than_its_bound_is_refused_before_it_is_read() -
     listener, address = await listen("127.0.0.1:0")
     outcome: list[BaseException] = []
 
-    async def greet(stream: anyio.abc.SocketStream) -> None:
+    async def greet(sock: socket.socket) -> None:
         try:
             with anyio.fail_after(2):
-                await read_one_frame(stream, HELLO_MAX_BYTES)
+                await read_one_frame(sock, HELLO_MAX_BYTES)
         except BaseException as exc:
             outcome.append(exc)
-        await stream.aclose()
+        sock.close()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, greet)
-        stream = await connect(address)
-        await stream.send(struct.pack("<I", 1 << 20))  # a length, and no body behind it
+        sock = await connect(address)
+        await send_all(sock, struct.pack("<I", 1 << 20))  # a length, and no body behind it
         with anyio.fail_after(5):
             while not outcome:
                 await anyio.sleep(0.01)
-        await stream.aclose()
+        sock.close()
         tg.cancel_scope.cancel()
+    await listener.aclose()
     assert isinstance(outcome[0], WireError), outcome
     assert f"at most {HELLO_MAX_BYTES}" in str(outcome[0])

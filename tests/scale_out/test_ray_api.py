@@ -18,7 +18,7 @@ from test_e2e_load import test_64_concurrent_streams_complete  # noqa: F401
 
 from flowllm.engine.async_engine import DEFAULT_GRAPH
 from flowllm.engine.core_protocol import CONTROL_DECODER, Heartbeat, Hello, Refused
-from flowllm.graph.transport import connect
+from flowllm.graph.transport import connect, send_all
 from flowllm.graph.validator import load_graph
 from flowllm.graph.wire import CONTROL, encode_control, read_one_frame, wiring_digest
 from flowllm.scale_out.launch import APP_NAME, replica_name
@@ -139,18 +139,18 @@ def test_client_disconnect_frees_the_replicas_blocks(server: ServerProcess) -> N
 
 async def _greet(address: str, hello: Hello) -> object:
     """What a core's port answers a greeting, read as the wire's control frames."""
-    stream = await connect(address)
+    sock = await connect(address)
     try:
-        await stream.send(encode_control(hello))
+        await send_all(sock, encode_control(hello))
         with anyio.fail_after(10):
             while True:
-                frame = await read_one_frame(stream)
+                frame = await read_one_frame(sock)
                 assert frame.kind == CONTROL
                 reply = CONTROL_DECODER.decode(frame.payload)
                 if not isinstance(reply, Heartbeat):
                     return reply
     finally:
-        await stream.aclose()
+        sock.close()
 
 
 def test_replicas_are_engine_cores_on_the_graphs_wire(server: ServerProcess) -> None:

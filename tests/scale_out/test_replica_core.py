@@ -9,6 +9,7 @@ refused; a replica stopped while requests run serves its front until they end.""
 from __future__ import annotations
 
 import itertools
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -33,7 +34,7 @@ from flowllm.engine.core_protocol import (
     Refused,
 )
 from flowllm.engine.front import FrontEngine
-from flowllm.graph.transport import connect, listen
+from flowllm.graph.transport import connect, listen, receive, send_all
 from flowllm.graph.validator import ValidGraph, load_graph
 from flowllm.graph.wire import (
     CONTROL,
@@ -95,7 +96,7 @@ class Proxy:
         task_status.started(address)
         await listener.serve(self._forward)
 
-    async def _forward(self, front: anyio.abc.SocketStream) -> None:
+    async def _forward(self, front: socket.socket) -> None:
         core = await connect(self.target)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._pump, front, core, self.to_core, tg.cancel_scope)
@@ -103,19 +104,20 @@ class Proxy:
 
     @staticmethod
     async def _pump(
-        source: anyio.abc.SocketStream,
-        sink: anyio.abc.SocketStream,
+        source: socket.socket,
+        sink: socket.socket,
         record: bytearray,
         scope: anyio.CancelScope,
     ) -> None:
         try:
-            async for chunk in source:
+            while True:
+                chunk = await receive(source, 1 << 16)
                 record += chunk
-                await sink.send(chunk)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                await send_all(sink, chunk)
+        except (anyio.EndOfStream, OSError):
             pass
         scope.cancel()
-        await sink.aclose()
+        sink.close()
 
 
 def frames(data: bytes) -> list[Frame]:
@@ -204,17 +206,17 @@ async def test_a_greeting_without_the_token_is_refused(args: Any) -> None:
     graph = load_graph(DEFAULT_GRAPH)
     async with replica_of(args) as replica:
         for token, answer in (("wrong", Refused), (TOKEN, CoreReady)):
-            stream = await connect(replica.describe()["address"])
+            sock = await connect(replica.describe()["address"])
             hello = Hello(front=0, wiring=wiring_digest(graph.channels), pid=1, token=token)
-            await stream.send(encode_control(hello))
+            await send_all(sock, encode_control(hello))
             with anyio.fail_after(10):
-                frame = await read_one_frame(stream)
+                frame = await read_one_frame(sock)
                 while isinstance(reply := CONTROL_DECODER.decode(frame.payload), Heartbeat):
-                    frame = await read_one_frame(stream)
+                    frame = await read_one_frame(sock)
             assert frame.kind == CONTROL and isinstance(reply, answer), reply
             if isinstance(reply, Refused):
                 assert "token" in reply.reason
-            await stream.aclose()
+            sock.close()
 
 
 async def test_a_stopping_replica_serves_its_front_until_its_requests_end(args: Any) -> None:
