@@ -9,10 +9,14 @@ channel's sender, fed with what arrives). The contract holds across the boundary
 - **Typed**: the sender checks each message against the declared type, the receiver
   decodes it as exactly the class it was sent as (flowllm/graph/wire.py).
 - **Bounded**: a sender holds `capacity` credits per peer and spends one per message;
-  the receiver returns a credit once the message is in its local channel. So a full
+  the receiver owes a credit once the message is in its local channel. So a full
   channel makes its remote producer wait, and a cross-process edge holds at most its
   capacity in transit and its capacity in the receiving process (the validator's
-  capacity rules count both).
+  capacity rules count both). Owed credits go back together: at once when half a
+  channel's capacity is owed, with anything else sent, or `CREDIT_DELAY_S` after the
+  first is owed. A step's tokens cross every step; their credits need not cross back
+  every step, waking the step loop's process for nothing (a sender with half its
+  credits never waits for the rest, and one that does waits at most the delay).
 - **End of stream**: when every local producer of a channel has finished, its peers get
   `END`, and the receiving side closes its sender clone once what came before is in.
 - **Observed on both sides**: the send side's taps, depth and spans are this process's;
@@ -29,6 +33,7 @@ this process stops.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -76,6 +81,9 @@ Route = Callable[[str, object], Sequence[tuple[int, object]]]
 """Splits a message on a channel consumed by several peers: `(peer index, part)` pairs."""
 
 
+CREDIT_DELAY_S = 0.002  # how long an owed credit may wait for others to go with it
+
+
 class PeerGone(ConnectionError):
     """The peer's connection ended."""
 
@@ -83,12 +91,15 @@ class PeerGone(ConnectionError):
 class _Inbound:
     """Messages of one channel from one peer, on their way into the local channel."""
 
-    __slots__ = ("codec", "ended", "index", "overflow", "ready", "sender")
+    __slots__ = ("codec", "credit_batch", "ended", "index", "overflow", "ready", "sender")
 
-    def __init__(self, index: int, codec: ChannelCodec, sender: ChannelSender[Any]) -> None:
+    def __init__(
+        self, index: int, codec: ChannelCodec, sender: ChannelSender[Any], capacity: int
+    ) -> None:
         self.index = index
         self.codec = codec
         self.sender = sender
+        self.credit_batch = max(1, capacity // 2)  # owed credits that go back at once
         # Arrived while the local channel was full (its local producers share it); bounded
         # by the credits the peer holds.
         self.overflow: deque[object] = deque()
@@ -124,6 +135,7 @@ class Peer:
         self._credit_freed: dict[int, anyio.Event] = {}  # made by `attach`, in the loop
         self._inbound: dict[int, _Inbound] = {}
         self._pending_credits: dict[int, int] = {}
+        self._credit_timer: asyncio.TimerHandle | None = None
         self._link: FrameLink | None = None
         self._pumps: anyio.abc.TaskGroup | None = None
         self._attached = False
@@ -138,9 +150,9 @@ class Peer:
         if self._attached:  # wired while connected (a front builds its graph then)
             self._credit_freed[number] = anyio.Event()
 
-    def add_inbound(self, name: str, sender: ChannelSender[Any]) -> None:
+    def add_inbound(self, name: str, sender: ChannelSender[Any], capacity: int) -> None:
         number, codec = self._codecs[name]
-        inbound = self._inbound[number] = _Inbound(number, codec, sender)
+        inbound = self._inbound[number] = _Inbound(number, codec, sender, capacity)
         if self._pumps is not None:
             self._pumps.start_soon(self._pump, inbound)
 
@@ -223,6 +235,7 @@ class Peer:
         finally:
             self._attached = False
             self._link = None
+            self._cancel_credit_timer()
             for event in self._credit_freed.values():
                 event.set()  # senders waiting for credit: the peer is gone, stop waiting
             sock.close()
@@ -234,7 +247,8 @@ class Peer:
             self._link.close()
 
     def _credit_frames(self) -> list[bytes]:
-        """The credits owed to the peer since the last write, one frame per channel."""
+        """The credits owed to the peer, one frame per channel (they leave with this send)."""
+        self._cancel_credit_timer()
         if not self._pending_credits:
             return []
         credits, self._pending_credits = self._pending_credits, {}
@@ -289,9 +303,20 @@ class Peer:
             self._deliver(inbound, message)
 
     def _credit(self, number: int) -> None:
-        self._pending_credits[number] = self._pending_credits.get(number, 0) + 1
-        if self._link is not None:
-            self._link.send_soon()
+        owed = self._pending_credits[number] = self._pending_credits.get(number, 0) + 1
+        link = self._link
+        if link is None:
+            return
+        if owed >= self._inbound[number].credit_batch:
+            link.send_soon()
+        elif self._credit_timer is None:
+            loop = asyncio.get_running_loop()
+            self._credit_timer = loop.call_later(CREDIT_DELAY_S, link.send_soon)
+
+    def _cancel_credit_timer(self) -> None:
+        if self._credit_timer is not None:
+            self._credit_timer.cancel()
+            self._credit_timer = None
 
     async def pump_overflow(self) -> None:
         """Move what arrived while local channels were full into them, in order (run for
@@ -456,7 +481,7 @@ class Boundary:
         each, taken before the runtime closes the channel's originals)."""
         for process in processes:
             for peer in self._of(process, spec.name):
-                peer.add_inbound(spec.name, channel.sender())
+                peer.add_inbound(spec.name, channel.sender(), spec.capacity)
 
     def all_peers(self) -> list[Peer]:
         return [peer for peers in self.peers.values() for peer in peers]

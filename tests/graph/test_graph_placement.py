@@ -15,6 +15,7 @@ import pytest
 from graph_toys import Collect, Other
 from test_graph_runtime import quiet_logger
 
+from flowllm.graph import remote
 from flowllm.graph.channel import ChannelTypeError
 from flowllm.graph.problems import GraphValidationError
 from flowllm.graph.remote import Boundary, Peer, PeerGone
@@ -130,6 +131,49 @@ def test_a_slow_remote_consumer_makes_the_producer_wait_within_the_bound() -> No
     assert len(in_flight) == 60
     assert max(in_flight) <= 2 * capacity + 1  # credits in transit + b's channel + 1 handled
     assert max(in_flight) > capacity  # the producer ran ahead across the boundary
+
+
+@pytest.mark.parametrize(
+    ("count", "delay_s", "at_once"),
+    [(3, 0.3, False), (4, 30.0, True)],
+    ids=["fewer-than-half-wait-for-the-delay", "half-go-back-at-once"],
+)
+def test_owed_credits_go_back_together(
+    count: int, delay_s: float, at_once: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver of a capacity-8 channel returns credits once 4 are owed, and fewer
+    after `CREDIT_DELAY_S`: the sender gets all 8 back either way."""
+    monkeypatch.setattr(remote, "CREDIT_DELAY_S", delay_s)
+    capacity = 8
+    graph = placed(PIPELINE % {"count": count, "delay": 0, "capacity": capacity})
+    seen: list[int] = []
+
+    async def main() -> None:
+        to_b, to_a = peer(graph, "b"), peer(graph, "a")
+        half_a = Graph(
+            graph, None, process="a", boundary=Boundary({"b": [to_b]}), logger=quiet_logger()
+        )
+        half_b = Graph(
+            graph, None, process="b", boundary=Boundary({"a": [to_a]}), logger=quiet_logger()
+        )
+        left, right = socket.socketpair(socket.AF_UNIX)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_attach, to_b, await _stream(left))
+            tg.start_soon(_attach, to_a, await _stream(right))
+            tg.start_soon(to_a.pump_overflow)
+            async with anyio.create_task_group() as graphs:
+                graphs.start_soon(half_a.run)
+                graphs.start_soon(half_b.run)
+            seen.append(to_b.credits("sink.in"))  # every message is in b by now
+            with anyio.fail_after(0.25 if at_once else 5):
+                while to_b.credits("sink.in") != capacity:
+                    await anyio.sleep(0.005)
+            tg.cancel_scope.cancel()
+        assert len(half_b.stage("sink").items) == count  # type: ignore[attr-defined]
+
+    anyio.run(main)
+    if not at_once:
+        assert seen == [capacity - count]  # owed, waiting for the delay
 
 
 def test_the_wrong_type_is_refused_on_the_sending_side() -> None:
