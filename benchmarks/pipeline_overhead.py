@@ -10,8 +10,9 @@ the time per step is what the graph adds around a model step. Run:
 
 `--multiprocess` runs the graph as a server places it: the step loop and the instant model
 in an engine core process, the per-request stages, detokenize and deliver in this one
-(`LLM(multiprocess=True)`). The tpot and stage columns, read from the run's metrics, are
-then "-" (the front's engine keeps them apart from the `LLM`), and cpu is this process's.
+(`LLM(multiprocess=True)`). The metrics the columns read are then the front's: tpot and
+the stage columns of detokenize and deliver; the core's stages show "-", and cpu is this
+process's.
 
 `--stage-bench` instead drives the step path's objects (scheduler, execute's runner, the
 sampler, the scheduler's apply, detokenize and deliver) one after another on one thread,

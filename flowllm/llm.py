@@ -321,6 +321,7 @@ class LLM:
         else:
             running = AsyncEngine.start(graph=self.graph, services=services, recorder=recorder)
         async with running as engine:
+            self.last_run = engine.services  # a front's own, when the core is elsewhere
             boxes = [await engine.submit_when_admitted(request) for request in requests]
             # One reader, mailbox after mailbox: the mailboxes not being read merge their
             # chunks without waking anyone, so a step costs one wakeup here, not one per

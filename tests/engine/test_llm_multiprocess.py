@@ -32,6 +32,12 @@ def test_the_core_in_a_child_process_gives_the_same_outputs(gpt2_tiny_dir: Path)
         assert llm._core is not None and llm._core.process.is_alive()
         assert texts(llm) == expected
         assert texts(llm) == expected  # a second call reconnects to the same core
+        # the call's metrics are its front's: the stages that ran here, and their requests'
+        assert llm.last_run is not None
+        registry = llm.last_run.registry
+        delivered = {"stage": "deliver"}
+        assert registry.get_sample_value("flowllm:stage_duration_seconds_count", delivered)
+        assert registry.get_sample_value("flowllm:time_per_output_token_seconds_count")
         with pytest.raises(TypeError, match="trace records a graph run in one process"):
             LLM(str(gpt2_tiny_dir), multiprocess=True, trace_dir="unused", **SETTINGS)
     finally:
