@@ -11,8 +11,8 @@ the time per step is what the graph adds around a model step. Run:
 `--multiprocess` runs the graph as a server places it: the step loop and the instant model
 in an engine core process, the per-request stages, detokenize and deliver in this one
 (`LLM(multiprocess=True)`). The metrics the columns read are then the front's: tpot and
-the stage columns of detokenize and deliver; the core's stages show "-", and cpu is this
-process's.
+the stage columns of detokenize and deliver; the core's stages show "-". cpu and faults
+count both processes.
 
 `--stage-bench` instead drives the step path's objects (scheduler, execute's runner, the
 sampler, the scheduler's apply, detokenize and deliver) one after another on one thread,
@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import multiprocessing
+import os
 import resource
 import sys
 import tempfile
@@ -209,9 +211,17 @@ def sampling_params(kind: str, i: int, max_tokens: int) -> SamplingParams:
 
 
 def cpu_and_faults() -> tuple[float, int]:
-    """User + system CPU seconds and minor page faults of this process (every thread)."""
+    """User + system CPU seconds and minor page faults of this process and its running
+    children (an engine core), every thread."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
+    cpu, faults = usage.ru_utime + usage.ru_stime, usage.ru_minflt
+    tick = os.sysconf("SC_CLK_TCK")
+    for child in multiprocessing.active_children():
+        # /proc/PID/stat after the name: state is field 3, so minflt 10, utime 14, stime 15
+        fields = Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()
+        cpu += (int(fields[11]) + int(fields[12])) / tick
+        faults += int(fields[7])
+    return cpu, faults
 
 
 class Run(NamedTuple):
@@ -437,9 +447,10 @@ def print_runs(args: argparse.Namespace, llms: dict[str, tuple[LLM, ForwardLog]]
     print("lower than µs/step when requests were admitted over several steps, since they then")
     print("decode partly beside fewer others (- : in no run did every sequence run at once).")
     print("Round columns: the whole run per round (every")
-    print("sequence gains one token), intake and prefill included; cpu: the process's CPU time")
-    print("(all threads), steadier than wall time on a shared machine; faults: minor page")
-    print("faults; stage columns: busy µs per round from each stage's duration histogram")
+    print("sequence gains one token), intake and prefill included; cpu: the CPU time of this")
+    print("process and its engine core, if any (all threads), steadier than wall time on a")
+    print("shared machine; faults: minor page faults; stage columns: busy µs per round from")
+    print("each stage's duration histogram")
     print("(execute and sample include waiting for the GIL in their worker thread).")
     head = "".join(f"{s:>11}" for s in STAGES)
     print(
