@@ -51,9 +51,11 @@ class FrameLink:
         return not self._ended.done()
 
     def write(self, frame: bytes) -> None:
-        """Send `frame` at the end of this pass of the event loop."""
-        self._out.append(frame)
-        self.send_soon()
+        """Send `frame` at the end of this pass of the event loop (dropped once the link
+        has ended: its peer is gone)."""
+        if self.open:
+            self._out.append(frame)
+            self.send_soon()
 
     def send_soon(self) -> None:
         """Send what is written, and the extra frames, at the end of this pass."""
