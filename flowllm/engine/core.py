@@ -146,7 +146,9 @@ def run_core(spec: CoreSpec, build: ServicesBuilder | None = None) -> None:
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     if build is None:
-        from flowllm.engine.loading import build_services as build
+        from flowllm.engine.loading import build_services
+
+        build = build_services
 
     graph = load_graph_or_exit(spec.graph_file)
     services = build(spec.config, tokenizer_now=False)

@@ -22,7 +22,8 @@ import contextlib
 import os
 import socket
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import anyio
 
@@ -59,7 +60,7 @@ class Listener:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
 
-    async def serve(self, handler: Callable[[socket.socket], Awaitable[None]]) -> None:
+    async def serve(self, handler: Callable[[socket.socket], Coroutine[Any, Any, None]]) -> None:
         """Accept until cancelled; `handler` owns (and closes) each connected socket."""
         loop = asyncio.get_running_loop()
         async with anyio.create_task_group() as tg:
@@ -80,7 +81,7 @@ async def listen(address: str) -> tuple[Listener, str]:
     if endpoint is None:
         _remove_stale_socket(address)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        bind_to: object = address
+        bind_to: str | tuple[Any, ...] = address
     else:
         host, port = endpoint
         family, kind, proto, _, bind_to = (
