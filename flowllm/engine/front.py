@@ -224,7 +224,7 @@ class CoreLink:
             self.log.error("the core refused this front", reason=message.reason)
 
     def _observe(self, _peer: Peer, channel: str, message: object) -> None:
-        self.ownership.route(channel, message)  # learns which sequences run, and end
+        self.ownership.learn(message)  # which sequences run, and end
 
     def watch_outbound(self, channels: dict[str, Any]) -> None:
         """Learn requests and finishes from what this front sends the core."""

@@ -76,6 +76,16 @@ class Ownership:
             return [] if front is None else [(front, message)]
         raise TypeError(f"no route for {type(message).__name__}")
 
+    def learn(self, message: object) -> None:
+        """What `route` learns from a message leaving the core, without splitting it: a
+        front's view of its own traffic, which only a step's finishes change."""
+        if isinstance(message, StepTokens):
+            for token in message.tokens:
+                if token.finish_reason is not None:
+                    self._end_seq(token.seq_id)
+        else:
+            self.route("", message)
+
     def front_of_request(self, request_id: str) -> int | None:
         return self._request_front.get(request_id)
 

@@ -83,3 +83,27 @@ def test_errors_go_home_and_aborted_requests_are_forgotten() -> None:
     owners.arrived(1, Abort("y"))  # before it started
     assert len(owners) == 0
     assert owners.route("deliver.errors", RequestError(request_id="z", message="?")) == []
+
+
+def test_learning_without_routing_keeps_the_same_books() -> None:
+    """A front watching what its core sends it learns what routing would have."""
+    routed, learned = Ownership(), Ownership()
+    events = ChoiceEvents(step_id=1, started=(started(1, "a"), started(2, "a", 1)))
+    steps = [
+        StepTokens(step_id=1, tokens=(token(1), token(2))),
+        StepTokens(step_id=2, tokens=(token(1, "length"), token(2))),
+    ]
+    for owners in (routed, learned):
+        owners.arrived(0, request("a", n=2))
+    routed.route("c", events)
+    learned.learn(events)
+    for step in steps:
+        routed.route("t", step)
+        learned.learn(step)
+    assert learned.live_seqs_of(0) == routed.live_seqs_of(0) == [2]
+    assert learned.requests_of(0) == routed.requests_of(0) == ["a"]
+    ended = StepTokens(step_id=3, tokens=(token(2, "stop"),))
+    routed.route("t", ended)
+    learned.learn(ended)
+    assert learned.live_seqs_of(0) == routed.live_seqs_of(0) == []
+    assert learned.requests_of(0) == routed.requests_of(0) == []
