@@ -6,6 +6,7 @@ each property is checked exactly; tests/e2e runs the default graph in real proce
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,8 @@ def peer(graph: ValidGraph, process: str, undeliverable: list[object] | None = N
     )
 
 
-async def run_halves(graph: ValidGraph, services: Any = None) -> tuple[Graph, Graph]:
-    """Run process a's and process b's graphs, joined by a socket pair, to the end."""
+def halves(graph: ValidGraph, services: Any = None) -> tuple[Peer, Peer, Graph, Graph]:
+    """Process a's and process b's graphs, and each one's peer for the other."""
     to_b, to_a = peer(graph, "b"), peer(graph, "a")
     half_a = Graph(
         graph, services, process="a", boundary=Boundary({"b": [to_b]}), logger=quiet_logger()
@@ -62,6 +63,17 @@ async def run_halves(graph: ValidGraph, services: Any = None) -> tuple[Graph, Gr
     half_b = Graph(
         graph, services, process="b", boundary=Boundary({"a": [to_a]}), logger=quiet_logger()
     )
+    return to_b, to_a, half_a, half_b
+
+
+async def join(
+    to_b: Peer,
+    to_a: Peer,
+    half_a: Graph,
+    half_b: Graph,
+    then: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Run both halves, joined by a socket pair, to the end; then `then()`, still joined."""
     left, right = socket.socketpair(socket.AF_UNIX)
     async with anyio.create_task_group() as tg:
         tg.start_soon(_attach, to_b, await _stream(left))
@@ -71,7 +83,15 @@ async def run_halves(graph: ValidGraph, services: Any = None) -> tuple[Graph, Gr
         async with anyio.create_task_group() as graphs:
             graphs.start_soon(half_a.run)
             graphs.start_soon(half_b.run)
+        if then is not None:
+            await then()
         tg.cancel_scope.cancel()
+
+
+async def run_halves(graph: ValidGraph, services: Any = None) -> tuple[Graph, Graph]:
+    """Run process a's and process b's graphs, joined by a socket pair, to the end."""
+    to_b, to_a, half_a, half_b = halves(graph, services)
+    await join(to_b, to_a, half_a, half_b)
     return half_a, half_b
 
 
@@ -104,27 +124,13 @@ def test_a_slow_remote_consumer_makes_the_producer_wait_within_the_bound() -> No
     in_flight: list[int] = []
 
     async def main() -> None:
-        to_b, to_a = peer(graph, "b"), peer(graph, "a")
-        half_a = Graph(
-            graph, None, process="a", boundary=Boundary({"b": [to_b]}), logger=quiet_logger()
-        )
-        half_b = Graph(
-            graph, None, process="b", boundary=Boundary({"a": [to_a]}), logger=quiet_logger()
-        )
+        to_b, to_a, half_a, half_b = halves(graph)
         sink = half_b.stage("sink")
         assert isinstance(sink, Collect)
-        remote = half_a.channels["sink.in"]
+        channel = half_a.channels["sink.in"]
         # Sent so far minus handled so far: in transit, in b's channel, in the sink's hands.
-        remote.add_tap(lambda message, _sent: in_flight.append(message.seq + 1 - len(sink.items)))
-        left, right = socket.socketpair(socket.AF_UNIX)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_attach, to_b, await _stream(left))
-            tg.start_soon(_attach, to_a, await _stream(right))
-            tg.start_soon(to_a.pump_overflow)
-            async with anyio.create_task_group() as graphs:
-                graphs.start_soon(half_a.run)
-                graphs.start_soon(half_b.run)
-            tg.cancel_scope.cancel()
+        channel.add_tap(lambda message, _sent: in_flight.append(message.seq + 1 - len(sink.items)))
+        await join(to_b, to_a, half_a, half_b)
         assert [item.seq for item in sink.items] == list(range(60))
 
     anyio.run(main)
@@ -149,26 +155,15 @@ def test_owed_credits_go_back_together(
     seen: list[int] = []
 
     async def main() -> None:
-        to_b, to_a = peer(graph, "b"), peer(graph, "a")
-        half_a = Graph(
-            graph, None, process="a", boundary=Boundary({"b": [to_b]}), logger=quiet_logger()
-        )
-        half_b = Graph(
-            graph, None, process="b", boundary=Boundary({"a": [to_a]}), logger=quiet_logger()
-        )
-        left, right = socket.socketpair(socket.AF_UNIX)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_attach, to_b, await _stream(left))
-            tg.start_soon(_attach, to_a, await _stream(right))
-            tg.start_soon(to_a.pump_overflow)
-            async with anyio.create_task_group() as graphs:
-                graphs.start_soon(half_a.run)
-                graphs.start_soon(half_b.run)
+        to_b, to_a, half_a, half_b = halves(graph)
+
+        async def credits_come_back() -> None:
             seen.append(to_b.credits("sink.in"))  # every message is in b by now
             with anyio.fail_after(0.25 if at_once else 5):
                 while to_b.credits("sink.in") != capacity:
                     await anyio.sleep(0.005)
-            tg.cancel_scope.cancel()
+
+        await join(to_b, to_a, half_a, half_b, then=credits_come_back)
         assert len(half_b.stage("sink").items) == count  # type: ignore[attr-defined]
 
     anyio.run(main)
