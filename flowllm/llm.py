@@ -317,7 +317,7 @@ class LLM:
                 self.trace_dir, channels=self.trace_channels, max_bytes=self.trace_max_bytes
             )
         if self._core is not None:
-            running = self._core.engine(services.tokenizer, recorder)
+            running = self._core.engine(services.tokenizer, recorder, derived_from=services)
         else:
             running = AsyncEngine.start(graph=self.graph, services=services, recorder=recorder)
         async with running as engine:
@@ -400,9 +400,21 @@ class CoreRun:
 
         return anyio.run(connect)
 
-    def engine(self, tokenizer: PreTrainedTokenizerBase, recorder: Any) -> Any:
+    def engine(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        recorder: Any,
+        derived_from: EngineServices | None = None,
+    ) -> Any:
+        """A front connected to the core (`derived_from`: an earlier front's services, whose
+        tokenizer tables it reuses)."""
         return FrontEngine.connect(
-            self.config, self.graph, self.spec.address, tokenizer=tokenizer, recorder=recorder
+            self.config,
+            self.graph,
+            self.spec.address,
+            tokenizer=tokenizer,
+            derived_from=derived_from,
+            recorder=recorder,
         )
 
     def stop(self) -> None:

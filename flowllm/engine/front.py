@@ -315,6 +315,7 @@ class FrontEngine(AsyncEngine):
         token: str = "",
         core_lost: RequestError = CORE_LOST,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        derived_from: EngineServices | None = None,
         stop_timeout: float = 30.0,
         span_sinks: Sequence[SpanSink] = (),
         **graph_options: Any,
@@ -323,7 +324,8 @@ class FrontEngine(AsyncEngine):
         socket path or HOST:PORT, or a `Locate` that finds it), greeted with `token`;
         `core_lost`: what requests in flight get when the core goes away (their ids
         replaced); `tokenizer`: one already loaded, else loaded here while the core
-        starts."""
+        starts; `derived_from`: an earlier connection's services to the same core, whose
+        tokenizer tables this one reuses."""
         from flowllm.models.tokenizer import load_tokenizer, tokenizer_source
 
         link = CoreLink(graph, address, index, token=token, core_lost=core_lost)
@@ -347,6 +349,8 @@ class FrontEngine(AsyncEngine):
                 pooler=link.ready.pooler,
                 check_constraint=link.check_constraint,
             )
+            if derived_from is not None:
+                services.share_derived_with(derived_from)
             link.services = services
             tg.start_soon(link.peer.pump_overflow)
             async with AsyncEngine.start(

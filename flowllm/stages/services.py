@@ -106,6 +106,12 @@ class EngineServices:
             "grammars", lambda: Grammars(self.tokenizer, self.logits_size, self.eos_token_ids)
         )
 
+    def share_derived_with(self, other: EngineServices) -> None:
+        """Use `other`'s derived entries from now on, before any is built here: a front
+        connecting to the same core again (an offline `generate` call each) reuses the
+        tables its tokenizer took a walk over the vocabulary to build."""
+        self._derived, self._derived_lock = other._derived, other._derived_lock
+
     def shared(self, name: str, build: Callable[[], T]) -> T:
         """The entry `name` that every `fresh` copy shares, built by `build` on first use."""
         with self._derived_lock:

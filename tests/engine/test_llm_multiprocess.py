@@ -31,7 +31,10 @@ def test_the_core_in_a_child_process_gives_the_same_outputs(gpt2_tiny_dir: Path)
     try:
         assert llm._core is not None and llm._core.process.is_alive()
         assert texts(llm) == expected
+        assert llm.last_run is not None
+        byte_vocab = llm.last_run.byte_vocab()
         assert texts(llm) == expected  # a second call reconnects to the same core
+        assert llm.last_run.byte_vocab() is byte_vocab  # its detokenizer's table built once
         # the call's metrics are its front's: the stages that ran here, and their requests'
         assert llm.last_run is not None
         registry = llm.last_run.registry
