@@ -308,7 +308,7 @@ class LLM:
         requests: list[GenerateRequest],
         collect: Callable[[Mailbox, GenerateRequest], Awaitable[T]],
     ) -> list[T]:
-        services = self.last_run = self.services.fresh()
+        services = self.services.fresh()
         recorder = None
         if self.trace_dir is not None:
             from flowllm.traces.recorder import TraceRecorder

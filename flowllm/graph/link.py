@@ -67,7 +67,7 @@ class FrameLink:
         """Carry frames until the peer hangs up or `close()`; raises what `on_frame` raised."""
         self._loop.add_reader(self._sock, self._readable)
         try:
-            await asyncio.shield(self._ended)
+            await self._ended
         finally:
             self._end()
             self._loop.remove_reader(self._sock)

@@ -111,25 +111,19 @@ def _remove_stale_socket(path: str) -> None:
 async def connect(address: str) -> socket.socket:
     """A socket connected to the process listening on `address` (OSError when none
     answers)."""
-    loop = asyncio.get_running_loop()
     endpoint = tcp_endpoint(address)
+    target: str | tuple[Any, ...]
     if endpoint is None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, address)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-    family, kind, proto, _, sockaddr = (
-        await anyio.getaddrinfo(*endpoint, type=socket.SOCK_STREAM)
-    )[0]
+        family, kind, proto, target = socket.AF_UNIX, socket.SOCK_STREAM, 0, address
+    else:
+        family, kind, proto, _, target = (
+            await anyio.getaddrinfo(*endpoint, type=socket.SOCK_STREAM)
+        )[0]
     sock = socket.socket(family, kind, proto)
     sock.setblocking(False)
     try:
         with anyio.fail_after(CONNECT_TIMEOUT_S):
-            await loop.sock_connect(sock, sockaddr)
+            await asyncio.get_running_loop().sock_connect(sock, target)
     except BaseException:
         sock.close()
         raise

@@ -43,6 +43,8 @@ def test_the_core_in_a_child_process_gives_the_same_outputs(gpt2_tiny_dir: Path)
         assert registry.get_sample_value("flowllm:time_per_output_token_seconds_count")
         with pytest.raises(TypeError, match="trace records a graph run in one process"):
             LLM(str(gpt2_tiny_dir), multiprocess=True, trace_dir="unused", **SETTINGS)
+        with pytest.raises(TypeError, match="core_services makes an engine core process"):
+            LLM(str(gpt2_tiny_dir), core_services=print, **SETTINGS)
     finally:
         llm.close()
     assert not llm._core.process.is_alive()
