@@ -44,13 +44,16 @@ whatever else is in the batch and wherever the row sits in it.
 Per step the sampler runs a fixed number of batched tensor operations, whatever the number
 of rows, and waits for the device once: the one copy of the chosen tokens to the host, with
 the requested logprobs in the same copy. Per-row work is host-side Python only (the lists
-of rows per feature, the stop rule, the result structs).
+of rows per feature, the stop rule, the result structs). That wait is a step of its own
+(`choose`, then `finish`): every read of the logits comes before it, so the chosen ids can
+feed the next step's inputs on the device while the host waits (async scheduling).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
@@ -71,6 +74,18 @@ from flowllm.sampling.truncation import keep_top_k, keep_top_p, zero_below
 
 class SamplerError(RuntimeError):
     """The sampler was driven inconsistently (unknown or duplicate seq_id, bad shapes)."""
+
+
+class Chosen(NamedTuple):
+    """A step's tokens as `Sampler.choose` left them: chosen on the device, not yet copied
+    to the host (`Sampler.finish` does that)."""
+
+    seq_ids: Sequence[int]
+    states: list[SeqSamplingState]
+    num_output_tokens: Sequence[int]
+    ids: torch.Tensor  # [B] int64 on the device, one per row
+    lp_rows: list[int]  # the rows whose logprobs were asked for
+    raw_logprobs: torch.Tensor | None  # [len(lp_rows), V]: those rows' log_softmax
 
 
 class Sampler:
@@ -149,10 +164,23 @@ class Sampler:
         allowed: tuple[Sequence[int], torch.Tensor] | None = None,
     ) -> tuple[list[SampledToken], torch.Tensor]:
         """Sample one token per row, record it, and say whether it ends its sequence; also
-        the chosen ids as a [B] int64 tensor on the device, one per row.
+        the chosen ids as a [B] int64 tensor on the device, one per row: `choose`, then
+        `finish`."""
+        chosen = self.choose(seq_ids, logits, num_output_tokens, allowed)
+        return self.finish(chosen), chosen.ids
 
-        A row of a sequence that an earlier token ended (scheduled before that token was
-        known) is sampled but dropped: no token, nothing recorded.
+    def choose(
+        self,
+        seq_ids: Sequence[int],
+        logits: torch.Tensor,
+        num_output_tokens: Sequence[int],
+        allowed: tuple[Sequence[int], torch.Tensor] | None = None,
+    ) -> Chosen:
+        """Choose one token per row on the logits' device, without waiting for it: every
+        read of `logits` happens here, so once this returns the model may write its next
+        step's logits where these were (a captured step's output), and the chosen ids may
+        feed that step's inputs before the host sees them (async scheduling). `finish`
+        then copies them to the host.
 
         logits: [B, V] float32, row i for seq_ids[i]; read only (it may be the model's
         output itself, even an inference tensor): rows that need editing are edited in a
@@ -224,11 +252,21 @@ class Sampler:
             else:
                 tokens[to_device(random_rows, torch.int64, dev)] = chosen
 
-        # the step's one copy to the host: the tokens, and the logprobs asked for
+        return Chosen(seq_ids, states, num_output_tokens, tokens, lp_rows, raw_logprobs)
+
+    def finish(self, chosen: Chosen) -> list[SampledToken]:
+        """The chosen tokens on the host (the step's one copy to the host: the tokens, and
+        the logprobs asked for), each recorded and checked against its stop rule. A row of
+        a sequence that an earlier token ended (scheduled before that token was known) is
+        dropped: no token, nothing recorded."""
+        seq_ids, states, num_output_tokens = chosen.seq_ids, chosen.states, chosen.num_output_tokens
+        tokens, lp_rows, raw_logprobs = chosen.ids, chosen.lp_rows, chosen.raw_logprobs
+        batch = len(seq_ids)
         logprobs: list[TokenLogprobs | None] = [None] * batch
         if raw_logprobs is None:
             token_list: list[int] = tokens.tolist()
         else:
+            dev, vocab = raw_logprobs.device, raw_logprobs.shape[1]
             top_ns = [states[i].params.logprobs or 0 for i in lp_rows]
             k = min(max(top_ns), vocab)
             lp_tokens = tokens
@@ -272,7 +310,7 @@ class Sampler:
                         stop_reason=stop,
                     )
                 )
-        return out, tokens
+        return out
 
     def verify(
         self,

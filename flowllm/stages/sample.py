@@ -3,9 +3,10 @@
 It learns each sequence's parameters from `StepBatch.started` (and forgets it on
 `StepBatch.released`), decides every sampled token's finish reason with the stop rule
 (flowllm.stopping), and sends the same `StepTokens` to schedule (which appends
-them) and detokenize (which turns them into text). With `ids` connected it first hands
-the step's sampled ids, still on the model's device, to execute (`SampledIds`), where the
-next step's placeholder rows read them (async scheduling).
+them) and detokenize (which turns them into text). With `ids` connected it hands the
+step's sampled ids, still on the model's device, to execute (`SampledIds`), where the next
+step's placeholder rows read them (async scheduling): as soon as they are chosen, before
+the host waits for them, so the device runs the next step while the host copies these.
 
 A step whose batch verifies drafts (speculative decoding) is sampled position by position
 (`Sampler.verify`): each verifying sequence sends its accepted drafts and one token more.
@@ -39,7 +40,7 @@ from flowllm.messages import (
 from flowllm.stages.services import EngineServices
 
 if TYPE_CHECKING:
-    import torch
+    from flowllm.sampling.sampler import Chosen
 
 
 class SampleError(RuntimeError):
@@ -113,18 +114,27 @@ class Sample(PerMessageStage):
     async def sample_step(
         self, step: StepLogits, masks: StepMasks | None, ctx: StageContext
     ) -> None:
-        """Sample one step (under its grammar masks, if any) and send its tokens."""
+        """Sample one step (under its grammar masks, if any) and send its tokens. With `ids`
+        connected, the ids go out as soon as they are chosen on the device, before the
+        host waits for them, so that the next step can run meanwhile (async scheduling)."""
         rows, vocab = step.logits.shape
         size = (rows.bit_length(), vocab, masks is not None, bool(step.prompt_logits))
-        tokens, ids = await self._worker.run(self._sample, step, masks, size=size)
-        if ids is not None and "ids" in ctx.output_ports:
-            await ctx.emit("ids", SampledIds(step_id=step.batch.step_id, ids=ids))
+        run = self._worker.run
+        if "ids" not in ctx.output_ports:
+            tokens = await run(self._sample, step, masks, size=size)
+        else:
+            chosen = await run(self._choose, step, masks, size=(*size, "choose"))
+            if not isinstance(chosen, list):  # chosen on the device, not yet on the host
+                await ctx.emit("ids", SampledIds(step_id=step.batch.step_id, ids=chosen.ids))
+            tokens = await run(self._finish, step, chosen, size=(*size, "finish"))
         await ctx.emit("out", tokens)
 
-    def _sample(
-        self, step: StepLogits, masks: StepMasks | None
-    ) -> tuple[StepTokens, torch.Tensor | None]:
-        """The step's tokens, and its sampled ids on the device (None: nothing sampled)."""
+    def _sample(self, step: StepLogits, masks: StepMasks | None) -> StepTokens:
+        return self._finish(step, self._choose(step, masks))
+
+    def _choose(self, step: StepLogits, masks: StepMasks | None) -> Chosen | list[SampledToken]:
+        """The step's tokens chosen on the device (`Sampler.choose`); a step that verifies
+        drafts, whose positions are decided on the host, is sampled whole here."""
         batch = step.batch
         sampler = self.sampler
         for seq_id in batch.released:
@@ -144,21 +154,25 @@ class Sample(PerMessageStage):
         allowed = None
         if masks is not None and masks.seq_ids:
             allowed = (_logits_rows(seq_ids, drafts, masks.seq_ids), masks.bitmask)
-        tokens: list[SampledToken] = []
-        ids = None
         if drafts is not None:
-            tokens = sampler.verify(seq_ids, drafts, step.logits, num_output_tokens, allowed)
-        elif seq_ids:
-            tokens, ids = sampler.sample_with_ids(seq_ids, step.logits, num_output_tokens, allowed)
+            return sampler.verify(seq_ids, drafts, step.logits, num_output_tokens, allowed)
+        if seq_ids:
+            return sampler.choose(seq_ids, step.logits, num_output_tokens, allowed)
+        return []
+
+    def _finish(self, step: StepLogits, chosen: Chosen | list[SampledToken]) -> StepTokens:
+        """The step's tokens on the host (`Sampler.finish`), with its prompt logprobs."""
+        batch = step.batch
+        sampler = self.sampler
+        tokens = chosen if isinstance(chosen, list) else sampler.finish(chosen)
         prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         if step.prompt_logits:
             computed = {s.seq_id: s.num_computed_tokens for s in batch.seqs}
             for seq_id, logits in step.prompt_logits.items():
                 prompt_logprobs[seq_id] = sampler.prompt_logprobs(seq_id, computed[seq_id], logits)
-        step_tokens = StepTokens(
+        return StepTokens(
             step_id=batch.step_id, tokens=tuple(tokens), prompt_logprobs=prompt_logprobs
         )
-        return step_tokens, ids
 
 
 def _logits_rows(
