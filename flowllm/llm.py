@@ -156,6 +156,7 @@ class LLM:
                 config = _with_served_task(config)
             graph = graph or graph_for_task(config.model.task, config.speculative is not None)
             self._core = CoreRun.start(config, graph, core_services)
+            graph = self._core.graph
             services = self._core.front_services()
         elif core_services is not None:
             raise TypeError("core_services makes an engine core process's: multiprocess=True")
@@ -170,7 +171,9 @@ class LLM:
             services = build_services(config)
         self.config = services.config
         task = services.pooler.task if services.pooler is not None else "generate"
-        self.graph = graph or graph_for_task(task, self.config.speculative is not None)
+        graph = graph or graph_for_task(task, self.config.speculative is not None)
+        # loaded and checked once: every generate call runs it
+        self.graph = graph if isinstance(graph, ValidGraph) else load_graph(graph)
         self.services = services
         self.trace_dir = trace_dir
         self.trace_channels = trace_channels

@@ -80,8 +80,8 @@ def test_the_speculative_graph_is_the_one_a_speculative_config_runs(
     gpt2: tuple[LLM, LLM],
 ) -> None:
     base, spec = gpt2
-    assert Path(spec.graph).name == "speculative.yaml"
-    assert Path(base.graph).name == "default.yaml"
+    assert Path(spec.graph.spec.source).name == "speculative.yaml"
+    assert Path(base.graph.spec.source).name == "default.yaml"
 
 
 @pytest.mark.parametrize("model", ["gpt2", "mistral"])
