@@ -5,7 +5,8 @@ the step loop's per-step messages (`StepTokens`, `ChoiceEvents`) carry every run
 sequence's share together. `Ownership` learns a request's front as the request arrives,
 a sequence's front as it starts (a `ChoiceEvents.started` entry names its request), and
 splits each outgoing message into one part per front, forgetting a sequence once its
-last token or its end has passed and a request once all its choices have. A pooling
+last token or its end has passed and a request once all its choices have. A step whose
+live sequences are all one front's (always, with one front) goes to it whole, unsplit. A pooling
 graph's core sends the fronts chunks (`TextDeltas`, each naming its request) instead of
 tokens: a request is forgotten once its choices' last chunks have passed.
 """
@@ -40,6 +41,7 @@ class Ownership:
         self._open_choices: dict[str, int] = {}  # request -> its choices not yet ended
         self._started: dict[str, int] = {}  # request -> its choices started so far
         self._seq: dict[int, tuple[int, str]] = {}  # seq id -> (front, request id)
+        self._live: dict[int, int] = {}  # front -> how many of `_seq` it owns (none: absent)
 
     def __len__(self) -> int:
         return len(self._request_front)
@@ -94,6 +96,8 @@ class Ownership:
         for choice in events.started:
             front = self._request_front.get(choice.request_id)
             if front is not None:
+                if choice.seq_id not in self._seq:
+                    self._live[front] = self._live.get(front, 0) + 1
                 self._seq[choice.seq_id] = (front, choice.request_id)
                 self._started[choice.request_id] = self._started.get(choice.request_id, 0) + 1
                 started[front].append(choice)
@@ -132,6 +136,12 @@ class Ownership:
         ]
 
     def _split_tokens(self, step: StepTokens) -> list[tuple[int, object]]:
+        if len(self._live) == 1:  # one front runs every sequence: the step is all its own
+            (front,) = self._live
+            for token in step.tokens:
+                if token.finish_reason is not None:
+                    self._end_seq(token.seq_id)
+            return [(front, step)]
         tokens: dict[int, list[SampledToken]] = defaultdict(list)
         finished: list[int] = []
         seqs = self._seq
@@ -164,6 +174,11 @@ class Ownership:
     def _end_seq(self, seq_id: int) -> None:
         owner = self._seq.pop(seq_id, None)
         if owner is not None:
+            front = owner[0]
+            if self._live[front] == 1:
+                del self._live[front]
+            else:
+                self._live[front] -= 1
             self._end_choice(owner[1])
 
     def _end_choice(self, request_id: str) -> None:

@@ -63,6 +63,23 @@ def test_each_front_gets_only_its_own_sequences() -> None:
     assert owners.route("detokenize.in", alone) == [(1, alone)]  # one front: sent as it is
 
 
+def test_a_step_whose_sequences_are_one_fronts_goes_to_it_whole() -> None:
+    """Once every live sequence is one front's, a step is not split: it goes as it is, a
+    late token of another front's ended sequence with it (the front ignores unknown
+    sequences), and its finishes still end the sequences."""
+    owners = Ownership()
+    owners.arrived(0, request("a"))
+    owners.arrived(1, request("b"))
+    owners.route("c", ChoiceEvents(step_id=1, started=(started(10, "a"), started(11, "b"))))
+    first = StepTokens(step_id=1, tokens=(token(10), token(11, "length")))
+    assert [front for front, _ in owners.route("t", first)] == [0, 1]
+    late = StepTokens(step_id=2, tokens=(token(10), token(11)))
+    assert owners.route("t", late) == [(0, late)]
+    last = StepTokens(step_id=3, tokens=(token(10, "stop"),))
+    assert owners.route("t", last) == [(0, last)]
+    assert owners.live_seqs_of(0) == [] and len(owners) == 0
+
+
 def test_sequences_and_requests_are_forgotten_as_they_end() -> None:
     owners = Ownership()
     owners.arrived(0, request("a", n=2))
