@@ -5,10 +5,10 @@ the step loop's per-step messages (`StepTokens`, `ChoiceEvents`) carry every run
 sequence's share together. `Ownership` learns a request's front as the request arrives,
 a sequence's front as it starts (a `ChoiceEvents.started` entry names its request), and
 splits each outgoing message into one part per front, forgetting a sequence once its
-last token or its end has passed and a request once all its choices have. A step whose
-live sequences are all one front's (always, with one front) goes to it whole, unsplit. A pooling
-graph's core sends the fronts chunks (`TextDeltas`, each naming its request) instead of
-tokens: a request is forgotten once its choices' last chunks have passed.
+last token or its end has passed and a request once all its choices have. A step goes
+whole to the front that owns every live sequence, if one does (always, with one front). A
+pooling graph's core sends the fronts chunks (`TextDeltas`, each naming its request)
+instead of tokens: a request is forgotten once its choices' last chunks have passed.
 """
 
 from __future__ import annotations
@@ -82,9 +82,7 @@ class Ownership:
         """What `route` learns from a message leaving the core, without splitting it: a
         front's view of its own traffic, which only a step's finishes change."""
         if isinstance(message, StepTokens):
-            for token in message.tokens:
-                if token.finish_reason is not None:
-                    self._end_seq(token.seq_id)
+            self._end_finished(message)
         else:
             self.route("", message)
 
@@ -138,9 +136,7 @@ class Ownership:
     def _split_tokens(self, step: StepTokens) -> list[tuple[int, object]]:
         if len(self._live) == 1:  # one front runs every sequence: the step is all its own
             (front,) = self._live
-            for token in step.tokens:
-                if token.finish_reason is not None:
-                    self._end_seq(token.seq_id)
+            self._end_finished(step)
             return [(front, step)]
         tokens: dict[int, list[SampledToken]] = defaultdict(list)
         finished: list[int] = []
@@ -170,6 +166,12 @@ class Ownership:
             )
             for front in fronts
         ]
+
+    def _end_finished(self, step: StepTokens) -> None:
+        """End the sequences whose tokens in `step` finish them."""
+        for token in step.tokens:
+            if token.finish_reason is not None:
+                self._end_seq(token.seq_id)
 
     def _end_seq(self, seq_id: int) -> None:
         owner = self._seq.pop(seq_id, None)

@@ -153,21 +153,9 @@ class Sampler:
         num_output_tokens: Sequence[int],
         allowed: tuple[Sequence[int], torch.Tensor] | None = None,
     ) -> list[SampledToken]:
-        """`sample_with_ids` without the ids."""
-        return self.sample_with_ids(seq_ids, logits, num_output_tokens, allowed)[0]
-
-    def sample_with_ids(
-        self,
-        seq_ids: Sequence[int],
-        logits: torch.Tensor,
-        num_output_tokens: Sequence[int],
-        allowed: tuple[Sequence[int], torch.Tensor] | None = None,
-    ) -> tuple[list[SampledToken], torch.Tensor]:
-        """Sample one token per row, record it, and say whether it ends its sequence; also
-        the chosen ids as a [B] int64 tensor on the device, one per row: `choose`, then
-        `finish`."""
-        chosen = self.choose(seq_ids, logits, num_output_tokens, allowed)
-        return self.finish(chosen), chosen.ids
+        """Sample one token per row, record it, and say whether it ends its sequence:
+        `choose`, then `finish`."""
+        return self.finish(self.choose(seq_ids, logits, num_output_tokens, allowed))
 
     def choose(
         self,
@@ -259,8 +247,7 @@ class Sampler:
         the logprobs asked for), each recorded and checked against its stop rule. A row of
         a sequence that an earlier token ended (scheduled before that token was known) is
         dropped: no token, nothing recorded."""
-        seq_ids, states, num_output_tokens = chosen.seq_ids, chosen.states, chosen.num_output_tokens
-        tokens, lp_rows, raw_logprobs = chosen.ids, chosen.lp_rows, chosen.raw_logprobs
+        seq_ids, states, num_output_tokens, tokens, lp_rows, raw_logprobs = chosen
         batch = len(seq_ids)
         logprobs: list[TokenLogprobs | None] = [None] * batch
         if raw_logprobs is None:
@@ -322,7 +309,7 @@ class Sampler:
     ) -> list[SampledToken]:
         """Verify each sequence's drafts (module docstring): its accepted drafts and one
         token more (the one drawn at the first rejection, or after the last draft), each
-        recorded and stopped as `sample_with_ids` does, in sequence order.
+        recorded and stopped as `sample` does, in sequence order.
 
         logits: [sum(len(drafts[i]) + 1), V], sequence i's `len(drafts[i]) + 1` rows in
         order (row j predicts the token after draft j - 1). A stop ends a sequence's run.
@@ -349,7 +336,7 @@ class Sampler:
             if masked and allowed is not None:
                 picks = torch.tensor([mask_of[rows[j]] for j in masked], dtype=torch.int64)
                 here = (masked, allowed[1].index_select(0, picks))
-            tokens, _ = self.sample_with_ids(
+            tokens = self.sample(
                 [seq_ids[i] for i in active],
                 at,
                 [num_output_tokens[i] + position for i in active],

@@ -159,6 +159,18 @@ def test_two_steps_in_flight_give_the_tokens_of_one(llm: LLM, async_llm: LLM) ->
     assert finishes == {"stop", "length"}  # sequences ended early, as well as at max_tokens
 
 
+def test_an_llm_loads_its_graph_once(gpt2_tiny_dir: Path, tmp_path: Path) -> None:
+    """The graph file is read and checked when the LLM is built, not on every call: the
+    calls run on after it is gone."""
+    graph = tmp_path / "graph.yaml"
+    graph.write_text(ASYNC_GRAPH.read_text())
+    llm = LLM(str(gpt2_tiny_dir), dtype="float32", max_model_len=64, graph=graph)
+    graph.unlink()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    first, second = (token_ids(llm.generate([[5, 6, 7]], params)) for _ in range(2))
+    assert first == second and len(first[0][0]) == 3
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [
