@@ -52,7 +52,7 @@ import msgspec
 
 from flowllm.messages import (
     Chunk,
-    SampledToken,
+    SampledTokens,
     SamplingParams,
     StepTokens,
     TextDeltas,
@@ -68,7 +68,9 @@ WARMUP_FRACTION = 10  # one warm-up message or ping for every this many timed on
 def step_tokens(n: int) -> StepTokens:
     return StepTokens(
         step_id=1234,
-        tokens=tuple(SampledToken(seq_id=i, token_id=1000 + 37 * i) for i in range(n)),
+        sampled=SampledTokens(
+            seq_ids=tuple(range(n)), token_ids=tuple(1000 + 37 * i for i in range(n))
+        ),
     )
 
 
@@ -95,30 +97,6 @@ def text_deltas(n: int = 64) -> TextDeltas:
             )
             for i in range(n)
         ),
-    )
-
-
-class CompactToken(msgspec.Struct, frozen=True, gc=False, array_like=True, omit_defaults=True):
-    """`SampledToken` on the wire as an array, unset fields left out: what a compact wire
-    form would save (the codec table only; the transports move the declared structs)."""
-
-    seq_id: int
-    token_id: int
-    logprobs: tuple[Any, ...] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-
-
-class CompactStepTokens(msgspec.Struct, array_like=True, omit_defaults=True):
-    step_id: int
-    tokens: tuple[CompactToken, ...]
-    prompt_logprobs: dict[int, tuple[Any, ...]] = {}
-
-
-def compact_step_tokens(n: int) -> CompactStepTokens:
-    return CompactStepTokens(
-        step_id=1234,
-        tokens=tuple(CompactToken(seq_id=i, token_id=1000 + 37 * i) for i in range(n)),
     )
 
 
@@ -373,13 +351,6 @@ def measure(transport: str, message: str, mode: str, count: int, timeout: float)
     return {"bytes": client["bytes"], "p50_us": client["p50_us"], "p99_us": client["p99_us"]}
 
 
-# The compact wire form of the StepTokens messages, for the codec table.
-COMPACT: dict[str, tuple[Callable[[], msgspec.Struct], type[msgspec.Struct]]] = {
-    f"StepTokens x{n} compact": (lambda n=n: compact_step_tokens(n), CompactStepTokens)
-    for n in (1, 64, 256)
-}
-
-
 def codec_cost(number: int = 2000, repeats: int = 3) -> dict[str, tuple[int, float, float]]:
     """Per message: (encoded bytes, encode µs, decode µs), in this process, the best of
     `repeats` loops of `number` (the least disturbed by other work)."""
@@ -394,7 +365,7 @@ def codec_cost(number: int = 2000, repeats: int = 3) -> dict[str, tuple[int, flo
         return best / number * 1e6
 
     out = {}
-    for name, (build, kind) in {**MESSAGES, **COMPACT}.items():
+    for name, (build, kind) in MESSAGES.items():
         message = build()
         encode = msgspec.msgpack.Encoder().encode
         decode = msgspec.msgpack.Decoder(kind).decode

@@ -84,6 +84,7 @@ def sink_cost(batch: int = 16, number: int = 2000) -> dict[str, float]:
     from flowllm.messages import (
         Chunk,
         SampledToken,
+        SampledTokens,
         SamplingParams,
         ScheduledSeq,
         SeqStart,
@@ -120,7 +121,10 @@ def sink_cost(batch: int = 16, number: int = 2000) -> dict[str, float]:
     messages = {
         "StepBatch": StepBatch(step_id=1, seqs=seqs),
         "StepTokens": StepTokens(
-            step_id=1, tokens=tuple(SampledToken(seq_id=i, token_id=1) for i in range(batch))
+            step_id=1,
+            sampled=SampledTokens.of(
+                tuple(SampledToken(seq_id=i, token_id=1) for i in range(batch))
+            ),
         ),
         "TextDeltas": TextDeltas(
             step_id=1,

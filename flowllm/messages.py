@@ -34,7 +34,7 @@ would make it (benchmarks/README.md, "Pipeline overhead").
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any, Literal
 
@@ -330,6 +330,8 @@ class TokenLogprobs(msgspec.Struct, frozen=True, gc=False, array_like=True):
 
 
 class SampledToken(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """One sampled token, read on its own: a row of `SampledTokens`."""
+
     seq_id: int
     token_id: int
     logprobs: TokenLogprobs | None = None
@@ -337,17 +339,96 @@ class SampledToken(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     stop_reason: int | None = None  # the stop token id that ended it, if any
 
 
+# (finish reason, stop reason) of a row that `SampledTokens.finishes` does not name
+NO_FINISH: tuple[None, None] = (None, None)
+
+
+class SampledTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampled tokens as columns: row i is token `token_ids[i]` of sequence `seq_ids[i]`.
+
+    Columns rather than a struct per token, so that a step of hundreds of sequences is a
+    few tuples to build, send and read. A sequence that verified drafts has consecutive
+    rows, one per accepted draft and one more. `finishes`: row -> (finish reason, the stop
+    token id that ended it, if any) of the rows that end their sequence. `logprobs`: one
+    entry per row when some row asked for logprobs, else empty.
+    """
+
+    seq_ids: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    finishes: dict[int, tuple[FinishReason, int | None]] = {}
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        rows = len(self.seq_ids)
+        if len(self.token_ids) != rows or (self.logprobs and len(self.logprobs) != rows):
+            raise ValueError(
+                f"sampled tokens need one token id (and logprobs entry, if any) per row: "
+                f"{rows} rows, {len(self.token_ids)} ids, {len(self.logprobs)} logprobs"
+            )
+
+    @classmethod
+    def of(cls, tokens: Iterable[SampledToken]) -> SampledTokens:
+        """The columns of `tokens`, in order."""
+        rows = list(tokens)
+        return cls(
+            seq_ids=tuple([t.seq_id for t in rows]),
+            token_ids=tuple([t.token_id for t in rows]),
+            finishes={
+                i: (t.finish_reason, t.stop_reason)
+                for i, t in enumerate(rows)
+                if t.finish_reason is not None
+            },
+            logprobs=(
+                tuple([t.logprobs for t in rows])
+                if any(t.logprobs is not None for t in rows)
+                else ()
+            ),
+        )
+
+    def take(self, rows: Sequence[int]) -> SampledTokens:
+        """The given rows, in the order given."""
+        finishes = self.finishes
+        return SampledTokens(
+            seq_ids=tuple([self.seq_ids[i] for i in rows]),
+            token_ids=tuple([self.token_ids[i] for i in rows]),
+            finishes={j: finishes[i] for j, i in enumerate(rows) if i in finishes},
+            logprobs=tuple([self.logprobs[i] for i in rows]) if self.logprobs else (),
+        )
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def __getitem__(self, row: int) -> SampledToken:
+        if row < 0:
+            row += len(self.seq_ids)
+        finish, stop = self.finishes.get(row, NO_FINISH)
+        return SampledToken(
+            seq_id=self.seq_ids[row],
+            token_id=self.token_ids[row],
+            logprobs=self.logprobs[row] if self.logprobs else None,
+            finish_reason=finish,
+            stop_reason=stop,
+        )
+
+    def __iter__(self) -> Iterator[SampledToken]:
+        return map(self.__getitem__, range(len(self.seq_ids)))
+
+
 class StepTokens(msgspec.Struct, kw_only=True):
     """One step's sampled tokens; schedule appends them, detokenize turns them into text.
 
-    A sequence that verified drafts has one token per accepted draft and one more, in
-    order. `drafts` (added by propose): each sequence's draft tokens for its next step.
+    `drafts` (added by propose): each sequence's draft tokens for its next step.
     """
 
     step_id: int
-    tokens: tuple[SampledToken, ...]
+    sampled: SampledTokens = msgspec.field(default_factory=SampledTokens)
     prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
     drafts: dict[int, tuple[int, ...]] = {}
+
+    @property
+    def tokens(self) -> tuple[SampledToken, ...]:
+        """The tokens one by one (built at each read: the step loop reads `sampled`)."""
+        return tuple(self.sampled)
 
 
 class ChoiceStart(msgspec.Struct, frozen=True, kw_only=True):
@@ -457,5 +538,5 @@ def seq_ids_of(message: object) -> tuple[int, ...] | None:
     if isinstance(message, StepBatch):
         return tuple([seq.seq_id for seq in message.seqs])
     if isinstance(message, StepTokens):
-        return tuple([token.seq_id for token in message.tokens])
+        return message.sampled.seq_ids
     return None

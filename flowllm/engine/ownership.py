@@ -25,7 +25,6 @@ from flowllm.messages import (
     Chunk,
     Finish,
     RequestError,
-    SampledToken,
     StepTokens,
     TextDeltas,
     TokenizedRequest,
@@ -138,15 +137,16 @@ class Ownership:
             (front,) = self._live
             self._end_finished(step)
             return [(front, step)]
-        tokens: dict[int, list[SampledToken]] = defaultdict(list)
+        rows: dict[int, list[int]] = defaultdict(list)  # front -> its rows of the step
         finished: list[int] = []
         seqs = self._seq
-        for token in step.tokens:
-            owner = seqs.get(token.seq_id)
+        sampled = step.sampled
+        for row, seq_id in enumerate(sampled.seq_ids):
+            owner = seqs.get(seq_id)
             if owner is not None:
-                tokens[owner[0]].append(token)
-                if token.finish_reason is not None:
-                    finished.append(token.seq_id)
+                rows[owner[0]].append(row)
+                if row in sampled.finishes:
+                    finished.append(seq_id)
         prompt: dict[int, dict[int, tuple[TokenLogprobs | None, ...]]] = defaultdict(dict)
         for seq_id, logprobs in step.prompt_logprobs.items():
             owner = seqs.get(seq_id)
@@ -154,14 +154,16 @@ class Ownership:
                 prompt[owner[0]][seq_id] = logprobs
         for seq_id in finished:
             self._end_seq(seq_id)
-        fronts = sorted(tokens.keys() | prompt.keys())
-        if len(fronts) == 1 and len(tokens[fronts[0]]) == len(step.tokens):
+        fronts = sorted(rows.keys() | prompt.keys())
+        if len(fronts) == 1 and len(rows[fronts[0]]) == len(sampled):
             return [(fronts[0], step)]
         return [
             (
                 front,
                 msgspec.structs.replace(
-                    step, tokens=tuple(tokens.get(front, ())), prompt_logprobs=prompt.get(front, {})
+                    step,
+                    sampled=sampled.take(rows.get(front, ())),
+                    prompt_logprobs=prompt.get(front, {}),
                 ),
             )
             for front in fronts
@@ -169,9 +171,9 @@ class Ownership:
 
     def _end_finished(self, step: StepTokens) -> None:
         """End the sequences whose tokens in `step` finish them."""
-        for token in step.tokens:
-            if token.finish_reason is not None:
-                self._end_seq(token.seq_id)
+        seq_ids = step.sampled.seq_ids
+        for row in step.sampled.finishes:
+            self._end_seq(seq_ids[row])
 
     def _end_seq(self, seq_id: int) -> None:
         owner = self._seq.pop(seq_id, None)

@@ -44,21 +44,22 @@ whatever else is in the batch and wherever the row sits in it.
 Per step the sampler runs a fixed number of batched tensor operations, whatever the number
 of rows, and waits for the device once: the one copy of the chosen tokens to the host, with
 the requested logprobs in the same copy. Per-row work is host-side Python only (the lists
-of rows per feature, the stop rule, the result structs). That wait is a step of its own
-(`choose`, then `finish`): every read of the logits comes before it, so the chosen ids can
-feed the next step's inputs on the device while the host waits (async scheduling).
+of rows per feature, the stop rule); the result is columns (`SampledTokens`). That wait is
+a step of its own (`choose`, then `finish`): every read of the logits comes before it, so
+the chosen ids can feed the next step's inputs on the device while the host waits (async
+scheduling).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, count
 from typing import NamedTuple
 
 import torch
 
 from flowllm.kernels.argmax import argmax_rows
-from flowllm.messages import SampledToken, SeqStart, TokenLogprobs
+from flowllm.messages import FinishReason, SampledToken, SampledTokens, SeqStart, TokenLogprobs
 from flowllm.sampling.inverse_cdf import inverse_cdf
 from flowllm.sampling.logits_processors import (
     apply_bitmask,
@@ -152,7 +153,7 @@ class Sampler:
         logits: torch.Tensor,
         num_output_tokens: Sequence[int],
         allowed: tuple[Sequence[int], torch.Tensor] | None = None,
-    ) -> list[SampledToken]:
+    ) -> SampledTokens:
         """Sample one token per row, record it, and say whether it ends its sequence:
         `choose`, then `finish`."""
         return self.finish(self.choose(seq_ids, logits, num_output_tokens, allowed))
@@ -242,14 +243,14 @@ class Sampler:
 
         return Chosen(seq_ids, states, num_output_tokens, tokens, lp_rows, raw_logprobs)
 
-    def finish(self, chosen: Chosen) -> list[SampledToken]:
+    def finish(self, chosen: Chosen) -> SampledTokens:
         """The chosen tokens on the host (the step's one copy to the host: the tokens, and
         the logprobs asked for), each recorded and checked against its stop rule. A row of
         a sequence that an earlier token ended (scheduled before that token was known) is
         dropped: no token, nothing recorded."""
         seq_ids, states, num_output_tokens, tokens, lp_rows, raw_logprobs = chosen
         batch = len(seq_ids)
-        logprobs: list[TokenLogprobs | None] = [None] * batch
+        logprobs: list[TokenLogprobs | None] = []
         if raw_logprobs is None:
             token_list: list[int] = tokens.tolist()
         else:
@@ -267,37 +268,35 @@ class Sampler:
             width = columns.shape[1]
             table = [host[batch + j * width : batch + (j + 1) * width] for j in range(len(lp_rows))]
             entries = logprob_entries([token_list[i] for i in lp_rows], table, top_ns, k)
+            logprobs = [None] * batch
             for row, entry in zip(lp_rows, entries, strict=True):
                 logprobs[row] = entry
 
-        out: list[SampledToken] = []
-        append = out.append
-        for sid, state, token, n, lp in zip(
-            seq_ids, states, token_list, num_output_tokens, logprobs, strict=True
-        ):
+        finishes: dict[int, tuple[FinishReason, int | None]] = {}
+        dropped: list[int] = []
+        for row, state, token, n in zip(count(), states, token_list, num_output_tokens):
             if state.finished:
+                dropped.append(row)
                 continue
             if state.history is not None:
                 state.history.add(token)
             rule = state.stop
+            # the common case, no rule can end it, is one set lookup (StopRule.last_output)
             if token in rule.stopping_ids or n >= rule.last_output:
                 finish, stop = rule(token, n + 1)
-            else:  # the common case: no rule can end it (StopRule.last_output)
-                finish, stop = None, None
-            if finish is None and lp is None:  # fewer fields to set
-                append(SampledToken(seq_id=sid, token_id=token))
-            else:
-                state.finished = finish is not None
-                append(
-                    SampledToken(
-                        seq_id=sid,
-                        token_id=token,
-                        logprobs=lp,
-                        finish_reason=finish,
-                        stop_reason=stop,
-                    )
-                )
-        return out
+                if finish is not None:
+                    state.finished = True
+                    finishes[row] = (finish, stop)
+        sampled = SampledTokens(
+            seq_ids=tuple(seq_ids),
+            token_ids=tuple(token_list),
+            finishes=finishes,
+            logprobs=tuple(logprobs),
+        )
+        if dropped:
+            gone = set(dropped)
+            sampled = sampled.take([row for row in range(batch) if row not in gone])
+        return sampled
 
     def verify(
         self,
@@ -306,7 +305,7 @@ class Sampler:
         logits: torch.Tensor,
         num_output_tokens: Sequence[int],
         allowed: tuple[Sequence[int], torch.Tensor] | None = None,
-    ) -> list[SampledToken]:
+    ) -> SampledTokens:
         """Verify each sequence's drafts (module docstring): its accepted drafts and one
         token more (the one drawn at the first rejection, or after the last draft), each
         recorded and stopped as `sample` does, in sequence order.
@@ -342,7 +341,7 @@ class Sampler:
                 [num_output_tokens[i] + position for i in active],
                 here,
             )
-            got = {token.seq_id: token for token in tokens}
+            got = {token.seq_id: token for token in tokens}  # a few rows: read one by one
             still = []
             for i in active:
                 token = got.get(seq_ids[i])
@@ -357,7 +356,7 @@ class Sampler:
                     still.append(i)
             active = still
             position += 1
-        return [token for run in runs for token in run]
+        return SampledTokens.of(token for run in runs for token in run)
 
     def prompt_logprobs(
         self, seq_id: int, num_computed_tokens: int, logits: torch.Tensor

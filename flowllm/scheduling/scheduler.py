@@ -36,8 +36,8 @@ their blocks stay the sequence's, rewritten by its next steps. Drafts are never 
 the prefix cache (only tokens in `token_ids` are). A step with more than
 `disable_by_batch_size` running sequences schedules no drafts.
 
-`apply` appends each step's sampled tokens and finishes sequences whose `SampledToken`
-carries a finish reason: the stop rule (flowllm.stopping) is applied once, by the
+`apply` appends each step's sampled tokens and finishes sequences whose token carries a
+finish reason (`SampledTokens.finishes`): the stop rule (flowllm.stopping) is applied once, by the
 sample stage. The scheduler only guards its own invariant with the rule's length limit
 (`output_limit`, the same function): a token past it ends the sequence as "length" even
 without a reason (a sample stage built with another max_model_len), so no position at or
@@ -55,9 +55,11 @@ import msgspec
 
 from flowllm.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
 from flowllm.messages import (
+    NO_FINISH,
     PLACEHOLDER_TOKEN,
     ChoiceEvents,
     ChoiceStart,
+    SampledTokens,
     ScheduledSeq,
     SeqStart,
     StepBatch,
@@ -261,20 +263,31 @@ class Scheduler:
         sampled = self._inflight.pop(step_id, None)
         if not sampled:
             return []
-        got = {token.seq_id: token for token in step.tokens}  # with drafts: each run's last
-        runs = _runs(step) if self.speculative else {}
+        rows = step.sampled
+        seq_ids, token_ids, finishes = rows.seq_ids, rows.token_ids, rows.finishes
+        # One row per sequence in schedule order, unless rows were dropped or drafts verified:
+        # then each sequence's row (its last) is looked up.
+        aligned = not self.speculative and len(seq_ids) == len(sampled)
+        row_of: dict[int, int] | None = None
+        runs = _runs(rows) if self.speculative else {}
         self.verified = []
         finished: list[FinishedSeq] = []
         finished_waiting = False  # preempted while its token was in flight (overlap only)
-        for seq in sampled:
+        for i, seq in enumerate(sampled):
             if seq.status > SequenceStatus.PREEMPTED:
                 continue  # it left meanwhile
             if seq.num_dropped:
                 seq.num_dropped -= 1
                 continue
             seq.num_pending -= 1
-            token = got.get(seq.seq_id)
-            if token is None:
+            seq_id = seq.seq_id
+            if aligned and seq_ids[i] == seq_id:
+                row: int | None = i
+            else:
+                if row_of is None:
+                    row_of = {sid: r for r, sid in enumerate(seq_ids)}
+                row = row_of.get(seq_id)
+            if row is None:
                 # No token came for it: drop what later steps computed from it, and compute
                 # its last token again next step, so it samples again instead of waiting.
                 seq.num_dropped, seq.num_pending = seq.num_pending, 0
@@ -282,7 +295,7 @@ class Scheduler:
                 continue
             tokens = seq.token_ids
             if seq.num_draft_tokens:
-                accepted = runs[seq.seq_id][:-1]
+                accepted = runs[seq_id][:-1]
                 self.verified.append((seq.num_draft_tokens, len(accepted)))
                 seq.num_draft_tokens = 0
                 tokens.extend(accepted)
@@ -290,17 +303,17 @@ class Scheduler:
                 # the rejected drafts' K/V are wrong: compute from the first of them again
                 seq.num_computed_tokens = min(seq.num_computed_tokens, len(tokens))
             if self.speculative:
-                seq.draft_token_ids = step.drafts.get(seq.seq_id, ())
+                seq.draft_token_ids = step.drafts.get(seq_id, ())
             if seq.pooling is None:
-                tokens.append(token.token_id)
+                tokens.append(token_ids[row])
                 self.num_generated += 1
-            reason = token.finish_reason
+            reason, stop_reason = finishes.get(row, NO_FINISH) if finishes else NO_FINISH
             if reason is None and len(tokens) - seq.num_prompt_tokens >= seq.output_limit:
                 reason = "length"  # the rule's length limit, which sample should have said
                 self.ledger.choices_ended.append(seq.seq_id)  # detokenize saw no finish
             if reason is not None:
                 finished_waiting |= seq.status is not SequenceStatus.RUNNING
-                self._finish(seq, FINISH_STATUSES[reason], token.stop_reason)
+                self._finish(seq, FINISH_STATUSES[reason], stop_reason)
                 finished.append(seq.to_finished())
         if finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
@@ -589,9 +602,9 @@ class Scheduler:
         return seq.to_finished()
 
 
-def _runs(step: StepTokens) -> dict[int, list[int]]:
+def _runs(rows: SampledTokens) -> dict[int, list[int]]:
     """Each sequence's token ids in a step, in order (several for one that verified drafts)."""
     runs: dict[int, list[int]] = {}
-    for token in step.tokens:
-        runs.setdefault(token.seq_id, []).append(token.token_id)
+    for seq_id, token_id in zip(rows.seq_ids, rows.token_ids, strict=True):
+        runs.setdefault(seq_id, []).append(token_id)
     return runs

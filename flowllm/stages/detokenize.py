@@ -20,13 +20,13 @@ import msgspec
 
 from flowllm.graph.stage import NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
+    NO_FINISH,
     ChoiceEvents,
     ChoiceStart,
     Chunk,
     Finish,
     FinishReason,
     RequestError,
-    SampledToken,
     SamplingParams,
     StepTokens,
     TextDeltas,
@@ -69,7 +69,9 @@ class Detokenize(PerMessageStage):
             return super().request_ids(message)
         choices = self._choices
         ids = [
-            choices[t.seq_id].start.seq.request_id for t in message.tokens if t.seq_id in choices
+            choices[seq_id].start.seq.request_id
+            for seq_id in message.sampled.seq_ids
+            if seq_id in choices
         ]
         return tuple(dict.fromkeys(ids))
 
@@ -129,26 +131,30 @@ class Detokenize(PerMessageStage):
             if choice is not None:
                 choice.prompt_logprobs.extend(logprobs)
         chunks: list[Chunk] = []
-        for token in step.tokens:
-            choice = choices.get(token.seq_id)
+        rows = step.sampled
+        finishes, logprobs = rows.finishes, rows.logprobs
+        for row, (seq_id, token_id) in enumerate(zip(rows.seq_ids, rows.token_ids, strict=True)):
+            choice = choices.get(seq_id)
             if choice is None:  # not started here, ended, or tokens sampled past its end
                 continue
-            finish = token.finish_reason
-            stop_reason: str | int | None = token.stop_reason
+            finish: FinishReason | None
+            stop_reason: str | int | None
+            finish, stop_reason = finishes.get(row, NO_FINISH) if finishes else NO_FINISH
+            lp = logprobs[row] if logprobs else None
             detokenizer = choice.detokenizer
-            middle = finish is None and choice.sent_first and token.logprobs is None
-            text = detokenizer.append(token.token_id) if middle else None
+            middle = finish is None and choice.sent_first and lp is None
+            text = detokenizer.append(token_id) if middle else None
             if text is None:
                 # EOS / a stop token id: its text is left out (as vLLM, unless asked to keep it)
-                out = detokenizer.step_token(token.token_id, stop_terminated=finish == "stop")
+                out = detokenizer.step_token(token_id, stop_terminated=finish == "stop")
                 text = out.text_delta
                 if out.stop_string is not None:
                     finish, stop_reason, middle = "stop", out.stop_string, False
-                    await ctx.emit("finishes", Finish(token.seq_id, out.stop_string))
+                    await ctx.emit("finishes", Finish(seq_id, out.stop_string))
                 elif finish is not None:
                     text += detokenizer.finish().text_delta
                 if finish is not None:
-                    del choices[token.seq_id]  # its last chunk follows
+                    del choices[seq_id]  # its last chunk follows
             if middle:  # the common case: only the fields without defaults
                 seq = choice.start.seq
                 chunks.append(
@@ -156,13 +162,13 @@ class Detokenize(PerMessageStage):
                         request_id=seq.request_id,
                         index=seq.index,
                         text=text,
-                        token_ids=(token.token_id,),
+                        token_ids=(token_id,),
                         num_prompt_tokens=choice.num_prompt_tokens,
                         num_output_tokens=detokenizer.num_output_tokens,
                     )
                 )
                 continue
-            chunks.append(self._chunk(choice, text, token, finish, stop_reason))
+            chunks.append(self._chunk(choice, text, token_id, lp, finish, stop_reason))
         if chunks:
             await ctx.emit("out", TextDeltas(step_id=step.step_id, chunks=tuple(chunks)))
 
@@ -170,7 +176,8 @@ class Detokenize(PerMessageStage):
     def _chunk(
         choice: _Choice,
         text: str,
-        token: SampledToken,
+        token_id: int,
+        logprobs: TokenLogprobs | None,
         finish: FinishReason | None,
         stop_reason: str | int | None,
     ) -> Chunk:
@@ -180,8 +187,8 @@ class Detokenize(PerMessageStage):
             request_id=seq.request_id,
             index=seq.index,
             text=text,
-            token_ids=(token.token_id,),
-            logprobs=(token.logprobs,) if token.logprobs is not None else (),
+            token_ids=(token_id,),
+            logprobs=(logprobs,) if logprobs is not None else (),
             finish_reason=finish,
             stop_reason=stop_reason,
             num_prompt_tokens=choice.num_prompt_tokens,

@@ -21,7 +21,7 @@ from flowllm.messages import (
     ChoiceStart,
     Chunk,
     PoolingParams,
-    SampledToken,
+    SampledTokens,
     StepHidden,
     StepTokens,
     TextDeltas,
@@ -108,8 +108,9 @@ class Pool(PerMessageStage):
                     pooled=np.asarray(vector.cpu(), dtype="<f4").tobytes(),
                 )
             )
-        tokens = tuple(
-            SampledToken(seq_id=c.seq_id, token_id=FINISHED_TOKEN, finish_reason="stop")
-            for c in finished
+        sampled = SampledTokens(
+            seq_ids=tuple([c.seq_id for c in finished]),
+            token_ids=(FINISHED_TOKEN,) * len(finished),
+            finishes=dict.fromkeys(range(len(finished)), ("stop", None)),
         )
-        return StepTokens(step_id=step.batch.step_id, tokens=tokens), tuple(chunks)
+        return StepTokens(step_id=step.batch.step_id, sampled=sampled), tuple(chunks)

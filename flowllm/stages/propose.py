@@ -81,15 +81,16 @@ class Propose(Stage):
             takes = start.params.takes_drafts
             logs[start.seq_id] = TokenLog(start.prompt_token_ids) if takes else None
         going: dict[int, TokenLog] = {}
-        for token in step.tokens:
-            log = logs.get(token.seq_id)
+        rows = step.sampled
+        for row, (seq_id, token_id) in enumerate(zip(rows.seq_ids, rows.token_ids, strict=True)):
+            log = logs.get(seq_id)
             if log is None:
                 continue
-            log.append(token.token_id)
-            if token.finish_reason is None:
-                going[token.seq_id] = log
+            log.append(token_id)
+            if row in rows.finishes:
+                going.pop(seq_id, None)
             else:
-                going.pop(token.seq_id, None)
+                going[seq_id] = log
         if not going or (self._up_to is not None and len(going) > self._up_to):
             return step
         drafts: dict[int, tuple[int, ...]] = {}
@@ -105,7 +106,7 @@ class Propose(Stage):
             return step
         return StepTokens(
             step_id=step.step_id,
-            tokens=step.tokens,
+            sampled=step.sampled,
             prompt_logprobs=step.prompt_logprobs,
             drafts=drafts,
         )

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from flowllm.graph.stage import CLOSED, NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
     SampledIds,
-    SampledToken,
+    SampledTokens,
     StepLogits,
     StepMasks,
     StepTokens,
@@ -124,7 +124,7 @@ class Sample(PerMessageStage):
             tokens = await run(self._sample, step, masks, size=size)
         else:
             chosen = await run(self._choose, step, masks, size=(*size, "choose"))
-            if not isinstance(chosen, list):  # chosen on the device, not yet on the host
+            if not isinstance(chosen, SampledTokens):  # chosen on the device, not yet on the host
                 await ctx.emit("ids", SampledIds(step_id=step.batch.step_id, ids=chosen.ids))
             tokens = await run(self._finish, step, chosen, size=(*size, "finish"))
         await ctx.emit("out", tokens)
@@ -132,7 +132,7 @@ class Sample(PerMessageStage):
     def _sample(self, step: StepLogits, masks: StepMasks | None) -> StepTokens:
         return self._finish(step, self._choose(step, masks))
 
-    def _choose(self, step: StepLogits, masks: StepMasks | None) -> Chosen | list[SampledToken]:
+    def _choose(self, step: StepLogits, masks: StepMasks | None) -> Chosen | SampledTokens:
         """The step's tokens chosen on the device (`Sampler.choose`); a step that verifies
         drafts, whose positions are decided on the host, is sampled whole here."""
         batch = step.batch
@@ -158,21 +158,19 @@ class Sample(PerMessageStage):
             return sampler.verify(seq_ids, drafts, step.logits, num_output_tokens, allowed)
         if seq_ids:
             return sampler.choose(seq_ids, step.logits, num_output_tokens, allowed)
-        return []
+        return SampledTokens()
 
-    def _finish(self, step: StepLogits, chosen: Chosen | list[SampledToken]) -> StepTokens:
+    def _finish(self, step: StepLogits, chosen: Chosen | SampledTokens) -> StepTokens:
         """The step's tokens on the host (`Sampler.finish`), with its prompt logprobs."""
         batch = step.batch
         sampler = self.sampler
-        tokens = chosen if isinstance(chosen, list) else sampler.finish(chosen)
+        sampled = chosen if isinstance(chosen, SampledTokens) else sampler.finish(chosen)
         prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         if step.prompt_logits:
             computed = {s.seq_id: s.num_computed_tokens for s in batch.seqs}
             for seq_id, logits in step.prompt_logits.items():
                 prompt_logprobs[seq_id] = sampler.prompt_logprobs(seq_id, computed[seq_id], logits)
-        return StepTokens(
-            step_id=batch.step_id, tokens=tuple(tokens), prompt_logprobs=prompt_logprobs
-        )
+        return StepTokens(step_id=batch.step_id, sampled=sampled, prompt_logprobs=prompt_logprobs)
 
 
 def _logits_rows(

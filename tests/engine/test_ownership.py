@@ -11,6 +11,7 @@ from flowllm.messages import (
     Finish,
     RequestError,
     SampledToken,
+    SampledTokens,
     SamplingParams,
     SeqStart,
     StepTokens,
@@ -55,11 +56,11 @@ def test_each_front_gets_only_its_own_sequences() -> None:
     by_front = {front: part for front, part in events}
     assert [c.seq_id for c in by_front[0].started] == [10]  # type: ignore[attr-defined]
     assert [c.seq_id for c in by_front[1].started] == [11, 12]  # type: ignore[attr-defined]
-    step = StepTokens(step_id=1, tokens=(token(10), token(11), token(12)))
+    step = StepTokens(step_id=1, sampled=SampledTokens.of((token(10), token(11), token(12))))
     parts = dict(owners.route("detokenize.in", step))
     assert [t.seq_id for t in parts[0].tokens] == [10]  # type: ignore[attr-defined]
     assert [t.seq_id for t in parts[1].tokens] == [11, 12]  # type: ignore[attr-defined]
-    alone = StepTokens(step_id=2, tokens=(token(11),))
+    alone = StepTokens(step_id=2, sampled=SampledTokens.of((token(11),)))
     assert owners.route("detokenize.in", alone) == [(1, alone)]  # one front: sent as it is
 
 
@@ -71,11 +72,11 @@ def test_a_step_whose_sequences_are_one_fronts_goes_to_it_whole() -> None:
     owners.arrived(0, request("a"))
     owners.arrived(1, request("b"))
     owners.route("c", ChoiceEvents(step_id=1, started=(started(10, "a"), started(11, "b"))))
-    first = StepTokens(step_id=1, tokens=(token(10), token(11, "length")))
+    first = StepTokens(step_id=1, sampled=SampledTokens.of((token(10), token(11, "length"))))
     assert [front for front, _ in owners.route("t", first)] == [0, 1]
-    late = StepTokens(step_id=2, tokens=(token(10), token(11)))
+    late = StepTokens(step_id=2, sampled=SampledTokens.of((token(10), token(11))))
     assert owners.route("t", late) == [(0, late)]
-    last = StepTokens(step_id=3, tokens=(token(10, "stop"),))
+    last = StepTokens(step_id=3, sampled=SampledTokens.of((token(10, "stop"),)))
     assert owners.route("t", last) == [(0, last)]
     assert owners.live_seqs_of(0) == [] and len(owners) == 0
 
@@ -84,11 +85,13 @@ def test_sequences_and_requests_are_forgotten_as_they_end() -> None:
     owners = Ownership()
     owners.arrived(0, request("a", n=2))
     owners.route("c", ChoiceEvents(step_id=1, started=(started(1, "a"), started(2, "a", 1))))
-    owners.route("t", StepTokens(step_id=1, tokens=(token(1, "length"),)))
+    owners.route("t", StepTokens(step_id=1, sampled=SampledTokens.of((token(1, "length"),))))
     assert owners.requests_of(0) == ["a"] and owners.live_seqs_of(0) == [2]
     owners.arrived(0, Finish(seq_id=2))  # a stop string ended the other choice
     assert owners.requests_of(0) == [] and owners.live_seqs_of(0) == []
-    assert owners.route("t", StepTokens(step_id=2, tokens=(token(2),))) == []  # late: dropped
+    assert (
+        owners.route("t", StepTokens(step_id=2, sampled=SampledTokens.of((token(2),)))) == []
+    )  # late: dropped
 
 
 def test_errors_go_home_and_aborted_requests_are_forgotten() -> None:
@@ -107,8 +110,8 @@ def test_learning_without_routing_keeps_the_same_books() -> None:
     routed, learned = Ownership(), Ownership()
     events = ChoiceEvents(step_id=1, started=(started(1, "a"), started(2, "a", 1)))
     steps = [
-        StepTokens(step_id=1, tokens=(token(1), token(2))),
-        StepTokens(step_id=2, tokens=(token(1, "length"), token(2))),
+        StepTokens(step_id=1, sampled=SampledTokens.of((token(1), token(2)))),
+        StepTokens(step_id=2, sampled=SampledTokens.of((token(1, "length"), token(2)))),
     ]
     for owners in (routed, learned):
         owners.arrived(0, request("a", n=2))
@@ -119,7 +122,7 @@ def test_learning_without_routing_keeps_the_same_books() -> None:
         learned.learn(step)
     assert learned.live_seqs_of(0) == routed.live_seqs_of(0) == [2]
     assert learned.requests_of(0) == routed.requests_of(0) == ["a"]
-    ended = StepTokens(step_id=3, tokens=(token(2, "stop"),))
+    ended = StepTokens(step_id=3, sampled=SampledTokens.of((token(2, "stop"),)))
     routed.route("t", ended)
     learned.learn(ended)
     assert learned.live_seqs_of(0) == routed.live_seqs_of(0) == []

@@ -26,6 +26,7 @@ from flowllm.config import (
 from flowllm.messages import (
     ReasoningTokens,
     SampledToken,
+    SampledTokens,
     SamplingParams,
     SeqStart,
     StepTokens,
@@ -114,7 +115,9 @@ def tokens_of(
 ) -> StepTokens:
     return StepTokens(
         step_id=step_id,
-        tokens=tuple(SampledToken(seq_id=s, token_id=t) for s, run in runs.items() for t in run),
+        sampled=SampledTokens.of(
+            tuple(SampledToken(seq_id=s, token_id=t) for s, run in runs.items() for t in run)
+        ),
         drafts=drafts,
     )
 
@@ -261,7 +264,7 @@ def test_verification_equals_sampling_token_by_token(params: SamplingParams) -> 
         sampler = Sampler()
         start(sampler, 0, params)
         got = sampler.verify([0], [tuple(drafts)], rows, [0])
-        assert got == one_by_one(params, rows, tuple(drafts)), trial
+        assert list(got) == one_by_one(params, rows, tuple(drafts)), trial
 
 
 def test_verification_keeps_each_sequence_in_order_in_a_batch() -> None:

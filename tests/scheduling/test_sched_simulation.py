@@ -28,6 +28,7 @@ from flowllm.messages import (
     PLACEHOLDER_TOKEN,
     FinishReason,
     SampledToken,
+    SampledTokens,
     SamplingParams,
     StepBatch,
     StepTokens,
@@ -223,7 +224,9 @@ class Simulation:
                     seq_id=row.seq_id, token_id=tok, finish_reason=reason, stop_reason=stop_reason
                 )
             )
-        finished = sched.apply(StepTokens(step_id=batch.step_id, tokens=tuple(sampled)))
+        finished = sched.apply(
+            StepTokens(step_id=batch.step_id, sampled=SampledTokens.of(tuple(sampled)))
+        )
         for f in finished:
             assert f.finish_reason == self.live[f.seq_id].finish
 

@@ -10,6 +10,7 @@ from flowllm.config import CacheConfig, ConfigError, SchedulerConfig
 from flowllm.messages import (
     FinishReason,
     SampledToken,
+    SampledTokens,
     SamplingParams,
     StepBatch,
     StepTokens,
@@ -66,7 +67,7 @@ def sample(
         for row in batch.seqs
         if row.sample
     )
-    return sched.apply(StepTokens(step_id=batch.step_id, tokens=tokens))
+    return sched.apply(StepTokens(step_id=batch.step_id, sampled=SampledTokens.of(tokens)))
 
 
 def step(sched: Scheduler, token: int = 7) -> StepBatch:
@@ -476,7 +477,9 @@ def test_tokens_for_unknown_or_finished_sequences_are_ignored() -> None:
     sched.add_request(request("a", [1, 2]))
     batch = sched.schedule()
     assert batch is not None
-    stray = StepTokens(step_id=batch.step_id, tokens=(SampledToken(seq_id=99, token_id=3),))
+    stray = StepTokens(
+        step_id=batch.step_id, sampled=SampledTokens.of((SampledToken(seq_id=99, token_id=3),))
+    )
     assert sched.apply(stray) == []
     seq = sched.get_sequence(0)
     assert seq is not None and seq.token_ids == [1, 2]
@@ -485,7 +488,9 @@ def test_tokens_for_unknown_or_finished_sequences_are_ignored() -> None:
     again = sched.schedule()
     assert again is not None and rows(again) == {0: (1, 1, True)}
     assert again.seqs[0].token_ids == (2,)
-    late = StepTokens(step_id=batch.step_id, tokens=(SampledToken(seq_id=0, token_id=3),))
+    late = StepTokens(
+        step_id=batch.step_id, sampled=SampledTokens.of((SampledToken(seq_id=0, token_id=3),))
+    )
     assert sched.apply(late) == []
     assert seq.token_ids == [1, 2]
     sample(sched, again, token=4)

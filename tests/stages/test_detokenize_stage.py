@@ -13,6 +13,7 @@ from flowllm.messages import (
     ChoiceStart,
     Finish,
     SampledToken,
+    SampledTokens,
     SamplingParams,
     SeqStart,
     StepTokens,
@@ -62,7 +63,7 @@ def test_choices_live_from_their_start_to_their_last_chunk(gpt2_tokenizer: Any) 
             SampledToken(seq_id=1, token_id=hello[0]),
             SampledToken(seq_id=2, token_id=hello[0]),
         )
-        await stage.handle(StepTokens(step_id=0, tokens=tokens), out)  # type: ignore[arg-type]
+        await stage.handle(StepTokens(step_id=0, sampled=SampledTokens.of(tokens)), out)  # type: ignore[arg-type]
         # c is aborted: schedule says so; its tokens still in flight are skipped
         await stage.handle(ChoiceEvents(step_id=1, ended=(2,)), out)  # type: ignore[arg-type]
         assert stage.live_sequences() == 2
@@ -71,13 +72,13 @@ def test_choices_live_from_their_start_to_their_last_chunk(gpt2_tokenizer: Any) 
             SampledToken(seq_id=1, token_id=world[0]),  # completes b's stop string
             SampledToken(seq_id=2, token_id=world[0]),
         )
-        await stage.handle(StepTokens(step_id=1, tokens=tokens), out)  # type: ignore[arg-type]
+        await stage.handle(StepTokens(step_id=1, sampled=SampledTokens.of(tokens)), out)  # type: ignore[arg-type]
         assert stage.live_sequences() == 1  # b's last chunk is out
         tokens = (
             SampledToken(seq_id=0, token_id=dot[0], finish_reason="length"),
             SampledToken(seq_id=1, token_id=dot[0]),  # sampled past its stop string
         )
-        await stage.handle(StepTokens(step_id=2, tokens=tokens), out)  # type: ignore[arg-type]
+        await stage.handle(StepTokens(step_id=2, sampled=SampledTokens.of(tokens)), out)  # type: ignore[arg-type]
         assert stage.live_sequences() == 0  # a's last chunk is out
 
     anyio.run(scenario)

@@ -108,7 +108,9 @@ def _messages() -> list[object]:
         batch,
         M.StepTokens(
             step_id=4,
-            tokens=(M.SampledToken(seq_id=0, token_id=5, logprobs=lp, finish_reason="stop"),),
+            sampled=M.SampledTokens.of(
+                (M.SampledToken(seq_id=0, token_id=5, logprobs=lp, finish_reason="stop"),)
+            ),
             prompt_logprobs={0: (None, lp)},
         ),
         M.ChoiceEvents(
