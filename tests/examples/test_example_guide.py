@@ -109,6 +109,7 @@ def _type_text(tp: Any) -> str:
     text = tp.__name__ if isinstance(tp, type) else str(tp)
     text = text.replace("typing.", "").replace("flowllm.messages.", "")
     text = text.replace("Optional[Literal['stop', 'length', 'abort']]", "FinishReason | None")
+    text = text.replace("Literal['stop', 'length', 'abort']", "FinishReason")
     return text.replace(str(messages.ErrorKind).replace("typing.", ""), "ErrorKind")
 
 
@@ -125,7 +126,7 @@ def test_message_tables_list_every_field_with_its_type() -> None:
     on_edges = {
         "GenerateRequest", "ValidRequest", "TokenizedRequest", "Abort", "RequestError",
         "StepBatch", "ScheduledSeq", "SeqStart", "StepMasks", "StepLogits", "StepTokens",
-        "SampledToken", "ChoiceEvents", "ChoiceStart",
+        "SampledTokens", "SampledToken", "ChoiceEvents", "ChoiceStart",
         "TokenLogprobs", "Finish", "TextDeltas", "Chunk", "StepHidden", "SampledIds",
     }  # fmt: skip
     assert set(tables) == on_edges
