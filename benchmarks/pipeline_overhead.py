@@ -323,7 +323,7 @@ async def stage_bench(
         t1 = clock()
         if batch is None:
             raise RuntimeError("the scheduler ran out of work")
-        logits, prompt_logits = execute.runner.run(batch.seqs)
+        logits, prompt_logits = execute.runner.run(batch.rows)
         t2 = clock()
         step_logits = StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits)
         tokens = sample._sample(step_logits, None)

@@ -86,6 +86,7 @@ def sink_cost(batch: int = 16, number: int = 2000) -> dict[str, float]:
         SampledToken,
         SampledTokens,
         SamplingParams,
+        ScheduledRows,
         ScheduledSeq,
         SeqStart,
         StepBatch,
@@ -106,7 +107,7 @@ def sink_cost(batch: int = 16, number: int = 2000) -> dict[str, float]:
         )
         for i in range(batch)
     )
-    sink("stage", StepBatch(step_id=0, seqs=(), started=starts), 0.0, 0.0, 0.0)
+    sink("stage", StepBatch(step_id=0, rows=ScheduledRows.of(()), started=starts), 0.0, 0.0, 0.0)
     seqs = tuple(
         ScheduledSeq(
             seq_id=i,
@@ -119,7 +120,7 @@ def sink_cost(batch: int = 16, number: int = 2000) -> dict[str, float]:
         for i in range(batch)
     )
     messages = {
-        "StepBatch": StepBatch(step_id=1, seqs=seqs),
+        "StepBatch": StepBatch(step_id=1, rows=ScheduledRows.of(seqs)),
         "StepTokens": StepTokens(
             step_id=1,
             sampled=SampledTokens.of(

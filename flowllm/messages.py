@@ -265,11 +265,93 @@ class ScheduledSeq(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     num_draft_tokens: int = 0  # drafts at the end of token_ids, verified this step
 
 
+class ScheduledRows(msgspec.Struct, frozen=True, kw_only=True):
+    """A step's rows as columns: row i computes `query_lens[i]` tokens of sequence
+    `seq_ids[i]`, at positions from `num_computed_tokens[i]` on.
+
+    Columns rather than a struct per row, so that a step of hundreds of sequences is a few
+    tuples to build and read. `token_ids` holds every row's tokens, one row after another.
+    A placeholder row (`input_from`) and a row verifying drafts (`num_draft_tokens`) are
+    as `ScheduledSeq` describes. `rows[i]` (and iterating) reads a row as a `ScheduledSeq`,
+    for code that handles a few rows at a time.
+    """
+
+    seq_ids: tuple[int, ...] = ()
+    query_lens: tuple[int, ...] = ()  # the tokens each row computes
+    token_ids: tuple[int, ...] = ()  # the rows' tokens, row after row
+    num_computed_tokens: tuple[int, ...] = ()  # tokens in the KV cache before this step
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    sample: tuple[bool, ...] = ()  # does the row end at its sequence's last token?
+    num_output_tokens: tuple[int, ...] = ()  # generated so far, in flight included
+    input_from: dict[int, tuple[int, int]] = {}  # placeholder row -> (step id, sampling row)
+    num_draft_tokens: dict[int, int] = {}  # row -> drafts at the end of its tokens
+
+    def __post_init__(self) -> None:
+        rows = len(self.seq_ids)
+        columns = (
+            self.query_lens,
+            self.num_computed_tokens,
+            self.block_tables,
+            self.sample,
+            self.num_output_tokens,
+        )
+        if any(len(c) != rows for c in columns) or sum(self.query_lens) != len(self.token_ids):
+            raise ValueError(
+                "scheduled rows need one entry per row in every column and "
+                f"sum(query_lens) token ids: {rows} rows, column lengths "
+                f"{[len(c) for c in columns]}, {len(self.token_ids)} token ids"
+            )
+
+    @classmethod
+    def of(cls, seqs: Iterable[ScheduledSeq]) -> ScheduledRows:
+        """The columns of `seqs`, in order."""
+        rows = list(seqs)
+        return cls(
+            seq_ids=tuple([s.seq_id for s in rows]),
+            query_lens=tuple([len(s.token_ids) for s in rows]),
+            token_ids=tuple(chain.from_iterable(s.token_ids for s in rows)),
+            num_computed_tokens=tuple([s.num_computed_tokens for s in rows]),
+            block_tables=tuple([s.block_table for s in rows]),
+            sample=tuple([s.sample for s in rows]),
+            num_output_tokens=tuple([s.num_output_tokens for s in rows]),
+            input_from={i: s.input_from for i, s in enumerate(rows) if s.input_from is not None},
+            num_draft_tokens={
+                i: s.num_draft_tokens for i, s in enumerate(rows) if s.num_draft_tokens
+            },
+        )
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def __getitem__(self, row: int) -> ScheduledSeq:
+        if row < 0:
+            row += len(self.seq_ids)
+        return self._row(row, sum(self.query_lens[:row]))
+
+    def __iter__(self) -> Iterator[ScheduledSeq]:
+        start = 0
+        for row, length in enumerate(self.query_lens):
+            yield self._row(row, start)
+            start += length
+
+    def _row(self, row: int, start: int) -> ScheduledSeq:
+        return ScheduledSeq(
+            seq_id=self.seq_ids[row],
+            token_ids=self.token_ids[start : start + self.query_lens[row]],
+            num_computed_tokens=self.num_computed_tokens[row],
+            block_table=self.block_tables[row],
+            sample=self.sample[row],
+            num_output_tokens=self.num_output_tokens[row],
+            input_from=self.input_from.get(row),
+            num_draft_tokens=self.num_draft_tokens.get(row, 0),
+        )
+
+
 class StepBatch(msgspec.Struct, kw_only=True):
     """Everything one model step computes, in batch order."""
 
     step_id: int
-    seqs: tuple[ScheduledSeq, ...]
+    rows: ScheduledRows = msgspec.field(default_factory=ScheduledRows)
     started: tuple[SeqStart, ...] = ()
     released: tuple[int, ...] = ()  # seq ids that left since the previous step
     prompt_logits_for: tuple[int, ...] = ()  # seqs whose prompt logits execute returns
@@ -277,6 +359,11 @@ class StepBatch(msgspec.Struct, kw_only=True):
     inflight_from: int = 0  # the oldest step in flight when built: no later batch reads older
     # A sampling row has structured outputs: guide sends this step's masks (only then).
     guided: bool = False
+
+    @property
+    def seqs(self) -> tuple[ScheduledSeq, ...]:
+        """The rows one by one (built at each read: the step loop reads `rows`)."""
+        return tuple(self.rows)
 
 
 class StepLogits(msgspec.Struct, kw_only=True):
@@ -290,7 +377,7 @@ class StepLogits(msgspec.Struct, kw_only=True):
 
 class StepHidden(msgspec.Struct, kw_only=True):
     """The model's last hidden states of every row of a step (a pooling graph's execute ->
-    pool): row k of sequence i is row `sum(len(seqs[j].token_ids) for j < i) + k`."""
+    pool): token k of row i is row `sum(batch.rows.query_lens[:i]) + k`."""
 
     batch: StepBatch
     hidden: Any  # torch.Tensor [num_tokens, hidden_size], the model's dtype
@@ -536,7 +623,7 @@ def seq_ids_of(message: object) -> tuple[int, ...] | None:
     if isinstance(message, StepLogits):
         message = message.batch
     if isinstance(message, StepBatch):
-        return tuple([seq.seq_id for seq in message.seqs])
+        return message.rows.seq_ids
     if isinstance(message, StepTokens):
         return message.sampled.seq_ids
     return None

@@ -15,7 +15,6 @@ stay on the device.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from itertools import chain
 from typing import Any, Protocol
 
 import msgspec
@@ -24,7 +23,7 @@ import torch
 
 from flowllm.kernels import native
 from flowllm.kernels.workspace import Workspace
-from flowllm.messages import ScheduledSeq
+from flowllm.messages import ScheduledRows, ScheduledSeq
 from flowllm.models import glibc_heap, step_plans
 from flowllm.models.block_tables import BlockTables
 from flowllm.models.context import AttentionContext
@@ -77,6 +76,15 @@ class PoolingModel(Protocol):
     ) -> torch.Tensor: ...
 
 
+Rows = ScheduledRows | Sequence[ScheduledSeq]  # a step's rows: as columns, or one by one
+
+
+def as_rows(rows: Rows) -> ScheduledRows:
+    """A step's rows as columns (the step loop sends them so; callers that build a few
+    rows one by one, such as the draft proposer and tests, may pass a sequence)."""
+    return rows if isinstance(rows, ScheduledRows) else ScheduledRows.of(rows)
+
+
 class StepInputError(ModelError):
     """A scheduled sequence is inconsistent (no tokens, or a block table too short)."""
 
@@ -86,27 +94,26 @@ class StepInputs:
 
     def __init__(
         self,
-        seqs: Sequence[ScheduledSeq],
+        rows: ScheduledRows,
         block_size: int,
         prompt_logits_for: Collection[int],
         tables: BlockTables | None = None,
     ) -> None:
         """`tables`: the runner's, kept from the previous step (None: a new one)."""
-        n_seqs = len(seqs)
-        token_ids = [s.token_ids for s in seqs]
-        block_tables = [s.block_table for s in seqs]
-        q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n_seqs)
-        computed = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        n_seqs = len(rows.seq_ids)
+        block_tables = rows.block_tables
+        q_lens = np.array(rows.query_lens, dtype=np.int64)
+        computed = np.array(rows.num_computed_tokens, dtype=np.int64)
         t_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n_seqs)
         if n_seqs and int(q_lens.min()) < 1:
-            bad = seqs[int(q_lens.argmin())].seq_id
+            bad = rows.seq_ids[int(q_lens.argmin())]
             raise StepInputError(f"sequence {bad} is scheduled with no tokens")
         seq_lens = computed + q_lens
         short = t_lens * block_size < seq_lens
         if short.any():
             i = int(np.argmax(short))
             raise StepInputError(
-                f"sequence {seqs[i].seq_id} reaches {int(seq_lens[i])} tokens, which need "
+                f"sequence {rows.seq_ids[i]} reaches {int(seq_lens[i])} tokens, which need "
                 f"{-(-int(seq_lens[i]) // block_size)} blocks of {block_size}, but its block "
                 f"table has {int(t_lens[i])}"
             )
@@ -116,10 +123,8 @@ class StepInputs:
         width = 1 << max(max_blocks - 1, 0).bit_length()
         tables = BlockTables() if tables is None else tables
         self.block_tables = tables.update(block_tables, t_lens, width)  # [n_seqs, width]
-        num_tokens = int(q_lens.sum())
-        self.input_ids = np.fromiter(
-            chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens
-        )
+        num_tokens = len(rows.token_ids)
+        self.input_ids = np.array(rows.token_ids, dtype=np.int64)
         # Per-token sequence index and position: [num_tokens]. A decode step (one token
         # per sequence) needs no expansion.
         decode = num_tokens == n_seqs  # every row has one token (none has fewer)
@@ -140,39 +145,41 @@ class StepInputs:
         self.max_seq_len = int(seq_lens.max()) if n_seqs else 0
 
         # Logit rows: each prompt-logits sequence's rows (in order), then the sampling rows.
-        rows: list[int] = []
-        self.prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> range in `rows`
+        logit_rows: list[int] = []
+        self.prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> range in `logit_rows`
         if prompt_logits_for:
-            for i, s in enumerate(seqs):
-                if s.seq_id in prompt_logits_for:
-                    start = len(rows)
-                    rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
-                    self.prompt_rows[s.seq_id] = (start, len(rows))
-        samples = [s.sample for s in seqs]
+            for i, seq_id in enumerate(rows.seq_ids):
+                if seq_id in prompt_logits_for:
+                    start = len(logit_rows)
+                    logit_rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
+                    self.prompt_rows[seq_id] = (start, len(logit_rows))
+        samples = rows.sample
         last_rows = qsl[1:] - 1  # each sequence's last row
         sample_rows = last_rows if all(samples) else last_rows[np.array(samples, dtype=bool)]
-        self.sample_at = list(range(len(rows), len(rows) + len(sample_rows)))
+        self.sample_at = list(range(len(logit_rows), len(logit_rows) + len(sample_rows)))
         self.logits_indices = (
-            np.concatenate([np.asarray(rows, dtype=np.int64), sample_rows]) if rows else sample_rows
+            np.concatenate([np.asarray(logit_rows, dtype=np.int64), sample_rows])
+            if logit_rows
+            else sample_rows
         )
 
 
-def one_row_per_token(seqs: Sequence[ScheduledSeq]) -> list[ScheduledSeq]:
+def one_row_per_token(rows: ScheduledRows) -> ScheduledRows:
     """The step with each sequence that verifies drafts split into one sampling row per
     token (its last token, then each draft), each at its own position."""
-    rows: list[ScheduledSeq] = []
-    for s in seqs:
+    split: list[ScheduledSeq] = []
+    for s in rows:
         if not s.num_draft_tokens:
-            rows.append(s)
+            split.append(s)
             continue
         start = s.num_computed_tokens
-        rows.extend(
+        split.extend(
             msgspec.structs.replace(
                 s, token_ids=(t,), num_computed_tokens=start + j, num_draft_tokens=0
             )
             for j, t in enumerate(s.token_ids)
         )
-    return rows
+    return ScheduledRows.of(split)
 
 
 class ModelRunner:
@@ -215,15 +222,16 @@ class ModelRunner:
 
     def build_context(
         self,
-        seqs: Sequence[ScheduledSeq],
+        rows: Rows,
         prompt_logits_for: Collection[int] = frozenset(),
         sampled: Mapping[int, torch.Tensor] | None = None,
     ) -> tuple[StepInputs, torch.Tensor, torch.Tensor, AttentionContext]:
         """The host inputs, token ids, positions and attention context of one step;
         `sampled`: step id -> its sampled ids, which the placeholder rows read."""
-        if any([s.num_draft_tokens for s in seqs]):
-            seqs = one_row_per_token(seqs)
-        inp = StepInputs(seqs, self.block_size, prompt_logits_for, self.block_tables)
+        rows = as_rows(rows)
+        if rows.num_draft_tokens:
+            rows = one_row_per_token(rows)
+        inp = StepInputs(rows, self.block_size, prompt_logits_for, self.block_tables)
         ctx = AttentionContext(
             slot_mapping=self._tensor(inp.slot_mapping),
             block_tables=self._tensor(inp.block_tables),
@@ -236,12 +244,12 @@ class ModelRunner:
         )
         input_ids = self._tensor(inp.input_ids)
         if sampled:
-            self._fill_placeholders(seqs, inp, input_ids, sampled)
+            self._fill_placeholders(rows, inp, input_ids, sampled)
         return inp, input_ids, self._tensor(inp.positions), ctx
 
     def _fill_placeholders(
         self,
-        seqs: Sequence[ScheduledSeq],
+        rows: ScheduledRows,
         inp: StepInputs,
         input_ids: torch.Tensor,
         sampled: Mapping[int, torch.Tensor],
@@ -250,22 +258,20 @@ class ModelRunner:
         device (one gather and scatter per step read)."""
         starts = inp.query_start_loc
         by_step: dict[int, tuple[list[int], list[int]]] = {}
-        for i, s in enumerate(seqs):
-            source = s.input_from
-            if source is not None:
-                at, rows = by_step.setdefault(source[0], ([], []))
-                at.append(int(starts[i]))
-                rows.append(source[1])
-        for step_id, (at, rows) in by_step.items():
+        for row, (step_id, sampling_row) in rows.input_from.items():
+            at, sources = by_step.setdefault(step_id, ([], []))
+            at.append(int(starts[row]))
+            sources.append(sampling_row)
+        for step_id, (at, sources) in by_step.items():
             ids = sampled.get(step_id)
             if ids is None:
                 raise StepInputError(f"placeholder rows read step {step_id}'s sampled ids, "
                                      "which did not come")  # fmt: skip
-            input_ids[self._tensor(np.asarray(at))] = ids[self._tensor(np.asarray(rows))]
+            input_ids[self._tensor(np.asarray(at))] = ids[self._tensor(np.asarray(sources))]
 
     def run(
         self,
-        seqs: Sequence[ScheduledSeq],
+        rows: Rows,
         prompt_logits_for: Collection[int] = frozenset(),
         sampled: Mapping[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -279,10 +285,10 @@ class ModelRunner:
         of [256, 50257] float32 logits is 51 MB per step, which the sampler needs only when
         a logits processor edits them (it then uses a buffer of its own). `sampled`: the
         sampled ids that placeholder rows read, by step id (`build_context`)."""
-        if not seqs:
+        if not len(rows):
             empty = torch.empty(0, self.model.vocab_size, dtype=torch.float32, device=self.device)
             return empty, {}
-        inp, input_ids, positions, ctx = self.build_context(seqs, prompt_logits_for, sampled)
+        inp, input_ids, positions, ctx = self.build_context(rows, prompt_logits_for, sampled)
         with torch.no_grad():
             h = self.model.embed(input_ids, positions)
             if self.plans is not None:
@@ -296,20 +302,23 @@ class ModelRunner:
         return logits.float(), prompt
 
     def hidden_states(
-        self, seqs: Sequence[ScheduledSeq], token_type_starts: Mapping[int, int] | None = None
+        self, rows: Rows, token_type_starts: Mapping[int, int] | None = None
     ) -> torch.Tensor:
         """One step of a pooling model: the last hidden states [num_tokens, d] of every row,
         in batch order (`PoolingModel.hidden_states`). `token_type_starts`: seq id -> the
         position where a cross-encoder pair's second text (token type 1) starts."""
         model: PoolingModel = self.model  # type: ignore[assignment]
-        if not seqs:
+        if not len(rows):
             return torch.empty(0, model.hidden_size, dtype=model.dtype, device=self.device)
-        inp, input_ids, positions, ctx = self.build_context(seqs)
+        rows = as_rows(rows)
+        inp, input_ids, positions, ctx = self.build_context(rows)
         token_types = None
         if token_type_starts:
             never = np.iinfo(np.int64).max
             starts = np.fromiter(
-                (token_type_starts.get(s.seq_id, never) for s in seqs), np.int64, len(seqs)
+                (token_type_starts.get(seq_id, never) for seq_id in rows.seq_ids),
+                np.int64,
+                len(rows.seq_ids),
             )
             row_start = np.repeat(starts, np.diff(inp.query_start_loc))  # [num_tokens]
             token_types = self._tensor((inp.positions >= row_start).astype(np.int64))

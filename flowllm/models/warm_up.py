@@ -16,7 +16,7 @@ import time
 import structlog
 import torch
 
-from flowllm.messages import ScheduledSeq
+from flowllm.messages import ScheduledRows
 from flowllm.models.runner import ModelRunner
 
 _log = structlog.get_logger("flowllm.models")
@@ -33,16 +33,15 @@ def warm_up(runner: ModelRunner, prefill_tokens: int) -> None:
     tokens = min(prefill_tokens, runner.kv_caches[0][0].shape[0] * runner.block_size)
     if tokens > 0:
         runner.run(
-            [
-                ScheduledSeq(
-                    seq_id=0,
-                    token_ids=(0,) * tokens,
-                    num_computed_tokens=0,
-                    block_table=tuple(range(-(-tokens // runner.block_size))),
-                    sample=True,
-                    num_output_tokens=0,
-                )
-            ]
+            ScheduledRows(
+                seq_ids=(0,),
+                query_lens=(tokens,),
+                token_ids=(0,) * tokens,
+                num_computed_tokens=(0,),
+                block_tables=(tuple(range(-(-tokens // runner.block_size))),),
+                sample=(True,),
+                num_output_tokens=(0,),
+            )
         )
     torch.cuda.synchronize(device)
     compiled = time.perf_counter()

@@ -21,7 +21,7 @@ Per step (`schedule`), within `max_num_batched_tokens` tokens and `max_num_seqs`
 
 Async scheduling (`async_scheduling`, with more than one step in flight): a sequence whose
 sampled token is still in flight is scheduled again at once, its next row computing that
-token as a placeholder (`ScheduledSeq.input_from`: execute reads the id where the model
+token as a placeholder (`ScheduledRows.input_from`: execute reads the id where the model
 runs). Its stop is then known one step late: a step may compute a row for a sequence its
 previous token ended, which sample drops. Sequences under a grammar (whose masks need each
 token) and those whose in-flight tokens reach their length limit wait for their tokens.
@@ -60,7 +60,7 @@ from flowllm.messages import (
     ChoiceEvents,
     ChoiceStart,
     SampledTokens,
-    ScheduledSeq,
+    ScheduledRows,
     SeqStart,
     StepBatch,
     StepTokens,
@@ -489,7 +489,15 @@ class Scheduler:
         step_id = ledger.next_step_id
         ledger.next_step_id += 1
         inflight_from = next(iter(self._inflight), step_id)
-        seqs: list[ScheduledSeq] = []
+        seq_ids: list[int] = []
+        query_lens: list[int] = []
+        token_ids: list[int] = []
+        computed: list[int] = []
+        block_tables: list[tuple[int, ...]] = []
+        samples: list[bool] = []
+        num_output_tokens: list[int] = []
+        input_from: dict[int, tuple[int, int]] = {}
+        num_draft_tokens: dict[int, int] = {}
         started: list[SeqStart] = []
         prompt_logits_for: list[int] = []
         sampling: list[Sequence] = []
@@ -503,32 +511,26 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = start + num_new
             drafts = seq.draft_token_ids
-            num_drafts = len(drafts)
-            sample = end == num_tokens + num_drafts
-            input_from = None
+            sample = end == num_tokens + len(drafts)
             if drafts:  # its last token, then the drafts to verify
-                token_ids: tuple[int, ...] = (tokens[-1], *drafts)
-                seq.draft_token_ids, seq.num_draft_tokens = (), num_drafts
+                num_draft_tokens[len(seq_ids)] = len(drafts)
+                token_ids.append(tokens[-1])
+                token_ids.extend(drafts)
+                seq.draft_token_ids, seq.num_draft_tokens = (), len(drafts)
             elif pending:  # the token in flight, as a placeholder (one row)
-                input_from = seq.sampled_at
-                reads_sampled.add(input_from[0])
-                token_ids = (PLACEHOLDER_TOKEN,)
-            elif num_new == 1 and sample:
-                token_ids = (tokens[-1],)
+                input_from[len(seq_ids)] = seq.sampled_at
+                reads_sampled.add(seq.sampled_at[0])
+                token_ids.append(PLACEHOLDER_TOKEN)
+            elif num_new == 1:
+                token_ids.append(tokens[start])
             else:
-                token_ids = tuple(tokens[start:end])
-            seqs.append(
-                ScheduledSeq(
-                    seq_id=seq.seq_id,
-                    token_ids=token_ids,
-                    num_computed_tokens=start,
-                    block_table=blocks.table,
-                    sample=sample,
-                    num_output_tokens=num_tokens - seq.num_prompt_tokens,
-                    input_from=input_from,
-                    num_draft_tokens=num_drafts,
-                )
-            )
+                token_ids.extend(tokens[start:end])
+            seq_ids.append(seq.seq_id)
+            query_lens.append(num_new)
+            computed.append(start)
+            block_tables.append(blocks.table)
+            samples.append(sample)
+            num_output_tokens.append(num_tokens - seq.num_prompt_tokens)
             seq.num_computed_tokens = end
             if seq.wants_prompt_logits:
                 prompt_logits_for.append(seq.seq_id)
@@ -553,7 +555,17 @@ class Scheduler:
             ledger.releases_in_flight[step_id] = released
         return StepBatch(
             step_id=step_id,
-            seqs=tuple(seqs),
+            rows=ScheduledRows(
+                seq_ids=tuple(seq_ids),
+                query_lens=tuple(query_lens),
+                token_ids=tuple(token_ids),
+                num_computed_tokens=tuple(computed),
+                block_tables=tuple(block_tables),
+                sample=tuple(samples),
+                num_output_tokens=tuple(num_output_tokens),
+                input_from=input_from,
+                num_draft_tokens=num_draft_tokens,
+            ),
             started=tuple(started),
             released=released,
             prompt_logits_for=tuple(prompt_logits_for),

@@ -2,8 +2,8 @@
 
 The scheduler owns every `Sequence`: no other module edits one. Downstream stages keep
 read-only copies of what they use (`SeqStart` for the step loop, `ChoiceStart` for
-detokenize) and learn its progress from `ScheduledSeq` rows, so the fields here can change
-without touching any channel contract.
+detokenize) and learn its progress from the step's `ScheduledRows`, so the fields here can
+change without touching any channel contract.
 
 The single scheduling rule: `num_computed_tokens` (tokens whose K/V are in the cache)
 catches up with `num_tokens` (prompt + outputs so far). A prefill chunk, a decode, a

@@ -86,8 +86,12 @@ def _warmed_up_runner(services: EngineServices) -> ModelRunner:
 def step_size(batch: StepBatch) -> tuple[int, int, bool]:
     """A step's size class, for its worker (a short step runs on the loop): its sequences
     and tokens to the next power of two, and whether it returns prompt logits."""
-    tokens = sum([len(seq.token_ids) for seq in batch.seqs])
-    return len(batch.seqs).bit_length(), tokens.bit_length(), bool(batch.prompt_logits_for)
+    rows = batch.rows
+    return (
+        len(rows.seq_ids).bit_length(),
+        len(rows.token_ids).bit_length(),
+        bool(batch.prompt_logits_for),
+    )
 
 
 class Execute(PerMessageStage):
@@ -153,7 +157,7 @@ class Execute(PerMessageStage):
         short one may run on the loop, where its results do not depend on the thread."""
         size = step_size(batch) if self.runner.exact_on_any_threads else None
         logits, prompt_logits = await self._worker.run(
-            self.runner.run, batch.seqs, batch.prompt_logits_for, sampled, size=size
+            self.runner.run, batch.rows, batch.prompt_logits_for, sampled, size=size
         )
         await ctx.emit("out", StepLogits(batch=batch, logits=logits, prompt_logits=prompt_logits))
 
@@ -199,5 +203,5 @@ class ExecuteHidden(Execute):
         for start in batch.started:
             if start.pooling is not None and start.pooling.token_type_start is not None:
                 self._type_starts[start.seq_id] = start.pooling.token_type_start
-        hidden = await self._worker.run(self.runner.hidden_states, batch.seqs, self._type_starts)
+        hidden = await self._worker.run(self.runner.hidden_states, batch.rows, self._type_starts)
         await ctx.emit("out", StepHidden(batch=batch, hidden=hidden))

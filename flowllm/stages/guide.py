@@ -114,7 +114,7 @@ class Guide(PerMessageStage):
                     ReasoningTracker(tags) if tags is not None else None,
                 )
         rows = []
-        for row in batch.seqs:
+        for row in batch.rows:
             guided = seqs.get(row.seq_id) if row.sample else None
             if guided is not None:
                 _catch_up(guided, row)

@@ -60,7 +60,7 @@ class Pool(PerMessageStage):
     def request_ids(self, message: object) -> tuple[str, ...]:
         """A step's requests, as far as their choices are known."""
         if isinstance(message, StepHidden):
-            choices = (self._choices.get(s.seq_id) for s in message.batch.seqs)
+            choices = (self._choices.get(seq_id) for seq_id in message.batch.rows.seq_ids)
             return tuple(dict.fromkeys(c.request_id for c in choices if c is not None))
         return super().request_ids(message)
 
@@ -82,10 +82,11 @@ class Pool(PerMessageStage):
         params: list[PoolingParams | None] = []
         finished: list[ChoiceStart] = []
         start = 0
-        for seq in step.batch.seqs:
-            end = start + len(seq.token_ids)
-            choice = self._choices.get(seq.seq_id)
-            if seq.sample and choice is not None:  # its prompt's last row is in this step
+        rows = step.batch.rows
+        for seq_id, length, sample in zip(rows.seq_ids, rows.query_lens, rows.sample, strict=True):
+            end = start + length
+            choice = self._choices.get(seq_id)
+            if sample and choice is not None:  # its prompt's last row is in this step
                 spans.append((start, end))
                 params.append(choice.seq.pooling)
                 finished.append(choice)

@@ -24,6 +24,7 @@ sampler (torch) is imported where the stage is built, in the process that runs i
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from itertools import accumulate, compress
 from time import perf_counter
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from flowllm.graph.stage import CLOSED, NoParams, PerMessageStage, StageContext
 from flowllm.messages import (
     SampledIds,
     SampledTokens,
+    ScheduledRows,
     StepLogits,
     StepMasks,
     StepTokens,
@@ -141,16 +143,14 @@ class Sample(PerMessageStage):
             sampler.release(seq_id)
         for start in batch.started:
             sampler.start(start)
-        seqs = batch.seqs
-        samples = [s.sample for s in seqs]
-        rows = seqs if all(samples) else list(compress(seqs, samples))
-        seq_ids = [s.seq_id for s in rows]
-        num_output_tokens = [s.num_output_tokens for s in rows]
-        drafts = (
-            [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in rows]
-            if any([s.num_draft_tokens for s in rows])
-            else None
-        )
+        rows = batch.rows
+        samples = rows.sample
+        if all(samples):
+            seq_ids, num_output_tokens = rows.seq_ids, rows.num_output_tokens
+        else:
+            seq_ids = tuple(compress(rows.seq_ids, samples))
+            num_output_tokens = tuple(compress(rows.num_output_tokens, samples))
+        drafts = _drafts(rows) if rows.num_draft_tokens else None
         allowed = None
         if masks is not None and masks.seq_ids:
             allowed = (_logits_rows(seq_ids, drafts, masks.seq_ids), masks.bitmask)
@@ -167,14 +167,24 @@ class Sample(PerMessageStage):
         sampled = chosen if isinstance(chosen, SampledTokens) else sampler.finish(chosen)
         prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         if step.prompt_logits:
-            computed = {s.seq_id: s.num_computed_tokens for s in batch.seqs}
+            computed = dict(zip(batch.rows.seq_ids, batch.rows.num_computed_tokens, strict=True))
             for seq_id, logits in step.prompt_logits.items():
                 prompt_logprobs[seq_id] = sampler.prompt_logprobs(seq_id, computed[seq_id], logits)
         return StepTokens(step_id=batch.step_id, sampled=sampled, prompt_logprobs=prompt_logprobs)
 
 
+def _drafts(rows: ScheduledRows) -> list[tuple[int, ...]]:
+    """The drafts each sampling row verifies (none for most): the last tokens of its row."""
+    ends = accumulate(rows.query_lens)
+    return [
+        rows.token_ids[end - rows.num_draft_tokens.get(row, 0) : end]
+        for row, (end, sample) in enumerate(zip(ends, rows.sample, strict=True))
+        if sample
+    ]
+
+
 def _logits_rows(
-    seq_ids: list[int], drafts: list[tuple[int, ...]] | None, masked: tuple[int, ...]
+    seq_ids: Sequence[int], drafts: list[tuple[int, ...]] | None, masked: tuple[int, ...]
 ) -> list[int]:
     """The logits row of each mask row: a sequence's rows follow one another, one per
     position it samples (its drafts, if any, and one more), and so do its masks."""

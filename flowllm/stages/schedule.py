@@ -109,10 +109,8 @@ class Schedule(Stage):
                     self._observe_started(events)
                     await ctx.emit("choices", events)  # before the batch: see ChoiceEvents
                 if batch is not None:
-                    if batch.seqs:  # a step that only releases sequences computes nothing
-                        self._metrics.iteration_tokens.observe(
-                            sum([len(seq.token_ids) for seq in batch.seqs])
-                        )
+                    if batch.rows.seq_ids:  # a step that only releases sequences computes nothing
+                        self._metrics.iteration_tokens.observe(len(batch.rows.token_ids))
                     await ctx.emit("out", batch)
                     inflight += 1
                     continue

@@ -21,6 +21,7 @@ from flowllm.messages import (
     PLACEHOLDER_TOKEN,
     SampledToken,
     SamplingParams,
+    ScheduledRows,
     ScheduledSeq,
     SeqStart,
     StepBatch,
@@ -58,7 +59,7 @@ def test_without_the_ids_edge_the_graph_is_valid_and_execute_says_what_is_missin
     row = ScheduledSeq(seq_id=0, token_ids=(PLACEHOLDER_TOKEN,), num_computed_tokens=3,
                        block_table=(0,), sample=True, num_output_tokens=1,
                        input_from=(4, 0))  # fmt: skip
-    batch = StepBatch(step_id=5, seqs=(row,), reads_sampled=(4,), inflight_from=4)
+    batch = StepBatch(step_id=5, rows=ScheduledRows.of((row,)), reads_sampled=(4,), inflight_from=4)
     with pytest.raises(MissingSampledIdsError, match=r"connect sample\.ids to execute\.sampled"):
         asyncio.run(execute.handle(batch, None))  # type: ignore[arg-type]
 
@@ -98,6 +99,8 @@ def test_sample_sends_a_steps_ids_before_it_copies_them_to_the_host(
                        sample=True, num_output_tokens=0)  # fmt: skip
     logits = torch.zeros(1, 64)
     logits[0, 7] = 1.0
-    step = StepLogits(batch=StepBatch(step_id=0, seqs=(row,), started=(start,)), logits=logits)
+    step = StepLogits(
+        batch=StepBatch(step_id=0, rows=ScheduledRows.of((row,)), started=(start,)), logits=logits
+    )
     asyncio.run(sample.sample_step(step, None, ctx))  # type: ignore[arg-type]
     assert ctx.events == (["ids", "finish", "out"] if "ids" in ports else ["finish", "out"])

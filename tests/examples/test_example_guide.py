@@ -125,8 +125,8 @@ def test_message_tables_list_every_field_with_its_type() -> None:
     # every type on an edge of the built-in graphs (and the structs inside them) has a table
     on_edges = {
         "GenerateRequest", "ValidRequest", "TokenizedRequest", "Abort", "RequestError",
-        "StepBatch", "ScheduledSeq", "SeqStart", "StepMasks", "StepLogits", "StepTokens",
-        "SampledTokens", "SampledToken", "ChoiceEvents", "ChoiceStart",
+        "StepBatch", "ScheduledRows", "ScheduledSeq", "SeqStart", "StepMasks", "StepLogits",
+        "StepTokens", "SampledTokens", "SampledToken", "ChoiceEvents", "ChoiceStart",
         "TokenLogprobs", "Finish", "TextDeltas", "Chunk", "StepHidden", "SampledIds",
     }  # fmt: skip
     assert set(tables) == on_edges

@@ -19,7 +19,7 @@ from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSinks, message_fields
 from flowllm.graph.spec import GraphSpec
 from flowllm.logging_config import configure_logging
-from flowllm.messages import Chunk, StepBatch, TextDeltas, ValidRequest
+from flowllm.messages import Chunk, ScheduledRows, StepBatch, TextDeltas, ValidRequest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -149,7 +149,7 @@ def test_message_fields_for_the_project_messages() -> None:
     )
     assert message_fields(request) == {"request_id": "r1"}
     assert message_fields(ValidRequest(request)) == {"request_id": "r1"}
-    batch = StepBatch(step_id=7, seqs=())
+    batch = StepBatch(step_id=7, rows=ScheduledRows.of(()))
     assert message_fields(batch) == {"step_id": 7, "batch_size": 0}
     deltas = TextDeltas(
         step_id=3, chunks=(Chunk(request_id="a", index=0, text="x", token_ids=(1,)),)

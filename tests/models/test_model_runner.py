@@ -8,7 +8,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from flowllm import openmp
-from flowllm.messages import ScheduledSeq
+from flowllm.messages import ScheduledRows, ScheduledSeq
 from flowllm.models.gpt2 import GPT2Model
 from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.runner import ModelRunner, StepInputError, StepInputs
@@ -34,7 +34,7 @@ def test_step_inputs_layout() -> None:
         seq(12, (1, 2), 3, (7,), sample=False),  # a chunk that does not sample
         seq(13, (3, 4, 5), 14, (0, 6)),  # a chunk crossing from block 0 into block 6
     ]
-    inp = StepInputs(seqs, block_size=16, prompt_logits_for={12, 13})
+    inp = StepInputs(ScheduledRows.of(seqs), block_size=16, prompt_logits_for={12, 13})
     assert inp.input_ids.tolist() == [5, 6, 7, 8, 1, 2, 3, 4, 5]
     assert inp.positions.tolist() == [0, 1, 2, 17, 3, 4, 14, 15, 16]
     assert inp.slot_mapping.tolist() == [64, 65, 66, 145, 115, 116, 14, 15, 96]
@@ -50,9 +50,9 @@ def test_step_inputs_layout() -> None:
 
 def test_short_block_table_and_empty_chunk_raise() -> None:
     with pytest.raises(StepInputError, match=r"sequence 3 reaches 17 tokens.*2 blocks"):
-        StepInputs([seq(3, (1,), 16, (0,))], 16, ())
+        StepInputs(ScheduledRows.of([seq(3, (1,), 16, (0,))]), 16, ())
     with pytest.raises(StepInputError, match="no tokens"):
-        StepInputs([seq(4, (), 0, (0,))], 16, ())
+        StepInputs(ScheduledRows.of([seq(4, (), 0, (0,))]), 16, ())
 
 
 def test_run_returns_editable_float32_rows_in_batch_order() -> None:

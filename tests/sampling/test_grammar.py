@@ -17,6 +17,7 @@ from flowllm.engine.loading import build_services
 from flowllm.messages import (
     ReasoningTokens,
     SamplingParams,
+    ScheduledRows,
     ScheduledSeq,
     SeqStart,
     StepBatch,
@@ -182,23 +183,31 @@ def test_guide_follows_decodes_and_recompute(services: EngineServices, gpt2_toke
     prompt = (10, 11, 12)
     batch = StepBatch(
         step_id=0,
-        seqs=(row(0, prompt, 0, 0), row(1, prompt, 0, 0)),
+        rows=ScheduledRows.of((row(0, prompt, 0, 0), row(1, prompt, 0, 0))),
         started=(start(0, SamplingParams(structured_outputs=spec), prompt),
                  start(1, SamplingParams(), prompt)),
     )  # fmt: skip
     masks = guide._fill(batch)
     assert masks.seq_ids == (0,)  # the unconstrained sequence has no row
-    decode = StepBatch(step_id=1, seqs=(row(0, (digits[0],), 3, 1), row(1, (5,), 3, 1)))
+    decode = StepBatch(
+        step_id=1, rows=ScheduledRows.of((row(0, (digits[0],), 3, 1), row(1, (5,), 3, 1)))
+    )
     guide._fill(decode)
     assert guide._seqs[0].num_accepted == 1
     # preempted, then recomputed from the start: prompt + "1" + "2" in one chunk
-    recompute = StepBatch(step_id=2, seqs=(row(0, (*prompt, digits[0], digits[1]), 0, 2),))
+    recompute = StepBatch(
+        step_id=2, rows=ScheduledRows.of((row(0, (*prompt, digits[0], digits[1]), 0, 2),))
+    )
     guide._fill(recompute)
     assert guide._seqs[0].num_accepted == 2
     # a decode whose token the grammar forbids is a bug upstream, not a silent pass
     with pytest.raises(GuideError):
-        guide._fill(StepBatch(step_id=3, seqs=(row(0, (gpt2_tokenizer.encode("x")[0],), 5, 3),)))
-    guide._fill(StepBatch(step_id=4, seqs=(), released=(0, 1)))
+        guide._fill(
+            StepBatch(
+                step_id=3, rows=ScheduledRows.of((row(0, (gpt2_tokenizer.encode("x")[0],), 5, 3),))
+            )
+        )
+    guide._fill(StepBatch(step_id=4, rows=ScheduledRows.of(()), released=(0, 1)))
     assert guide.live_sequences() == 0
 
 
@@ -228,23 +237,24 @@ def test_guide_masks_each_drafted_position_and_catches_up_on_accepted_drafts(
         return allowed(grammars, matcher)
 
     started = (start(0, SamplingParams(structured_outputs=spec), prompt),)
-    guide._fill(StepBatch(step_id=0, seqs=(row(0, prompt, 0, 0),), started=started))
+    guide._fill(
+        StepBatch(step_id=0, rows=ScheduledRows.of((row(0, prompt, 0, 0),)), started=started)
+    )
     # "1" was sampled; the next step verifies the drafts "2", "x", "3"
     verify = msgspec.structs.replace(row(0, (one, two, x, three), 3, 1), num_draft_tokens=3)
-    masks = guide._fill(StepBatch(step_id=1, seqs=(verify,)))
+    masks = guide._fill(StepBatch(step_id=1, rows=ScheduledRows.of((verify,))))
     assert masks.seq_ids == (0, 0, 0, 0)
     got = [row_allowed(masks.bitmask, i) for i in range(4)]
     assert got[0] == after(one) and got[1] == after(one, two) and got[0] != got[1]
     assert got[2] == got[1] and got[3] == got[1]  # "x" is forbidden: verification stops
     assert guide._seqs[0].num_accepted == 1 and allowed(grammars, guide._seqs[0].matcher) == got[0]
     # "2" was accepted, "5" drawn where "x" was rejected: the next row starts at "5"
-    masks = guide._fill(StepBatch(step_id=2, seqs=(row(0, (five,), 5, 3),)))
+    masks = guide._fill(StepBatch(step_id=2, rows=ScheduledRows.of((row(0, (five,), 5, 3),))))
     assert guide._seqs[0].num_accepted == 3
     assert masks.seq_ids == (0,) and row_allowed(masks.bitmask, 0) == after(one, two, five)
     # an output neither in this row nor among the last row's drafts is a bug upstream
     with pytest.raises(GuideError):
-        guide._fill(StepBatch(step_id=3, seqs=(row(0, (three,), 9, 5),)))
-
+        guide._fill(StepBatch(step_id=3, rows=ScheduledRows.of((row(0, (three,), 9, 5),))))
 
 
 def test_guide_leaves_the_thinking_part_free(
@@ -270,7 +280,7 @@ def test_guide_leaves_the_thinking_part_free(
     qwen3_thinks, qwen3_answers, r1 = 0, 1, 2
     batch = StepBatch(
         step_id=0,
-        seqs=tuple(row(s, prompt, 0, 0) for s in range(3)),
+        rows=ScheduledRows.of(tuple(row(s, prompt, 0, 0) for s in range(3))),
         started=(start(0, after(False), prompt), start(1, after(False), prompt),
                  start(2, after(True), prompt)),
     )  # fmt: skip
@@ -280,7 +290,7 @@ def test_guide_leaves_the_thinking_part_free(
 
     def step(step_id: int, tokens: tuple[int, ...], outputs: int) -> StepBatch:
         seqs = tuple(row(s, (t,), 2 + outputs, outputs) for s, t in enumerate(tokens))
-        return StepBatch(step_id=step_id, seqs=seqs)
+        return StepBatch(step_id=step_id, rows=ScheduledRows.of(seqs))
 
     masks = guide._fill(step(1, (think, one, x), 1))
     assert masks.seq_ids == (qwen3_answers,)  # the others think: free

@@ -76,15 +76,17 @@ def _messages() -> list[object]:
     )
     batch = M.StepBatch(
         step_id=4,
-        seqs=(
-            M.ScheduledSeq(
-                seq_id=0,
-                token_ids=(1, 2),
-                num_computed_tokens=0,
-                block_table=(3,),
-                sample=True,
-                num_output_tokens=0,
-            ),
+        rows=M.ScheduledRows.of(
+            (
+                M.ScheduledSeq(
+                    seq_id=0,
+                    token_ids=(1, 2),
+                    num_computed_tokens=0,
+                    block_table=(3,),
+                    sample=True,
+                    num_output_tokens=0,
+                ),
+            )
         ),
         started=(start,),
         released=(7,),
