@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import msgspec
 
@@ -132,19 +133,22 @@ class Detokenize(PerMessageStage):
                 choice.prompt_logprobs.extend(logprobs)
         chunks: list[Chunk] = []
         rows = step.sampled
-        finishes, logprobs = rows.finishes, rows.logprobs
-        for row, (seq_id, token_id) in enumerate(zip(rows.seq_ids, rows.token_ids, strict=True)):
+        finishes = rows.finishes
+        # each row's (finish reason, stop token id), or None while it goes on
+        ends = [finishes.get(row) for row in range(len(rows))] if finishes else repeat(None)
+        for seq_id, token_id, ended, lp in zip(  # the repeats run on: not strict
+            rows.seq_ids, rows.token_ids, ends, rows.logprobs or repeat(None), strict=False
+        ):
             choice = choices.get(seq_id)
             if choice is None:  # not started here, ended, or tokens sampled past its end
                 continue
-            finish: FinishReason | None
-            stop_reason: str | int | None
-            finish, stop_reason = finishes.get(row, NO_FINISH) if finishes else NO_FINISH
-            lp = logprobs[row] if logprobs else None
             detokenizer = choice.detokenizer
-            middle = finish is None and choice.sent_first and lp is None
+            middle = ended is None and choice.sent_first and lp is None
             text = detokenizer.append(token_id) if middle else None
             if text is None:
+                finish: FinishReason | None
+                stop_reason: str | int | None
+                finish, stop_reason = ended or NO_FINISH
                 # EOS / a stop token id: its text is left out (as vLLM, unless asked to keep it)
                 out = detokenizer.step_token(token_id, stop_terminated=finish == "stop")
                 text = out.text_delta
