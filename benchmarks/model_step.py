@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flowllm.messages import ScheduledSeq
+from flowllm.messages import ScheduledRows, ScheduledSeq
 from flowllm.models.kv_cache import KVCacheSpec
 from flowllm.models.layers import Embedding, Linear, pack_linears
 from flowllm.models.registry import model_class_for
@@ -173,9 +173,9 @@ def attention_work(model: Any, q_lens: list[int], ctx_lens: list[int]) -> tuple[
     return kv_bytes, flops
 
 
-def step_seqs(batch: int, q_len: int, ctx: int) -> list[ScheduledSeq]:
+def step_seqs(batch: int, q_len: int, ctx: int) -> ScheduledRows:
     blocks_per_seq = -(-ctx // BLOCK)
-    return [
+    return ScheduledRows.of(
         ScheduledSeq(
             seq_id=i,
             token_ids=tuple((7 * i + j) % 1000 for j in range(q_len)),
@@ -185,7 +185,7 @@ def step_seqs(batch: int, q_len: int, ctx: int) -> list[ScheduledSeq]:
             num_output_tokens=0,
         )
         for i in range(batch)
-    ]
+    )
 
 
 def main() -> None:
