@@ -360,11 +360,6 @@ class StepBatch(msgspec.Struct, kw_only=True):
     # A sampling row has structured outputs: guide sends this step's masks (only then).
     guided: bool = False
 
-    @property
-    def seqs(self) -> tuple[ScheduledSeq, ...]:
-        """The rows one by one (built at each read: the step loop reads `rows`)."""
-        return tuple(self.rows)
-
 
 class StepLogits(msgspec.Struct, kw_only=True):
     """The model's logits for the rows that sample, in the order of the sampling seqs: one
@@ -511,11 +506,6 @@ class StepTokens(msgspec.Struct, kw_only=True):
     sampled: SampledTokens = msgspec.field(default_factory=SampledTokens)
     prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
     drafts: dict[int, tuple[int, ...]] = {}
-
-    @property
-    def tokens(self) -> tuple[SampledToken, ...]:
-        """The tokens one by one (built at each read: the step loop reads `sampled`)."""
-        return tuple(self.sampled)
 
 
 class ChoiceStart(msgspec.Struct, frozen=True, kw_only=True):

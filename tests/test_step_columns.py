@@ -73,7 +73,7 @@ def test_scheduled_rows_hold_what_each_row_held() -> None:
     assert len(rows) == 4
     assert tuple(rows) == SEQS
     assert [rows[i] for i in range(-4, 4)] == [*SEQS, *SEQS]
-    assert StepBatch(step_id=1, rows=rows).seqs == SEQS
+    assert tuple(StepBatch(step_id=1, rows=rows).rows) == SEQS
 
 
 def test_sampled_tokens_hold_what_each_token_held() -> None:
@@ -84,7 +84,7 @@ def test_sampled_tokens_hold_what_each_token_held() -> None:
     assert sampled.logprobs == (None, LP, None, None)
     assert tuple(sampled) == TOKENS
     assert sampled[-1] == TOKENS[-1]
-    assert StepTokens(step_id=1, sampled=sampled).tokens == TOKENS
+    assert tuple(StepTokens(step_id=1, sampled=sampled).sampled) == TOKENS
     # a subset keeps each row's finish and logprobs, at the row's new index
     assert tuple(sampled.take([3, 1])) == (TOKENS[3], TOKENS[1])
     # without logprobs asked, the column stays empty

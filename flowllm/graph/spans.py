@@ -30,7 +30,7 @@ def message_fields(message: object) -> MessageFields:
     """What a span says about a message: its request id or step id, and its batch size.
 
     Per-request messages carry `request_id` (or wrap a request that does); per-step messages
-    carry `step_id` (or a `batch` that does) and a tuple of per-sequence entries.
+    carry `step_id` (or a `batch` that does) and a sized collection of per-sequence entries.
     """
     fields: MessageFields = {}
     inner = getattr(message, "batch", None) or getattr(message, "request", None)
@@ -44,7 +44,7 @@ def message_fields(message: object) -> MessageFields:
         step_id = getattr(holder, "step_id", None)
         if step_id is not None:
             fields["step_id"] = step_id
-            for attr in ("seqs", "tokens", "chunks", "deltas", "seq_ids"):
+            for attr in ("rows", "sampled", "seqs", "chunks", "deltas", "seq_ids"):
                 entries = getattr(holder, attr, None)
                 if entries is not None:
                     fields["batch_size"] = len(entries)

@@ -55,12 +55,12 @@ class _Index:
         for entries in trace.entries.values():
             for entry in entries:
                 batch = getattr(entry.message, "batch", entry.message)
-                seqs = getattr(batch, "seqs", None)
+                rows = getattr(batch, "rows", None)
                 step_id = getattr(batch, "step_id", None)
-                if seqs is None or step_id is None:
+                if rows is None or step_id is None:
                     continue
-                for s in seqs:
-                    rid = self.seq_requests.get(s.seq_id)
+                for seq_id in rows.seq_ids:
+                    rid = self.seq_requests.get(seq_id)
                     if rid is not None:
                         self.step_requests[step_id].add(rid)
         self.spans: list[tuple[Handled, frozenset[str]]] = []

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from flowllm.graph.validator import ValidGraph
+from flowllm.messages import seq_ids_of
 from flowllm.traces.codec import Entry, MessageCodec, iter_frames, read_channel
 from flowllm.traces.manifest import SPANS_FILE, Manifest, read_manifest
 from flowllm.traces.recorder import SpanRecord
@@ -150,11 +151,10 @@ def message_request_ids(message: Any, seq_requests: dict[int, str]) -> set[str]:
     found: set[str] = set()
     for start in getattr(message, "started", ()):
         found.add(start.request_id)
-    for attr in ("seqs", "tokens"):
-        for item in getattr(message, attr, ()):
-            rid = seq_requests.get(item.seq_id)
-            if rid is not None:
-                found.add(rid)
+    for step_seq_id in seq_ids_of(message) or ():
+        rid = seq_requests.get(step_seq_id)
+        if rid is not None:
+            found.add(rid)
     for chunk in getattr(message, "chunks", ()):
         found.add(chunk.request_id)
     seq_id = getattr(message, "seq_id", None)

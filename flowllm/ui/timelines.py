@@ -18,6 +18,7 @@ from time import perf_counter
 from typing import Any
 
 from flowllm.graph.spans import InputClosed, message_fields
+from flowllm.messages import seq_ids_of
 from flowllm.traces.trace_events import span_slice, stage_tracks
 
 MAX_REQUESTS = 64
@@ -90,11 +91,10 @@ class RequestTimelines:
         for start in getattr(holder, "started", ()):
             self._learn(start.seq_id, start.request_id)
         found: set[str] = set()
-        for attr in ("seqs", "tokens"):
-            for item in getattr(holder, attr, ()):
-                request_id = self._sequences.get(item.seq_id)
-                if request_id is not None:
-                    found.add(request_id)
+        for step_seq_id in seq_ids_of(holder) or ():
+            request_id = self._sequences.get(step_seq_id)
+            if request_id is not None:
+                found.add(request_id)
         seq_id = getattr(message, "seq_id", None)  # a Finish
         if seq_id is not None and seq_id in self._sequences:
             found.add(self._sequences[seq_id])

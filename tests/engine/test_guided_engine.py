@@ -171,7 +171,7 @@ def test_only_steps_with_a_constrained_sampling_row_carry_masks(
     batches = [e.message for e in read_channel(tmp_path / "execute.in.msgpack")]
     constrained = {s.seq_id for b in batches for s in b.started if s.params.structured_outputs}
     guided = [
-        b.step_id for b in batches if any(s.sample and s.seq_id in constrained for s in b.seqs)
+        b.step_id for b in batches if any(s.sample and s.seq_id in constrained for s in b.rows)
     ]
     assert [b.step_id for b in batches if b.guided] == guided
     masks = [e.message for e in read_channel(tmp_path / "sample.masks.msgpack")]

@@ -58,8 +58,8 @@ def test_each_front_gets_only_its_own_sequences() -> None:
     assert [c.seq_id for c in by_front[1].started] == [11, 12]  # type: ignore[attr-defined]
     step = StepTokens(step_id=1, sampled=SampledTokens.of((token(10), token(11), token(12))))
     parts = dict(owners.route("detokenize.in", step))
-    assert [t.seq_id for t in parts[0].tokens] == [10]  # type: ignore[attr-defined]
-    assert [t.seq_id for t in parts[1].tokens] == [11, 12]  # type: ignore[attr-defined]
+    assert [t.seq_id for t in parts[0].sampled] == [10]  # type: ignore[attr-defined]
+    assert [t.seq_id for t in parts[1].sampled] == [11, 12]  # type: ignore[attr-defined]
     alone = StepTokens(step_id=2, sampled=SampledTokens.of((token(11),)))
     assert owners.route("detokenize.in", alone) == [(1, alone)]  # one front: sent as it is
 

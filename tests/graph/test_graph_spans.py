@@ -19,7 +19,15 @@ from flowllm.graph.runtime import Graph
 from flowllm.graph.spans import SpanSinks, message_fields
 from flowllm.graph.spec import GraphSpec
 from flowllm.logging_config import configure_logging
-from flowllm.messages import Chunk, ScheduledRows, StepBatch, TextDeltas, ValidRequest
+from flowllm.messages import (
+    Chunk,
+    SampledTokens,
+    ScheduledRows,
+    StepBatch,
+    StepTokens,
+    TextDeltas,
+    ValidRequest,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -151,6 +159,18 @@ def test_message_fields_for_the_project_messages() -> None:
     assert message_fields(ValidRequest(request)) == {"request_id": "r1"}
     batch = StepBatch(step_id=7, rows=ScheduledRows.of(()))
     assert message_fields(batch) == {"step_id": 7, "batch_size": 0}
+    two_rows = ScheduledRows(
+        seq_ids=(1, 2),
+        query_lens=(1, 1),
+        token_ids=(5, 6),
+        num_computed_tokens=(3, 4),
+        block_tables=((0,), (1,)),
+        sample=(True, True),
+        num_output_tokens=(0, 0),
+    )
+    assert message_fields(StepBatch(step_id=8, rows=two_rows)) == {"step_id": 8, "batch_size": 2}
+    three = SampledTokens(seq_ids=(1, 2, 3), token_ids=(7, 8, 9))
+    assert message_fields(StepTokens(step_id=8, sampled=three)) == {"step_id": 8, "batch_size": 3}
     deltas = TextDeltas(
         step_id=3, chunks=(Chunk(request_id="a", index=0, text="x", token_ids=(1,)),)
     )

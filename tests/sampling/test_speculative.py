@@ -126,11 +126,11 @@ def test_drafts_run_after_the_last_token_and_rejected_ones_roll_back() -> None:
     sched = scheduler()
     add(sched, "a", [1, 2, 3, 4, 5])
     batch = sched.schedule()
-    assert batch is not None and batch.seqs[0].num_draft_tokens == 0
+    assert batch is not None and batch.rows[0].num_draft_tokens == 0
     sched.apply(tokens_of(batch.step_id, {0: [6]}, {0: (7, 8, 9)}))
     batch = sched.schedule()
     assert batch is not None
-    (row,) = batch.seqs
+    (row,) = batch.rows
     assert (row.token_ids, row.num_computed_tokens, row.num_draft_tokens, row.sample) == (
         (6, 7, 8, 9), 5, 3, True,
     )  # fmt: skip
@@ -144,9 +144,9 @@ def test_drafts_run_after_the_last_token_and_rejected_ones_roll_back() -> None:
     assert sched.verified == [(3, 1)]
     batch = sched.schedule()
     assert batch is not None
-    assert (batch.seqs[0].token_ids, batch.seqs[0].num_computed_tokens) == ((10,), 7)
+    assert (batch.rows[0].token_ids, batch.rows[0].num_computed_tokens) == ((10,), 7)
     # the block the rejected drafts reached stays the sequence's, for its next tokens
-    assert batch.seqs[0].block_table == row.block_table
+    assert batch.rows[0].block_table == row.block_table
     assert len(row.block_table) == 3
 
 
@@ -160,8 +160,8 @@ def test_drafts_stay_within_the_budget_the_length_limit_and_max_model_len() -> N
         sched.apply(tokens_of(batch.step_id, {0: [9], 1: [9]}, {0: (1, 2, 3, 4)}))
         batch = sched.schedule()
         assert batch is not None
-        assert sum(len(s.token_ids) for s in batch.seqs) <= budget
-        return batch.seqs[0].num_draft_tokens
+        assert sum(len(s.token_ids) for s in batch.rows) <= budget
+        return batch.rows[0].num_draft_tokens
 
     assert drafts_scheduled(5, 100, 64, 64) == 4
     assert drafts_scheduled(5, 3, 64, 64) == 1  # 1 output so far: 2 more, the last sampled
@@ -188,7 +188,7 @@ def test_a_large_batch_steps_aside_and_a_constraint_after_reasoning_takes_no_dra
         sched.apply(tokens_of(batch.step_id, {0: [4], 1: [4]}, {0: (5,), 1: (5,)}))
         batch = sched.schedule()
         assert batch is not None
-        return [s.num_draft_tokens for s in batch.seqs]
+        return [s.num_draft_tokens for s in batch.rows]
 
     assert drafts_scheduled(scheduler(disable_by_batch_size=2)) == [1, 1]
     assert drafts_scheduled(scheduler(disable_by_batch_size=1)) == [0, 0]

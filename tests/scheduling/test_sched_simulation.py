@@ -150,12 +150,12 @@ class Simulation:
         if batch is None:
             return None
         self.steps += 1
-        num_tokens = sum(len(r.token_ids) for r in batch.seqs)
+        num_tokens = sum(len(r.token_ids) for r in batch.rows)
         assert num_tokens <= sched.max_num_batched_tokens
-        assert len(batch.seqs) <= sched.max_num_seqs
-        assert len({r.seq_id for r in batch.seqs}) == len(batch.seqs)
+        assert len(batch.rows) <= sched.max_num_seqs
+        assert len({r.seq_id for r in batch.rows}) == len(batch.rows)
         now_running = {s.seq_id for s in sched.running}
-        assert {r.seq_id for r in batch.seqs} == (ready & now_running) | (now_running - running)
+        assert {r.seq_id for r in batch.rows} == (ready & now_running) | (now_running - running)
         return batch
 
     def execute_step(self, batch: StepBatch) -> None:
@@ -169,7 +169,7 @@ class Simulation:
         for seq_id in batch.released:
             self.done[seq_id] = self.live.pop(seq_id)
         # Store every row's tokens first (as the model stores a layer's K/V before attending).
-        for row in batch.seqs:
+        for row in batch.rows:
             ds = self.live[row.seq_id]
             known = [*ds.prompt, *ds.outputs]
             start = row.num_computed_tokens
@@ -204,7 +204,7 @@ class Simulation:
             ds.computed = end
         sampled = []
         ids = self.sampled_ids[batch.step_id] = []
-        for row in batch.seqs:
+        for row in batch.rows:
             if not row.sample:
                 continue
             ds = self.live[row.seq_id]

@@ -64,7 +64,7 @@ def sample(
             finish_reason=finish.get(row.seq_id, (None, None))[0],
             stop_reason=finish.get(row.seq_id, (None, None))[1],
         )
-        for row in batch.seqs
+        for row in batch.rows
         if row.sample
     )
     return sched.apply(StepTokens(step_id=batch.step_id, sampled=SampledTokens.of(tokens)))
@@ -79,7 +79,7 @@ def step(sched: Scheduler, token: int = 7) -> StepBatch:
 
 def rows(batch: StepBatch) -> dict[int, tuple[int, int, bool]]:
     """seq_id -> (num_computed_tokens, number of tokens this step, sample)."""
-    return {r.seq_id: (r.num_computed_tokens, len(r.token_ids), r.sample) for r in batch.seqs}
+    return {r.seq_id: (r.num_computed_tokens, len(r.token_ids), r.sample) for r in batch.rows}
 
 
 # ---------------------------------------------------------------------------- construction
@@ -144,13 +144,13 @@ def test_chunked_prefill_exact_chunks_and_block_tables() -> None:
     expected = [(0, 8, False, 2), (8, 8, False, 4), (16, 5, True, 6)]
     for start, n, samples, num_blocks in expected:
         batch = step(sched, token=55)
-        (row,) = batch.seqs
+        (row,) = batch.rows
         assert (row.num_computed_tokens, len(row.token_ids), row.sample) == (start, n, samples)
         assert row.token_ids == tuple(prompt[start : start + n])
         assert row.block_table == tuple(range(num_blocks))
         assert row.num_output_tokens == 0
     batch = step(sched)
-    (row,) = batch.seqs
+    (row,) = batch.rows
     assert (row.token_ids, row.num_computed_tokens, row.sample) == ((55,), 21, True)
     assert row.num_output_tokens == 1
     assert row.block_table == tuple(range(6))  # position 21 still fits block 5
@@ -169,7 +169,7 @@ def test_running_decodes_are_never_starved_by_a_long_prompt() -> None:
         # Every running decode gets its token each step; the prompt gets the rest.
         assert all(r[i][1:] == (1, True) for i in range(3))
         assert r[3] == (prefilled, min(13, 100 - prefilled), prefilled + 13 >= 100)
-        assert sum(len(x.token_ids) for x in batch.seqs) <= 16
+        assert sum(len(x.token_ids) for x in batch.rows) <= 16
         prefilled += r[3][1]
 
 
@@ -192,7 +192,7 @@ def test_budget_smaller_than_max_num_seqs_caps_running() -> None:
     for i in range(5):
         sched.add_request(request(f"r{i}", [5]))
     b0 = step(sched)
-    assert len(b0.seqs) == 3
+    assert len(b0.rows) == 3
     b1 = step(sched)
     assert sorted(rows(b1)) == [0, 1, 2]  # three running decodes fill the budget
 
@@ -217,7 +217,7 @@ def test_preemption_by_recompute_then_readmission_hits_its_own_blocks() -> None:
     sched.add_request(request("c", range(21, 33)))  # 12 tokens: blocks 2, 3, 4
     b0 = sched.schedule()
     assert b0 is not None
-    assert {r.seq_id: r.block_table for r in b0.seqs} == {0: (0, 1), 1: (2, 3, 4)}
+    assert {r.seq_id: r.block_table for r in b0.rows} == {0: (0, 1), 1: (2, 3, 4)}
     sample(sched, b0, token=90)
     assert sched.kv.pool.free_queue() == [5]
 
@@ -226,7 +226,7 @@ def test_preemption_by_recompute_then_readmission_hits_its_own_blocks() -> None:
     b1 = sched.schedule()
     assert b1 is not None
     assert rows(b1) == {0: (8, 1, True)}
-    assert b1.seqs[0].block_table == (0, 1, 5)
+    assert b1.rows[0].block_table == (0, 1, 5)
     seq_c = sched.get_sequence(1)
     assert seq_c is not None
     assert seq_c.status is SequenceStatus.PREEMPTED and seq_c.num_computed_tokens == 0
@@ -242,7 +242,7 @@ def test_preemption_by_recompute_then_readmission_hits_its_own_blocks() -> None:
     assert b2 is not None
     assert b2.released == (0,)
     assert b2.started == ()  # not started again downstream
-    (row,) = b2.seqs
+    (row,) = b2.rows
     assert (row.seq_id, row.num_computed_tokens, row.token_ids, row.sample) == (1, 12, (90,), True)
     assert row.block_table == (2, 3, 4, 5)
     assert row.num_output_tokens == 1
@@ -256,12 +256,12 @@ def test_preemption_takes_the_youngest_other_sequence_first() -> None:
     for i, name in enumerate("abc"):
         sched.add_request(request(name, range(4 * i + 1, 4 * i + 5)))  # one full block each
     b0 = step(sched, token=8)
-    assert [r.block_table for r in b0.seqs] == [(0,), (1,), (2,)]
+    assert [r.block_table for r in b0.rows] == [(0,), (1,), (2,)]
     b1 = sched.schedule()
     assert b1 is not None
     # a takes the last free block; b needs one too, so c (youngest) is preempted and its
     # freed block goes to b (c's hash is evicted with it).
-    assert {r.seq_id: r.block_table for r in b1.seqs} == {0: (0, 3), 1: (1, 2)}
+    assert {r.seq_id: r.block_table for r in b1.rows} == {0: (0, 3), 1: (1, 2)}
     assert sched.stats.num_preemptions == 1
     sample(sched, b1, token=9)
     assert sched.kv.pool.num_free_blocks == 0
@@ -271,8 +271,8 @@ def test_preemption_takes_the_youngest_other_sequence_first() -> None:
     assert b2 is not None
     assert b2.released == (0,)
     assert rows(b2) == {1: (5, 1, True), 2: (0, 5, True)}
-    assert b2.seqs[1].token_ids == (9, 10, 11, 12, 8)
-    assert b2.seqs[1].block_table == (3, 0)
+    assert b2.rows[1].token_ids == (9, 10, 11, 12, 8)
+    assert b2.rows[1].block_table == (3, 0)
 
 
 def test_a_preempted_sequence_gives_its_reserved_token_to_those_before_it() -> None:
@@ -313,7 +313,7 @@ def test_siblings_share_prompt_blocks_in_the_same_step() -> None:
     assert sched.add_request(request("a", range(1, 11), n=2)) == [0, 1]
     batch = sched.schedule()
     assert batch is not None
-    first, second = batch.seqs
+    first, second = batch.rows
     assert (first.num_computed_tokens, len(first.token_ids), first.block_table) == (
         0,
         10,
@@ -335,7 +335,7 @@ def test_siblings_without_prefix_caching_compute_separately() -> None:
     sched.add_request(request("a", range(1, 11), n=2))
     batch = sched.schedule()
     assert batch is not None
-    assert [(r.num_computed_tokens, r.block_table) for r in batch.seqs] == [
+    assert [(r.num_computed_tokens, r.block_table) for r in batch.rows] == [
         (0, (0, 1, 2)),
         (0, (3, 4, 5)),
     ]
@@ -358,12 +358,12 @@ def test_later_request_hits_a_finished_requests_blocks() -> None:
     sched = make_scheduler(budget=64, block_size=4, num_blocks=16)
     sched.add_request(request("a", range(1, 13), max_tokens=1))
     b0 = step(sched)
-    assert b0.seqs[0].block_table == (0, 1, 2)
+    assert b0.rows[0].block_table == (0, 1, 2)
     sched.add_request(request("b", [*range(1, 9), 50, 51]))
     b1 = sched.schedule()
     assert b1 is not None
     assert b1.released == (0,)
-    (row,) = b1.seqs
+    (row,) = b1.rows
     assert (row.num_computed_tokens, row.token_ids, row.block_table) == (8, (50, 51), (0, 1, 3))
 
 
@@ -448,7 +448,7 @@ def test_length_guard_finishes_on_max_tokens_and_max_model_len() -> None:
         (1, "length", 2),
     ]
     batch = sched.schedule()
-    assert batch is not None and batch.seqs == () and batch.released == (0, 1)
+    assert batch is not None and tuple(batch.rows) == () and batch.released == (0, 1)
     events = sched.choice_events()
     assert events is not None and events.ended == (0, 1)
     assert sched.schedule() is None
@@ -464,7 +464,7 @@ def test_never_schedules_past_max_model_len() -> None:
     while sched.has_unfinished():
         batch = sched.schedule()
         assert batch is not None
-        for r in batch.seqs:
+        for r in batch.rows:
             positions.extend(range(r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)))
         finished += sample(sched, batch)
     # The 6th token is sampled from position 4 and never computed: the sequence is full.
@@ -487,7 +487,7 @@ def test_tokens_for_unknown_or_finished_sequences_are_ignored() -> None:
     # samples again, and a late token carrying the old step id is not appended.
     again = sched.schedule()
     assert again is not None and rows(again) == {0: (1, 1, True)}
-    assert again.seqs[0].token_ids == (2,)
+    assert again.rows[0].token_ids == (2,)
     late = StepTokens(
         step_id=batch.step_id, sampled=SampledTokens.of((SampledToken(seq_id=0, token_id=3),))
     )
@@ -532,7 +532,7 @@ def test_sequence_with_a_token_in_flight_is_not_scheduled_again() -> None:
     b3 = sched.schedule()
     assert b3 is not None
     assert rows(b3) == {0: (2, 1, True), 1: (16, 4, True)}
-    assert b3.seqs[0].token_ids == (50,)
+    assert b3.rows[0].token_ids == (50,)
 
 
 def test_stop_string_and_abort_reach_preempted_sequences() -> None:
@@ -612,7 +612,7 @@ def test_a_resumed_ledger_requeues_what_never_ran_and_names_what_was_lost() -> N
     events = fresh.choice_events()
     assert events is not None and set(events.ended) == {0, 1}
     assert {c.seq_id for c in events.started} == {s.seq_id for s in batch.started}
-    new_ids = {s.seq_id for s in batch.seqs}
+    new_ids = {s.seq_id for s in batch.rows}
     assert min(new_ids) >= next_seq_id  # no id is used twice
     assert batch.step_id >= next_step_id
 

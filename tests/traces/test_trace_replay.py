@@ -92,7 +92,7 @@ def test_committed_traces_exercise_what_they_are_named_for() -> None:
     # A preempted sequence is computed again from its first token: a second prefill.
     prefills: dict[int, int] = {}
     for entry in preemption.entries["execute.in"]:
-        for seq in entry.message.seqs:
+        for seq in entry.message.rows:
             if seq.num_computed_tokens == 0:
                 prefills[seq.seq_id] = prefills.get(seq.seq_id, 0) + 1
     assert max(prefills.values()) >= 2
@@ -115,7 +115,7 @@ def test_the_guided_trace_keeps_its_constraints_through_a_preemption() -> None:
         assert re.match(r'\{"ok": (true|false), "n": -?[0-9]', texts["guided-json", i])
     prefills: dict[int, int] = {}
     for entry in trace.entries["guide.in"]:
-        for seq in entry.message.seqs:
+        for seq in entry.message.rows:
             if seq.num_computed_tokens == 0:
                 prefills[seq.seq_id] = prefills.get(seq.seq_id, 0) + 1
     assert max(prefills.values()) >= 2  # a constrained sequence was recomputed

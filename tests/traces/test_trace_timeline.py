@@ -106,7 +106,7 @@ def test_summary_adds_up_to_each_requests_latency(run_16: Path) -> None:
             seq_of[start.seq_id] = start.request_id
     by_id = {s.request_id: s for s in summaries}
     for entry in trace.entries["execute.in"]:
-        for seq in entry.message.seqs:
+        for seq in entry.message.rows:
             s = by_id[seq_of[seq.seq_id]]
             assert s.start <= steps[entry.message.step_id] <= s.end
 
