@@ -50,8 +50,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
+from typing import NamedTuple, TypeVar
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from flowllm.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
 from flowllm.messages import (
@@ -68,6 +72,7 @@ from flowllm.messages import (
 )
 from flowllm.scheduling.kv_cache_manager import KVCacheManager, SeqBlocks
 from flowllm.scheduling.ledger import Ledger
+from flowllm.scheduling.running import RunningRows
 from flowllm.scheduling.sequence import (
     FINISH_STATUSES,
     FinishedSeq,
@@ -75,6 +80,14 @@ from flowllm.scheduling.sequence import (
     SequenceStatus,
 )
 from flowllm.stopping import output_limit
+
+# From this many running sequences on, the running part of a step is scheduled and
+# applied as array operations (`_schedule_columns`, `_apply_columns`), whose fixed cost is
+# more than a few sequences' one by one (benchmarks/README.md has the crossing point).
+COLUMNS_FROM = 12
+
+
+T = TypeVar("T")
 
 
 class SchedulerError(ValueError):
@@ -140,6 +153,7 @@ class Scheduler:
         self.max_num_seqs = min(scheduler_config.max_num_seqs, self.max_num_batched_tokens)
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.async_scheduling = async_scheduling
+        self.columns_from = COLUMNS_FROM
         if speculative is not None and async_scheduling:
             raise ConfigError("speculative decoding runs with one step in flight, not async")
         self.speculative = speculative is not None
@@ -152,14 +166,15 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_prefix_caching)
 
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences at the front
-        self.running: list[Sequence] = []  # admission order: oldest first, youngest last
+        # admission order: oldest first, youngest last
+        self.running = RunningRows(self.max_num_seqs)
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by seq id
         self._requests: dict[str, list[Sequence]] = {}  # unfinished sequences per request
         self._num_constrained = 0  # unfinished sequences with structured outputs
         # For detokenize (`choice_events`): choices that started in the last batch.
         self._choice_starts: list[ChoiceStart] = []
         # step id -> the sequences it samples, in row order, until `apply` (oldest first)
-        self._inflight: dict[int, list[Sequence]] = {}
+        self._inflight: dict[int, _Sampling] = {}
         # What the rest of the graph is owed (releases, ended choices), the id counters and
         # the cumulative counters: what a fresh scheduler goes on from after a failure.
         self.ledger = Ledger()
@@ -243,14 +258,19 @@ class Scheduler:
         may carry no rows (`seqs == ()`) but only `released` ids: downstream stages should
         pass it along (dropping those sequences' state) without running the model.
         """
-        # (sequence, tokens to compute, its blocks) in batch order
+        # running rows chosen together, then (sequence, tokens to compute, its blocks) of
+        # the rest in batch order
         rows: list[tuple[Sequence, int, SeqBlocks]] = []
-        budget, preempted = self._schedule_running(rows, self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        bulk, next_row, budget, preempted = self._schedule_columns(budget)
+        if next_row < len(self.running.seqs):
+            budget, more = self._schedule_running(rows, budget, next_row)
+            preempted |= more
         if not preempted:
             self._admit_waiting(rows, budget)
-        if not rows and not self.ledger.released:
+        if not len(bulk.num_new) and not rows and not self.ledger.released:
             return None
-        return self._build_batch(rows)
+        return self._build_batch(bulk, rows)
 
     def apply(self, step: StepTokens) -> list[FinishedSeq]:
         """Append one step's sampled tokens and finish the sequences they end; returns those.
@@ -260,9 +280,70 @@ class Scheduler:
         `num_generated`."""
         step_id = step.step_id
         self.ledger.step_applied(step_id)
-        sampled = self._inflight.pop(step_id, None)
-        if not sampled:
+        self.verified = []
+        inflight = self._inflight.pop(step_id, None)
+        if inflight is None:
             return []
+        rows = self._aligned_rows(inflight, step.sampled)
+        if rows is not None:
+            return self._apply_columns(inflight.seqs, rows, step.sampled)
+        return self._apply_one_by_one(inflight.seqs, step)
+
+    def _aligned_rows(self, inflight: _Sampling, sampled: SampledTokens) -> Rows | None:
+        """The running rows of a step's sequences if `_apply_columns` can take it (one
+        token per sequence it sampled, in order, every one of them still running in the
+        row it had, none dropping tokens or pooling); else None."""
+        running = self.running
+        if (
+            self.speculative
+            or len(inflight.seqs) < self.columns_from
+            or inflight.generation != running.generation
+            or len(sampled.seq_ids) != len(inflight.seqs)
+        ):
+            return None
+        rows, c = inflight.rows, running.cols
+        aligned = (
+            c.seq_id[rows].tolist() == list(sampled.seq_ids)
+            and not np.count_nonzero(c.num_dropped[rows])
+            and not np.count_nonzero(c.pools[rows])
+        )
+        return rows if aligned else None
+
+    def _apply_columns(
+        self, seqs: list[Sequence], rows: Rows, sampled: SampledTokens
+    ) -> list[FinishedSeq]:
+        """`apply` for a step whose rows are its sequences in order (no drafts, none gone):
+        the counters move in array operations; only the token lists and the finishes are
+        handled one by one."""
+        running, c = self.running, self.running.cols
+        token_ids, finishes = sampled.token_ids, sampled.finishes
+        c.num_pending[rows] -= 1
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            seq.token_ids.append(token_id)
+        c.num_tokens[rows] += 1
+        c.last_token[rows] = token_ids
+        self.num_generated += len(token_ids)
+        # the rule's length limit ends a sequence even if sample did not say so
+        capped = (c.num_tokens[rows] >= c.end[rows]).nonzero()[0].tolist()
+        if not finishes and not capped:
+            return []
+        finished: list[FinishedSeq] = []
+        leaving: list[Sequence] = []
+        for i in sorted({*finishes, *capped}):
+            seq = seqs[i]
+            reason, stop_reason = finishes.get(i, NO_FINISH)
+            if reason is None:
+                reason = "length"
+                self.ledger.choices_ended.append(seq.seq_id)  # detokenize saw no finish
+            self._finish(seq, FINISH_STATUSES[reason], stop_reason)
+            finished.append(seq.to_finished())
+            leaving.append(seq)
+        running.remove(leaving)
+        return finished
+
+    def _apply_one_by_one(self, sampled: list[Sequence], step: StepTokens) -> list[FinishedSeq]:
+        """`apply` for any step: each sequence's token looked up by its id when the rows
+        are not its sequences in order."""
         rows = step.sampled
         seq_ids, token_ids, finishes = rows.seq_ids, rows.token_ids, rows.finishes
         # One row per sequence in schedule order, unless rows were dropped or drafts verified:
@@ -270,16 +351,24 @@ class Scheduler:
         aligned = not self.speculative and len(seq_ids) == len(sampled)
         row_of: dict[int, int] | None = None
         runs = _runs(rows) if self.speculative else {}
-        self.verified = []
         finished: list[FinishedSeq] = []
+        leaving: list[Sequence] = []  # finished while running
         finished_waiting = False  # preempted while its token was in flight (overlap only)
+        running, c = self.running, self.running.cols
+        pending_col, dropped_col = c.num_pending, c.num_dropped
         for i, seq in enumerate(sampled):
             if seq.status > SequenceStatus.PREEMPTED:
                 continue  # it left meanwhile
-            if seq.num_dropped:
-                seq.num_dropped -= 1
-                continue
-            seq.num_pending -= 1
+            if seq.running_in is None:  # preempted meanwhile: it holds its counters
+                if seq.num_dropped:
+                    seq.num_dropped -= 1
+                    continue
+                seq.num_pending -= 1
+            else:
+                if dropped_col.item(seq.running_row):
+                    dropped_col[seq.running_row] -= 1
+                    continue
+                pending_col[seq.running_row] -= 1
             seq_id = seq.seq_id
             if aligned and seq_ids[i] == seq_id:
                 row: int | None = i
@@ -307,18 +396,22 @@ class Scheduler:
             if seq.pooling is None:
                 tokens.append(token_ids[row])
                 self.num_generated += 1
+            if seq.running_in is not None:
+                running.tokens_grew(seq)
             reason, stop_reason = finishes.get(row, NO_FINISH) if finishes else NO_FINISH
             if reason is None and len(tokens) - seq.num_prompt_tokens >= seq.output_limit:
                 reason = "length"  # the rule's length limit, which sample should have said
                 self.ledger.choices_ended.append(seq.seq_id)  # detokenize saw no finish
             if reason is not None:
-                finished_waiting |= seq.status is not SequenceStatus.RUNNING
+                if seq.status is SequenceStatus.RUNNING:
+                    leaving.append(seq)
+                else:
+                    finished_waiting = True
                 self._finish(seq, FINISH_STATUSES[reason], stop_reason)
                 finished.append(seq.to_finished())
-        if finished:
-            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
-            if finished_waiting:
-                self.waiting = deque(s for s in self.waiting if not s.is_finished)
+        self.running.remove(leaving)
+        if finished_waiting:
+            self.waiting = deque(s for s in self.waiting if not s.is_finished)
         return finished
 
     def choice_events(self) -> ChoiceEvents | None:
@@ -377,23 +470,69 @@ class Scheduler:
         return self._seqs.get(seq_id)
 
     # ------------------------------------------------------------------ policy helpers
-    def _schedule_running(
-        self, rows: list[tuple[Sequence, int, SeqBlocks]], budget: int
-    ) -> tuple[int, bool]:
-        """Give running sequences their tokens, oldest first, preempting the youngest when
-        blocks run out. Returns the budget left and whether anything was preempted."""
+    def _schedule_columns(self, budget: int) -> tuple[_Bulk, int, int, bool]:
+        """Give running sequences their whole gap at once, as `_schedule_running` would one
+        by one, from the oldest up to the first that the budget cuts short or whose blocks
+        preempt a younger one. Returns those rows, the first row left to
+        `_schedule_running`, the budget left and whether anything was preempted.
+        Speculative decoding (whose drafts change each row's share) leaves every row to it."""
         running = self.running
-        blocks_of = self.kv.seq_blocks
+        n = len(running.seqs)
+        if n < self.columns_from or self.speculative:
+            return _NO_BULK, 0, budget, False
+        c = running.cols
+        pending = c.num_pending[:n]
+        num_tokens = c.num_tokens[:n] + pending
+        computed = c.num_computed_tokens[:n]
+        # (computed <= num_tokens and < max_model_len: no row's gap is negative)
+        num_new = np.minimum(num_tokens, self.max_model_len) - computed
+        if np.count_nonzero(pending):
+            # ahead of its tokens only as a placeholder, and never past its last one
+            ready = pending == 0
+            if self.async_scheduling:
+                ready |= c.runs_ahead[:n] & (num_tokens < c.end[:n])
+            num_new *= ready
+        stop = n
+        total = int(num_new.sum())
+        if total + n - 1 > budget:  # may cut one short: every later one keeps a token
+            fits = np.cumsum(num_new) <= budget - np.arange(n - 1, -1, -1)
+            stop = n if np.count_nonzero(fits) == n else int(np.argmin(fits))
+        take = num_new[:stop].nonzero()[0]
+        preempted = False
+        crossing = (computed[:stop] + num_new[:stop] > c.fast_limit[:stop]).nonzero()[0]
+        for row in crossing.tolist():
+            num_preemptions = self.ledger.num_preemptions
+            rec = self._allocate_or_preempt(running[row], int(computed[row]), int(num_new[row]))
+            if self.ledger.num_preemptions != num_preemptions:
+                preempted = True
+                stop = row + 1 if rec is not None else row
+                take = take[take < stop]
+                break
+        rows: Rows = slice(0, stop) if len(take) == stop else take
+        chosen = num_new[rows]
+        budget -= total if stop == n and not preempted else int(chosen.sum())
+        return _Bulk(rows, chosen), stop, budget, preempted
+
+    def _schedule_running(
+        self, rows: list[tuple[Sequence, int, SeqBlocks]], budget: int, first_row: int
+    ) -> tuple[int, bool]:
+        """Give running sequences from `first_row` on their tokens one by one, oldest
+        first, preempting the youngest when blocks run out. Returns the budget left and
+        whether anything was preempted."""
+        running = self.running
+        blocks, c = running.blocks, running.cols
+        pending_of, computed_of = c.num_pending.item, c.num_computed_tokens.item
+        fast_limit_of = c.fast_limit.item
         max_model_len = self.max_model_len
         ahead = self.async_scheduling
-        speculate = len(running) <= self.speculate_up_to
+        num_running = len(running.seqs)
+        speculate = num_running <= self.speculate_up_to
         preempted = False
-        num_running = len(running)
         # Preemption only pops from the end, which the iterator sees: no later sequence is
         # visited once preempted.
-        for i, seq in enumerate(running, 1):
+        for row, seq in enumerate(islice(running.seqs, first_row, None), first_row):
             num_tokens = len(seq.token_ids)
-            pending = seq.num_pending
+            pending = pending_of(row)
             if pending:
                 # Ahead of its tokens only as a placeholder, and never past its last one.
                 num_tokens += pending
@@ -406,8 +545,9 @@ class Scheduler:
             if num_tokens > max_model_len:
                 num_tokens = max_model_len
             # Every later running sequence keeps one token of the budget.
-            room = budget - (num_running - i)
-            num_new = num_tokens - seq.num_computed_tokens
+            room = budget - (num_running - row - 1)
+            computed = computed_of(row)
+            num_new = num_tokens - computed
             if num_new > room:
                 num_new = room
             if num_new <= 0:
@@ -422,26 +562,29 @@ class Scheduler:
                     if d > 0:
                         seq.draft_token_ids = drafts[:d]
                         num_new += d
-            rec = blocks_of(seq.seq_id)
-            if rec is None or seq.num_computed_tokens + num_new > rec.fast_limit:
+            if computed + num_new <= fast_limit_of(row):
+                rows.append((seq, num_new, blocks[row]))
+            else:
                 num_preemptions = self.ledger.num_preemptions
-                rec = self._allocate_or_preempt(seq, num_new)
+                rec = self._allocate_or_preempt(seq, computed, num_new)
                 preempted |= self.ledger.num_preemptions != num_preemptions
-                num_running = len(running)
+                num_running = len(running.seqs)
                 if rec is None:  # preempted itself (which drops its drafts)
                     continue
-            rows.append((seq, num_new, rec))
+                rows.append((seq, num_new, rec))
             budget -= num_new
         return budget, preempted
 
-    def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> SeqBlocks | None:
-        """Allocate `num_new` slots for a running sequence, preempting the youngest running
-        sequences until it fits. Returns None if `seq` itself had to be preempted."""
+    def _allocate_or_preempt(self, seq: Sequence, computed: int, num_new: int) -> SeqBlocks | None:
+        """Allocate `num_new` slots after its `computed` tokens for a running sequence,
+        preempting the youngest running sequences until it fits. Returns None if `seq`
+        itself had to be preempted."""
         running = self.running
         allocate = self.kv.allocate_slots
         while True:
-            rec = allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new)
+            rec = allocate(seq.seq_id, seq.token_ids, computed, num_new)
             if rec is not None:
+                running.cols.fast_limit[seq.running_row] = rec.fast_limit
                 return rec
             victim = running[-1]
             if victim is seq and len(running) == 1:
@@ -457,7 +600,7 @@ class Scheduler:
         """Admit waiting sequences FCFS with the remaining budget; stop at the first that
         does not fit (no preemption for admission)."""
         waiting, running, kv = self.waiting, self.running, self.kv
-        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+        while waiting and budget > 0 and len(running.seqs) < self.max_num_seqs:
             seq = waiting[0]
             if seq.num_pending or seq.num_dropped:  # preempted while a token is in flight
                 break
@@ -478,37 +621,39 @@ class Scheduler:
                 seq.num_cached_tokens = num_hit_tokens
             seq.num_computed_tokens = num_hit_tokens
             seq.status = SequenceStatus.RUNNING
-            running.append(seq)
+            running.append(seq, rec)
             rows.append((seq, num_new, rec))
             budget -= num_new
 
-    def _build_batch(self, rows: list[tuple[Sequence, int, SeqBlocks]]) -> StepBatch:
-        """Turn the chosen rows into the step message and advance `num_computed_tokens`
-        (the K/V of these tokens will be in the cache once the step runs)."""
+    def _build_batch(self, bulk: _Bulk, rows: list[tuple[Sequence, int, SeqBlocks]]) -> StepBatch:
+        """Turn the chosen rows (`bulk`'s first) into the step message and advance
+        `num_computed_tokens` (the K/V of these tokens will be in the cache once the step
+        runs)."""
         ledger = self.ledger
         step_id = ledger.next_step_id
         ledger.next_step_id += 1
         inflight_from = next(iter(self._inflight), step_id)
-        seq_ids: list[int] = []
-        query_lens: list[int] = []
-        token_ids: list[int] = []
-        computed: list[int] = []
-        block_tables: list[tuple[int, ...]] = []
-        samples: list[bool] = []
-        num_output_tokens: list[int] = []
-        input_from: dict[int, tuple[int, int]] = {}
+        cols = self._bulk_columns(bulk, step_id) if len(bulk.num_new) else _Columns([], [], [], [])
+        seq_ids, query_lens, token_ids = cols.seq_ids, cols.query_lens, cols.token_ids
+        computed, block_tables, samples = cols.computed, cols.block_tables, cols.samples
+        num_output_tokens, input_from = cols.num_output_tokens, cols.input_from
+        prompt_logits_for, reads_sampled = cols.prompt_logits_for, cols.reads_sampled
+        sampling, guided = cols.sampling, cols.guided
+        later_rows: list[int] = []  # the running rows of the sequences sampled below
         num_draft_tokens: dict[int, int] = {}
         started: list[SeqStart] = []
-        prompt_logits_for: list[int] = []
-        sampling: list[Sequence] = []
-        reads_sampled: set[int] = set()
         any_constrained = self._num_constrained > 0
-        guided = False
+        # every sequence here runs: its counters are read and written in its row
+        c = self.running.cols
+        pending_col, computed_col = c.num_pending, c.num_computed_tokens
+        wants_col = c.wants_prompt_logits
+        sampled_step, sampled_row = c.sampled_step, c.sampled_row
         for seq, num_new, blocks in rows:
+            row = seq.running_row
             tokens = seq.token_ids
-            pending = seq.num_pending
+            pending = pending_col.item(row)
             num_tokens = len(tokens) + pending
-            start = seq.num_computed_tokens
+            start = computed_col.item(row)
             end = start + num_new
             drafts = seq.draft_token_ids
             sample = end == num_tokens + len(drafts)
@@ -518,8 +663,9 @@ class Scheduler:
                 token_ids.extend(drafts)
                 seq.draft_token_ids, seq.num_draft_tokens = (), len(drafts)
             elif pending:  # the token in flight, as a placeholder (one row)
-                input_from[len(seq_ids)] = seq.sampled_at
-                reads_sampled.add(seq.sampled_at[0])
+                from_step = sampled_step.item(row)
+                input_from[len(seq_ids)] = (from_step, sampled_row.item(row))
+                reads_sampled.add(from_step)
                 token_ids.append(PLACEHOLDER_TOKEN)
             elif num_new == 1:
                 token_ids.append(tokens[start])
@@ -531,14 +677,16 @@ class Scheduler:
             block_tables.append(blocks.table)
             samples.append(sample)
             num_output_tokens.append(num_tokens - seq.num_prompt_tokens)
-            seq.num_computed_tokens = end
-            if seq.wants_prompt_logits:
+            computed_col[row] = end
+            if wants_col.item(row):
                 prompt_logits_for.append(seq.seq_id)
-                seq.wants_prompt_logits = not sample
+                wants_col[row] = not sample
             if sample:
-                seq.num_pending = pending + 1
-                seq.sampled_at = (step_id, len(sampling))
+                pending_col[row] = pending + 1
+                sampled_step[row] = step_id
+                sampled_row[row] = len(sampling)
                 sampling.append(seq)
+                later_rows.append(row)
                 if any_constrained and seq.params.structured_outputs is not None:
                     guided = True
             if not seq.started:
@@ -548,7 +696,9 @@ class Scheduler:
                 self._choice_starts.append(seq.to_choice_start(seq_start, time.monotonic()))
                 ledger.seq_started(seq.request_id, seq.seq_id)
         if sampling:
-            self._inflight[step_id] = sampling
+            self._inflight[step_id] = _Sampling(
+                sampling, cols.sampling_rows, later_rows, self.running.generation
+            )
         released = tuple(ledger.released)
         ledger.released.clear()
         if released:
@@ -573,6 +723,66 @@ class Scheduler:
             inflight_from=inflight_from,
             guided=guided,
         )
+
+    def _bulk_columns(self, bulk: _Bulk, step_id: int) -> _Columns:
+        """`_build_batch`'s columns for the rows `_schedule_columns` chose, read from and
+        written to the running table in array operations."""
+        running, rows, num_new = self.running, bulk.rows, bulk.num_new
+        c, seqs, n = running.cols, running.seqs, len(num_new)
+        start = c.num_computed_tokens[rows]
+        cols = _Columns(
+            seq_ids=c.seq_id[rows].tolist(),
+            query_lens=num_new.tolist(),
+            computed=start.tolist(),
+            block_tables=[b.table for b in _pick_list(running.blocks, rows)],
+        )
+        pending = c.num_pending[rows]
+        end = start + num_new
+        num_tokens = c.num_tokens[rows] + pending
+        sample = end == num_tokens
+        all_sample = np.count_nonzero(sample) == n
+        cols.samples = sample.tolist()
+        cols.num_output_tokens = (num_tokens - c.num_prompt[rows]).tolist()
+        # a decode row computes its last token, or the one in flight as a placeholder
+        placeholder = pending > 0
+        any_placeholder = np.count_nonzero(placeholder) > 0
+        if all_sample and not np.count_nonzero(num_new - 1):  # decodes only
+            last = c.last_token[rows]
+            cols.token_ids = (
+                np.where(placeholder, PLACEHOLDER_TOKEN, last) if any_placeholder else last
+            ).tolist()
+        else:
+            for seq, a, b, ahead in zip(
+                _pick_list(seqs, rows),
+                cols.computed,
+                end.tolist(),
+                placeholder.tolist(),
+                strict=True,
+            ):
+                cols.token_ids.extend((PLACEHOLDER_TOKEN,) if ahead else seq.token_ids[a:b])
+        if any_placeholder:
+            at = placeholder.nonzero()[0]
+            steps = c.sampled_step[_pick(rows, at)].tolist()
+            from_rows = c.sampled_row[_pick(rows, at)].tolist()
+            cols.input_from = dict(
+                zip(at.tolist(), zip(steps, from_rows, strict=True), strict=True)
+            )
+            cols.reads_sampled = set(steps)
+        wants = c.wants_prompt_logits[rows]
+        if np.count_nonzero(wants):
+            cols.prompt_logits_for = c.seq_id[_pick(rows, wants.nonzero()[0])].tolist()
+            c.wants_prompt_logits[rows] = wants & ~sample
+        c.num_computed_tokens[rows] = end
+        sampling_rows = rows if all_sample else _pick(rows, sample.nonzero()[0])
+        c.num_pending[sampling_rows] += 1
+        c.sampled_step[sampling_rows] = step_id
+        cols.sampling = _pick_list(seqs, sampling_rows)
+        c.sampled_row[sampling_rows] = np.arange(len(cols.sampling))
+        cols.sampling_rows = sampling_rows
+        cols.guided = self._num_constrained > 0 and bool(
+            np.count_nonzero(c.constrained[sampling_rows])
+        )
+        return cols
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free every block; recompute all tokens on readmission
@@ -608,10 +818,97 @@ class Scheduler:
         was_running = seq.status is SequenceStatus.RUNNING
         self._finish(seq, status, stop_reason)
         if was_running:
-            self.running.remove(seq)
+            self.running.remove([seq])
         else:
             self.waiting.remove(seq)
         return seq.to_finished()
+
+
+# Rows of the running table, ascending: the first ones as a slice (the common case, which
+# indexes a column as a view), or their indices.
+Rows = slice | npt.NDArray[np.int64]
+
+
+def _pick(rows: Rows, at: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The rows at positions `at` of `rows`."""
+    return at if isinstance(rows, slice) else rows[at]
+
+
+def _pick_list(items: list[T], rows: Rows) -> list[T]:
+    """The entries of a table's list (sequences, blocks) at `rows`."""
+    if isinstance(rows, slice):
+        return items[rows]
+    return [items[row] for row in rows.tolist()]
+
+
+class _Bulk(NamedTuple):
+    """Running rows chosen together (`Scheduler._schedule_columns`), in row order."""
+
+    rows: Rows  # their rows in the running table
+    num_new: npt.NDArray[np.int64]  # tokens each computes
+
+
+_NO_BULK = _Bulk(slice(0, 0), np.zeros(0, np.int64))
+
+
+class _Sampling(NamedTuple):
+    """The sequences a step in flight samples, in its sampling rows' order."""
+
+    seqs: list[Sequence]
+    # their rows in the running table when it was scheduled: those chosen together, then
+    # the others'
+    bulk_rows: Rows
+    later_rows: list[int]
+    generation: int  # the running table's, then: the rows hold while it is unchanged
+
+    @property
+    def rows(self) -> Rows:
+        if not self.later_rows:
+            return self.bulk_rows
+        bulk = self.bulk_rows
+        first = np.arange(bulk.stop) if isinstance(bulk, slice) else bulk
+        return np.concatenate((first, np.array(self.later_rows, np.int64)))
+
+
+class _Columns:
+    """A step message's columns while `_build_batch` fills them."""
+
+    __slots__ = (
+        "block_tables",
+        "computed",
+        "guided",
+        "input_from",
+        "num_output_tokens",
+        "prompt_logits_for",
+        "query_lens",
+        "reads_sampled",
+        "samples",
+        "sampling",
+        "sampling_rows",
+        "seq_ids",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        seq_ids: list[int],
+        query_lens: list[int],
+        computed: list[int],
+        block_tables: list[tuple[int, ...]],
+    ) -> None:
+        self.seq_ids = seq_ids
+        self.query_lens = query_lens
+        self.computed = computed
+        self.block_tables = block_tables
+        self.token_ids: list[int] = []
+        self.samples: list[bool] = []
+        self.num_output_tokens: list[int] = []
+        self.input_from: dict[int, tuple[int, int]] = {}
+        self.prompt_logits_for: list[int] = []
+        self.reads_sampled: set[int] = set()
+        self.sampling: list[Sequence] = []
+        self.sampling_rows: Rows = slice(0, 0)
+        self.guided = False
 
 
 def _runs(rows: SampledTokens) -> dict[int, list[int]]:

@@ -13,10 +13,17 @@ recompute after preemption and a prefix-cache hit are all just different values 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import msgspec
 
 from flowllm.messages import ChoiceStart, FinishReason, PoolingParams, SamplingParams, SeqStart
+
+if TYPE_CHECKING:
+    from flowllm.scheduling.running import RunningRows
+
+T = TypeVar("T", int, bool)
 
 
 class SequenceStatus(enum.IntEnum):
@@ -59,6 +66,32 @@ class FinishedSeq(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_tokens: int  # prompt tokens served by the prefix cache at first admission
 
 
+class _StepCounter(Generic[T]):
+    """A step counter of a `Sequence`: its own `_<name>` attribute while it waits, the
+    cell of its row in the running table while it runs (one place at a time)."""
+
+    def __init__(self, kind: Callable[[int], T]) -> None:
+        self.kind: Callable[[int], T] = kind
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.column = name
+        self.held = "_" + name
+
+    def __get__(self, seq: Sequence, owner: type | None = None) -> T:
+        rows = seq.running_in
+        if rows is None:
+            held: T = getattr(seq, self.held)
+            return held
+        return self.kind(getattr(rows.cols, self.column).item(seq.running_row))
+
+    def __set__(self, seq: Sequence, value: T) -> None:
+        rows = seq.running_in
+        if rows is None:
+            setattr(seq, self.held, value)
+        else:
+            getattr(rows.cols, self.column)[seq.running_row] = value
+
+
 class Sequence:
     """The scheduler's record of one sequence.
 
@@ -67,16 +100,17 @@ class Sequence:
     """
 
     __slots__ = (
+        "_num_computed_tokens",
+        "_num_dropped",
+        "_num_pending",
+        "_wants_prompt_logits",
         "arrival_time",
         "cache_salt",
         "draft_token_ids",
         "eos_token_ids",
         "index",
         "num_cached_tokens",
-        "num_computed_tokens",
         "num_draft_tokens",
-        "num_dropped",
-        "num_pending",
         "num_prompt_tokens",
         "output_limit",
         "params",
@@ -84,15 +118,15 @@ class Sequence:
         "prompt_text",
         "prompt_token_ids",
         "request_id",
+        "running_in",
+        "running_row",
         "runs_ahead",
-        "sampled_at",
         "seq_id",
         "started",
         "status",
         "stop_reason",
         "token_ids",
         "use_prefix_cache",
-        "wants_prompt_logits",
     )
 
     def __init__(
@@ -127,22 +161,26 @@ class Sequence:
         self.pooling = pooling  # a pooling request's (pool reads it from the SeqStart)
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + outputs so far
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_computed_tokens = 0
+        # While it runs, its step counters (`num_computed_tokens`, `num_pending`,
+        # `num_dropped`, `wants_prompt_logits`) live in its row of the scheduler's running
+        # table (flowllm.scheduling.running); these attributes read and write there.
+        self.running_in: RunningRows | None = None
+        self.running_row = -1
+        self._num_computed_tokens = 0
         self.num_cached_tokens = -1  # -1 until the first admission looks up the cache
         self.status = SequenceStatus.WAITING
         self.stop_reason: str | int | None = None
         self.started = False  # has a SeqStart gone downstream?
         # execute returns its prompt logits until its prompt has been computed once
         # (a recompute after preemption does not ask again).
-        self.wants_prompt_logits = params.prompt_logprobs is not None
+        self._wants_prompt_logits = params.prompt_logprobs is not None
         # Tokens that steps in flight sample for it, not yet appended by `apply`. Ahead of
         # them it may only be scheduled with placeholders (async scheduling), whose input
-        # token is read on the device from `sampled_at`: (step id, row among that step's
-        # sampling rows) of its newest in-flight token.
-        self.num_pending = 0
-        self.sampled_at = (-1, -1)
+        # token is read on the device from where its newest in-flight token is sampled
+        # (the running table's `sampled_step` and `sampled_row`).
+        self._num_pending = 0
         # In-flight tokens that `apply` drops: ones computed from a token that never came.
-        self.num_dropped = 0
+        self._num_dropped = 0
         # May it take placeholders? Not under a grammar, whose masks need each token before
         # the next step (drafts are another matter: `params.takes_drafts`).
         self.runs_ahead = params.structured_outputs is None
@@ -151,6 +189,29 @@ class Sequence:
         self.draft_token_ids: tuple[int, ...] = ()
         self.num_draft_tokens = 0
 
+    # ------------------------------------------------------------------ step counters
+    num_computed_tokens = _StepCounter(int)
+    num_pending = _StepCounter(int)
+    num_dropped = _StepCounter(int)
+    wants_prompt_logits = _StepCounter(bool)
+
+    def enter_rows(self, rows: RunningRows, row: int) -> None:
+        """It runs now: `rows` (which copied its counters into `row`) holds them."""
+        self.running_in, self.running_row = rows, row
+
+    def leave_rows(self) -> None:
+        """It stops running: take its counters back from its row."""
+        rows, row = self.running_in, self.running_row
+        if rows is None:
+            raise RuntimeError(f"sequence {self.seq_id} is not in the running table")
+        cols = rows.cols
+        self._num_computed_tokens = cols.num_computed_tokens.item(row)
+        self._num_pending = cols.num_pending.item(row)
+        self._num_dropped = cols.num_dropped.item(row)
+        self._wants_prompt_logits = cols.wants_prompt_logits.item(row)
+        self.running_in, self.running_row = None, -1
+
+    # ------------------------------------------------------------------ derived
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -122,6 +122,25 @@ def tokens_of(
     )
 
 
+def test_drafts_verified_are_reported_by_the_step_that_verified_them_only() -> None:
+    """A later step that samples nothing (here, one that only releases) reports no
+    verified drafts, so the metrics count each verification once."""
+    sched = scheduler()
+    add(sched, "a", [1, 2, 3, 4, 5])
+    batch = sched.schedule()
+    assert batch is not None
+    sched.apply(tokens_of(batch.step_id, {0: [6]}, {0: (7, 8, 9)}))
+    batch = sched.schedule()
+    assert batch is not None
+    sched.apply(tokens_of(batch.step_id, {0: [7, 10]}, {}))
+    assert sched.verified == [(3, 1)]
+    sched.abort_request("a")
+    batch = sched.schedule()
+    assert batch is not None and not batch.rows and batch.released == (0,)
+    sched.apply(tokens_of(batch.step_id, {}, {}))
+    assert sched.verified == []
+
+
 def test_drafts_run_after_the_last_token_and_rejected_ones_roll_back() -> None:
     sched = scheduler()
     add(sched, "a", [1, 2, 3, 4, 5])

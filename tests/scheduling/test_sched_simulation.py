@@ -16,6 +16,7 @@ the rows of sequences an earlier token ended, as sample does.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,8 +36,10 @@ from flowllm.messages import (
     TokenizedRequest,
 )
 from flowllm.scheduling.scheduler import Scheduler
+from flowllm.scheduling.sequence import FinishedSeq
 from flowllm.stopping import StopRule
 
+NEVER = 10**9  # columns_from: every running sequence one by one
 VOCAB = 13  # small, so EOS (0) and stop token ids come up often
 EOS = 0
 PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 5, 5, 5], [])
@@ -98,6 +101,8 @@ class Simulation:
         self.steps = 0
         self.placeholders = 0
         self.sampled_ids: dict[int, list[int]] = {}  # step id -> ids by sampling row
+        self.batches: list[StepBatch] = []  # every step scheduled, in order
+        self.finished: list[FinishedSeq] = []  # what every apply returned, in order
 
     def add_random_request(self) -> None:
         rng = self.rng
@@ -149,6 +154,7 @@ class Simulation:
         batch = sched.schedule()
         if batch is None:
             return None
+        self.batches.append(batch)
         self.steps += 1
         num_tokens = sum(len(r.token_ids) for r in batch.rows)
         assert num_tokens <= sched.max_num_batched_tokens
@@ -229,6 +235,7 @@ class Simulation:
         )
         for f in finished:
             assert f.finish_reason == self.live[f.seq_id].finish
+        self.finished.extend(finished)
 
     def random_interrupts(self) -> None:
         rng = self.rng
@@ -244,9 +251,10 @@ class Simulation:
 
 def run(seed: int, block_size: int, extra_blocks: int, budget: int, max_num_seqs: int,
         caching: bool, max_model_len: int, inflight: int = 1,
-        async_scheduling: bool = False) -> Simulation:  # fmt: skip
+        async_scheduling: bool = False, columns_from: int = 1) -> Simulation:  # fmt: skip
     """One random workload; `inflight` steps may be scheduled before the oldest is applied
-    (steps execute and apply in the order they were scheduled, as in the graph)."""
+    (steps execute and apply in the order they were scheduled, as in the graph). The
+    running sequences are scheduled as columns from `columns_from` of them on."""
     rng = random.Random(seed)
     num_blocks = -(-max_model_len // block_size) + extra_blocks
     sched = Scheduler(
@@ -256,6 +264,7 @@ def run(seed: int, block_size: int, extra_blocks: int, budget: int, max_num_seqs
         max_model_len=max_model_len,
         async_scheduling=async_scheduling,
     )
+    sched.columns_from = columns_from
     sim = Simulation(rng, sched, block_size)
     num_requests = rng.randrange(1, 12)
     for _ in range(min(3, num_requests)):
@@ -299,6 +308,7 @@ def run(seed: int, block_size: int, extra_blocks: int, budget: int, max_num_seqs
     max_model_len=st.integers(12, 40),
     inflight=st.sampled_from([1, 1, 2, 3]),
     async_scheduling=st.booleans(),
+    columns_from=st.sampled_from([1, 3, NEVER]),
 )
 def test_simulated_engine_matches_sequential_generation(
     seed: int,
@@ -310,29 +320,63 @@ def test_simulated_engine_matches_sequential_generation(
     max_model_len: int,
     inflight: int,
     async_scheduling: bool,
+    columns_from: int,
 ) -> None:
     run(seed, block_size, extra_blocks, budget, max_num_seqs, caching, max_model_len, inflight,
-        async_scheduling)  # fmt: skip
+        async_scheduling, columns_from)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    block_size=st.sampled_from([1, 2, 4]),
+    extra_blocks=st.integers(0, 8),
+    budget=st.integers(4, 40),
+    max_num_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+    inflight=st.sampled_from([1, 2, 3]),
+    async_scheduling=st.booleans(),
+)
+def test_columns_and_one_by_one_schedule_the_same_steps(
+    seed: int,
+    block_size: int,
+    extra_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+    caching: bool,
+    inflight: int,
+    async_scheduling: bool,
+) -> None:
+    """The running sequences scheduled and applied as columns give the very steps (rows,
+    tokens, blocks, placeholders, prompt logits, releases) and finishes that one by one
+    does, step after step: preemptions, aborts, stop strings and placeholders included."""
+    config = (seed, block_size, extra_blocks, budget, max_num_seqs, caching, 32, inflight,
+              async_scheduling)  # fmt: skip
+    columns = run(*config, columns_from=1)
+    one_by_one = run(*config, columns_from=NEVER)
+    assert columns.batches == one_by_one.batches
+    assert columns.finished == one_by_one.finished
 
 
 def test_tight_cache_forces_preemptions_and_prefix_hits() -> None:
     """A fixed heavy case, so preemption and prefix hits are certainly exercised."""
-    total_preemptions = total_hits = 0
-    for seed in range(12):
-        sim = run(seed, 4, 2, 24, 6, True, 32)
-        total_preemptions += sim.sched.stats.num_preemptions
-        total_hits += sim.sched.stats.prefix_cache_hits
-    assert total_preemptions > 10
-    assert total_hits > 100
+    for columns_from in (1, NEVER):
+        total_preemptions = total_hits = 0
+        for seed in range(12):
+            sim = run(seed, 4, 2, 24, 6, True, 32, columns_from=columns_from)
+            total_preemptions += sim.sched.stats.num_preemptions
+            total_hits += sim.sched.stats.prefix_cache_hits
+        assert total_preemptions > 10
+        assert total_hits > 100
 
 
 def test_async_scheduling_reads_placeholders_and_matches() -> None:
     """Fixed cases with two and three steps in flight: placeholders certainly come up, and
     every output still equals sequential generation."""
-    for inflight in (2, 3):
+    for inflight, columns_from in itertools.product((2, 3), (1, NEVER)):
         placeholders = preemptions = 0
         for seed in range(8):
-            sim = run(seed, 4, 2, 24, 6, True, 32, inflight, async_scheduling=True)
+            sim = run(seed, 4, 2, 24, 6, True, 32, inflight, True, columns_from)
             placeholders += sim.placeholders
             preemptions += sim.sched.stats.num_preemptions
         assert placeholders > 100 and preemptions > 0

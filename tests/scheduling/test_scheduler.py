@@ -17,7 +17,9 @@ from flowllm.messages import (
     TokenizedRequest,
 )
 from flowllm.scheduling.scheduler import Scheduler, SchedulerError
-from flowllm.scheduling.sequence import SequenceStatus
+from flowllm.scheduling.sequence import Sequence, SequenceStatus
+
+pytestmark = pytest.mark.usefixtures("running_rows_way")
 
 
 def make_scheduler(
@@ -173,6 +175,15 @@ def test_running_decodes_are_never_starved_by_a_long_prompt() -> None:
         prefilled += r[3][1]
 
 
+def reorder_running(sched: Scheduler, seqs: list[Sequence]) -> None:
+    """Put the running sequences in this order (as admissions after preemptions can)."""
+    sched.running.remove(list(sched.running))
+    for seq in seqs:
+        blocks = sched.kv.seq_blocks(seq.seq_id)
+        assert blocks is not None
+        sched.running.append(seq, blocks)
+
+
 def test_reserved_budget_protects_later_running_sequences_whatever_their_order() -> None:
     """The reservation rule does not depend on decodes being older than a long prefill."""
     sched = make_scheduler(budget=16, max_model_len=256, num_blocks=64)
@@ -181,7 +192,7 @@ def test_reserved_budget_protects_later_running_sequences_whatever_their_order()
     step(sched)
     sched.add_request(request("long", range(1000, 1100)))
     step(sched)
-    sched.running.reverse()  # put the long prefill first
+    reorder_running(sched, list(sched.running)[::-1])  # put the long prefill first
     batch = sched.schedule()
     assert batch is not None
     assert rows(batch) == {3: (13, 13, False), 2: (5, 1, True), 1: (5, 1, True), 0: (5, 1, True)}
@@ -285,7 +296,8 @@ def test_a_preempted_sequence_gives_its_reserved_token_to_those_before_it() -> N
     sched.add_request(request("b", range(100, 111)))  # 11 prompt tokens
     b1 = step(sched)  # a and c decode (c takes block 2), b its first 5 (blocks 3 and 4)
     assert rows(b1)[2] == (0, 5, False) and sched.kv.pool.num_free_blocks == 0
-    sched.running[1:] = sched.running[1:][::-1]  # running: a, b, c (c youngest)
+    a, c, b = sched.running
+    reorder_running(sched, [a, b, c])  # c youngest
     b2 = sched.schedule()
     assert b2 is not None
     # a needs a block: c is preempted; b then has the 6 tokens left, its whole prompt's rest
