@@ -18,6 +18,7 @@ Only the scheduler (flowllm.scheduling.scheduler) uses it.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -33,8 +34,10 @@ Flags = npt.NDArray[np.bool_]
 
 
 class Columns:
-    """One array per column, `capacity` entries each, of which a table's first `len(table)`
-    are its rows."""
+    """One numpy array per column, `capacity` entries each, of which a table's first
+    `len(table)` are its rows. Each views the memory of the column's `array.array` in
+    `cells`, whose single entries Python reads and writes faster than numpy's: array
+    operations go through the arrays, one row at a time through the cells."""
 
     # fixed while the sequence lives; `end`: the num_tokens its length limit ends it at
     seq_id: Column
@@ -58,11 +61,15 @@ class Columns:
     sampled_row: Column
 
     def __init__(self, capacity: int) -> None:
+        self.cells: dict[str, array.array[int]] = {}
         for name in COLUMNS:
-            setattr(self, name, np.zeros(capacity, np.bool_ if name in FLAGS else np.int64))
+            flag = name in FLAGS
+            cells = array.array("b" if flag else "q", bytes((1 if flag else 8) * capacity))
+            self.cells[name] = cells
+            setattr(self, name, np.frombuffer(cells, np.bool_ if flag else np.int64))
 
 
-COLUMNS = tuple(Columns.__annotations__)
+COLUMNS = tuple(name for name in Columns.__annotations__ if name != "cells")
 # The `Sequence` attributes that live in its row while it runs.
 MOVED = ("num_computed_tokens", "num_dropped", "num_pending", "wants_prompt_logits")
 FLAGS = frozenset({"constrained", "pools", "runs_ahead", "wants_prompt_logits"})
@@ -80,6 +87,7 @@ class RunningRows:
         self.seqs: list[Sequence] = []
         self.blocks: list[SeqBlocks] = []  # each row's block record (the KV manager's)
         self.cols = Columns(capacity)
+        self.cells = self.cols.cells
         self.generation = 0
 
     def __len__(self) -> int:
@@ -100,19 +108,23 @@ class RunningRows:
         row = len(self.seqs)
         if row == self.capacity:
             raise RuntimeError(f"more than {self.capacity} running sequences")
-        c = self.cols
-        c.seq_id[row] = seq.seq_id
-        c.num_prompt[row] = seq.num_prompt_tokens
-        c.end[row] = seq.num_prompt_tokens + seq.output_limit
-        c.runs_ahead[row] = seq.runs_ahead
-        c.constrained[row] = seq.params.structured_outputs is not None
-        c.pools[row] = seq.pooling is not None
-        c.num_tokens[row] = len(seq.token_ids)
-        c.last_token[row] = seq.token_ids[-1]
-        c.fast_limit[row] = blocks.fast_limit
-        for name in MOVED:
-            getattr(c, name)[row] = getattr(seq, name)
-        c.sampled_step[row] = c.sampled_row[row] = -1
+        values = {
+            "seq_id": seq.seq_id,
+            "num_prompt": seq.num_prompt_tokens,
+            "end": int(seq.num_prompt_tokens + seq.output_limit),
+            "runs_ahead": seq.runs_ahead,
+            "constrained": seq.params.structured_outputs is not None,
+            "pools": seq.pooling is not None,
+            "num_tokens": len(seq.token_ids),
+            "last_token": seq.token_ids[-1],
+            "fast_limit": blocks.fast_limit,
+            "sampled_step": -1,
+            "sampled_row": -1,
+        }
+        values.update((name, getattr(seq, name)) for name in MOVED)
+        cells = self.cells
+        for name, value in values.items():
+            cells[name][row] = value
         self.seqs.append(seq)
         self.blocks.append(blocks)
         seq.enter_rows(self, row)
@@ -148,9 +160,3 @@ class RunningRows:
         for row in range(first, kept):
             self.seqs[row].running_row = row
         self.generation += 1
-
-    def tokens_grew(self, seq: Sequence) -> None:
-        """Keep a running sequence's `num_tokens` and `last_token` with its token list."""
-        row, tokens, c = seq.running_row, seq.token_ids, self.cols
-        c.num_tokens[row] = len(tokens)
-        c.last_token[row] = tokens[-1]

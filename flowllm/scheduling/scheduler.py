@@ -36,6 +36,12 @@ their blocks stay the sequence's, rewritten by its next steps. Drafts are never 
 the prefix cache (only tokens in `token_ids` are). A step with more than
 `disable_by_batch_size` running sequences schedules no drafts.
 
+The running sequences are a table (flowllm.scheduling.running): from `COLUMNS_FROM` of
+them on, `schedule` gives them their tokens in array operations, up to the first that the
+budget cuts short or whose blocks preempt another (the rest go one by one, as admissions
+and speculative steps always do), and `apply` advances a step's counters the same way when
+its rows are still the sequences it sampled. Either way the steps are the same.
+
 `apply` appends each step's sampled tokens and finishes sequences whose token carries a
 finish reason (`SampledTokens.finishes`): the stop rule (flowllm.stopping) is applied once, by the
 sample stage. The scheduler only guards its own invariant with the rule's length limit
@@ -84,7 +90,7 @@ from flowllm.stopping import output_limit
 # From this many running sequences on, the running part of a step is scheduled and
 # applied as array operations (`_schedule_columns`, `_apply_columns`), whose fixed cost is
 # more than a few sequences' one by one (benchmarks/README.md has the crossing point).
-COLUMNS_FROM = 12
+COLUMNS_FROM = 16
 
 
 T = TypeVar("T")
@@ -354,8 +360,9 @@ class Scheduler:
         finished: list[FinishedSeq] = []
         leaving: list[Sequence] = []  # finished while running
         finished_waiting = False  # preempted while its token was in flight (overlap only)
-        running, c = self.running, self.running.cols
-        pending_col, dropped_col = c.num_pending, c.num_dropped
+        cells = self.running.cells
+        pending_cells, dropped_cells = cells["num_pending"], cells["num_dropped"]
+        num_tokens_cells, last_token_cells = cells["num_tokens"], cells["last_token"]
         for i, seq in enumerate(sampled):
             if seq.status > SequenceStatus.PREEMPTED:
                 continue  # it left meanwhile
@@ -365,10 +372,10 @@ class Scheduler:
                     continue
                 seq.num_pending -= 1
             else:
-                if dropped_col.item(seq.running_row):
-                    dropped_col[seq.running_row] -= 1
+                if dropped_cells[seq.running_row]:
+                    dropped_cells[seq.running_row] -= 1
                     continue
-                pending_col[seq.running_row] -= 1
+                pending_cells[seq.running_row] -= 1
             seq_id = seq.seq_id
             if aligned and seq_ids[i] == seq_id:
                 row: int | None = i
@@ -396,8 +403,9 @@ class Scheduler:
             if seq.pooling is None:
                 tokens.append(token_ids[row])
                 self.num_generated += 1
-            if seq.running_in is not None:
-                running.tokens_grew(seq)
+            if seq.running_in is not None:  # its token list's copies in the table
+                num_tokens_cells[seq.running_row] = len(tokens)
+                last_token_cells[seq.running_row] = tokens[-1]
             reason, stop_reason = finishes.get(row, NO_FINISH) if finishes else NO_FINISH
             if reason is None and len(tokens) - seq.num_prompt_tokens >= seq.output_limit:
                 reason = "length"  # the rule's length limit, which sample should have said
@@ -520,9 +528,10 @@ class Scheduler:
         first, preempting the youngest when blocks run out. Returns the budget left and
         whether anything was preempted."""
         running = self.running
-        blocks, c = running.blocks, running.cols
-        pending_of, computed_of = c.num_pending.item, c.num_computed_tokens.item
-        fast_limit_of = c.fast_limit.item
+        blocks, cells = running.blocks, running.cells
+        pending_of = cells["num_pending"]
+        computed_of = cells["num_computed_tokens"]
+        fast_limit_of = cells["fast_limit"]
         max_model_len = self.max_model_len
         ahead = self.async_scheduling
         num_running = len(running.seqs)
@@ -532,7 +541,7 @@ class Scheduler:
         # visited once preempted.
         for row, seq in enumerate(islice(running.seqs, first_row, None), first_row):
             num_tokens = len(seq.token_ids)
-            pending = pending_of(row)
+            pending = pending_of[row]
             if pending:
                 # Ahead of its tokens only as a placeholder, and never past its last one.
                 num_tokens += pending
@@ -546,7 +555,7 @@ class Scheduler:
                 num_tokens = max_model_len
             # Every later running sequence keeps one token of the budget.
             room = budget - (num_running - row - 1)
-            computed = computed_of(row)
+            computed = computed_of[row]
             num_new = num_tokens - computed
             if num_new > room:
                 num_new = room
@@ -562,7 +571,7 @@ class Scheduler:
                     if d > 0:
                         seq.draft_token_ids = drafts[:d]
                         num_new += d
-            if computed + num_new <= fast_limit_of(row):
+            if computed + num_new <= fast_limit_of[row]:
                 rows.append((seq, num_new, blocks[row]))
             else:
                 num_preemptions = self.ledger.num_preemptions
@@ -584,7 +593,7 @@ class Scheduler:
         while True:
             rec = allocate(seq.seq_id, seq.token_ids, computed, num_new)
             if rec is not None:
-                running.cols.fast_limit[seq.running_row] = rec.fast_limit
+                running.cells["fast_limit"][seq.running_row] = rec.fast_limit
                 return rec
             victim = running[-1]
             if victim is seq and len(running) == 1:
@@ -633,27 +642,36 @@ class Scheduler:
         step_id = ledger.next_step_id
         ledger.next_step_id += 1
         inflight_from = next(iter(self._inflight), step_id)
-        cols = self._bulk_columns(bulk, step_id) if len(bulk.num_new) else _Columns([], [], [], [])
-        seq_ids, query_lens, token_ids = cols.seq_ids, cols.query_lens, cols.token_ids
-        computed, block_tables, samples = cols.computed, cols.block_tables, cols.samples
-        num_output_tokens, input_from = cols.num_output_tokens, cols.input_from
-        prompt_logits_for, reads_sampled = cols.prompt_logits_for, cols.reads_sampled
-        sampling, guided = cols.sampling, cols.guided
+        (
+            seq_ids,
+            query_lens,
+            token_ids,
+            computed,
+            block_tables,
+            samples,
+            num_output_tokens,
+            input_from,
+            prompt_logits_for,
+            reads_sampled,
+            sampling,
+            bulk_sampling,
+            guided,
+        ) = self._bulk_columns(bulk, step_id) if len(bulk.num_new) else _no_columns()
         later_rows: list[int] = []  # the running rows of the sequences sampled below
         num_draft_tokens: dict[int, int] = {}
         started: list[SeqStart] = []
         any_constrained = self._num_constrained > 0
         # every sequence here runs: its counters are read and written in its row
-        c = self.running.cols
-        pending_col, computed_col = c.num_pending, c.num_computed_tokens
-        wants_col = c.wants_prompt_logits
-        sampled_step, sampled_row = c.sampled_step, c.sampled_row
+        cells = self.running.cells
+        pending_col, computed_col = cells["num_pending"], cells["num_computed_tokens"]
+        wants_col = cells["wants_prompt_logits"]
+        sampled_step, sampled_row = cells["sampled_step"], cells["sampled_row"]
         for seq, num_new, blocks in rows:
             row = seq.running_row
             tokens = seq.token_ids
-            pending = pending_col.item(row)
+            pending = pending_col[row]
             num_tokens = len(tokens) + pending
-            start = computed_col.item(row)
+            start = computed_col[row]
             end = start + num_new
             drafts = seq.draft_token_ids
             sample = end == num_tokens + len(drafts)
@@ -663,8 +681,8 @@ class Scheduler:
                 token_ids.extend(drafts)
                 seq.draft_token_ids, seq.num_draft_tokens = (), len(drafts)
             elif pending:  # the token in flight, as a placeholder (one row)
-                from_step = sampled_step.item(row)
-                input_from[len(seq_ids)] = (from_step, sampled_row.item(row))
+                from_step = sampled_step[row]
+                input_from[len(seq_ids)] = (from_step, sampled_row[row])
                 reads_sampled.add(from_step)
                 token_ids.append(PLACEHOLDER_TOKEN)
             elif num_new == 1:
@@ -678,7 +696,7 @@ class Scheduler:
             samples.append(sample)
             num_output_tokens.append(num_tokens - seq.num_prompt_tokens)
             computed_col[row] = end
-            if wants_col.item(row):
+            if wants_col[row]:
                 prompt_logits_for.append(seq.seq_id)
                 wants_col[row] = not sample
             if sample:
@@ -697,7 +715,7 @@ class Scheduler:
                 ledger.seq_started(seq.request_id, seq.seq_id)
         if sampling:
             self._inflight[step_id] = _Sampling(
-                sampling, cols.sampling_rows, later_rows, self.running.generation
+                sampling, bulk_sampling, later_rows, self.running.generation
             )
         released = tuple(ledger.released)
         ledger.released.clear()
@@ -730,59 +748,61 @@ class Scheduler:
         running, rows, num_new = self.running, bulk.rows, bulk.num_new
         c, seqs, n = running.cols, running.seqs, len(num_new)
         start = c.num_computed_tokens[rows]
-        cols = _Columns(
-            seq_ids=c.seq_id[rows].tolist(),
-            query_lens=num_new.tolist(),
-            computed=start.tolist(),
-            block_tables=[b.table for b in _pick_list(running.blocks, rows)],
-        )
+        computed = start.tolist()
         pending = c.num_pending[rows]
         end = start + num_new
         num_tokens = c.num_tokens[rows] + pending
         sample = end == num_tokens
         all_sample = np.count_nonzero(sample) == n
-        cols.samples = sample.tolist()
-        cols.num_output_tokens = (num_tokens - c.num_prompt[rows]).tolist()
         # a decode row computes its last token, or the one in flight as a placeholder
         placeholder = pending > 0
         any_placeholder = np.count_nonzero(placeholder) > 0
+        token_ids: list[int] = []
         if all_sample and not np.count_nonzero(num_new - 1):  # decodes only
             last = c.last_token[rows]
-            cols.token_ids = (
+            token_ids = (
                 np.where(placeholder, PLACEHOLDER_TOKEN, last) if any_placeholder else last
             ).tolist()
         else:
             for seq, a, b, ahead in zip(
-                _pick_list(seqs, rows),
-                cols.computed,
-                end.tolist(),
-                placeholder.tolist(),
-                strict=True,
+                _pick_list(seqs, rows), computed, end.tolist(), placeholder.tolist(), strict=True
             ):
-                cols.token_ids.extend((PLACEHOLDER_TOKEN,) if ahead else seq.token_ids[a:b])
+                token_ids.extend((PLACEHOLDER_TOKEN,) if ahead else seq.token_ids[a:b])
+        input_from: dict[int, tuple[int, int]] = {}
+        reads_sampled: set[int] = set()
         if any_placeholder:
             at = placeholder.nonzero()[0]
             steps = c.sampled_step[_pick(rows, at)].tolist()
             from_rows = c.sampled_row[_pick(rows, at)].tolist()
-            cols.input_from = dict(
-                zip(at.tolist(), zip(steps, from_rows, strict=True), strict=True)
-            )
-            cols.reads_sampled = set(steps)
+            input_from = dict(zip(at.tolist(), zip(steps, from_rows, strict=True), strict=True))
+            reads_sampled = set(steps)
         wants = c.wants_prompt_logits[rows]
+        prompt_logits_for: list[int] = []
         if np.count_nonzero(wants):
-            cols.prompt_logits_for = c.seq_id[_pick(rows, wants.nonzero()[0])].tolist()
+            prompt_logits_for = c.seq_id[_pick(rows, wants.nonzero()[0])].tolist()
             c.wants_prompt_logits[rows] = wants & ~sample
         c.num_computed_tokens[rows] = end
         sampling_rows = rows if all_sample else _pick(rows, sample.nonzero()[0])
         c.num_pending[sampling_rows] += 1
         c.sampled_step[sampling_rows] = step_id
-        cols.sampling = _pick_list(seqs, sampling_rows)
-        c.sampled_row[sampling_rows] = np.arange(len(cols.sampling))
-        cols.sampling_rows = sampling_rows
-        cols.guided = self._num_constrained > 0 and bool(
-            np.count_nonzero(c.constrained[sampling_rows])
+        sampling = _pick_list(seqs, sampling_rows)
+        c.sampled_row[sampling_rows] = np.arange(len(sampling))
+        return _Columns(
+            seq_ids=c.seq_id[rows].tolist(),
+            query_lens=num_new.tolist(),
+            token_ids=token_ids,
+            computed=computed,
+            block_tables=[b.table for b in _pick_list(running.blocks, rows)],
+            samples=sample.tolist(),
+            num_output_tokens=(num_tokens - c.num_prompt[rows]).tolist(),
+            input_from=input_from,
+            prompt_logits_for=prompt_logits_for,
+            reads_sampled=reads_sampled,
+            sampling=sampling,
+            sampling_rows=sampling_rows,
+            guided=self._num_constrained > 0
+            and bool(np.count_nonzero(c.constrained[sampling_rows])),
         )
-        return cols
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free every block; recompute all tokens on readmission
@@ -870,45 +890,27 @@ class _Sampling(NamedTuple):
         return np.concatenate((first, np.array(self.later_rows, np.int64)))
 
 
-class _Columns:
-    """A step message's columns while `_build_batch` fills them."""
+class _Columns(NamedTuple):
+    """A step message's columns as `_build_batch` fills them, with the sequences that
+    sample (and their running rows)."""
 
-    __slots__ = (
-        "block_tables",
-        "computed",
-        "guided",
-        "input_from",
-        "num_output_tokens",
-        "prompt_logits_for",
-        "query_lens",
-        "reads_sampled",
-        "samples",
-        "sampling",
-        "sampling_rows",
-        "seq_ids",
-        "token_ids",
-    )
+    seq_ids: list[int]
+    query_lens: list[int]
+    token_ids: list[int]
+    computed: list[int]
+    block_tables: list[tuple[int, ...]]
+    samples: list[bool]
+    num_output_tokens: list[int]
+    input_from: dict[int, tuple[int, int]]
+    prompt_logits_for: list[int]
+    reads_sampled: set[int]
+    sampling: list[Sequence]
+    sampling_rows: Rows
+    guided: bool
 
-    def __init__(
-        self,
-        seq_ids: list[int],
-        query_lens: list[int],
-        computed: list[int],
-        block_tables: list[tuple[int, ...]],
-    ) -> None:
-        self.seq_ids = seq_ids
-        self.query_lens = query_lens
-        self.computed = computed
-        self.block_tables = block_tables
-        self.token_ids: list[int] = []
-        self.samples: list[bool] = []
-        self.num_output_tokens: list[int] = []
-        self.input_from: dict[int, tuple[int, int]] = {}
-        self.prompt_logits_for: list[int] = []
-        self.reads_sampled: set[int] = set()
-        self.sampling: list[Sequence] = []
-        self.sampling_rows: Rows = slice(0, 0)
-        self.guided = False
+
+def _no_columns() -> _Columns:
+    return _Columns([], [], [], [], [], [], [], {}, [], set(), [], slice(0, 0), False)
 
 
 def _runs(rows: SampledTokens) -> dict[int, list[int]]:

@@ -82,14 +82,14 @@ class _StepCounter(Generic[T]):
         if rows is None:
             held: T = getattr(seq, self.held)
             return held
-        return self.kind(getattr(rows.cols, self.column).item(seq.running_row))
+        return self.kind(rows.cells[self.column][seq.running_row])
 
     def __set__(self, seq: Sequence, value: T) -> None:
         rows = seq.running_in
         if rows is None:
             setattr(seq, self.held, value)
         else:
-            getattr(rows.cols, self.column)[seq.running_row] = value
+            rows.cells[self.column][seq.running_row] = value
 
 
 class Sequence:
@@ -204,11 +204,11 @@ class Sequence:
         rows, row = self.running_in, self.running_row
         if rows is None:
             raise RuntimeError(f"sequence {self.seq_id} is not in the running table")
-        cols = rows.cols
-        self._num_computed_tokens = cols.num_computed_tokens.item(row)
-        self._num_pending = cols.num_pending.item(row)
-        self._num_dropped = cols.num_dropped.item(row)
-        self._wants_prompt_logits = cols.wants_prompt_logits.item(row)
+        cells = rows.cells
+        self._num_computed_tokens = cells["num_computed_tokens"][row]
+        self._num_pending = cells["num_pending"][row]
+        self._num_dropped = cells["num_dropped"][row]
+        self._wants_prompt_logits = bool(cells["wants_prompt_logits"][row])
         self.running_in, self.running_row = None, -1
 
     # ------------------------------------------------------------------ derived

@@ -50,9 +50,7 @@ def test_a_running_sequence_reads_and_writes_its_counters_in_its_row() -> None:
     b.wants_prompt_logits = False
     assert not c.wants_prompt_logits[1] and b.wants_prompt_logits is False
     assert type(a.num_computed_tokens) is int and type(b.wants_prompt_logits) is bool
-    b.token_ids.append(9)
-    rows.tokens_grew(b)
-    assert (c.num_tokens[1], c.last_token[1]) == (3, 9)
+    assert rows.cells["num_pending"][1] == 2  # a column and its cells are one memory
 
 
 def test_leaving_hands_the_counters_back_and_moves_later_rows_up() -> None:
