@@ -20,6 +20,7 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -297,63 +298,38 @@ def run(seed: int, block_size: int, extra_blocks: int, budget: int, max_num_seqs
     return sim
 
 
-@settings(max_examples=120, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    block_size=st.sampled_from([1, 2, 4, 8]),
-    extra_blocks=st.integers(0, 12),
-    budget=st.integers(4, 48),
-    max_num_seqs=st.integers(1, 8),
-    caching=st.booleans(),
-    max_model_len=st.integers(12, 40),
-    inflight=st.sampled_from([1, 1, 2, 3]),
-    async_scheduling=st.booleans(),
-    columns_from=st.sampled_from([1, 3, NEVER]),
+# One random workload's shape: `run`'s arguments but the way the running rows are taken.
+WORKLOADS = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 2**32 - 1),
+        "block_size": st.sampled_from([1, 2, 4, 8]),
+        "extra_blocks": st.integers(0, 12),
+        "budget": st.integers(4, 48),
+        "max_num_seqs": st.integers(1, 8),
+        "caching": st.booleans(),
+        "max_model_len": st.integers(12, 40),
+        "inflight": st.sampled_from([1, 1, 2, 3]),
+        "async_scheduling": st.booleans(),
+    }
 )
+
+
+@settings(max_examples=120, deadline=None)
+@given(workload=WORKLOADS, columns_from=st.sampled_from([1, 3, NEVER]))
 def test_simulated_engine_matches_sequential_generation(
-    seed: int,
-    block_size: int,
-    extra_blocks: int,
-    budget: int,
-    max_num_seqs: int,
-    caching: bool,
-    max_model_len: int,
-    inflight: int,
-    async_scheduling: bool,
-    columns_from: int,
+    workload: dict[str, Any], columns_from: int
 ) -> None:
-    run(seed, block_size, extra_blocks, budget, max_num_seqs, caching, max_model_len, inflight,
-        async_scheduling, columns_from)  # fmt: skip
+    run(**workload, columns_from=columns_from)
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    block_size=st.sampled_from([1, 2, 4]),
-    extra_blocks=st.integers(0, 8),
-    budget=st.integers(4, 40),
-    max_num_seqs=st.integers(1, 8),
-    caching=st.booleans(),
-    inflight=st.sampled_from([1, 2, 3]),
-    async_scheduling=st.booleans(),
-)
-def test_columns_and_one_by_one_schedule_the_same_steps(
-    seed: int,
-    block_size: int,
-    extra_blocks: int,
-    budget: int,
-    max_num_seqs: int,
-    caching: bool,
-    inflight: int,
-    async_scheduling: bool,
-) -> None:
+@given(workload=WORKLOADS)
+def test_columns_and_one_by_one_schedule_the_same_steps(workload: dict[str, Any]) -> None:
     """The running sequences scheduled and applied as columns give the very steps (rows,
     tokens, blocks, placeholders, prompt logits, releases) and finishes that one by one
     does, step after step: preemptions, aborts, stop strings and placeholders included."""
-    config = (seed, block_size, extra_blocks, budget, max_num_seqs, caching, 32, inflight,
-              async_scheduling)  # fmt: skip
-    columns = run(*config, columns_from=1)
-    one_by_one = run(*config, columns_from=NEVER)
+    columns = run(**workload, columns_from=1)
+    one_by_one = run(**workload, columns_from=NEVER)
     assert columns.batches == one_by_one.batches
     assert columns.finished == one_by_one.finished
 
