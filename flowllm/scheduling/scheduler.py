@@ -92,7 +92,6 @@ from flowllm.stopping import output_limit
 # more than a few sequences' one by one (benchmarks/README.md has the crossing point).
 COLUMNS_FROM = 16
 
-
 T = TypeVar("T")
 
 
