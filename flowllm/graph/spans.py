@@ -44,7 +44,7 @@ def message_fields(message: object) -> MessageFields:
         step_id = getattr(holder, "step_id", None)
         if step_id is not None:
             fields["step_id"] = step_id
-            for attr in ("rows", "sampled", "seqs", "chunks", "deltas", "seq_ids"):
+            for attr in ("rows", "sampled", "seqs", "chunks", "seq_ids"):
                 entries = getattr(holder, attr, None)
                 if entries is not None:
                     fields["batch_size"] = len(entries)

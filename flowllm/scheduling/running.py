@@ -99,9 +99,6 @@ class RunningRows:
     def __getitem__(self, row: int) -> Sequence:
         return self.seqs[row]
 
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
-
     # ------------------------------------------------------------------ rows in and out
     def append(self, seq: Sequence, blocks: SeqBlocks) -> None:
         """Add a sequence that starts running (youngest), moving its counters in."""

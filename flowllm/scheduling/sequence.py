@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import msgspec
 
 from flowllm.messages import ChoiceStart, FinishReason, PoolingParams, SamplingParams, SeqStart
-
-if TYPE_CHECKING:
-    from flowllm.scheduling.running import RunningRows
+from flowllm.scheduling.running import MOVED, RunningRows
 
 T = TypeVar("T", int, bool)
 
@@ -201,15 +199,12 @@ class Sequence:
 
     def leave_rows(self) -> None:
         """It stops running: take its counters back from its row."""
-        rows, row = self.running_in, self.running_row
-        if rows is None:
+        if self.running_in is None:
             raise RuntimeError(f"sequence {self.seq_id} is not in the running table")
-        cells = rows.cells
-        self._num_computed_tokens = cells["num_computed_tokens"][row]
-        self._num_pending = cells["num_pending"][row]
-        self._num_dropped = cells["num_dropped"][row]
-        self._wants_prompt_logits = bool(cells["wants_prompt_logits"][row])
+        held = [(name, getattr(self, name)) for name in MOVED]  # read in its row
         self.running_in, self.running_row = None, -1
+        for name, value in held:  # now its own
+            setattr(self, name, value)
 
     # ------------------------------------------------------------------ derived
     @property
