@@ -445,6 +445,11 @@ class Scheduler:
         """Unfinished sequences, waiting or running."""
         return len(self._seqs)
 
+    @property
+    def num_constrained(self) -> int:
+        """Unfinished sequences with structured outputs, waiting or running."""
+        return self._num_constrained
+
     def resume(self, ledger: Ledger) -> list[str]:
         """Go on from a failed step loop's record (call on a fresh scheduler): its
         requests that never started run here as if nothing happened, ids keep counting

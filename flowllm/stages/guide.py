@@ -1,7 +1,9 @@
 """guide: the allowed next tokens of constrained sequences, computed beside the model step.
 
-It receives every `StepBatch` at the same time as execute (a fan-out of `schedule.out`)
-and, in its worker thread while the model runs, advances each constrained sequence's
+It receives the `StepBatch`es that concern constrained sequences from `schedule.guide`,
+sent beside the same batches to execute (every batch while a constrained sequence is
+unfinished, and the next, which releases the last), and, in its worker thread while the
+model runs, advances each constrained sequence's
 matcher by the token it sampled last step and fills the sequence's row of the step's
 bitmask; sample joins the `StepMasks` with the step's logits. Only a step whose batch is
 `guided` (schedule marks those with a constrained sampling row) gets one: for every other

@@ -48,7 +48,13 @@ class ScheduleParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Schedule(Stage):
     inputs = {"step_results": StepTokens, "finishes": Finish, "requests": TokenizedRequest | Abort}
     optional_inputs = frozenset({"finishes"})  # a graph without stop strings (pooling)
-    outputs = {"out": StepBatch, "choices": ChoiceEvents, "errors": RequestError}
+    outputs = {
+        "out": StepBatch,
+        "guide": StepBatch,  # the batches that concern constrained sequences (see `run`)
+        "choices": ChoiceEvents,
+        "errors": RequestError,
+    }
+    optional_outputs = frozenset({"guide"})  # a graph without guide
     Params = ScheduleParams
     params: ScheduleParams
     credit_param = "max_inflight_steps"
@@ -100,6 +106,8 @@ class Schedule(Stage):
                     kind="internal",
                 ),
             )
+        to_guide = "guide" in ctx.output_ports
+        constrained_before = False  # a constrained sequence was unfinished at the last batch
         while intake_open or inflight or scheduler.has_unfinished():
             if inflight < self.params.max_inflight_steps:
                 with ctx.handling(None):
@@ -112,6 +120,15 @@ class Schedule(Stage):
                     if batch.rows.seq_ids:  # a step that only releases sequences computes nothing
                         self._metrics.iteration_tokens.observe(len(batch.rows.token_ids))
                     await ctx.emit("out", batch)
+                    if to_guide:
+                        # Guide follows constrained sequences only: a batch can start one,
+                        # sample one, or release one (which the next batch after its finish
+                        # does), so it gets every batch while one is unfinished, and the
+                        # next; a step without any is not worth its wake-up.
+                        constrained = scheduler.num_constrained > 0
+                        if constrained or constrained_before:
+                            await ctx.emit("guide", batch)
+                        constrained_before = constrained
                     inflight += 1
                     continue
             port, message = await ctx.receive_any()

@@ -1,7 +1,8 @@
 """Fault injection into each of the nine stages of the default graph, in process.
 
 A faulty twin of one stage raises, hangs or slows down at its first message, which is
-the victim's (the engine runs one sequence at a time, so the others wait behind it). The
+the victim's (the engine runs one sequence at a time, so the others wait behind it; guide
+sees only constrained requests, so its victim is one). The
 victim gets its error within 2 s, the other requests complete with the tokens a clean
 graph gives them, the step loop restarts when it was hit, later requests succeed, and
 nothing is left behind. Failing at every message escalates: the graph stops.
@@ -24,11 +25,16 @@ from flowllm.engine.loading import build_services
 from flowllm.graph.spec import GraphSpec
 from flowllm.graph.validator import ValidGraph, validate_graph
 from flowllm.mailbox import Mailbox, RequestFailed
-from flowllm.messages import GenerateRequest, SamplingParams
+from flowllm.messages import GenerateRequest, SamplingParams, StructuredOutputs
 from flowllm.stages.services import EngineServices
 
 HERE = Path(__file__).resolve().parent
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+CONSTRAINED = SamplingParams(
+    max_tokens=6,
+    temperature=0.0,
+    structured_outputs=StructuredOutputs(regex="[a-z]{3}", param="guided_regex"),
+)
 PROMPTS = ["The victim", "Alpha beta", "Gamma delta", "Epsilon zeta"]
 STEP_LOOP = ("schedule", "execute", "guide", "sample")
 
@@ -61,11 +67,13 @@ async def tokens_of(box: Mailbox) -> list[int]:
     return out
 
 
-def make(services: EngineServices, i: int, prompt: str) -> GenerateRequest:
+def make(
+    services: EngineServices, i: int, prompt: str, params: SamplingParams = GREEDY
+) -> GenerateRequest:
     return GenerateRequest(
         request_id=f"r{i}-{time.monotonic_ns()}",
         model=services.served_model_name,
-        params=GREEDY,
+        params=params,
         arrival_time=time.monotonic(),
         prompt=prompt,
     )
@@ -128,7 +136,9 @@ def test_a_fault_fails_the_victim_only(
 
     async def scenario() -> None:
         async with AsyncEngine.start(graph=valid, services=services.fresh()) as engine:
-            boxes = [engine.submit(make(services, i, p)) for i, p in enumerate(PROMPTS)]
+            victim = CONSTRAINED if stage == "guide" else GREEDY
+            boxes = [engine.submit(make(services, 0, PROMPTS[0], victim))]
+            boxes += [engine.submit(make(services, i, p)) for i, p in enumerate(PROMPTS[1:], 1)]
             if kind == "slow":
                 assert await tokens_of(boxes[0]) == expected[0]
             else:  # a hang fails its request only through the watchdog

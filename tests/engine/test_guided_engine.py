@@ -155,8 +155,10 @@ def test_only_steps_with_a_constrained_sampling_row_carry_masks(
 ) -> None:
     """A constrained request beside longer free ones: guide sends masks for the steps in
     which the constrained sequence samples, and sample samples every other step without
-    waiting for any; the outputs equal those of the free requests run alone. With two steps
-    in flight too (masks then often come before their step's logits)."""
+    waiting for any; the outputs equal those of the free requests run alone. Guide gets the
+    batches from the first to the one that releases the constrained sequence, and none
+    after. With two steps in flight too (masks then often come before their step's
+    logits)."""
     from flowllm import LLM
     from flowllm.traces.codec import read_channel
 
@@ -178,3 +180,10 @@ def test_only_steps_with_a_constrained_sampling_row_carry_masks(
     assert [m.step_id for m in masks] == guided
     assert all(m.seq_ids == (next(iter(constrained)),) for m in masks)
     assert len(guided) < len(batches) - 3  # the free sequences ran on without masks
+    (seq_id,) = constrained
+    steps = [b.step_id for b in batches]
+    seen = [e.message.step_id for e in read_channel(tmp_path / "guide.in.msgpack")]
+    released = next(b.step_id for b in batches if seq_id in b.released)
+    assert seen == steps[steps.index(seen[0]) : steps.index(released) + 1]
+    started = next(b.step_id for b in batches if seq_id in {s.seq_id for s in b.started})
+    assert seen[0] <= started and steps[-1] > released  # none once it left

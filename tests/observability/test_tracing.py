@@ -28,10 +28,9 @@ CALLER_TRACE = 0x0AF7651916CD43DD8448EB211C80319C
 CALLER_SPAN = 0xB7AD6B7169203331
 TRACEPARENT = f"00-{CALLER_TRACE:032x}-{CALLER_SPAN:016x}-01"
 PER_REQUEST = {"validate", "tokenize", "schedule"}
-PER_STEP = {
+PER_STEP = {  # guide: none, since no request is constrained
     "step schedule",
     "step execute",
-    "step guide",
     "step sample",
     "step detokenize",
     "step deliver",

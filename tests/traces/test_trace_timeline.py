@@ -58,8 +58,9 @@ def test_timeline_is_valid_trace_event_json(run_16: Path, tmp_path: Path) -> Non
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert set(tracks.values()) == set(trace.graph.stages)
     sliced = {tracks[e["tid"]] for e in events if e["ph"] == "X"}
-    # Every stage that handles messages has slices on its own track (ingest is a source).
-    assert sliced == set(trace.graph.stages) - {"ingest"}
+    # Every stage that handles messages has slices on its own track (ingest is a source;
+    # guide gets no batch without a constrained request).
+    assert sliced == set(trace.graph.stages) - {"ingest", "guide"}
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert {f"depth {c}" for c in trace.entries if trace.entries[c]} == counters
     assert all(e["args"]["depth"] >= 0 for e in events if e["ph"] == "C")

@@ -86,7 +86,7 @@ def test_graph_shape_is_the_yaml(ui_server: ServerProcess) -> None:
     assert ("schedule", "out", "execute", "in", 2) in edges
     assert ("sample", "out", "schedule", "step_results", 2) in edges  # the step loop
     assert ("tokenize", "errors", "deliver", "errors", 64) in edges  # fan-in
-    assert ("schedule", "out", "guide", "in", 2) in edges  # fan-out beside execute
+    assert ("schedule", "guide", "guide", "in", 2) in edges  # beside execute
     assert ("guide", "out", "sample", "masks", 2) in edges  # joined in sample
     assert ("schedule", "choices", "detokenize", "choices", 64) in edges  # beside the loop
     assert len(edges) == 15
@@ -176,7 +176,7 @@ def test_timeline_of_a_request_run_while_watched(ui_server: ServerProcess) -> No
     assert answer.id in httpx.get(f"{url}/ui/timeline").json()["requests"]
     spans = [e for e in timeline["traceEvents"] if e["ph"] == "X"]
     stages = {e["cat"] for e in spans}
-    assert set(STAGES) - {"ingest"} <= stages
+    assert set(STAGES) - {"ingest", "guide"} <= stages  # guide: no constrained request
     # One execute step per generated token (the first also prefills), all about this request.
     assert sum(e["cat"] == "execute" for e in spans) == answer.usage.completion_tokens
     assert all(e["args"]["request_ids"] == [answer.id] for e in spans)
