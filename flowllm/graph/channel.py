@@ -126,6 +126,12 @@ class Channel(Generic[T]):
         self._taps: list[Tap] = []
         self._waiters: set[Waiter] = set()
         self._accepts = type_members(message_type)
+        # Messages sent and not yet received, and send ends open (the original counts until
+        # `close`): a receiver with nothing to read sees it here, where asking the stream
+        # costs a raised WouldBlock per empty port, several on every wait of a step.
+        self.unread = 0
+        self.open_senders = 1
+        self._originals_open = True
 
     def __repr__(self) -> str:
         return (
@@ -154,9 +160,17 @@ class Channel(Generic[T]):
 
     def close(self) -> None:
         """Close the originals once every task has its clone."""
+        if self._originals_open:
+            self._originals_open = False
+            self.open_senders -= 1
         self._send.close()
         self._receive.close()
         self._wake_waiters()
+
+    @property
+    def nothing_to_read(self) -> bool:
+        """No message is buffered, and a sender may still send one (else a receive ends)."""
+        return not self.unread and self.open_senders > 0
 
     def _wake_waiters(self) -> None:
         _wake(self._waiters)
@@ -176,6 +190,7 @@ class ChannelSender(Generic[T]):
         self._waiters = channel._waiters
         self._accepts = channel._accepts
         self._closed = False
+        channel.open_senders += 1
 
     def _check(self, message: object) -> None:
         check_type(self.channel.name, self.channel.message_type, self._accepts, message)
@@ -209,7 +224,8 @@ class ChannelSender(Generic[T]):
         return BrokenChannelError(f"channel {self.channel.name!r}: every consumer has finished")
 
     def _sent(self, message: T, now: float) -> None:
-        """After a send: taps see the message, waiters for it wake."""
+        """After a send: counted unread, taps see the message, waiters for it wake."""
+        self.channel.unread += 1
         for tap in self._taps:
             tap(message, now)
         if self._waiters:
@@ -234,6 +250,7 @@ class ChannelSender(Generic[T]):
         """Close this clone; the last one to close ends the stream for the consumers."""
         if not self._closed:
             self._closed = True
+            self.channel.open_senders -= 1
             self._stream.close()
             self.channel._wake_waiters()
 
@@ -254,12 +271,14 @@ class ChannelReceiver(Generic[T]):
     async def receive(self) -> T:
         """The next message; raises `anyio.EndOfStream` once closed and drained."""
         message, sent = await self._stream.receive()
+        self.channel.unread -= 1
         self.last_wait = perf_counter() - sent
         return message
 
     def receive_nowait(self) -> T:
         """The next message if one is buffered; raises `anyio.WouldBlock` or `EndOfStream`."""
         message, sent = self._stream.receive_nowait()
+        self.channel.unread -= 1
         self.last_wait = perf_counter() - sent
         return message
 

@@ -252,6 +252,9 @@ class StageContext:
             for port, inbox in inboxes:
                 if port in closed:
                     continue
+                if inbox.channel.nothing_to_read:
+                    waiting = True
+                    continue
                 try:
                     message = inbox.receive_nowait()
                 except anyio.WouldBlock:

@@ -188,6 +188,43 @@ def test_receive_any_sleeps_until_a_send_or_close_on_any_port() -> None:
     anyio.run(main)
 
 
+def test_a_channel_counts_its_unread_messages_and_open_senders() -> None:
+    """What lets `receive_any` skip an empty port without asking the stream. A message a
+    full channel's waiting sender gets in counts once that sender resumes, which wakes the
+    receiver: nothing is missed, and the end is seen once every sender closed."""
+    channel: Channel[Item] = Channel("sink.in", Item, 1)
+    first, second = channel.sender(), channel.sender()
+    assert channel.open_senders == 3  # the original counts until `close`
+    got: list[Any] = []
+
+    async def produce() -> None:
+        for seq in range(3):
+            await first.send(Item(seq))  # the second and third wait for room
+        first.close()
+        second.close()
+        assert channel.open_senders == 0
+
+    async def main() -> None:
+        ctx = make_context({"in": channel})
+        channel.close()
+        channel.close()
+        assert channel.open_senders == 2 and channel.nothing_to_read
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(produce)
+                while True:
+                    try:
+                        _, message = await ctx.receive_any()
+                    except anyio.EndOfStream:
+                        break
+                    got.append(message if message is CLOSED else message.seq)
+                    assert channel.unread in (0, 1)
+        assert got == [0, 1, 2, CLOSED]
+        assert channel.unread == 0 and not channel.nothing_to_read  # a receive ends
+
+    anyio.run(main)
+
+
 def test_fan_out_outbox_sends_to_every_channel_or_to_none() -> None:
     left: Channel[Item] = Channel("l.in", Item, 1)
     right: Channel[Item] = Channel("r.in", Item, 2)
