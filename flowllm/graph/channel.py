@@ -201,13 +201,24 @@ class ChannelSender(Generic[T]):
         yield, and a hop through the loop per send was a large share of a small step."""
         self._check(message)
         now = perf_counter()
+        channel = self.channel
+        # Counted before any wait: a receive may take the message in before this task runs
+        # again, and a wait cancelled after that has delivered it (a count too high costs
+        # the receiver one check of the stream, a count too low would strand the message).
+        channel.unread += 1
         try:
             try:
                 self._stream.send_nowait((message, now))
             except anyio.WouldBlock:
                 await self._stream.send((message, now))
+        except anyio.get_cancelled_exc_class():
+            raise
         except anyio.BrokenResourceError:
+            channel.unread -= 1
             raise self._broken() from None
+        except BaseException:
+            channel.unread -= 1
+            raise
         self._sent(message, now)
 
     def send_nowait(self, message: T) -> None:
@@ -218,14 +229,14 @@ class ChannelSender(Generic[T]):
             self._stream.send_nowait((message, now))
         except anyio.BrokenResourceError:
             raise self._broken() from None
+        self.channel.unread += 1
         self._sent(message, now)
 
     def _broken(self) -> BrokenChannelError:
         return BrokenChannelError(f"channel {self.channel.name!r}: every consumer has finished")
 
     def _sent(self, message: T, now: float) -> None:
-        """After a send: counted unread, taps see the message, waiters for it wake."""
-        self.channel.unread += 1
+        """After a send: taps see the message, waiters for it wake."""
         for tap in self._taps:
             tap(message, now)
         if self._waiters:

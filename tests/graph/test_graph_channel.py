@@ -225,6 +225,34 @@ def test_a_channel_counts_its_unread_messages_and_open_senders() -> None:
     anyio.run(main)
 
 
+def test_a_send_cancelled_after_its_message_was_taken_in_still_counts_it() -> None:
+    """A full channel's waiting sender cancelled once a receive moved its message into the
+    buffer: the message is delivered, and `receive_any` reads it."""
+    channel: Channel[Item] = Channel("sink.in", Item, 1)
+    sender = channel.sender()
+
+    async def main() -> None:
+        ctx = make_context({"in": channel})
+        channel.close()
+        await sender.send(Item(0))
+        scope = anyio.CancelScope()
+
+        async def blocked() -> None:
+            with scope:
+                await sender.send(Item(1))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(blocked)
+            await anyio.sleep(0.01)  # it waits for room
+            scope.cancel()  # the sender's wait ends cancelled, when it runs again
+            assert ctx.inbox("in").receive_nowait() == Item(0)  # takes Item(1) in
+        assert scope.cancelled_caught
+        with anyio.fail_after(1):
+            assert await ctx.receive_any() == ("in", Item(1))
+
+    anyio.run(main)
+
+
 def test_fan_out_outbox_sends_to_every_channel_or_to_none() -> None:
     left: Channel[Item] = Channel("l.in", Item, 1)
     right: Channel[Item] = Channel("r.in", Item, 2)
