@@ -189,9 +189,9 @@ def test_receive_any_sleeps_until_a_send_or_close_on_any_port() -> None:
 
 
 def test_a_channel_counts_its_unread_messages_and_open_senders() -> None:
-    """What lets `receive_any` skip an empty port without asking the stream. A message a
-    full channel's waiting sender gets in counts once that sender resumes, which wakes the
-    receiver: nothing is missed, and the end is seen once every sender closed."""
+    """What lets `receive_any` skip an empty port without asking the stream. A full
+    channel's waiting sender has counted its message already, so the receive that takes it
+    in finds it: nothing is missed, and the end is seen once every sender closed."""
     channel: Channel[Item] = Channel("sink.in", Item, 1)
     first, second = channel.sender(), channel.sender()
     assert channel.open_senders == 3  # the original counts until `close`
