@@ -3,11 +3,11 @@
 It receives the `StepBatch`es that concern constrained sequences from `schedule.guide`,
 sent beside the same batches to execute (every batch while a constrained sequence is
 unfinished, and the next, which releases the last), and, in its worker thread while the
-model runs, advances each constrained sequence's
-matcher by the token it sampled last step and fills the sequence's row of the step's
-bitmask; sample joins the `StepMasks` with the step's logits. Only a step whose batch is
-`guided` (schedule marks those with a constrained sampling row) gets one: for every other
-step guide sends nothing and sample waits for nothing.
+model runs, advances each constrained sequence's matcher by the token it sampled last
+step and fills the sequence's row of the step's bitmask; sample joins the `StepMasks`
+with the step's logits. Only a step whose batch is `guided` (schedule marks those with a
+constrained sampling row) gets one: for every other step guide sends nothing and sample
+waits for nothing.
 
 The matcher of a sequence has accepted exactly its output tokens so far: a sampling row
 with `num_output_tokens = m` needs output m - 1 accepted, and that token is among the
