@@ -5,11 +5,14 @@ It owns each sequence's block table and block hashes (keyed by seq id) and reads
 edits, the scheduler's token lists. Hashes survive preemption (they depend on tokens
 only), so a recomputed sequence looks its own blocks up again for free.
 
-Same-step reuse: a block is registered in the prefix cache as soon as a step is scheduled
-that fills it, before that step runs. A sibling (or any sequence) admitted later in the
-same step, or in a later step, may therefore hit it. That is sound because the model
-writes every row's K/V of a layer into the cache before that layer attends, and steps run
-in the order they were scheduled, so the block's K/V exist whenever a hit reads them.
+Same-step reuse: a block is registered in the prefix cache by the allocation of the step
+that fills it, before that step runs, so a sibling (or any sequence) admitted later in the
+same step, or in a later step, may hit it. That is sound because the model writes every
+row's K/V of a layer into the cache before that layer attends, and steps run in the order
+they were scheduled, so the block's K/V exist whenever a hit reads them. A block that
+decode steps fill, which need no allocation, is registered one step later, by the
+allocation of the block after it, or when the sequence's blocks are freed: a decode step
+then does pool work once per block, not twice.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class SeqBlocks:
         self.num_cached_blocks = 0
         self.table: tuple[int, ...] = ()
         # Largest `num_computed + num_new` that allocate_slots serves without pool work (no
-        # new block, no newly full block to cache): the scheduler's per-decode fast path.
+        # new block): the scheduler's per-decode fast path.
         self.fast_limit = 0
 
 
@@ -113,38 +116,69 @@ class KVCacheManager:
         if cached_blocks and rec.block_ids:
             raise ValueError(f"sequence {seq_id} already holds blocks; hits apply at start")
         total = num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
-        num_new_blocks = -(-total // bs) - len(rec.block_ids) - len(cached_blocks)
-        if num_new_blocks > 0 or cached_blocks:
-            pool = self.pool
-            # Free cached hits leave the free queue when touched, so they count against it.
-            need = max(num_new_blocks, 0)
-            if cached_blocks:
-                need += sum(1 for b in cached_blocks if pool.ref_cnt(b) == 0)
-            if need > pool.num_free_blocks:
-                return None
-            if cached_blocks:
-                pool.touch(cached_blocks)
-                rec.block_ids.extend(cached_blocks)
-                rec.num_cached_blocks = len(cached_blocks)
-            if num_new_blocks > 0:
-                new = pool.allocate(num_new_blocks)
-                if new is None:  # unreachable after the check above
-                    raise RuntimeError("block pool short after a successful capacity check")
-                rec.block_ids.extend(new)
-            rec.table = tuple(rec.block_ids)
-        capacity = len(rec.block_ids) * bs
-        if self.enable_prefix_caching:
-            num_full = min(total, len(token_ids)) // bs
-            if num_full > rec.num_cached_blocks:
-                self._ensure_hashes(rec, token_ids, num_full)
-                cache = self.pool.cache_block
-                for i in range(rec.num_cached_blocks, num_full):
-                    cache(rec.block_ids[i], rec.block_hashes[i])
-                rec.num_cached_blocks = num_full
-            # Past this, a step would fill block num_cached_blocks, which must be cached.
-            capacity = min(capacity, (rec.num_cached_blocks + 1) * bs - 1)
-        rec.fast_limit = capacity
+        pool = self.pool
+        # Free cached hits leave the free queue when touched, so they count against it.
+        need = max(-(-total // bs) - len(rec.block_ids) - len(cached_blocks), 0)
+        if cached_blocks:
+            need += sum(1 for b in cached_blocks if pool.ref_cnt(b) == 0)
+        if need > pool.num_free_blocks:
+            return None
+        if cached_blocks:
+            pool.touch(cached_blocks)
+            rec.block_ids.extend(cached_blocks)
+            rec.num_cached_blocks = len(cached_blocks)
+        self._grow(rec, token_ids, total)
         return rec
+
+    def allocate_running(
+        self,
+        seq_ids: Sequence[int],
+        token_lists: Sequence[Sequence[int]],
+        totals: Sequence[int],
+    ) -> list[SeqBlocks] | None:
+        """`allocate_slots` without hits for many sequences, in order, at once: sequence
+        i's table covers `totals[i]` positions. Returns their block records, or None,
+        changing nothing, when the pool lacks the blocks they need together (the caller
+        then goes one by one, to decide whom to preempt)."""
+        seqs, bs = self._seqs, self.block_size
+        recs = [seqs.get(seq_id) or self._record(seq_id) for seq_id in seq_ids]
+        need = sum(-(-t // bs) - len(r.block_ids) for r, t in zip(recs, totals, strict=True))
+        if need > self.pool.num_free_blocks:
+            return None
+        grow = self._grow
+        for rec, token_ids, total in zip(recs, token_lists, totals, strict=True):
+            grow(rec, token_ids, total)
+        return recs
+
+    def _grow(self, rec: SeqBlocks, token_ids: Sequence[int], total: int) -> None:
+        """Give the sequence the blocks that `total` positions need (the pool has them),
+        offer the prefix cache its blocks that they fill, and renew its table and fast
+        limit."""
+        bs = self.block_size
+        missing = -(-total // bs) - len(rec.block_ids)
+        if missing > 0:
+            new = self.pool.allocate(missing)
+            if new is None:  # the callers checked the pool first
+                raise RuntimeError("block pool short after a successful capacity check")
+            rec.block_ids.extend(new)
+        if len(rec.table) != len(rec.block_ids):
+            rec.table = tuple(rec.block_ids)
+        self._cache_full_blocks(rec, token_ids, total)
+        rec.fast_limit = len(rec.block_ids) * bs
+
+    def _cache_full_blocks(self, rec: SeqBlocks, token_ids: Sequence[int], upto: int) -> None:
+        """Offer the prefix cache every full block among the sequence's first `upto`
+        positions (those a scheduled step computes) not offered yet."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(upto, len(token_ids), len(rec.block_ids) * self.block_size)
+        num_full //= self.block_size
+        if num_full > rec.num_cached_blocks:
+            self._ensure_hashes(rec, token_ids, num_full)
+            cache = self.pool.cache_block
+            for i in range(rec.num_cached_blocks, num_full):
+                cache(rec.block_ids[i], rec.block_hashes[i])
+            rec.num_cached_blocks = num_full
 
     def block_table(self, seq_id: int) -> tuple[int, ...]:
         """The sequence's block ids as a tuple (rebuilt only when blocks are added)."""
@@ -156,19 +190,27 @@ class KVCacheManager:
         per decode on the scheduler's hot path. Never edit it."""
         return self._seqs.get(seq_id)
 
-    def free(self, seq_id: int) -> None:
-        """Return the sequence's blocks to the pool (tail first); keep its hashes, since a
-        preempted sequence recomputes the same tokens."""
+    def free(
+        self, seq_id: int, token_ids: Sequence[int] = (), num_computed_tokens: int = 0
+    ) -> None:
+        """Return the sequence's blocks to the pool (tail first), first offering the prefix
+        cache the full blocks among its `num_computed_tokens` positions that decode steps
+        filled since its last allocation; keep its hashes, since a preempted sequence
+        recomputes the same tokens."""
         rec = self._seqs.get(seq_id)
         if rec is None or not rec.block_ids:
             return
+        self._cache_full_blocks(rec, token_ids, num_computed_tokens)
         self.pool.free(rec.block_ids)
         rec.block_ids = []
         rec.num_cached_blocks = 0
         rec.table = ()
         rec.fast_limit = 0
 
-    def remove(self, seq_id: int) -> None:
-        """Free the sequence's blocks and forget it (it finished or was aborted)."""
-        self.free(seq_id)
+    def remove(
+        self, seq_id: int, token_ids: Sequence[int] = (), num_computed_tokens: int = 0
+    ) -> None:
+        """Free the sequence's blocks (as `free`) and forget it (it finished or was
+        aborted)."""
+        self.free(seq_id, token_ids, num_computed_tokens)
         self._seqs.pop(seq_id, None)

@@ -512,6 +512,16 @@ class Scheduler:
         take = num_new[:stop].nonzero()[0]
         preempted = False
         crossing = (computed[:stop] + num_new[:stop] > c.fast_limit[:stop]).nonzero()[0]
+        if len(crossing):  # the rows that need blocks: at once, if the pool has them all
+            seqs = running.seqs
+            grown = self.kv.allocate_running(
+                c.seq_id[crossing].tolist(),
+                [seqs[row].token_ids for row in crossing.tolist()],
+                (computed[crossing] + num_new[crossing]).tolist(),
+            )
+            if grown is not None:
+                c.fast_limit[crossing] = [rec.fast_limit for rec in grown]
+                crossing = crossing[:0]
         for row in crossing.tolist():
             num_preemptions = self.ledger.num_preemptions
             rec = self._allocate_or_preempt(running[row], int(computed[row]), int(num_new[row]))
@@ -811,7 +821,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free every block; recompute all tokens on readmission
         (prefix-cache hits make that cheap). Not `started` again downstream."""
-        self.kv.free(seq.seq_id)
+        self.kv.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         seq.draft_token_ids = ()
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
@@ -822,7 +832,7 @@ class Scheduler:
         """Mark finished and free blocks now; the caller removes it from running/waiting."""
         seq.status = status
         seq.stop_reason = stop_reason
-        self.kv.remove(seq.seq_id)
+        self.kv.remove(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         del self._seqs[seq.seq_id]
         self._num_constrained -= seq.params.structured_outputs is not None
         siblings = self._requests.get(seq.request_id)

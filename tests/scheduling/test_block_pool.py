@@ -223,19 +223,74 @@ def test_kv_manager_capacity_counts_free_hits() -> None:
     assert kv.block_table(1) == (0, 1, 2)
 
 
-def test_kv_manager_decode_hashes_each_block_once_when_it_fills() -> None:
+def test_kv_manager_decode_caches_a_full_block_at_the_next_allocation() -> None:
+    """A decode step that fills a block needs no pool work (it is within the fast limit);
+    the block is hashed and cached once, by the allocation of the block after it."""
     kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     tokens = [1, 2, 3]
-    assert kv.allocate_slots(0, tokens, 0, 3)  # blocks 0 (full), 1 (partial)
+    rec = kv.allocate_slots(0, tokens, 0, 3)  # blocks 0 (full), 1 (partial)
+    assert rec and rec.fast_limit == 4
     assert kv.pool.num_cached_blocks == 1
-    tokens.append(4)  # a decode fills block 1
-    assert kv.allocate_slots(0, tokens, 3, 1)
-    assert kv.block_table(0) == (0, 1)
-    assert kv.pool.block_hash(1) == hash_blocks(tokens, 2, 0, NO_PARENT, 2)[1]
+    tokens.append(4)  # a decode fills block 1: served from the fast limit
+    assert kv.block_table(0) == (0, 1) and kv.pool.block_hash(1) is None
     tokens.append(5)
     assert kv.allocate_slots(0, tokens, 4, 1)
     assert kv.block_table(0) == (0, 1, 2)
+    assert kv.pool.block_hash(1) == hash_blocks(tokens, 2, 0, NO_PARENT, 2)[1]
     assert kv.pool.num_cached_blocks == 2
+    assert kv.find_cached_prefix(1, [1, 2, 3, 4, 9]) == [0, 1]
+
+
+def test_kv_manager_caches_blocks_that_decodes_filled_when_it_frees_them() -> None:
+    """A sequence that ends (or is preempted) right after a decode filled a block offers
+    that block when its blocks are freed, up to the positions its steps computed."""
+    for release in ("remove", "free"):
+        kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+        tokens = [1, 2, 3]
+        assert kv.allocate_slots(0, tokens, 0, 3)
+        tokens += [4, 5]  # the decode of 4 filled block 1; 5's K/V are not computed
+        getattr(kv, release)(0, tokens, 4)
+        assert kv.pool.num_cached_blocks == 2, release
+        assert kv.find_cached_prefix(1, [1, 2, 3, 4, 9]) == [0, 1]
+        # a block whose last position no step computed is not offered
+        kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+        assert kv.allocate_slots(0, [1, 2, 3], 0, 3)
+        getattr(kv, release)(0, [1, 2, 3, 4], 3)
+        assert kv.pool.num_cached_blocks == 1, release
+
+
+def test_kv_manager_allocate_running_is_allocate_slots_for_each_in_order() -> None:
+    """Growing running sequences at once hands out the same blocks, tables, cached blocks
+    and fast limits as growing them one by one; short of blocks for all, it changes
+    nothing."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [1, 2, 9]]
+
+    def started() -> KVCacheManager:
+        kv = KVCacheManager(num_blocks=10, block_size=2, enable_prefix_caching=True)
+        for seq_id, tokens in enumerate(prompts):
+            assert kv.allocate_slots(seq_id, tokens, 0, len(tokens))
+        return kv
+
+    grown = [[*p, 10, 11] for p in prompts]  # two decodes each, computed up to the last
+    totals = [len(g) for g in grown]
+    one_by_one, at_once = started(), started()
+    for seq_id, tokens in enumerate(grown):
+        assert one_by_one.allocate_slots(seq_id, tokens, totals[seq_id] - 1, 1)
+    recs = at_once.allocate_running([0, 1, 2], grown, totals)
+    assert recs is not None
+    for seq_id, rec in enumerate(recs):
+        expected = one_by_one.seq_blocks(seq_id)
+        assert expected is not None
+        assert rec.table == expected.table and rec.fast_limit == expected.fast_limit
+        assert rec.num_cached_blocks == expected.num_cached_blocks
+    assert at_once.pool.free_queue() == one_by_one.pool.free_queue()
+    assert at_once.pool.num_cached_blocks == one_by_one.pool.num_cached_blocks
+
+    short = started()  # 7 blocks held, 3 free: 8 positions each need 5 more together
+    before = [short.block_table(seq_id) for seq_id in range(3)]
+    assert short.allocate_running([0, 1, 2], grown, [8, 8, 8]) is None
+    assert [short.block_table(seq_id) for seq_id in range(3)] == before
+    assert short.pool.num_free_blocks == 3
 
 
 def test_kv_manager_without_prefix_caching_never_hits() -> None:
