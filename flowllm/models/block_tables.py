@@ -20,10 +20,12 @@ import numpy as np
 
 class BlockTables:
     """The [rows, width] int32 array of the latest step's block tables, each padded with
-    block 0, and the table object each row was written from."""
+    block 0 to a power-of-two width (so that decode steps share a few shapes: see
+    step_plans), each row's table length, and the table object each row was written from."""
 
     def __init__(self) -> None:
         self._array: np.ndarray[Any, np.dtype[np.int32]] = np.zeros((0, 0), dtype=np.int32)
+        self._lengths: np.ndarray[Any, np.dtype[np.int64]] = np.zeros(0, dtype=np.int64)
         self._held: list[tuple[int, ...]] = []  # row i was written from _held[i]
 
     @property
@@ -33,19 +35,27 @@ class BlockTables:
         return self._array.nbytes
 
     def update(
-        self, tables: Sequence[tuple[int, ...]], lengths: np.ndarray[Any, Any], width: int
-    ) -> np.ndarray[Any, np.dtype[np.int32]]:
-        """Row i holds `tables[i]` (of `lengths[i]` entries, at most `width`) padded with
-        block 0: a view of the kept array, valid until the next update."""
+        self, tables: Sequence[tuple[int, ...]]
+    ) -> tuple[np.ndarray[Any, np.dtype[np.int32]], np.ndarray[Any, np.dtype[np.int64]]]:
+        """Row i holds `tables[i]` padded with block 0. Returns views of the kept arrays,
+        valid until the next update: the tables [rows, width] and their lengths [rows]."""
         n = len(tables)
-        array, held = self._array, self._held
-        if array.shape[1] != width or array.shape[0] < n:
-            capacity = array.shape[0] if n <= array.shape[0] else max(n, 2 * array.shape[0])
-            array = np.zeros((capacity, width), dtype=np.int32)
-            self._array, held = array, []
+        held, lengths = self._held, self._lengths
         self._held = []  # until every stale row is written
         stale = list(compress(range(n), map(is_not, tables, held)))
         stale.extend(range(len(held), n))
+        if lengths.shape[0] < n:
+            lengths = np.zeros(max(n, 2 * lengths.shape[0]), dtype=np.int64)
+            lengths[: len(held)] = self._lengths[: len(held)]
+            self._lengths = lengths
+        if stale:
+            lengths[stale] = [len(tables[i]) for i in stale]
+        width = 1 << max(int(lengths[:n].max(initial=0)) - 1, 0).bit_length()
+        array = self._array
+        if array.shape[1] != width or array.shape[0] < n:
+            capacity = array.shape[0] if n <= array.shape[0] else max(n, 2 * array.shape[0])
+            array = self._array = np.zeros((capacity, width), dtype=np.int32)
+            stale = list(range(n))
         if stale:
             rows = np.asarray(stale, dtype=np.int64)
             array[rows] = 0
@@ -57,4 +67,4 @@ class BlockTables:
                 chain.from_iterable([tables[i] for i in stale]), dtype=np.int32, count=count
             )
         self._held = list(tables)
-        return array[:n]
+        return array[:n], lengths[:n]

@@ -101,14 +101,14 @@ class StepInputs:
     ) -> None:
         """`tables`: the runner's, kept from the previous step (None: a new one)."""
         n_seqs = len(rows.seq_ids)
-        block_tables = rows.block_tables
-        q_lens = np.array(rows.query_lens, dtype=np.int64)
-        computed = np.array(rows.num_computed_tokens, dtype=np.int64)
-        t_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n_seqs)
+        q_lens = np.fromiter(rows.query_lens, np.int64, n_seqs)
+        computed = np.fromiter(rows.num_computed_tokens, np.int64, n_seqs)
         if n_seqs and int(q_lens.min()) < 1:
             bad = rows.seq_ids[int(q_lens.argmin())]
             raise StepInputError(f"sequence {bad} is scheduled with no tokens")
         seq_lens = computed + q_lens
+        tables = BlockTables() if tables is None else tables
+        self.block_tables, t_lens = tables.update(rows.block_tables)  # [n_seqs, width]
         short = t_lens * block_size < seq_lens
         if short.any():
             i = int(np.argmax(short))
@@ -117,14 +117,8 @@ class StepInputs:
                 f"{-(-int(seq_lens[i]) // block_size)} blocks of {block_size}, but its block "
                 f"table has {int(t_lens[i])}"
             )
-        # Padded with block 0 to a power-of-two width, so decode steps share a few shapes
-        # (see step_plans).
-        max_blocks = int(t_lens.max()) if n_seqs else 0
-        width = 1 << max(max_blocks - 1, 0).bit_length()
-        tables = BlockTables() if tables is None else tables
-        self.block_tables = tables.update(block_tables, t_lens, width)  # [n_seqs, width]
         num_tokens = len(rows.token_ids)
-        self.input_ids = np.array(rows.token_ids, dtype=np.int64)
+        self.input_ids = np.fromiter(rows.token_ids, np.int64, num_tokens)
         # Per-token sequence index and position: [num_tokens]. A decode step (one token
         # per sequence) needs no expansion.
         decode = num_tokens == n_seqs  # every row has one token (none has fewer)
@@ -156,7 +150,7 @@ class StepInputs:
         samples = rows.sample
         last_rows = qsl[1:] - 1  # each sequence's last row
         sample_rows = last_rows if all(samples) else last_rows[np.array(samples, dtype=bool)]
-        self.sample_at = list(range(len(logit_rows), len(logit_rows) + len(sample_rows)))
+        self.sample_at = range(len(logit_rows), len(logit_rows) + len(sample_rows))
         self.logits_indices = (
             np.concatenate([np.asarray(logit_rows, dtype=np.int64), sample_rows])
             if logit_rows

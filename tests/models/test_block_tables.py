@@ -1,5 +1,5 @@
-"""The block tables kept across steps: every step's array equals one built from scratch,
-and a row is rewritten only when its table is a different object."""
+"""The block tables kept across steps: every step's array and lengths equal ones built
+from scratch, and a row is rewritten only when its table is a different object."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ def from_scratch(tables: list[tuple[int, ...]], width: int) -> np.ndarray:
 
 
 def update(kept: BlockTables, tables: list[tuple[int, ...]]) -> np.ndarray:
-    lengths = np.array([len(t) for t in tables], dtype=np.int64)
-    width = 1 << max(int(lengths.max(initial=0)) - 1, 0).bit_length()
-    got = kept.update(tables, lengths, width)
+    lengths = [len(t) for t in tables]
+    width = 1 << max(max(lengths, default=0) - 1, 0).bit_length()  # a power of two
+    got, got_lengths = kept.update(tables)
     assert got.dtype == np.int32 and got.flags.c_contiguous
     np.testing.assert_array_equal(got, from_scratch(tables, width))
+    assert got_lengths.tolist() == lengths
     return got
 
 
@@ -53,7 +54,7 @@ def test_a_row_is_rewritten_only_when_its_table_is_another_object() -> None:
     a, b = (3, 4), (5,)
     got = update(kept, [a, b])
     got[0, 1] = 99  # not written by update: shows whether it writes row 0 again
-    got = kept.update([a, b], np.array([2, 1]), 2)
+    got, _ = kept.update([a, b])
     assert got[0].tolist() == [3, 99]
     got = update(kept, [tuple([3, 4]), b])  # equal, but another tuple: rewritten
     assert got[0].tolist() == [3, 4]

@@ -45,7 +45,7 @@ def test_step_inputs_layout() -> None:
     # Prompt-logit rows first (seq 12 then 13), then the last row of each sampling seq.
     assert inp.logits_indices.tolist() == [4, 5, 6, 7, 8, 2, 3, 8]
     assert inp.prompt_rows == {12: (0, 2), 13: (2, 5)}
-    assert inp.sample_at == [5, 6, 7]
+    assert list(inp.sample_at) == [5, 6, 7]
 
 
 def test_short_block_table_and_empty_chunk_raise() -> None:
