@@ -58,6 +58,9 @@ class Detokenize(PerMessageStage):
         self._byte_vocab = services.byte_vocab()
         self._decoders: dict[tuple[bool, bool], Decode] = {}  # by the two decode flags
         self._choices: dict[int, _Choice] = {}  # the choices whose last chunk is not out
+        # token id -> the one-token tuple that chunks carry, made once: a new tuple per
+        # chunk is what sets off most of the front process's young-object collections
+        self._one_token: dict[int, tuple[int]] = {}
 
     def live_sequences(self) -> int:
         return len(self._choices)
@@ -132,6 +135,7 @@ class Detokenize(PerMessageStage):
             if choice is not None:
                 choice.prompt_logprobs.extend(logprobs)
         chunks: list[Chunk] = []
+        one_token = self._one_token
         rows = step.sampled
         finishes = rows.finishes
         # each row's (finish reason, stop token id), or None while it goes on
@@ -142,6 +146,9 @@ class Detokenize(PerMessageStage):
             choice = choices.get(seq_id)
             if choice is None:  # not started here, ended, or tokens sampled past its end
                 continue
+            token_ids = one_token.get(token_id)
+            if token_ids is None:
+                token_ids = one_token[token_id] = (token_id,)
             detokenizer = choice.detokenizer
             middle = ended is None and choice.sent_first and lp is None
             text = detokenizer.append(token_id) if middle else None
@@ -166,13 +173,13 @@ class Detokenize(PerMessageStage):
                         request_id=seq.request_id,
                         index=seq.index,
                         text=text,
-                        token_ids=(token_id,),
+                        token_ids=token_ids,
                         num_prompt_tokens=choice.num_prompt_tokens,
                         num_output_tokens=detokenizer.num_output_tokens,
                     )
                 )
                 continue
-            chunks.append(self._chunk(choice, text, token_id, lp, finish, stop_reason))
+            chunks.append(self._chunk(choice, text, token_ids, lp, finish, stop_reason))
         if chunks:
             await ctx.emit("out", TextDeltas(step_id=step.step_id, chunks=tuple(chunks)))
 
@@ -180,7 +187,7 @@ class Detokenize(PerMessageStage):
     def _chunk(
         choice: _Choice,
         text: str,
-        token_id: int,
+        token_ids: tuple[int],
         logprobs: TokenLogprobs | None,
         finish: FinishReason | None,
         stop_reason: str | int | None,
@@ -191,7 +198,7 @@ class Detokenize(PerMessageStage):
             request_id=seq.request_id,
             index=seq.index,
             text=text,
-            token_ids=(token_id,),
+            token_ids=token_ids,
             logprobs=(logprobs,) if logprobs is not None else (),
             finish_reason=finish,
             stop_reason=stop_reason,

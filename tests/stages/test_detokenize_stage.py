@@ -86,8 +86,16 @@ def test_choices_live_from_their_start_to_their_last_chunk(gpt2_tokenizer: Any) 
         c for deltas in out.sent["out"] for c in deltas.chunks if isinstance(deltas, TextDeltas)
     ]
     texts: dict[str, str] = {}
+    token_ids: dict[str, tuple[int, ...]] = {}
     for c in chunks:
         texts[c.request_id] = texts.get(c.request_id, "") + c.text
+        token_ids[c.request_id] = token_ids.get(c.request_id, ()) + c.token_ids
+    # every chunk carries its own token, whether it goes through the fast path or not
+    assert token_ids == {
+        "a": (hello[0], world[0], dot[0]),
+        "b": (hello[0], world[0]),
+        "c": hello[:1],
+    }
     assert texts == {
         "a": tok.decode([*hello, *world, *dot]),
         "b": tok.decode(hello),
