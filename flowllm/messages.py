@@ -568,12 +568,22 @@ def merge_chunks(chunks: Sequence[Chunk]) -> Chunk:
     choice's output (a slow mailbox, a non-streaming response, the offline API) uses this."""
     if len(chunks) == 1:
         return chunks[0]
+    # one pass, gathering into lists: half the time of a comprehension per field
+    texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    add_text = texts.append
+    for chunk in chunks:
+        add_text(chunk.text)
+        token_ids += chunk.token_ids
+        if chunk.logprobs:
+            logprobs += chunk.logprobs
     last = chunks[-1]
     return msgspec.structs.replace(
         chunks[0],
-        text="".join([c.text for c in chunks]),
-        token_ids=tuple(chain.from_iterable([c.token_ids for c in chunks])),
-        logprobs=tuple(chain.from_iterable([c.logprobs for c in chunks])),
+        text="".join(texts),
+        token_ids=tuple(token_ids),
+        logprobs=tuple(logprobs),
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
         num_output_tokens=last.num_output_tokens,
