@@ -171,8 +171,7 @@ class KVCacheManager:
         positions (those a scheduled step computes) not offered yet."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(upto, len(token_ids), len(rec.block_ids) * self.block_size)
-        num_full //= self.block_size
+        num_full = min(upto, len(token_ids)) // self.block_size
         if num_full > rec.num_cached_blocks:
             self._ensure_hashes(rec, token_ids, num_full)
             cache = self.pool.cache_block
