@@ -136,18 +136,27 @@ class KVCacheManager:
         token_lists: Sequence[Sequence[int]],
         totals: Sequence[int],
     ) -> list[SeqBlocks] | None:
-        """`allocate_slots` without hits for many sequences, in order, at once: sequence
-        i's table covers `totals[i]` positions. Returns their block records, or None,
-        changing nothing, when the pool lacks the blocks they need together (the caller
-        then goes one by one, to decide whom to preempt)."""
+        """`allocate_slots` without hits for many sequences at once: sequence i's table
+        covers `totals[i]` positions. The blocks come from the pool in one call, handed out
+        in the sequences' order, and the blocks the positions fill are offered to the prefix
+        cache after that. Returns their block records, or None, changing nothing, when the
+        pool lacks the blocks they need together (the caller then goes one by one, to decide
+        whom to preempt)."""
         seqs, bs = self._seqs, self.block_size
         recs = [seqs.get(seq_id) or self._record(seq_id) for seq_id in seq_ids]
-        need = sum(-(-t // bs) - len(r.block_ids) for r, t in zip(recs, totals, strict=True))
-        if need > self.pool.num_free_blocks:
+        missing = [-(-t // bs) - len(r.block_ids) for r, t in zip(recs, totals, strict=True)]
+        new = self.pool.allocate(sum(m for m in missing if m > 0))
+        if new is None:
             return None
-        grow = self._grow
-        for rec, token_ids, total in zip(recs, token_lists, totals, strict=True):
-            grow(rec, token_ids, total)
+        at = 0
+        for rec, m in zip(recs, missing, strict=True):
+            if m > 0:
+                block_ids = rec.block_ids
+                block_ids += new[at : at + m]
+                at += m
+                rec.table = tuple(block_ids)
+                rec.fast_limit = len(block_ids) * bs
+        self._cache_full_blocks(recs, token_lists, totals)
         return recs
 
     def _grow(self, rec: SeqBlocks, token_ids: Sequence[int], total: int) -> None:
@@ -163,20 +172,26 @@ class KVCacheManager:
             rec.block_ids.extend(new)
         if len(rec.table) != len(rec.block_ids):
             rec.table = tuple(rec.block_ids)
-        self._cache_full_blocks(rec, token_ids, total)
+        self._cache_full_blocks((rec,), (token_ids,), (total,))
         rec.fast_limit = len(rec.block_ids) * bs
 
-    def _cache_full_blocks(self, rec: SeqBlocks, token_ids: Sequence[int], upto: int) -> None:
-        """Offer the prefix cache every full block among the sequence's first `upto`
+    def _cache_full_blocks(
+        self, recs: Sequence[SeqBlocks], token_lists: Sequence[Sequence[int]], uptos: Sequence[int]
+    ) -> None:
+        """Offer the prefix cache every full block among each sequence's first `upto`
         positions (those a scheduled step computes) not offered yet."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(upto, len(token_ids)) // self.block_size
-        if num_full > rec.num_cached_blocks:
-            self._ensure_hashes(rec, token_ids, num_full)
-            cache = self.pool.cache_block
-            for i in range(rec.num_cached_blocks, num_full):
-                cache(rec.block_ids[i], rec.block_hashes[i])
+        bs, cache, ensure_hashes = self.block_size, self.pool.cache_block, self._ensure_hashes
+        for rec, token_ids, upto in zip(recs, token_lists, uptos, strict=True):
+            num_full = min(upto, len(token_ids)) // bs
+            first = rec.num_cached_blocks
+            if num_full <= first:
+                continue
+            ensure_hashes(rec, token_ids, num_full)
+            hashes, block_ids = rec.block_hashes, rec.block_ids
+            for i in range(first, num_full):
+                cache(block_ids[i], hashes[i])
             rec.num_cached_blocks = num_full
 
     def block_table(self, seq_id: int) -> tuple[int, ...]:
@@ -199,7 +214,7 @@ class KVCacheManager:
         rec = self._seqs.get(seq_id)
         if rec is None or not rec.block_ids:
             return
-        self._cache_full_blocks(rec, token_ids, num_computed_tokens)
+        self._cache_full_blocks((rec,), (token_ids,), (num_computed_tokens,))
         self.pool.free(rec.block_ids)
         rec.block_ids = []
         rec.num_cached_blocks = 0

@@ -293,6 +293,22 @@ def test_kv_manager_allocate_running_is_allocate_slots_for_each_in_order() -> No
     assert short.pool.num_free_blocks == 3
 
 
+def test_kv_manager_allocate_running_offers_blocks_after_handing_out_the_new_ones() -> None:
+    """A full block whose hash sits on a free block that the same call hands out (to a
+    later sequence) is cached on the sequence's own block: the call's allocations come
+    before its offers."""
+    kv = KVCacheManager(num_blocks=5, block_size=2, enable_prefix_caching=True)
+    assert kv.allocate_slots(0, [1, 2, 3], 0, 3)  # blocks 0, 1
+    kv.remove(0, [1, 2, 3, 4], 4)  # [1, 2] cached on 0, [1, 2, 3, 4] on 1; queue 2 3 4 1 0
+    assert kv.allocate_slots(1, [1, 2, 3], 0, 3)  # blocks 2, 3; [1, 2] stays on 0
+    assert kv.allocate_slots(2, [7, 8], 0, 2)  # block 4; queue 1 0
+    recs = kv.allocate_running([1, 2], [[1, 2, 3, 4], [7, 8, 9]], [4, 3])
+    assert recs is not None
+    assert recs[1].table == (4, 1)  # sequence 2's new block evicted [1, 2, 3, 4] from 1
+    assert kv.find_cached_prefix(3, [1, 2, 3, 4, 5]) == [0, 3]  # now on sequence 1's block
+    kv.pool.check_invariants()
+
+
 def test_kv_manager_without_prefix_caching_never_hits() -> None:
     kv = KVCacheManager(num_blocks=6, block_size=2, enable_prefix_caching=False)
     assert kv.allocate_slots(0, [1, 2, 3, 4], 0, 4)
