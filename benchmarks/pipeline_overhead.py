@@ -26,9 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import mmap
 import multiprocessing
 import os
 import resource
+import struct
 import sys
 import tempfile
 import time
@@ -58,32 +60,44 @@ from flowllm.stages.services import EngineServices, already_loaded
 
 class ForwardLog:
     """(perf_counter, sampling rows) of every forward since the last `clear()`. With `path`
-    they are kept in that file, so that a model in another process can write them (both
-    processes read the machine's monotonic clock)."""
+    they are kept in a file that both processes map, so that a model in another process
+    can log them without a system call per forward, which would count as the step's time
+    (both processes read the machine's monotonic clock). Entry 0 holds the count."""
+
+    CAPACITY = 1 << 16  # forwards one run may log
+    _ENTRY = struct.Struct("<dd")
 
     def __init__(self, path: str | None = None) -> None:
         self.path = path
-        self._entries: list[tuple[float, int]] = []
-        self._file = None if path is None else open(path, "a", buffering=1)  # noqa: SIM115
+        size = (self.CAPACITY + 1) * self._ENTRY.size
+        self._buffer: bytearray | mmap.mmap
+        if path is None:
+            self._buffer = bytearray(size)
+            return
+        with open(path, "a+b") as f:  # the first of the two processes makes it
+            if os.fstat(f.fileno()).st_size < size:
+                f.truncate(size)
+            self._buffer = mmap.mmap(f.fileno(), size)
+
+    def _count(self) -> int:
+        return int(self._ENTRY.unpack_from(self._buffer, 0)[0])
 
     def add(self, rows: int) -> None:
         now = time.perf_counter()
-        if self._file is None:
-            self._entries.append((now, rows))
-        else:
-            self._file.write(f"{now} {rows}\n")
+        n = self._count() + 1
+        if n > self.CAPACITY:
+            raise RuntimeError(f"more than {self.CAPACITY} forwards in one run")
+        self._ENTRY.pack_into(self._buffer, n * self._ENTRY.size, now, rows)
+        self._ENTRY.pack_into(self._buffer, 0, n, 0)
 
     def clear(self) -> None:
-        if self.path is None:
-            self._entries.clear()
-        else:
-            Path(self.path).write_text("")  # the writer appends: it goes on at the start
+        """Start a new run (while no forward runs: the model's process writes the count)."""
+        self._ENTRY.pack_into(self._buffer, 0, 0, 0)
 
     def entries(self) -> list[tuple[float, int]]:
-        if self.path is None:
-            return list(self._entries)
-        lines = Path(self.path).read_text().splitlines()
-        return [(float(t), int(n)) for t, n in (line.split() for line in lines)]
+        entries = self._ENTRY.iter_unpack(self._buffer[: (self._count() + 1) * self._ENTRY.size])
+        next(entries)  # the count
+        return [(t, int(n)) for t, n in entries]
 
 
 class InstantModel:
