@@ -24,19 +24,22 @@ needs_native = pytest.mark.skipif(
 )
 
 
-def _run(code: str, cache: Path, **env: str) -> str:
+def _start(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """Run `code` in a fresh interpreter with its own flowllm cache and only the native
-    settings in `env` (not those the suite runs under); its stdout (where structlog's
-    default configuration also prints)."""
+    settings in `env` (not those the suite runs under)."""
     inherited = {
         k: v for k, v in os.environ.items() if k not in (native.DISABLE_ENV, native.ISA_ENV)
     }
     full_env = {**inherited, "FLOWLLM_CACHE": str(cache), **env}
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True, text=True, env=full_env, check=True,
     )  # fmt: skip
-    return result.stdout.strip()
+
+
+def _run(code: str, cache: Path, **env: str) -> str:
+    """`_start`'s stdout (where structlog's default configuration also prints)."""
+    return _start(code, cache, **env).stdout.strip()
 
 
 def test_builds_wherever_it_can_run() -> None:
@@ -59,9 +62,11 @@ PRINT_PATH = """
     print(lib.path if lib else None)
 """
 PRINT_BOTH = """
+    import sys
     import torch
     from flowllm.kernels import native
     lib = native.library()
+    print("torch.utils.cpp_extension" in sys.modules)
     print(native._ops_library().path)
     x = torch.randn(2, 32)
     out = torch.empty(2, 16)
@@ -73,12 +78,17 @@ PRINT_BOTH = """
 
 @needs_native
 def test_built_once_into_the_cache_and_reused(tmp_path: Path) -> None:
-    """The kernels and their ops' library: compiled on a first start, which says so, then
-    reused silently; the ops run."""
-    out = _run(PRINT_BOTH, tmp_path).splitlines()
+    """The kernels and their ops' library: compiled on a first start, which says so, writes
+    nothing to stderr (the server's log lines are all JSON) and imports no part of torch
+    that looks for CUDA (torch.utils.cpp_extension, which logs on a CUDA build without
+    one); then reused silently; the ops run."""
+    first_start = _start(PRINT_BOTH, tmp_path)
+    assert first_start.stderr == ""
+    out = first_start.stdout.strip().splitlines()
     assert "compiling the native kernels (once)" in out[0]  # a first start says so
     assert sum("compiling the native kernels (once)" in line for line in out) == 2
-    ops, ran, first = Path(out[-3]), out[-2], Path(out[-1])
+    cpp_extension, ops, ran, first = out[-4], Path(out[-3]), out[-2], Path(out[-1])
+    assert cpp_extension == "False"
     assert ran == "True"
     for library in (first, ops):
         assert library.is_file() and library.is_relative_to(tmp_path / "kernels")
@@ -86,7 +96,8 @@ def test_built_once_into_the_cache_and_reused(tmp_path: Path) -> None:
         assert leftovers == []  # no temporary files left behind
     assert ops.name == native_build.OPS_NAME
     mtimes = [first.stat().st_mtime_ns, ops.stat().st_mtime_ns]
-    assert _run(PRINT_BOTH, tmp_path).splitlines() == [str(ops), "True", str(first)]  # silently
+    again = _run(PRINT_BOTH, tmp_path).splitlines()
+    assert again == ["False", str(ops), "True", str(first)]  # silently
     assert [first.stat().st_mtime_ns, ops.stat().st_mtime_ns] == mtimes  # not rebuilt
 
 
@@ -109,26 +120,6 @@ def test_a_failed_ops_build_is_reported(tmp_path: Path) -> None:
     out = _run(STATUS, tmp_path, CXX="/bin/false").splitlines()
     assert out[-1] == "None False"
     assert "native CPU kernels off" in out[-2]
-
-
-@needs_native
-def test_loading_the_kernels_logs_nothing_of_torchs_own(tmp_path: Path) -> None:
-    """Choosing and loading the kernels and their ops (compiled on the way) writes nothing
-    to stderr (the server's log lines are all JSON) and imports no part of torch that
-    looks for CUDA (torch.utils.cpp_extension, which logs on a CUDA build without one)."""
-    code = """
-        import sys
-        from flowllm.kernels import native
-        assert native.library() is not None
-        print("torch.utils.cpp_extension" in sys.modules)
-    """
-    env = {k: v for k, v in os.environ.items() if k not in (native.DISABLE_ENV, native.ISA_ENV)}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-        env={**env, "FLOWLLM_CACHE": str(tmp_path)}, check=True,
-    )  # fmt: skip
-    assert result.stdout.splitlines()[-1] == "False"
-    assert result.stderr == ""
 
 
 def test_the_ops_library_is_per_torch_release() -> None:
