@@ -127,7 +127,8 @@ class KVCacheManager:
             pool.touch(cached_blocks)
             rec.block_ids.extend(cached_blocks)
             rec.num_cached_blocks = len(cached_blocks)
-        self._grow(rec, token_ids, total)
+        if not self._grow((rec,), (token_ids,), (total,)):
+            raise RuntimeError("block pool short after a successful capacity check")
         return rec
 
     def allocate_running(
@@ -142,38 +143,33 @@ class KVCacheManager:
         cache after that. Returns their block records, or None, changing nothing, when the
         pool lacks the blocks they need together (the caller then goes one by one, to decide
         whom to preempt)."""
-        seqs, bs = self._seqs, self.block_size
+        seqs = self._seqs
         recs = [seqs.get(seq_id) or self._record(seq_id) for seq_id in seq_ids]
+        return recs if self._grow(recs, token_lists, totals) else None
+
+    def _grow(
+        self, recs: Sequence[SeqBlocks], token_lists: Sequence[Sequence[int]], totals: Sequence[int]
+    ) -> bool:
+        """Give each sequence the blocks that its `total` positions need, from one pool call
+        in the sequences' order, renew their tables and fast limits, then offer the prefix
+        cache the blocks those positions fill. False, changing nothing, when the pool lacks
+        the blocks."""
+        bs = self.block_size
         missing = [-(-t // bs) - len(r.block_ids) for r, t in zip(recs, totals, strict=True)]
         new = self.pool.allocate(sum(m for m in missing if m > 0))
         if new is None:
-            return None
+            return False
         at = 0
         for rec, m in zip(recs, missing, strict=True):
+            block_ids = rec.block_ids
             if m > 0:
-                block_ids = rec.block_ids
                 block_ids += new[at : at + m]
                 at += m
+            if len(rec.table) != len(block_ids):  # blocks added, or hits adopted
                 rec.table = tuple(block_ids)
-                rec.fast_limit = len(block_ids) * bs
+            rec.fast_limit = len(block_ids) * bs
         self._cache_full_blocks(recs, token_lists, totals)
-        return recs
-
-    def _grow(self, rec: SeqBlocks, token_ids: Sequence[int], total: int) -> None:
-        """Give the sequence the blocks that `total` positions need (the pool has them),
-        offer the prefix cache its blocks that they fill, and renew its table and fast
-        limit."""
-        bs = self.block_size
-        missing = -(-total // bs) - len(rec.block_ids)
-        if missing > 0:
-            new = self.pool.allocate(missing)
-            if new is None:  # the callers checked the pool first
-                raise RuntimeError("block pool short after a successful capacity check")
-            rec.block_ids.extend(new)
-        if len(rec.table) != len(rec.block_ids):
-            rec.table = tuple(rec.block_ids)
-        self._cache_full_blocks((rec,), (token_ids,), (total,))
-        rec.fast_limit = len(rec.block_ids) * bs
+        return True
 
     def _cache_full_blocks(
         self, recs: Sequence[SeqBlocks], token_lists: Sequence[Sequence[int]], uptos: Sequence[int]
