@@ -17,10 +17,13 @@
 #               batch of 256
 #   async_steps the same offline run, flowllm alone, with two steps in flight
 #               (examples/graphs/async-scheduling.yaml)
+#   host_steps  benchmarks/pipeline_overhead.py on this machine's CPU: the graph's own work
+#               per step around an instant model, in one process and with the engine core
+#               in its own, vocabularies of 1,024 and 50,257 (nothing runs on the GPU)
 #
 # Each part runs under `timeout`, capped by what is left of $BUDGET; a part that fails or
 # times out is reported and the next runs. The logs, the JSON figures and a summary go to
-# $OUT (9 files). Exit status: 0 when every part passed.
+# $OUT (10 files). Exit status: 0 when every part passed.
 #
 #   bash benchmarks/gpu_check.sh              # on the GPU machine, from anywhere
 #   bash benchmarks/gpu_check.sh --dry-run    # a rehearsal on a CPU: tiny settings, the
@@ -174,6 +177,21 @@ async_steps() {
   fi
 }
 
+# The graph's host work per step, as the CPU targets of the step-speed work state them,
+# on a host whose cores nothing else shares.
+host_steps() {
+  local runs=("--vocab 1024 --repeats 3" "--vocab 1024 --repeats 3 --multiprocess --steps 300"
+    "--repeats 2" "--repeats 2 --multiprocess")
+  [ "$DEVICE" = cuda ] || runs=("--vocab 1024 --repeats 1 --steps 16"
+    "--vocab 1024 --repeats 1 --steps 16 --multiprocess")
+  local flags
+  for flags in "${runs[@]}"; do
+    echo "### pipeline_overhead.py $flags"
+    # shellcheck disable=SC2086 # the flags are words
+    "$PY" benchmarks/pipeline_overhead.py $flags || return 1
+  done
+}
+
 summary() {
   echo "gpu_check.sh on ${HOSTNAME:-this machine}, device $DEVICE, $(date -u +%Y-%m-%dT%H:%M:%SZ)," \
     "$(($(date +%s) - STARTED))s of a ${BUDGET}s budget"
@@ -220,12 +238,17 @@ try:
 except (OSError, ValueError, KeyError, TypeError) as exc:
     print(f"  async_steps: no figures ({type(exc).__name__}: {exc})")
 EOF
+  echo "  host_steps (µs per step at 1 / 64 / 256 sequences, instant model):"
+  awk '/^### / { if (run) print "    " run ": " steps; run = substr($0, 5); steps = "" }
+       $1 == "default" && $2 ~ /^[0-9]+$/ { steps = steps (steps ? " / " : "") $3 }
+       END { if (run) print "    " run ": " steps }' "$OUT/host_steps.log" 2>/dev/null
 }
 
 # `timeout` runs programs, not functions: each part is a function a child bash runs.
 export REPO WHEELS SITE PY OUT DEVICE
-export -f setup kernels serving throughput async_steps
+export -f setup kernels serving throughput async_steps host_steps
 run_part setup 60 bash -c setup
+run_part host_steps 60 bash -c host_steps
 run_part kernels 150 bash -c kernels
 run_part serving 170 bash -c serving
 run_part throughput 120 bash -c throughput
