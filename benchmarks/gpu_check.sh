@@ -5,6 +5,9 @@
 #   setup       the wheels of benchmarks/gpu_wheels.sh installed into $SITE (--no-index
 #               --no-deps: torch, triton and the nvidia packages are never touched), the
 #               versions that matter printed, flowllm's server and offline API imported
+#   host_steps  benchmarks/pipeline_overhead.py on this machine's CPU: the graph's own work
+#               per step around an instant model, in one process and with the engine core
+#               in its own, vocabularies of 1,024 and 50,257 (nothing runs on the GPU)
 #   kernels     tests/kernels/test_kernel_triton_attention.py, the Triton kernels compiled
 #               for the GPU (TRITON_INTERPRET unset), and tests/models/test_decode_graphs.py,
 #               decode steps captured as CUDA graphs against eager ones, pytest-xdist's
@@ -17,9 +20,6 @@
 #               batch of 256
 #   async_steps the same offline run, flowllm alone, with two steps in flight
 #               (examples/graphs/async-scheduling.yaml)
-#   host_steps  benchmarks/pipeline_overhead.py on this machine's CPU: the graph's own work
-#               per step around an instant model, in one process and with the engine core
-#               in its own, vocabularies of 1,024 and 50,257 (nothing runs on the GPU)
 #
 # Each part runs under `timeout`, capped by what is left of $BUDGET; a part that fails or
 # times out is reported and the next runs. The logs, the JSON figures and a summary go to
